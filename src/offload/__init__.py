@@ -1,0 +1,35 @@
+"""offload: run PyTorch models larger than the GPU by keeping weights in host memory.
+
+Configs, flags and the offloader API follow vLLM's (`OffloadConfig`, `UVAOffloader`,
+`create_offloader`, `get_offloader`, `set_offloader`); `apply` offloads any built model.
+"""
+
+from offload.api import apply
+from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
+from offload.errors import ConfigError, ModelError, OffloadError
+from offload.offloader import (
+    BaseOffloader,
+    NoopOffloader,
+    OffloadedParam,
+    UVAOffloader,
+    create_offloader,
+    get_offloader,
+    set_offloader,
+)
+
+__all__ = [
+    "BaseOffloader",
+    "ConfigError",
+    "ModelError",
+    "NoopOffloader",
+    "OffloadConfig",
+    "OffloadError",
+    "OffloadedParam",
+    "PrefetchOffloadConfig",
+    "UVAOffloadConfig",
+    "UVAOffloader",
+    "apply",
+    "create_offloader",
+    "get_offloader",
+    "set_offloader",
+]

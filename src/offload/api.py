@@ -1,0 +1,87 @@
+"""`offload.apply`: offload any built model in one call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.config import OffloadConfig
+from offload.errors import ModelError
+from offload.model.layers import find_layers, resolve_layers
+from offload.offloader.base import BaseOffloader, create_offloader, set_offloader
+
+
+def apply(
+    model: nn.Module,
+    config: OffloadConfig | Mapping[str, Any] | None = None,
+    device: torch.device | str | None = None,
+    *,
+    layers: str | nn.Module | Iterable[nn.Module] | None = None,
+) -> BaseOffloader:
+    """Offload `model`'s weights as `config` says; return the offloader.
+
+    Finds the model's repeated layer stack (or takes `layers`: a module name, a
+    ModuleList, or modules), wraps it with the configured backend, puts every other
+    parameter and buffer on `device` (default: where the model is), runs `post_init`
+    and makes the offloader the process-wide one (`get_offloader()`). Offloaded
+    weights go straight from where they are to host memory, layer by layer, so the
+    device never holds more than the resident part of the model.
+    """
+    if not isinstance(model, nn.Module):
+        raise ModelError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
+    _check_no_meta(model)
+    device = torch.device(device) if device is not None else _model_device(model)
+    blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
+    offloader = create_offloader(config, device=device)
+    offloader.name_modules(model)
+    offloader.keep_resident(_params_outside(model, blocks))
+    offloader.wrap_modules(iter(blocks))
+    _move_resident(model, offloader, device)
+    offloader.post_init()
+    set_offloader(offloader)
+    return offloader
+
+
+def _check_no_meta(model: nn.Module) -> None:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    on_meta = [name for name, tensor in tensors if tensor.is_meta]
+    if on_meta:
+        raise ModelError(
+            f"{len(on_meta)} of the model's tensors are on the meta device (first: "
+            f"{on_meta[0]!r}); load real weights (e.g. from_pretrained) before offloading"
+        )
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) > 1:
+        names = ", ".join(sorted(str(d) for d in devices))
+        raise ModelError(f"the model's tensors are on several devices ({names}); pass device=")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _params_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Parameter]:
+    """Parameters that modules outside `blocks` also use (weights tied across the
+    boundary): offloading them would move them under the feet of those modules."""
+    inside = {id(m) for block in blocks for m in block.modules()}
+    return [
+        p
+        for module in model.modules()
+        if id(module) not in inside
+        for p in module.parameters(recurse=False)
+    ]
+
+
+def _move_resident(model: nn.Module, offloader: BaseOffloader, device: torch.device) -> None:
+    """Move what stays resident to `device`, one tensor at a time (no second copy of the
+    model anywhere); offloaded parameters are left where the offloader put them."""
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if param.device != device and not offloader.is_offloaded(param):
+                param.data = param.data.to(device)
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)

@@ -1,0 +1,65 @@
+"""The `offload` command. Errors are one line on stderr and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from offload.config import OffloadConfig, add_cli_args
+from offload.errors import OffloadError
+
+_QUESTION = "What is the capital of France?"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit status 2, as argparse does
+        self.exit(2, f"offload: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="offload", description="Offload model weights to host memory.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    demo = commands.add_parser(
+        "demo",
+        help="offload the default model (SmolLM2-135M-Instruct), answer a question, show what moved",
+    )
+    demo.add_argument(
+        "--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)"
+    )
+    demo.add_argument(
+        "--prompt", default=_QUESTION, help="the user message (chat template applied)"
+    )
+    demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
+    demo.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda")
+    add_cli_args(demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "demo":
+            return _demo(args)
+    except OffloadError as error:
+        print(f"offload: error: {error}", file=sys.stderr)
+        return 2
+    return 1
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from offload.demo import run_demo
+
+    if args.max_tokens < 1:
+        raise OffloadError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    config = OffloadConfig.from_cli_args(args)
+    started = time.perf_counter()
+    report = run_demo(args.model, args.prompt, args.max_tokens, args.device, config)
+    print(report)
+    print(f"({time.perf_counter() - started:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,13 @@
+"""Error types. Every message is one line that names what was wrong and what is allowed."""
+
+
+class OffloadError(Exception):
+    """Base class of the errors `offload` raises for bad input."""
+
+
+class ConfigError(OffloadError, ValueError):
+    """An offload configuration value is out of range or of the wrong type."""
+
+
+class ModelError(OffloadError, ValueError):
+    """The model cannot be offloaded as given (no layer stack, meta tensors, ...)."""

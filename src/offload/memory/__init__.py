@@ -1,0 +1,1 @@
+"""Where bytes live and how they move: the one device-specific seam."""

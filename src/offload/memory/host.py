@@ -1,0 +1,157 @@
+"""Host memory for offloaded tensors: exact-size slabs, pinning, zero-copy device views.
+
+This file and `copy_engine.py` are the only places that touch CUDA-specific memory
+APIs; everything above them runs unchanged with the CPU as the compute device.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+ALIGN_BYTES = 256  # offsets inside a slab: enough for any dtype and for vector loads
+_DISABLE_PIN_ENV = "VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY"
+_DISABLE_UVA_ENV = "VLLM_WEIGHT_OFFLOADING_DISABLE_UVA"
+_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def should_pin_memory(device: torch.device, disabled: bool = False) -> bool:
+    """Pin host memory only when a CUDA device will read it and nobody disabled it
+    (config field or vLLM's `VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY`)."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and not disabled
+        and not _env_flag(_DISABLE_PIN_ENV)
+    )
+
+
+def zero_copy_available(device: torch.device, pinned: bool, disabled: bool = False) -> bool:
+    """Whether compute on `device` can read a host slab in place: the CPU always can, a
+    CUDA device through a UVA view of pinned (registered) memory. Either way it can be
+    turned off (config field or vLLM's `VLLM_WEIGHT_OFFLOADING_DISABLE_UVA`)."""
+    if disabled or _env_flag(_DISABLE_UVA_ENV):
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and pinned)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        return _numel(self.shape) * _itemsize(self.dtype)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def pack_offsets(sizes: Sequence[int], align: int = ALIGN_BYTES) -> tuple[list[int], int]:
+    """Byte offsets of `sizes` packed one after another at multiples of `align`, and
+    the total size (the end of the last tensor: no padding after it)."""
+    offsets: list[int] = []
+    end = 0
+    for size in sizes:
+        start = -(-end // align) * align
+        offsets.append(start)
+        end = start + size
+    return offsets, end
+
+
+class _HostBlock(mmap.mmap):
+    """Anonymous, page-aligned host memory of an exact size.
+
+    Tensors made with `torch.frombuffer` keep this object alive, so it is released
+    (unregistered, then unmapped) only when the last tensor viewing it is gone.
+    """
+
+    registered_device: int | None = None
+
+    def register(self, device: torch.device) -> None:
+        address = torch.frombuffer(self, dtype=torch.uint8).data_ptr()
+        with torch.cuda.device(device):
+            result = torch.cuda.cudart().cudaHostRegister(
+                address, len(self), _CUDA_HOST_REGISTER_PORTABLE_MAPPED
+            )
+        torch.cuda.check_error(result)
+        self.registered_device = device.index if device.index is not None else 0
+        self._address = address
+
+    def __del__(self) -> None:
+        if self.registered_device is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._address)
+            self.registered_device = None
+
+
+class HostSlab:
+    """One exact-size host buffer holding several tensors at aligned offsets.
+
+    With `pin=True` the buffer is page-locked with `cudaHostRegister` (exactly its
+    size, unlike the caching host allocator's power-of-two blocks), so copies from it
+    run at full link speed and the GPU can read it in place.
+    """
+
+    def __init__(self, specs: Sequence[TensorSpec], *, pin_for: torch.device | None = None):
+        offsets, total = pack_offsets([spec.num_bytes for spec in specs])
+        self.num_bytes = total
+        self.payload_bytes = sum(spec.num_bytes for spec in specs)
+        self._block = _HostBlock(-1, max(total, 1))
+        if pin_for is not None and total > 0:
+            self._block.register(pin_for)
+        self.is_pinned = self._block.registered_device is not None
+        buffer = torch.frombuffer(self._block, dtype=torch.uint8)[:total]  # [num_bytes]
+        self.buffer = buffer
+        self.views = [
+            buffer[start : start + spec.num_bytes].view(spec.dtype).view(spec.shape)
+            for start, spec in zip(offsets, specs, strict=True)
+        ]
+
+    @property
+    def mapped_bytes(self) -> int:
+        """Host bytes actually reserved (the slab rounded up to whole pages)."""
+        return -(-len(self._block) // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+class _CudaArrayInterface:
+    """Lets `torch.as_tensor` wrap a pinned host address as a CUDA tensor (no copy)."""
+
+    def __init__(self, host: torch.Tensor):
+        self._host = host  # keeps the host memory alive as long as the device view
+        self.__cuda_array_interface__ = {
+            "shape": (host.numel(),),
+            "typestr": "|u1",
+            # With unified virtual addressing, memory registered as mapped has the same
+            # address on the device as on the host (cudaDevAttrCanUseHostPointerForRegisteredMem).
+            "data": (host.data_ptr(), False),
+            "strides": None,
+            "version": 3,
+        }
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor on `device` whose storage is `host`'s pinned memory: kernels read it over
+    the link at each use, and no device memory is allocated."""
+    flat = host.reshape(-1).view(torch.uint8)
+    with torch.cuda.device(device):
+        raw = torch.as_tensor(_CudaArrayInterface(flat), device=device)
+    if raw.data_ptr() != flat.data_ptr():
+        raise RuntimeError("zero-copy device view failed: the driver returned another address")
+    return raw.view(host.dtype).view(host.shape)

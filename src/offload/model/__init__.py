@@ -1,0 +1,1 @@
+"""Finding layers, loading checkpoints, and the default model."""

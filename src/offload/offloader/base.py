@@ -1,0 +1,149 @@
+"""The offloader contract (vLLM's `BaseOffloader`), the no-op offloader, and the factory."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.config import OffloadConfig
+from offload.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class OffloadedParam:
+    """One entry of an offloader's manifest: a parameter it moved off the device."""
+
+    name: str  # qualified name in the model, e.g. "model.layers.3.mlp.up_proj.weight"
+    module: str  # the wrapped module it belongs to, e.g. "model.layers.3"
+    num_bytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    location: str  # where the bytes live now: "host-pinned" or "host"
+    access: str  # how compute reaches them: "zero-copy" or "copy-per-forward"
+
+
+class BaseOffloader(ABC):
+    """Decides where parameters live and brings them in when layers run.
+
+    The vLLM contract: `wrap_modules` takes the layer modules (a generator or any
+    iterable) and returns them as a list, hooked or with parameters moved;
+    `post_init` runs once the whole model is built; `sync_prev_onload` and
+    `join_after_forward` bracket CUDA-graph capture and replay. Beyond vLLM, every
+    offloader reports what it did: `offloaded_bytes`, `manifest()` and `stats()`.
+    """
+
+    def __init__(self) -> None:
+        self._manifest: list[OffloadedParam] = []
+        self._module_names: dict[int, str] = {}
+        self._resident_param_ids: set[int] = set()
+
+    @abstractmethod
+    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
+        """Offload (some of) the parameters of `modules`, in order; return them."""
+
+    def post_init(self) -> None:  # noqa: B027 - a no-op default, as in vLLM
+        """Called once after the model is built and wrapped."""
+
+    def sync_prev_onload(self) -> None:  # noqa: B027
+        """Make the compute stream wait for copies issued before this point."""
+
+    def join_after_forward(self) -> None:  # noqa: B027
+        """Join side streams back into the compute stream at the end of a forward."""
+
+    def name_modules(self, root: nn.Module) -> None:
+        """Learn qualified module names from `root`, so the manifest names parameters
+        as `root.named_parameters()` does."""
+        self._module_names = {id(module): name for name, module in root.named_modules()}
+
+    def keep_resident(self, params: Iterable[nn.Parameter]) -> None:
+        """Never offload these parameters (for instance, weights tied to modules
+        outside the wrapped layers)."""
+        self._resident_param_ids.update(id(p) for p in params)
+
+    def module_name(self, module: nn.Module, index: int) -> str:
+        return self._module_names.get(id(module), f"wrapped.{index}")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of parameters that no longer occupy device memory."""
+        return sum(entry.num_bytes for entry in self._manifest)
+
+    def manifest(self) -> list[OffloadedParam]:
+        """Every parameter this offloader moved, in the order it moved them."""
+        return list(self._manifest)
+
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for what was offloaded and what has moved since."""
+        return {
+            "offloaded_bytes": self.offloaded_bytes,
+            "num_offloaded_params": len(self._manifest),
+        }
+
+
+class NoopOffloader(BaseOffloader):
+    """Offloads nothing: every parameter stays where it is."""
+
+    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
+        return list(modules)
+
+
+_instance: BaseOffloader = NoopOffloader()
+
+
+def get_offloader() -> BaseOffloader:
+    """The process-wide offloader (what custom ops and vLLM-style callers use)."""
+    return _instance
+
+
+def set_offloader(instance: BaseOffloader) -> None:
+    """Replace the process-wide offloader."""
+    global _instance
+    if not isinstance(instance, BaseOffloader):
+        raise TypeError(f"set_offloader needs a BaseOffloader, got {type(instance).__name__}")
+    _instance = instance
+
+
+def create_offloader(
+    config: OffloadConfig | Mapping[str, Any] | None,
+    device: torch.device | str | None = None,
+) -> BaseOffloader:
+    """Build the offloader `config` selects (vLLM's rule for `offload_backend="auto"`).
+
+    `device` is the compute device; when None, each wrapped module's own device is used.
+    """
+    config = as_config(config)
+    device = torch.device(device) if device is not None else None
+    backend = config.selected_backend
+    if backend == "uva":
+        from offload.offloader.uva import UVAOffloader
+
+        return UVAOffloader(
+            cpu_offload_max_bytes=int(config.uva.cpu_offload_gb * 1024**3),
+            cpu_offload_params=config.uva.cpu_offload_params,
+            device=device,
+            disable_uva=config.disable_uva,
+            disable_pin_memory=config.disable_pin_memory,
+        )
+    if backend == "prefetch":
+        raise ConfigError("offload_backend 'prefetch' is not available yet; use 'uva'")
+    return NoopOffloader()
+
+
+def as_config(config: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
+    """Accept a config, a dict in vLLM's shape, or None (no offloading)."""
+    if config is None:
+        return OffloadConfig()
+    if isinstance(config, OffloadConfig):
+        config.validate()
+        return config
+    if isinstance(config, Mapping):
+        return OffloadConfig.from_dict(config)
+    raise ConfigError(f"config must be an OffloadConfig or a dict, got {type(config).__name__}")

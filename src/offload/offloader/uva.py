@@ -1,0 +1,201 @@
+"""UVA offloading: parameters move to host memory, and compute reads them in place."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from offload.errors import ModelError
+from offload.memory.host import (
+    HostSlab,
+    TensorSpec,
+    device_view,
+    should_pin_memory,
+    zero_copy_available,
+)
+from offload.offloader.base import BaseOffloader, OffloadedParam
+from offload.offloader.hooks import CopyOnForwardHook
+from offload.offloader.selection import (
+    matches_segments,
+    select_within_budget,
+    unmatched_segments,
+)
+
+
+class UVAOffloader(BaseOffloader):
+    """vLLM's UVA offloader: up to `cpu_offload_max_bytes` of parameters, taken in
+    module order (per parameter, so a module may be partly offloaded), move into one
+    exact-size host slab per module.
+
+    On CUDA the slab is pinned and each parameter becomes a zero-copy device view of it.
+    On the CPU the parameter simply is its slice of the slab. Where views are not
+    available or are disabled (`disable_uva`, `VLLM_WEIGHT_OFFLOADING_DISABLE_UVA`), a
+    hook copies the module's offloaded parameters to the device for each forward.
+    """
+
+    def __init__(
+        self,
+        cpu_offload_max_bytes: int,
+        cpu_offload_params: Iterable[str] | None = None,
+        *,
+        device: torch.device | None = None,
+        disable_uva: bool = False,
+        disable_pin_memory: bool = False,
+    ):
+        super().__init__()
+        self.cpu_offload_max_bytes = int(cpu_offload_max_bytes)
+        self.cpu_offload_params = set(cpu_offload_params or ())
+        self.device = device
+        self.disable_uva = disable_uva
+        self.disable_pin_memory = disable_pin_memory
+        self._slabs: list[HostSlab] = []
+        self._hooks: list[CopyOnForwardHook] = []
+        self._offloaded: dict[int, nn.Parameter] = {}
+        self._eligible_bytes = 0
+        self._num_wrapped = 0
+        self.bytes_copied = 0
+        self.num_copies = 0
+
+    # -- planning: nothing is touched until the whole plan is known to be valid --
+
+    def _candidates(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        return [
+            (name, p)
+            for name, p in module.named_parameters()
+            if id(p) not in self._offloaded and id(p) not in self._resident_param_ids
+        ]
+
+    def _plan(self, modules: list[nn.Module]) -> list[list[str]]:
+        used = self.offloaded_bytes
+        plan: list[list[str]] = []
+        names_seen: list[str] = []
+        for module in modules:
+            named = self._candidates(module)
+            _check_not_meta(named, module)
+            sizes = [(name, p.numel() * p.element_size()) for name, p in named]
+            names_seen += [name for name, _ in sizes]
+            chosen = select_within_budget(
+                sizes, self.cpu_offload_max_bytes, used, self.cpu_offload_params
+            )
+            taken = set(chosen)
+            used += sum(size for name, size in sizes if name in taken)
+            self._eligible_bytes += sum(
+                size for name, size in sizes if _eligible(name, self.cpu_offload_params)
+            )
+            plan.append(chosen)
+        self._check_segments(names_seen)
+        return plan
+
+    def _check_segments(self, names: list[str]) -> None:
+        if not self.cpu_offload_params:
+            return
+        missing = unmatched_segments(names, self.cpu_offload_params)
+        if missing == self.cpu_offload_params:
+            example = names[0] if names else "(the modules have no parameters)"
+            raise ModelError(
+                f"cpu_offload_params {sorted(missing)} match no parameter of the wrapped "
+                f"modules; names are matched by whole dot-separated segments, e.g. {example!r}"
+            )
+        if missing:
+            warnings.warn(
+                f"cpu_offload_params {sorted(missing)} match no parameter; the others are used",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    # -- doing --
+
+    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
+        modules = list(modules)
+        if self.cpu_offload_max_bytes <= 0:
+            return modules
+        plan = self._plan(modules)
+        for module, chosen in zip(modules, plan, strict=True):
+            if chosen:
+                self._offload(module, chosen)
+            self._num_wrapped += 1
+        return modules
+
+    def _offload(self, module: nn.Module, chosen: list[str]) -> None:
+        params = dict(module.named_parameters())
+        device = self.device or params[chosen[0]].device
+        pin = should_pin_memory(device, self.disable_pin_memory)
+        slab = HostSlab(
+            [TensorSpec(tuple(params[n].shape), params[n].dtype) for n in chosen],
+            pin_for=device if pin else None,
+        )
+        zero_copy = zero_copy_available(device, slab.is_pinned, self.disable_uva)
+        prefix = self.module_name(module, self._num_wrapped)
+        for name, host in zip(chosen, slab.views, strict=True):
+            param = params[name]
+            host.copy_(param.data)  # device (or CPU) -> slab; the old storage is freed below
+            param.data = device_view(host, device) if zero_copy and device.type == "cuda" else host
+            self._offloaded[id(param)] = param
+            self._manifest.append(
+                OffloadedParam(
+                    name=f"{prefix}.{name}",
+                    module=prefix,
+                    num_bytes=host.numel() * host.element_size(),
+                    shape=tuple(host.shape),
+                    dtype=host.dtype,
+                    location="host-pinned" if slab.is_pinned else "host",
+                    access="zero-copy" if zero_copy else "copy-per-forward",
+                )
+            )
+        self._slabs.append(slab)
+        if not zero_copy:
+            mine = [p for p in module.parameters() if id(p) in self._offloaded]
+            self._hooks.append(CopyOnForwardHook(mine, device, self._count_copy).attach(module))
+
+    def _count_copy(self, num_bytes: int) -> None:
+        self.bytes_copied += num_bytes
+        self.num_copies += 1
+
+    def post_init(self) -> None:
+        budget = self.cpu_offload_max_bytes
+        if 0 < self._eligible_bytes < budget:
+            warnings.warn(
+                f"cpu_offload_gb ({budget / 1024**3:.3g} GiB) is more than the "
+                f"{self._eligible_bytes / 1024**3:.3g} GiB of offloadable parameters in the "
+                "wrapped layers; all of them were offloaded",
+                UserWarning,
+                stacklevel=2,
+            )
+
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        return id(param) in self._offloaded
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held (exact slab sizes rounded to whole pages)."""
+        return sum(slab.mapped_bytes for slab in self._slabs if slab.is_pinned)
+
+    @property
+    def host_bytes(self) -> int:
+        """All host bytes held for offloaded parameters, pinned or not."""
+        return sum(slab.mapped_bytes for slab in self._slabs)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **super().stats(),
+            "host_bytes": self.host_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "bytes_copied": self.bytes_copied,
+            "num_copies": self.num_copies,
+        }
+
+
+def _eligible(name: str, segments: set[str]) -> bool:
+    return not segments or matches_segments(name, segments)
+
+
+def _check_not_meta(named: list[tuple[str, nn.Parameter]], module: nn.Module) -> None:
+    for name, param in named:
+        if param.is_meta:
+            raise ModelError(
+                f"parameter {name!r} of {type(module).__name__} is on the meta device; "
+                "load real weights before offloading"
+            )
