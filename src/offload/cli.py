@@ -61,5 +61,5 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m offload.cli
     sys.exit(main())

@@ -61,19 +61,15 @@ class UVAOffloader(BaseOffloader):
 
     # -- planning: nothing is touched until the whole plan is known to be valid --
 
-    def _candidates(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-        return [
-            (name, p)
-            for name, p in module.named_parameters()
-            if id(p) not in self._offloaded and id(p) not in self._resident_param_ids
-        ]
-
     def _plan(self, modules: list[nn.Module]) -> list[list[str]]:
+        """Per module, the local names of the parameters to offload. A parameter shared
+        by several modules is planned once, with the first; resident-pinned ones never."""
         used = self.offloaded_bytes
+        seen = set(self._offloaded) | self._resident_param_ids
         plan: list[list[str]] = []
         names_seen: list[str] = []
         for module in modules:
-            named = self._candidates(module)
+            named = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
             _check_not_meta(named, module)
             sizes = [(name, p.numel() * p.element_size()) for name, p in named]
             names_seen += [name for name, _ in sizes]
@@ -82,6 +78,7 @@ class UVAOffloader(BaseOffloader):
             )
             taken = set(chosen)
             used += sum(size for name, size in sizes if name in taken)
+            seen.update(id(p) for n, p in named if n in taken)
             self._eligible_bytes += sum(
                 size for name, size in sizes if _eligible(name, self.cpu_offload_params)
             )
@@ -167,6 +164,11 @@ class UVAOffloader(BaseOffloader):
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
         return id(param) in self._offloaded
+
+    @property
+    def slabs(self) -> tuple[HostSlab, ...]:
+        """The host slabs holding the offloaded parameters, one per wrapped module."""
+        return tuple(self._slabs)
 
     @property
     def pinned_bytes(self) -> int:

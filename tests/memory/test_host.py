@@ -1,0 +1,87 @@
+import gc
+import weakref
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from offload.memory import host
+from offload.memory.host import ALIGN_BYTES, HostSlab, TensorSpec, pack_offsets, zero_copy_available
+
+
+@given(st.lists(st.integers(0, 10_000), max_size=20), st.sampled_from([1, 16, 256, 4096]))
+def test_pack_offsets_are_aligned_disjoint_and_tight(sizes, align):
+    offsets, total = pack_offsets(sizes, align)
+    assert all(offset % align == 0 for offset in offsets)
+    ends = [o + s for o, s in zip(offsets, sizes, strict=True)]
+    for i in range(1, len(sizes)):
+        assert ends[i - 1] <= offsets[i] < ends[i - 1] + align  # no overlap, minimal gap
+    assert total == (ends[-1] if sizes else 0)
+    assert total <= sum(sizes) + len(sizes) * (align - 1)
+
+
+def test_slab_views_hold_tensors_of_each_dtype():
+    specs = [
+        TensorSpec((3, 5), torch.float32),
+        TensorSpec((7,), torch.bfloat16),
+        TensorSpec((2, 2), torch.int8),
+        TensorSpec((0,), torch.float16),
+    ]
+    slab = HostSlab(specs)
+    assert slab.payload_bytes == 60 + 14 + 4
+    assert slab.num_bytes <= slab.payload_bytes + len(specs) * ALIGN_BYTES
+    for view, spec in zip(slab.views, specs, strict=True):
+        assert view.shape == spec.shape and view.dtype == spec.dtype and view.device.type == "cpu"
+        assert view.data_ptr() % ALIGN_BYTES == 0 or view.numel() == 0
+    sources = [
+        torch.randn(3, 5),
+        torch.randn(7).bfloat16(),
+        torch.tensor([[1, -2], [3, 4]], dtype=torch.int8),
+    ]
+    for view, source in zip(slab.views, sources, strict=False):
+        view.copy_(source)
+    for view, source in zip(slab.views, sources, strict=False):
+        assert torch.equal(view, source)
+    assert not slab.is_pinned
+
+
+def test_slab_memory_lives_as_long_as_a_view():
+    slab = HostSlab([TensorSpec((1024,), torch.float32)])
+    block = weakref.ref(slab._block)
+    view = slab.views[0]
+    view.fill_(3.0)
+    del slab
+    gc.collect()
+    assert block() is not None and torch.all(view == 3.0)
+    del view
+    gc.collect()
+    assert block() is None
+
+
+def test_pinning_is_only_for_cuda(monkeypatch):
+    assert not host.should_pin_memory(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert host.should_pin_memory(torch.device("cuda"))
+    assert not host.should_pin_memory(torch.device("cuda"), disabled=True)
+    monkeypatch.setenv("VLLM_WEIGHT_OFFLOADING_DISABLE_PIN_MEMORY", "1")
+    assert not host.should_pin_memory(torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("device", "pinned", "disabled", "env", "expected"),
+    [
+        ("cpu", False, False, None, True),
+        ("cpu", False, True, None, False),
+        ("cpu", False, False, "1", False),
+        ("cuda", True, False, None, True),
+        ("cuda", False, False, None, False),  # views need registered memory
+        ("cuda", True, False, "true", False),
+        ("cuda", True, False, "0", True),
+        ("mps", True, False, None, False),
+    ],
+)
+def test_zero_copy_available(monkeypatch, device, pinned, disabled, env, expected):
+    if env is not None:
+        monkeypatch.setenv("VLLM_WEIGHT_OFFLOADING_DISABLE_UVA", env)
+    assert zero_copy_available(torch.device(device), pinned, disabled) is expected

