@@ -70,9 +70,11 @@ CAUSAL_ARCHS = tuple(
 )
 
 
-def build(arch: str, seed: int = 0) -> torch.nn.Module:
+def build(arch: str, seed: int = 0, num_layers: int | None = None) -> torch.nn.Module:
     """A randomly initialised (seeded) tiny model in eval mode, float32 on the CPU."""
     config, auto = _configs()[arch]
+    if num_layers is not None:
+        setattr(config, "n_layer" if arch == "gpt2" else "num_hidden_layers", num_layers)
     torch.manual_seed(seed)
     return auto.from_config(config).eval()
 

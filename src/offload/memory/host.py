@@ -45,12 +45,40 @@ def zero_copy_available(device: torch.device, pinned: bool, disabled: bool = Fal
 
 @dataclass(frozen=True)
 class TensorSpec:
+    """Shape, dtype and (optionally) strides of a tensor to place in a slab. Strides
+    are kept so a non-contiguous parameter keeps its layout, and kernels see the same
+    memory order as before offloading."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
+    stride: tuple[int, ...] | None = None  # None: contiguous
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSpec:
+        stride = None if tensor.is_contiguous() else tuple(tensor.stride())
+        return cls(tuple(tensor.shape), tensor.dtype, stride)
+
+    @property
+    def num_elements(self) -> int:
+        """Elements spanned in memory (the numel for a dense tensor)."""
+        if any(size == 0 for size in self.shape):
+            return 0
+        if self.stride is None:
+            return _numel(self.shape)
+        return 1 + sum(
+            (size - 1) * step for size, step in zip(self.shape, self.stride, strict=True)
+        )
 
     @property
     def num_bytes(self) -> int:
-        return _numel(self.shape) * _itemsize(self.dtype)
+        return self.num_elements * _itemsize(self.dtype)
+
+    def view_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """This tensor over `raw`, a uint8 tensor of `num_bytes` bytes."""
+        flat = raw.view(self.dtype)
+        if self.stride is None:
+            return flat.view(self.shape)
+        return flat.as_strided(self.shape, self.stride)
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -119,8 +147,9 @@ class HostSlab:
         self.is_pinned = self._block.registered_device is not None
         buffer = torch.frombuffer(self._block, dtype=torch.uint8)[:total]  # [num_bytes]
         self.buffer = buffer
+        self.offsets = offsets
         self.views = [
-            buffer[start : start + spec.num_bytes].view(spec.dtype).view(spec.shape)
+            spec.view_of(buffer[start : start + spec.num_bytes])
             for start, spec in zip(offsets, specs, strict=True)
         ]
 
@@ -149,9 +178,10 @@ class _CudaArrayInterface:
 def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor on `device` whose storage is `host`'s pinned memory: kernels read it over
     the link at each use, and no device memory is allocated."""
-    flat = host.reshape(-1).view(torch.uint8)
+    spec = TensorSpec.of(host)
+    flat = host.as_strided((spec.num_elements,), (1,)).view(torch.uint8)
     with torch.cuda.device(device):
         raw = torch.as_tensor(_CudaArrayInterface(flat), device=device)
     if raw.data_ptr() != flat.data_ptr():
         raise RuntimeError("zero-copy device view failed: the driver returned another address")
-    return raw.view(host.dtype).view(host.shape)
+    return spec.view_of(raw)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,17 @@ class BaseOffloader(ABC):
 
     def join_after_forward(self) -> None:  # noqa: B027
         """Join side streams back into the compute stream at the end of a forward."""
+
+    @contextlib.contextmanager
+    def graph_capture(self) -> Iterator[None]:
+        """Wrap the capture, and each replay, of a CUDA graph of a forward: compute first
+        waits for the copies issued before, and side streams are joined back at the end,
+        so the graph holds the forward's own copies and replays them."""
+        self.sync_prev_onload()
+        try:
+            yield
+        finally:
+            self.join_after_forward()
 
     def name_modules(self, root: nn.Module) -> None:
         """Learn qualified module names from `root`, so the manifest names parameters
@@ -133,7 +145,16 @@ def create_offloader(
             disable_pin_memory=config.disable_pin_memory,
         )
     if backend == "prefetch":
-        raise ConfigError("offload_backend 'prefetch' is not available yet; use 'uva'")
+        from offload.offloader.prefetch import PrefetchOffloader
+
+        return PrefetchOffloader(
+            group_size=config.prefetch.offload_group_size,
+            num_in_group=config.prefetch.offload_num_in_group,
+            prefetch_step=config.prefetch.offload_prefetch_step,
+            offload_params=config.prefetch.offload_params,
+            device=device,
+            disable_pin_memory=config.disable_pin_memory,
+        )
     return NoopOffloader()
 
 

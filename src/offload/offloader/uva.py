@@ -121,7 +121,7 @@ class UVAOffloader(BaseOffloader):
         device = self.device or params[chosen[0]].device
         pin = should_pin_memory(device, self.disable_pin_memory)
         slab = HostSlab(
-            [TensorSpec(tuple(params[n].shape), params[n].dtype) for n in chosen],
+            [TensorSpec.of(params[n]) for n in chosen],
             pin_for=device if pin else None,
         )
         zero_copy = zero_copy_available(device, slab.is_pinned, self.disable_uva)

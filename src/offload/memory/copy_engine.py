@@ -1,0 +1,216 @@
+"""How bytes move host -> device, ordered against compute: a CUDA copy stream with events,
+or, with the CPU as the compute device, a worker thread with the same protocol.
+
+The protocol, seen from the offloader:
+  - `mark_released()` on the compute side returns a marker for "every read issued so far";
+  - `copy(dst, src, after=marker)` starts a copy that first waits for that marker
+    (the slot it overwrites is no longer read) and returns a ticket;
+  - `wait(ticket)` makes compute wait until the copy landed.
+Nothing here blocks the host on CUDA: the waits are stream waits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import weakref
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CopyStats:
+    """Counters kept by a copy engine (cheap enough to leave on)."""
+
+    bytes_copied: int = 0
+    num_copies: int = 0
+    copy_s: float = 0.0  # time the copy engine spent copying
+    stall_s: float = 0.0  # time compute waited for a copy that had not landed
+    num_stalls: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        rate = self.bytes_copied / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+        return {
+            "bytes_copied": self.bytes_copied,
+            "num_copies": self.num_copies,
+            "copy_s": self.copy_s,
+            "stall_s": self.stall_s,
+            "num_stalls": self.num_stalls,
+            "achieved_gb_per_s": rate,
+        }
+
+
+class CopyEngine(ABC):
+    """Moves whole byte ranges from host to the compute device, off the compute path."""
+
+    def __init__(self) -> None:
+        self.stats = CopyStats()
+
+    @abstractmethod
+    def mark_released(self) -> Any:
+        """A marker for all compute issued so far (to order an overwrite after it)."""
+
+    @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
+        """Start copying `src` (host, uint8) into `dst` (device, uint8) once `after` is
+        reached; return a ticket to `wait` on."""
+
+    @abstractmethod
+    def wait(self, ticket: Any) -> None:
+        """Make compute wait until the copy of `ticket` has landed."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Make compute wait for every copy started so far."""
+
+    def collect_stats(self) -> CopyStats:
+        return self.stats
+
+
+class ThreadCopyEngine(CopyEngine):
+    """With the CPU as the compute device: one worker thread plays the copy stream.
+
+    Copies are single `memmove`s that release the GIL, so they overlap compute on
+    another core, in the order they were issued. Compute is synchronous on the CPU, so
+    "released" is already true when a copy is queued; `wait` blocks the calling thread
+    until the ticket's copy is done. `delay_s` (tests only) sleeps before each copy, to
+    shake out ordering bugs.
+    """
+
+    def __init__(self, delay_s: float = 0.0):
+        super().__init__()
+        # One worker: copies land in issue order. The executor joins it at exit.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
+        self._delay_s = delay_s
+        self._last: Future | None = None
+        weakref.finalize(self, self._worker.shutdown, wait=False)
+
+    def mark_released(self) -> None:
+        return None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Future:
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
+        self._last = self._worker.submit(self._copy, dst, src)
+        return self._last
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._delay_s:
+            time.sleep(self._delay_s)
+        started = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())
+        self.stats.copy_s += time.perf_counter() - started
+        self.stats.bytes_copied += dst.numel()
+        self.stats.num_copies += 1
+
+    def wait(self, ticket: Future) -> None:
+        if not ticket.done():
+            started = time.perf_counter()
+            ticket.result()
+            self.stats.stall_s += time.perf_counter() - started
+            self.stats.num_stalls += 1
+        ticket.result()  # re-raises a failed copy here, on the compute thread
+
+    def synchronize(self) -> None:
+        if self._last is not None:
+            self.wait(self._last)  # copies run in order: the last one done means all are
+
+
+class CudaCopyEngine(CopyEngine):
+    """A dedicated copy stream; ordering by events, never by host synchronisation.
+
+    Timing events bracket each copy and each wait, and are read lazily in
+    `collect_stats` (outside graph capture), so the hot path only records events.
+    """
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    def mark_released(self) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> _CudaTicket:
+        capturing = torch.cuda.is_current_stream_capturing()
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                # The copy stream waits until the layer that last read this slot is done.
+                self.stream.wait_event(after)
+            start = None if capturing else _timing_event(self.stream)
+            dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=not capturing)
+            done.record(self.stream)
+        self.stats.bytes_copied += dst.numel()
+        self.stats.num_copies += 1
+        if start is not None:
+            self._timed.append(("copy", start, done))
+            self._drain(block=False)
+        return _CudaTicket(done, capturing)
+
+    def wait(self, ticket: _CudaTicket) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        if capturing and not ticket.in_capture:
+            # Issued before the capture began: graph_capture's sync_prev_onload already
+            # ordered it, and an event from outside a capture cannot be waited on inside.
+            return
+        before = None if capturing else _timing_event(compute)
+        # The compute stream waits until the slot holds this layer's weights.
+        compute.wait_event(ticket.event)
+        if before is not None:
+            self._timed.append(("stall", before, _timing_event(compute)))
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def collect_stats(self) -> CopyStats:
+        self._drain(block=True)
+        return self.stats
+
+    def _drain(self, block: bool) -> None:
+        """Fold finished timing pairs into the counters; without `block`, only when many
+        are pending and only those already done (never a host wait on the hot path)."""
+        if not block and len(self._timed) < 1024:
+            return
+        pending = []
+        for kind, start, end in self._timed:
+            if not block and not end.query():
+                pending.append((kind, start, end))
+                continue
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "copy":
+                self.stats.copy_s += seconds
+            elif seconds > 1e-6:
+                self.stats.stall_s += seconds
+                self.stats.num_stalls += 1
+        self._timed = pending
+
+
+@dataclass(frozen=True)
+class _CudaTicket:
+    event: torch.cuda.Event
+    in_capture: bool
+
+
+def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event(enable_timing=True)
+    event.record(stream)
+    return event
+
+
+def make_copy_engine(device: torch.device, delay_s: float = 0.0) -> CopyEngine:
+    """The copy engine for `device`: a CUDA copy stream, or a worker thread for the CPU."""
+    if device.type == "cuda":
+        return CudaCopyEngine(device)
+    if device.type == "cpu":
+        return ThreadCopyEngine(delay_s)
+    raise ValueError(f"prefetch offloading supports cpu and cuda devices, got {device}")

@@ -1,0 +1,60 @@
+"""The prefetch backend's wait and start steps as `torch.library` custom ops.
+
+Under torch.compile a layer's body is traced into the same graph as the steps around
+it, and only data dependencies keep them in order. Both ops declare the layer's
+activation as mutated: `wait_layer` mutates the input the layer reads, so everything
+the layer computes from it comes after the wait (and after the previous layer, which
+produced it); `start_layer` mutates the layer's output, so it comes after all of the
+layer's compute and before the next layer reads that output. Neither touches the data.
+The weights are passed as read-only arguments: they are the tensors that the wait
+makes valid, and passing them lets the op check that the compiled graph hands it the
+slot's own storage, not a copy. Registered once, at import (the only import-time effect).
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class _Steps(Protocol):
+    def wait_for_layer(self, position: int, weights: list[Tensor] | None = None) -> None: ...
+
+    def layer_done(self, position: int) -> None: ...
+
+
+_offloaders: weakref.WeakValueDictionary[int, _Steps] = weakref.WeakValueDictionary()
+_ids = itertools.count()
+
+
+def register(offloader: _Steps) -> int:
+    """An id that the ops use to find `offloader` (several may live side by side)."""
+    key = next(_ids)
+    _offloaders[key] = offloader
+    return key
+
+
+@torch.library.custom_op("offload::wait_layer", mutates_args=("activation",))
+def wait_layer(activation: Tensor, weights: list[Tensor], offloader_id: int, position: int) -> None:
+    _offloaders[offloader_id].wait_for_layer(position, weights)
+
+
+@wait_layer.register_fake
+def _(activation: Tensor, weights: list[Tensor], offloader_id: int, position: int) -> None:
+    return None
+
+
+@torch.library.custom_op("offload::start_layer", mutates_args=("activation",))
+def start_layer(
+    activation: Tensor, weights: list[Tensor], offloader_id: int, position: int
+) -> None:
+    _offloaders[offloader_id].layer_done(position)
+
+
+@start_layer.register_fake
+def _(activation: Tensor, weights: list[Tensor], offloader_id: int, position: int) -> None:
+    return None

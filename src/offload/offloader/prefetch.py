@@ -1,0 +1,244 @@
+"""Prefetch offloading: whole layers copied ahead of use into a ring of static device slots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offload.errors import ModelError
+from offload.memory.copy_engine import CopyEngine, make_copy_engine
+from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.offloader import ops
+from offload.offloader.base import BaseOffloader, OffloadedParam
+from offload.offloader.hooks import PrefetchHook
+from offload.offloader.selection import matches_segments
+from offload.offloader.slots import SlotTable, offloaded_layer_indices, slot_of, slot_sizes
+
+
+@dataclass
+class _Layer:
+    """One offloaded layer: its parameters, their packed host slab, and its position."""
+
+    module: nn.Module
+    name: str
+    params: list[tuple[str, nn.Parameter]]
+    specs: list[TensorSpec]
+    slab: HostSlab | None = None
+
+
+class PrefetchOffloader(BaseOffloader):
+    """vLLM's prefetch offloader, with whole-layer copies and provably safe slots.
+
+    The last `num_in_group` layers of every `group_size` are offloaded (only the
+    parameters matching `offload_params`, if given). Each offloaded layer's parameters
+    are packed into one exact-size (pinned, on CUDA) host slab, so bringing a layer in
+    is one copy. The device holds `prefetch_step` slots, each as large as the largest
+    layer it serves; every offloaded parameter is a permanent view into its slot, so its
+    address never changes (torch.compile and CUDA graphs keep working). After a layer
+    runs, its slot is refilled with the next layer that uses it, on a copy stream (a
+    worker thread with the CPU as compute device); see `slots.py` for the schedule.
+
+    Reading an offloaded parameter outside its layer's forward gives whatever layer its
+    slot holds at that moment; the host copy (`manifest`, `host_tensor`) is the truth.
+    """
+
+    def __init__(
+        self,
+        group_size: int,
+        num_in_group: int,
+        prefetch_step: int,
+        offload_params: Iterable[str] | None = None,
+        *,
+        device: torch.device | None = None,
+        disable_pin_memory: bool = False,
+        copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
+    ):
+        super().__init__()
+        if group_size < 1 or not 1 <= num_in_group <= group_size or prefetch_step < 1:
+            raise ModelError(
+                f"prefetch offloading needs group_size >= 1, 1 <= num_in_group <= group_size "
+                f"and prefetch_step >= 1; got {group_size}, {num_in_group}, {prefetch_step}"
+            )
+        self.group_size = group_size
+        self.num_in_group = num_in_group
+        self.prefetch_step = prefetch_step
+        self.offload_params = set(offload_params or ())
+        self.device = device
+        self.disable_pin_memory = disable_pin_memory
+        self._copy_engine_factory = copy_engine_factory
+        self._layers: list[_Layer] = []
+        self._hooks: list[PrefetchHook] = []
+        self._offloaded: set[int] = set()
+        self._slots: list[torch.Tensor] = []
+        self._tickets: list[object] = []
+        self._table: SlotTable | None = None
+        self._engine: CopyEngine | None = None
+        self._id = ops.register(self)
+
+    # -- planning ------------------------------------------------------------
+
+    def _plan(self, modules: list[nn.Module]) -> list[_Layer]:
+        uses: dict[int, int] = {}
+        for module in modules:
+            for p in module.parameters():
+                uses[id(p)] = uses.get(id(p), 0) + 1
+        layers = []
+        for index in offloaded_layer_indices(len(modules), self.group_size, self.num_in_group):
+            module = modules[index]
+            params = [
+                (name, p)
+                for name, p in module.named_parameters()
+                if (not self.offload_params or matches_segments(name, self.offload_params))
+                and uses[id(p)] == 1  # weights tied to another layer stay resident
+                and id(p) not in self._resident_param_ids
+            ]
+            for name, p in params:
+                if p.is_meta:
+                    raise ModelError(f"parameter {name!r} of layer {index} is on the meta device")
+            if params:  # as vLLM: a layer with nothing to offload is not offloaded
+                name = self.module_name(module, index)
+                layers.append(_Layer(module, name, params, [TensorSpec.of(p) for _, p in params]))
+        if not layers:
+            raise ModelError(self._nothing_to_offload(len(modules)))
+        return layers
+
+    def _nothing_to_offload(self, num_layers: int) -> str:
+        if self.offload_params:
+            return (
+                f"offload_params {sorted(self.offload_params)} match no parameter of the "
+                f"offloaded layers (segments are matched whole, e.g. 'mlp' or 'q_proj')"
+            )
+        first = self.group_size - self.num_in_group
+        return (
+            f"offload_group_size={self.group_size} with offload_num_in_group="
+            f"{self.num_in_group} offloads layers {first}, {first + 1}, ... but there are "
+            f"only {num_layers} layers"
+        )
+
+    # -- the vLLM contract ------------------------------------------------------
+
+    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
+        if self._layers:
+            raise ModelError("PrefetchOffloader.wrap_modules may be called only once")
+        modules = list(modules)
+        self._layers = self._plan(modules)
+        for position, layer in enumerate(self._layers):
+            self._move_to_host(layer)
+            weights = [p for _, p in layer.params]
+            self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
+        return modules
+
+    def _move_to_host(self, layer: _Layer) -> None:
+        device = self.device or layer.params[0][1].device
+        self.device = device
+        pin = should_pin_memory(device, self.disable_pin_memory)
+        layer.slab = HostSlab(layer.specs, pin_for=device if pin else None)
+        for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
+            host.copy_(param.data)
+            param.data = host  # frees the device copy now; the slot view comes in post_init
+            self._offloaded.add(id(param))
+            self._manifest.append(
+                OffloadedParam(
+                    name=f"{layer.name}.{name}",
+                    module=layer.name,
+                    num_bytes=host.numel() * host.element_size(),
+                    shape=tuple(host.shape),
+                    dtype=host.dtype,
+                    location="host-pinned" if layer.slab.is_pinned else "host",
+                    access="prefetch",
+                )
+            )
+
+    def post_init(self) -> None:
+        """Allocate the slots, point every offloaded parameter at its slot for good, and
+        start loading the first layer of each slot."""
+        if not self._layers or self._slots:
+            return
+        self._engine = self._copy_engine_factory(self.device)
+        self._table = SlotTable(len(self._layers), self.prefetch_step)
+        sizes = slot_sizes([layer.slab.num_bytes for layer in self._layers], self._table.slots)
+        self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in sizes]
+        for position, layer in enumerate(self._layers):
+            slot = self._slots[slot_of(position, self._table.slots)]
+            for (_, param), spec, offset in zip(
+                layer.params, layer.specs, layer.slab.offsets, strict=True
+            ):
+                param.data = spec.view_of(slot[offset : offset + spec.num_bytes])
+        self._tickets = [None] * len(self._layers)
+        for position in self._table.initial_loads():
+            self._load(position)
+
+    def _load(self, position: int) -> None:
+        layer = self._layers[position]
+        num_bytes = layer.slab.num_bytes
+        slot = self._slots[slot_of(position, self._table.slots)]
+        # The copy waits until every read issued so far (the slot's last user) is done.
+        self._tickets[position] = self._engine.copy(
+            slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
+        )
+
+    def wait_for_layer(self, position: int, weights: list[torch.Tensor] | None = None) -> None:
+        """Before layer `position` runs: load it now if its slot holds another layer,
+        then make compute wait until its copy has landed."""
+        if weights and weights[0].data_ptr() != self._layers[position].params[0][1].data_ptr():
+            raise RuntimeError(
+                "the compiled graph passed a copy of an offloaded weight, not its slot"
+            )
+        if self._table.before_run(position):
+            self._load(position)
+        self._engine.wait(self._tickets[position])
+
+    def layer_done(self, position: int) -> None:
+        """After layer `position` has run: refill its slot with the next layer using it."""
+        following = self._table.after_run(position)
+        if following is not None:
+            self._load(following)
+
+    def sync_prev_onload(self) -> None:
+        if self._engine is not None:
+            self._engine.synchronize()
+
+    def join_after_forward(self) -> None:
+        if self._engine is not None:
+            self._engine.synchronize()
+
+    # -- reporting ------------------------------------------------------------
+
+    def is_offloaded(self, param: torch.Tensor) -> bool:
+        return id(param) in self._offloaded
+
+    def host_tensor(self, name: str) -> torch.Tensor:
+        """The host copy of an offloaded parameter (by its manifest name)."""
+        for layer in self._layers:
+            for (local, _), view in zip(layer.params, layer.slab.views, strict=True):
+                if f"{layer.name}.{local}" == name:
+                    return view
+        raise KeyError(name)
+
+    @property
+    def device_staging_bytes(self) -> int:
+        return sum(slot.numel() for slot in self._slots)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(layer.slab.mapped_bytes for layer in self._layers if layer.slab.is_pinned)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(layer.slab.mapped_bytes for layer in self._layers)
+
+    def stats(self) -> dict[str, float | int]:
+        copies = self._engine.collect_stats().as_dict() if self._engine else {}
+        return {
+            **super().stats(),
+            "num_offloaded_layers": len(self._layers),
+            "num_slots": len(self._slots),
+            "device_staging_bytes": self.device_staging_bytes,
+            "largest_layer_bytes": max((lay.slab.num_bytes for lay in self._layers), default=0),
+            "host_bytes": self.host_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            **copies,
+        }

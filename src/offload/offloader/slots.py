@@ -1,0 +1,86 @@
+"""Which layers are offloaded, which device slot each uses, and when each is loaded.
+
+Pure functions and a small host-side state machine, no tensors: the prefetch backend's
+correctness lives here, and the tests drive it through every shape of model.
+
+Offloaded layers are numbered by *position* 0..n-1 in execution order. With k slots,
+position p always uses slot p % k (so its parameters can be permanent views of that
+slot). Once position p has run, its slot is refilled with the *next occupant of the same
+slot* in circular order: p + k, or, past the end, the slot's first occupant for the
+next forward. That is vLLM's "prefetch k ahead" in the steady state, and stays correct
+when n is not a multiple of k (vLLM's `(p + k) % n` overwrote a slot still needed).
+A slot with a single occupant is filled once and never again.
+"""
+
+from __future__ import annotations
+
+
+def offloaded_layer_indices(num_layers: int, group_size: int, num_in_group: int) -> list[int]:
+    """vLLM's pattern: the last `num_in_group` layers of every `group_size` layers
+    (8 and 2 give 6, 7, 14, 15, ...). A trailing partial group offloads only the
+    indices that fall in its last `num_in_group` places."""
+    return [i for i in range(num_layers) if i % group_size >= group_size - num_in_group]
+
+
+def num_slots(num_offloaded: int, prefetch_step: int) -> int:
+    """Device slots in the ring: `prefetch_step`, but never more than there are layers."""
+    return min(prefetch_step, num_offloaded)
+
+
+def slot_of(position: int, slots: int) -> int:
+    return position % slots
+
+
+def next_in_slot(position: int, num_offloaded: int, slots: int) -> int:
+    """The position to load into `position`'s slot once `position` has run."""
+    following = position + slots
+    return following if following < num_offloaded else position % slots
+
+
+def slot_sizes(layer_bytes: list[int], slots: int) -> list[int]:
+    """Each slot is as large as the largest layer it serves."""
+    sizes = [0] * slots
+    for position, num_bytes in enumerate(layer_bytes):
+        slot = slot_of(position, slots)
+        sizes[slot] = max(sizes[slot], num_bytes)
+    return sizes
+
+
+class SlotTable:
+    """Host-side record of which layer each slot holds (or is being filled with).
+
+    Every overwrite of a slot is decided here, on the host, in program order: a load is
+    issued either after the slot's current occupant has run (`after_run`) or, when a
+    layer is about to run and its slot holds something else (a skipped or repeated
+    layer, the first forward), right before it (`before_run`). So a layer never reads a
+    slot that holds another layer's weights, whatever the order layers run in.
+    """
+
+    def __init__(self, num_offloaded: int, prefetch_step: int):
+        self.num_offloaded = num_offloaded
+        self.slots = num_slots(num_offloaded, prefetch_step)
+        self.owner: list[int | None] = [None] * self.slots
+
+    def initial_loads(self) -> list[int]:
+        """Positions to load before the first forward: each slot's first occupant."""
+        for position in range(self.slots):
+            self.owner[position] = position
+        return list(range(self.slots))
+
+    def before_run(self, position: int) -> bool:
+        """True if `position` must be loaded now, because its slot holds another layer."""
+        slot = slot_of(position, self.slots)
+        if self.owner[slot] == position:
+            return False
+        self.owner[slot] = position
+        return True
+
+    def after_run(self, position: int) -> int | None:
+        """The position to load into the slot `position` just used, or None when the
+        slot's only occupant is `position` itself (it stays loaded)."""
+        following = next_in_slot(position, self.num_offloaded, self.slots)
+        slot = slot_of(position, self.slots)
+        if following == position or self.owner[slot] == following:
+            return None
+        self.owner[slot] = following
+        return following

@@ -1,0 +1,334 @@
+"""Prefetch backend with the CPU as compute device (a worker thread plays the copy stream)."""
+
+import warnings
+
+import pytest
+import torch
+import zoo
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import offload
+from offload import ModelError
+from offload.memory.copy_engine import ThreadCopyEngine
+from offload.offloader.prefetch import PrefetchOffloader
+from offload.offloader.slots import offloaded_layer_indices
+
+
+def prefetch(model, group=1, num_in_group=1, step=1, params=(), engine=None, layers=None):
+    config = {
+        "offload_group_size": group,
+        "offload_num_in_group": num_in_group,
+        "offload_prefetch_step": step,
+        "offload_params": list(params),
+    }
+    offloader = offload.create_offloader(config)
+    if engine is not None:
+        offloader._copy_engine_factory = lambda device: engine
+    offloader.name_modules(model)
+    offloader.wrap_modules(layers if layers is not None else model.model.layers)
+    offloader.post_init()
+    return offloader
+
+
+def _expected_bytes_per_forward(offloader):
+    """Every offloaded layer whose slot it shares is copied once per forward."""
+    layers = offloader._layers
+    slots = len(offloader._slots)
+    occupants = [sum(1 for p in range(len(layers)) if p % slots == s) for s in range(slots)]
+    return sum(lay.slab.num_bytes for p, lay in enumerate(layers) if occupants[p % slots] > 1)
+
+
+ARCH_PARAMS = {
+    "llama": ["mlp", "q_proj"],
+    "qwen3_moe": ["mlp", "self_attn"],
+    "gpt2": ["mlp", "attn"],
+}
+STACK = {"llama": "model.layers", "qwen3_moe": "model.layers", "gpt2": "transformer.h"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    arch=st.sampled_from(sorted(ARCH_PARAMS)),
+    num_layers=st.integers(1, 7),
+    group=st.integers(1, 4),
+    data=st.data(),
+)
+def test_exact_for_every_layout(arch, num_layers, group, data):
+    num_in_group = data.draw(st.integers(1, group), label="num_in_group")
+    step = data.draw(st.integers(1, 5), label="step")
+    params = data.draw(st.sampled_from([(), *[(p,) for p in ARCH_PARAMS[arch]]]), label="params")
+    if not offloaded_layer_indices(num_layers, group, num_in_group):
+        return  # nothing to offload: an error, tested below
+    model = zoo.build(arch, num_layers=num_layers)
+    ids = zoo.inputs()
+    expected = zoo.logits(model, ids)
+    config = {
+        "offload_group_size": group,
+        "offload_num_in_group": num_in_group,
+        "offload_prefetch_step": step,
+        "offload_params": list(params),
+    }
+    offloader = offload.apply(model, config, layers=STACK[arch])  # a 1-layer "stack" too
+    offloader.sync_prev_onload()  # the initial loads have landed
+    first = offloader.stats()["bytes_copied"]
+    for forward in range(3):  # the prefetch wraps around from the last layers to the first
+        assert torch.equal(zoo.logits(model, ids), expected), f"forward {forward}"
+    offloader.sync_prev_onload()
+    stats = offloader.stats()
+    assert stats["bytes_copied"] - first == 3 * _expected_bytes_per_forward(offloader)
+    assert (
+        stats["device_staging_bytes"]
+        <= min(step, stats["num_offloaded_layers"]) * stats["largest_layer_bytes"]
+    )
+    manifest = offloader.manifest()
+    assert manifest and all(e.access == "prefetch" for e in manifest)
+    if params:
+        assert all(f".{params[0]}." in f".{e.name}." for e in manifest)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "t5", "bert", "opt", "phi3"])
+def test_greedy_and_logits_exact_across_architectures(arch):
+    model = zoo.build(arch)
+    ids = zoo.inputs()
+    expected = zoo.logits(model, ids)
+    expected_tokens = zoo.greedy(model, ids) if arch in zoo.CAUSAL_ARCHS else None
+    offloader = offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": 2})
+    assert torch.equal(zoo.logits(model, ids), expected)
+    if expected_tokens is not None:
+        assert torch.equal(zoo.greedy(model, ids), expected_tokens)
+    assert offloader.stats()["bytes_copied"] > 0
+
+
+class SlowEngine(ThreadCopyEngine):
+    """Delays every copy: any read that is not ordered after its copy sees stale bytes."""
+
+    def __init__(self, delay_s=0.003, waits=True):
+        super().__init__(delay_s=delay_s)
+        self._waits = waits
+
+    def wait(self, ticket):
+        if self._waits:
+            super().wait(ticket)
+
+
+@pytest.mark.parametrize(("num_layers", "step"), [(5, 1), (5, 2), (6, 4), (4, 3)])
+def test_delayed_copies_still_give_exact_outputs(num_layers, step):
+    model = zoo.build("llama", num_layers=num_layers)
+    ids = zoo.inputs()
+    expected = zoo.logits(model, ids)
+    offloader = prefetch(model, step=step, engine=SlowEngine())
+    for _ in range(3):
+        assert torch.equal(zoo.logits(model, ids), expected)
+    assert offloader.stats()["stall_s"] > 0  # the delays were really waited for
+
+
+def test_the_delayed_check_catches_a_missing_wait():
+    """The same check with compute that does not wait for its copy: it must fail, which
+    shows the test above can fail."""
+    model = zoo.build("llama", num_layers=5)
+    ids = zoo.inputs()
+    expected = zoo.logits(model, ids)
+    prefetch(model, step=2, engine=SlowEngine(delay_s=0.02, waits=False))
+    assert not torch.equal(zoo.logits(model, ids), expected)
+
+
+class Skippable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(5))
+        self.skip: set[int] = set()
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+@pytest.mark.parametrize("skips", [[{1}], [{0, 4}, set(), {2}], [{1, 3}, {0, 1, 2, 3, 4}, set()]])
+def test_skipped_layers_never_read_another_layers_slot(step, skips):
+    model = Skippable()
+    x = torch.randn(3, 16)
+    expected = []
+    for skip in skips:
+        model.skip = skip
+        expected.append(model(x))
+    prefetch(model, step=step, layers=model.layers, engine=SlowEngine(delay_s=0.001))
+    for skip, want in zip(skips, expected, strict=True):
+        model.skip = skip
+        assert torch.equal(model(x), want)
+
+
+def test_memory_bounds_and_host_slabs():
+    model = zoo.build("llama", num_layers=6)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    offloader = prefetch(model, group=3, num_in_group=2, step=2)
+    stats = offloader.stats()
+    assert stats["num_offloaded_layers"] == 4 and stats["num_slots"] == 2
+    assert stats["device_staging_bytes"] <= 2 * stats["largest_layer_bytes"]
+    params = len(offloader.manifest())
+    assert (
+        stats["offloaded_bytes"]
+        <= stats["host_bytes"]
+        <= stats["offloaded_bytes"] + params * 256 + 4 * 4096
+    )
+    assert stats["pinned_bytes"] == 0
+    assert {e.module for e in offloader.manifest()} == {f"model.layers.{i}" for i in (1, 2, 4, 5)}
+    # Every offloaded parameter is a view into one of the slots.
+    for entry in offloader.manifest():
+        param = model.get_parameter(entry.name)
+        assert any(
+            slot.data_ptr() <= param.data_ptr() < slot.data_ptr() + slot.numel()
+            for slot in offloader._slots
+        )
+        assert torch.equal(offloader.host_tensor(entry.name), original[entry.name])
+
+
+def test_addresses_never_change():
+    model = zoo.build("llama", num_layers=4)
+    prefetch(model, step=2)
+    before = [p.data_ptr() for p in model.parameters()]
+    zoo.logits(model, zoo.inputs())
+    zoo.greedy(model, zoo.inputs())
+    assert [p.data_ptr() for p in model.parameters()] == before
+
+
+def test_weights_tied_between_layers_stay_resident():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            shared = nn.Linear(8, 8)
+            self.layers = nn.ModuleList(
+                [nn.Sequential(shared), nn.Sequential(nn.Linear(8, 8)), nn.Sequential(shared)]
+            )
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Tied()
+    x = torch.randn(2, 8)
+    expected = model(x)
+    offloader = offload.apply(model, {"offload_group_size": 1})
+    assert [e.name for e in offloader.manifest()] == ["layers.1.0.weight", "layers.1.0.bias"]
+    assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        (
+            {"offload_group_size": 8, "offload_num_in_group": 2},
+            "offloads layers 6, 7, ... but there are only 3 layers",
+        ),
+        (
+            {"offload_group_size": 1, "offload_params": ["experts"]},
+            "offload_params ['experts'] match no parameter",
+        ),
+    ],
+)
+def test_nothing_to_offload_is_an_error_and_changes_nothing(config, needle):
+    model = zoo.build("llama")
+    before = {n: p.data_ptr() for n, p in model.named_parameters()}
+    with pytest.raises(ModelError) as info:
+        offload.apply(model, config)
+    assert needle in str(info.value)
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
+
+
+def test_wrap_modules_twice_is_refused():
+    model = zoo.build("llama")
+    offloader = prefetch(model)
+    with pytest.raises(ModelError, match="only once"):
+        offloader.wrap_modules(model.model.layers)
+
+
+def test_auto_selects_prefetch_and_graph_capture_context_runs_on_cpu():
+    model = zoo.build("llama")
+    ids = zoo.inputs()
+    expected = zoo.logits(model, ids)
+    offloader = offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": 2})
+    assert isinstance(offloader, PrefetchOffloader)
+    with offloader.graph_capture():
+        out = zoo.logits(model, ids)
+    assert torch.equal(out, expected)
+    stats = offloader.stats()
+    for key in ("bytes_copied", "num_copies", "stall_s", "copy_s", "achieved_gb_per_s"):
+        assert key in stats
+    assert stats["achieved_gb_per_s"] > 0
+
+
+@pytest.mark.parametrize(("num_layers", "step"), [(3, 2), (4, 1)])
+def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step):
+    """Inductor on the CPU: the offloaded model compiles with fullgraph=True, moves bytes,
+    and gives bitwise what the same compiled model gives without offloading."""
+    torch._dynamo.reset()
+    model = zoo.build("llama", num_layers=num_layers)
+    ids = zoo.inputs()
+    with torch.no_grad():
+        expected = torch.compile(model, fullgraph=True)(input_ids=ids).logits
+    torch._dynamo.reset()
+    offloader = offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": step})
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offloader.sync_prev_onload()
+        before = offloader.stats()["bytes_copied"]
+        for _ in range(2):
+            assert torch.equal(compiled(input_ids=ids).logits, expected)
+    offloader.sync_prev_onload()
+    assert offloader.stats()["bytes_copied"] - before == 2 * _expected_bytes_per_forward(offloader)
+    torch._dynamo.reset()
+
+
+def _step_nodes(graph, op):
+    nodes = {}
+    for node in graph.nodes:
+        target = node.args[0] if node.args and node.target is not op else node.target
+        if target is op:
+            nodes[node.kwargs.get("position", node.args[-1] if node.args else None)] = node
+    return nodes
+
+
+def _ancestors(node):
+    seen, todo = set(), [node]
+    while todo:
+        for parent in todo.pop().all_input_nodes:
+            if parent not in seen:
+                seen.add(parent)
+                todo.append(parent)
+    return seen
+
+
+def test_compiled_graph_chains_waits_and_starts_through_the_activations():
+    """In the traced graph each layer's wait comes before its start, and its start before
+    the next layer's wait, by data dependency (not by luck of program order)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    graphs = []
+
+    def keep(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    model = zoo.build("llama", num_layers=3)
+    offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": 2})
+    with torch.no_grad():
+        torch.compile(model, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(
+            input_ids=zoo.inputs()
+        )
+    torch._dynamo.reset()
+    graph = graphs[0].graph
+    waits = _step_nodes(graph, torch.ops.offload.wait_layer.default)
+    starts = _step_nodes(graph, torch.ops.offload.start_layer.default)
+    assert sorted(waits) == sorted(starts) == [0, 1, 2]
+    for position in range(3):
+        assert waits[position] in _ancestors(starts[position])
+        if position + 1 in waits:
+            assert starts[position] in _ancestors(waits[position + 1])
