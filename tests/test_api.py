@@ -53,11 +53,6 @@ def test_not_a_module():
         offload.apply("llama", {"cpu_offload_gb": 1})
 
 
-def test_prefetch_backend_not_built_yet_says_so():
-    with pytest.raises(offload.ConfigError, match="'prefetch' is not available yet"):
-        offload.apply(zoo.build("llama"), {"offload_group_size": 2})
-
-
 def test_config_object_is_revalidated():
     config = offload.OffloadConfig(uva={"cpu_offload_gb": 1})
     config.uva.cpu_offload_gb = -5
