@@ -13,6 +13,7 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
+from offload.memory.copy_engine import capture
 
 
 @dataclass(frozen=True)
@@ -57,14 +58,22 @@ class BaseOffloader(ABC):
         """Join side streams back into the compute stream at the end of a forward."""
 
     @contextlib.contextmanager
-    def graph_capture(self) -> Iterator[None]:
-        """Wrap the capture, and each replay, of a CUDA graph of a forward: compute first
-        waits for the copies issued before, and side streams are joined back at the end,
-        so the graph holds the forward's own copies and replays them."""
+    def graph_capture(self, graph: Any = None, **graph_kwargs: Any) -> Iterator[None]:
+        """Capture a forward into `graph` (a `torch.cuda.CUDAGraph`) with the offloader's
+        copies inside it, or, without a graph, bracket an eager forward or a replay.
+
+        Everything vLLM spreads over its runner happens here: compute first waits for
+        copies issued before (outside the capture, where that is allowed), and the copy
+        stream is joined back before the capture ends, so the graph owns the forward's
+        copies (also the prefetches for the next forward) and replays them.
+        """
         self.sync_prev_onload()
-        try:
+        if graph is None:
             yield
-        finally:
+            self.join_after_forward()
+            return
+        with capture(graph, **graph_kwargs):
+            yield
             self.join_after_forward()
 
     def name_modules(self, root: nn.Module) -> None:

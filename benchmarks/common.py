@@ -1,0 +1,60 @@
+"""Shared helpers for the benchmarks: timing with warm-up and medians, machine info, results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(
+    fn: Callable[[], object], device: torch.device, warmup: int, repeats: int
+) -> float:
+    """Median wall time of `fn` after `warmup` untimed calls, synchronising the device
+    before and after each timed call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def machine(device: torch.device) -> dict[str, object]:
+    info: dict[str, object] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def save(name: str, device: torch.device, payload: dict[str, object]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    path = RESULTS / f"{name}-{device.type}-{stamp}.json"
+    path.write_text(json.dumps({"machine": machine(device), **payload}, indent=2) + "\n")
+    return path
