@@ -130,7 +130,7 @@ _advised = False
 def _advise_omp_wait_policy() -> None:
     """Once per process: OpenMP workers that spin between parallel regions (the default)
     take the core the copy thread needs; measured on 2 cores, SmolLM2 decode with every
-    layer prefetched ran at 0.64x resident spinning and 0.96x with PASSIVE."""
+    layer prefetched ran at 0.60x resident spinning and 0.83-0.85x with PASSIVE."""
     global _advised
     if _advised or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
         return
