@@ -1,7 +1,5 @@
 """Prefetch on a real GPU: copy stream ordering, exactness, memory, CUDA graphs."""
 
-import gc
-
 import pytest
 import torch
 import zoo
@@ -13,7 +11,7 @@ from offload.memory.copy_engine import CudaCopyEngine
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France?"  # the one the reference fixture asks
 SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU time
 
 
@@ -131,17 +129,8 @@ def test_cuda_graph_replays_the_copies():
     assert offloader.stats()["num_copies"] == copies  # replays do not go through Python
 
 
-def test_smollm2_prefetch_exact_with_bounded_device_memory(smollm2_path):
-    model, tokenizer = load_model(smollm2_path)
-    model.to(CUDA)
-    ids = tokenizer(QUESTION, return_tensors="pt").input_ids.to(CUDA)
-    with torch.no_grad():
-        logits = model(ids).logits
-    tokens, _ = greedy(model, tokenizer, QUESTION, 12)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-
+def test_smollm2_prefetch_exact_with_bounded_device_memory(smollm2_path, reference):
+    tokenizer, ids, logits, tokens = reference
     model, _ = load_model(smollm2_path)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()

@@ -1,7 +1,5 @@
 """UVA on a real GPU: zero-copy views, exactness, and device memory. Skipped without CUDA."""
 
-import gc
-
 import pytest
 import torch
 import zoo
@@ -12,7 +10,7 @@ from offload.memory.host import HostSlab, TensorSpec, device_view
 
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital of France?"  # the one the reference fixture asks
 MIB = 2**20
 
 
@@ -37,20 +35,6 @@ def test_device_view_reads_and_writes_host_memory_in_place():
     view.mul_(3.0)  # ...and the host sees a change made by a kernel
     torch.cuda.synchronize()
     assert host[0].item() == 6.0 and host[-1].item() == 6.0
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2_path):
-    model, tokenizer = load_model(smollm2_path)
-    model.to(CUDA)
-    ids = tokenizer(QUESTION, return_tensors="pt").input_ids.to(CUDA)
-    with torch.no_grad():
-        logits = model(ids).logits
-    tokens, _ = greedy(model, tokenizer, QUESTION, 12)
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
-    return tokenizer, ids, logits, tokens
 
 
 @pytest.mark.parametrize("disable_uva", [False, True])

@@ -153,6 +153,7 @@ class CudaCopyEngine(CopyEngine):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._timed: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._joined_capture = False  # has the copy stream taken part in the current capture?
 
     def mark_released(self) -> torch.cuda.Event:
         event = torch.cuda.Event()
@@ -161,6 +162,7 @@ class CudaCopyEngine(CopyEngine):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> _CudaTicket:
         capturing = torch.cuda.is_current_stream_capturing()
+        self._joined_capture |= capturing
         with torch.cuda.stream(self.stream):
             if after is not None:
                 # The copy stream waits until the layer that last read this slot is done.
@@ -190,6 +192,12 @@ class CudaCopyEngine(CopyEngine):
             self._timed.append(("stall", before, _timing_event(compute)))
 
     def synchronize(self) -> None:
+        if torch.cuda.is_current_stream_capturing():
+            # Join only a copy stream that is part of this capture: waiting inside a
+            # capture on work recorded outside it is not allowed.
+            if not self._joined_capture:
+                return
+            self._joined_capture = False
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
     def collect_stats(self) -> CopyStats:

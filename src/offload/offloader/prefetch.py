@@ -51,12 +51,15 @@ class PrefetchOffloader(BaseOffloader):
         num_in_group: int,
         prefetch_step: int,
         offload_params: Iterable[str] | None = None,
+        mode: str = "cpu",
         *,
         device: torch.device | None = None,
         disable_pin_memory: bool = False,
         copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
     ):
         super().__init__()
+        if mode != "cpu":
+            raise ModelError(f"PrefetchOffloader mode must be 'cpu' (host memory), got {mode!r}")
         if group_size < 1 or not 1 <= num_in_group <= group_size or prefetch_step < 1:
             raise ModelError(
                 f"prefetch offloading needs group_size >= 1, 1 <= num_in_group <= group_size "

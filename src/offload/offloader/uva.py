@@ -105,7 +105,14 @@ class UVAOffloader(BaseOffloader):
 
     # -- doing --
 
-    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
+    def wrap_modules(
+        self,
+        modules: Iterable[nn.Module],
+        submodule_accessor: object = None,
+        whitelist_param_names_creator: object = None,
+    ) -> list[nn.Module]:
+        """Offload parameters of `modules` in order until the budget is reached. The two
+        extra arguments exist for vLLM callers; as in vLLM, UVA ignores them."""
         modules = list(modules)
         if self.cpu_offload_max_bytes <= 0:
             return modules
