@@ -6,6 +6,7 @@ Configs, flags and the offloader API follow vLLM's (`OffloadConfig`, `UVAOffload
 
 from offload.api import apply
 from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
+from offload.engine.sampling import SamplingParams
 from offload.errors import ConfigError, ModelError, OffloadError
 from offload.offloader import (
     BaseOffloader,
@@ -26,6 +27,7 @@ __all__ = [
     "OffloadError",
     "OffloadedParam",
     "PrefetchOffloadConfig",
+    "SamplingParams",
     "UVAOffloadConfig",
     "UVAOffloader",
     "apply",

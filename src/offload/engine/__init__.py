@@ -1,0 +1,1 @@
+"""The inference engine: LLM, sampling, KV cache, graphs."""
