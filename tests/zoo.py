@@ -75,6 +75,8 @@ def build(arch: str, seed: int = 0, num_layers: int | None = None) -> torch.nn.M
     config, auto = _configs()[arch]
     if num_layers is not None:
         setattr(config, "n_layer" if arch == "gpt2" else "num_hidden_layers", num_layers)
+        if getattr(config, "layer_types", None):  # per-layer lists follow the layer count
+            config.layer_types = [config.layer_types[0]] * num_layers
     torch.manual_seed(seed)
     return auto.from_config(config).eval()
 

@@ -11,7 +11,12 @@ from torch import nn
 from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.model.layers import find_layers, resolve_layers
-from offload.offloader.base import BaseOffloader, create_offloader, set_offloader
+from offload.offloader.base import (
+    BaseOffloader,
+    create_offloader,
+    set_offloader,
+    set_param_data,
+)
 
 
 def apply(
@@ -34,12 +39,33 @@ def apply(
         raise ModelError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     _check_no_meta(model)
     device = torch.device(device) if device is not None else _model_device(model)
+    offloader = prepare(model, config, device, layers)
+    return finish(offloader)
+
+
+def prepare(
+    model: nn.Module,
+    config: OffloadConfig | Mapping[str, Any] | None,
+    device: torch.device,
+    layers: str | nn.Module | Iterable[nn.Module] | None = None,
+    *,
+    deferred: bool = False,
+) -> BaseOffloader:
+    """Everything `apply` does before `post_init`. With `deferred`, parameters may still
+    be on the meta device: offloaded ones get their host memory, resident ones empty
+    device memory, and a loader then reads the checkpoint into them."""
     blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
     offloader = create_offloader(config, device=device)
+    offloader.deferred = deferred
     offloader.name_modules(model)
     offloader.keep_resident(_params_outside(model, blocks))
     offloader.wrap_modules(iter(blocks))
     _move_resident(model, offloader, device)
+    return offloader
+
+
+def finish(offloader: BaseOffloader) -> BaseOffloader:
+    """Run `post_init` and make `offloader` the process-wide one."""
     offloader.post_init()
     set_offloader(offloader)
     return offloader
@@ -80,7 +106,11 @@ def _move_resident(model: nn.Module, offloader: BaseOffloader, device: torch.dev
     model anywhere); offloaded parameters are left where the offloader put them."""
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            if param.device != device and not offloader.is_offloaded(param):
+            if param.device == device or offloader.is_offloaded(param):
+                continue
+            if param.is_meta:  # deferred loading: the loader fills it in
+                set_param_data(param, torch.empty_like(param, device=device))
+            else:
                 param.data = param.data.to(device)
         for name, buffer in module.named_buffers(recurse=False):
             if buffer is not None and buffer.device != device:

@@ -29,6 +29,15 @@ class OffloadedParam:
     access: str  # how compute reaches them: "zero-copy" or "copy-per-forward"
 
 
+def set_param_data(param: nn.Parameter, data: torch.Tensor) -> None:
+    """Point `param` at `data`, keeping the Parameter object (ties and references
+    survive). A meta parameter is swapped whole: its data cannot be set across types."""
+    if param.is_meta and not data.is_meta:
+        torch.utils.swap_tensors(param, nn.Parameter(data, requires_grad=param.requires_grad))
+    else:
+        param.data = data
+
+
 class BaseOffloader(ABC):
     """Decides where parameters live and brings them in when layers run.
 
@@ -43,6 +52,8 @@ class BaseOffloader(ABC):
         self._manifest: list[OffloadedParam] = []
         self._module_names: dict[int, str] = {}
         self._resident_param_ids: set[int] = set()
+        self._host_views: dict[int, torch.Tensor] = {}
+        self.deferred = False  # parameters may be on meta: a loader fills them in later
 
     @abstractmethod
     def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -99,7 +110,12 @@ class BaseOffloader(ABC):
         return list(self._manifest)
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
-        return False
+        return id(param) in self._host_views
+
+    def host_view(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Where an offloaded parameter's bytes live on the host (a loader writes there);
+        None for a parameter this offloader did not take."""
+        return self._host_views.get(id(param))
 
     def stats(self) -> dict[str, Any]:
         """Counters for what was offloaded and what has moved since."""

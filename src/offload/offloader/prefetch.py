@@ -12,7 +12,7 @@ from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.offloader import ops
-from offload.offloader.base import BaseOffloader, OffloadedParam
+from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import PrefetchHook
 from offload.offloader.selection import matches_segments
 from offload.offloader.slots import SlotTable, offloaded_layer_indices, slot_of, slot_sizes
@@ -74,7 +74,6 @@ class PrefetchOffloader(BaseOffloader):
         self._copy_engine_factory = copy_engine_factory
         self._layers: list[_Layer] = []
         self._hooks: list[PrefetchHook] = []
-        self._offloaded: set[int] = set()
         self._slots: list[torch.Tensor] = []
         self._tickets: list[object] = []
         self._table: SlotTable | None = None
@@ -99,7 +98,7 @@ class PrefetchOffloader(BaseOffloader):
                 and id(p) not in self._resident_param_ids
             ]
             for name, p in params:
-                if p.is_meta:
+                if p.is_meta and not self.deferred:
                     raise ModelError(f"parameter {name!r} of layer {index} is on the meta device")
             if params:  # as vLLM: a layer with nothing to offload is not offloaded
                 name = self.module_name(module, index)
@@ -140,9 +139,12 @@ class PrefetchOffloader(BaseOffloader):
         pin = should_pin_memory(device, self.disable_pin_memory)
         layer.slab = HostSlab(layer.specs, pin_for=device if pin else None)
         for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
-            host.copy_(param.data)
-            param.data = host  # frees the device copy now; the slot view comes in post_init
-            self._offloaded.add(id(param))
+            if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
+                host.copy_(param.data)
+            set_param_data(
+                param, host
+            )  # frees the device copy now; the slot view comes in post_init
+            self._host_views[id(param)] = host
             self._manifest.append(
                 OffloadedParam(
                     name=f"{layer.name}.{name}",
@@ -210,15 +212,12 @@ class PrefetchOffloader(BaseOffloader):
 
     # -- reporting ------------------------------------------------------------
 
-    def is_offloaded(self, param: torch.Tensor) -> bool:
-        return id(param) in self._offloaded
-
     def host_tensor(self, name: str) -> torch.Tensor:
         """The host copy of an offloaded parameter (by its manifest name)."""
         for layer in self._layers:
-            for (local, _), view in zip(layer.params, layer.slab.views, strict=True):
+            for local, param in layer.params:
                 if f"{layer.name}.{local}" == name:
-                    return view
+                    return self._host_views[id(param)]
         raise KeyError(name)
 
     @property

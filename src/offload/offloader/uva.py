@@ -16,7 +16,7 @@ from offload.memory.host import (
     should_pin_memory,
     zero_copy_available,
 )
-from offload.offloader.base import BaseOffloader, OffloadedParam
+from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import CopyOnForwardHook
 from offload.offloader.selection import (
     matches_segments,
@@ -53,7 +53,6 @@ class UVAOffloader(BaseOffloader):
         self.disable_pin_memory = disable_pin_memory
         self._slabs: list[HostSlab] = []
         self._hooks: list[CopyOnForwardHook] = []
-        self._offloaded: dict[int, nn.Parameter] = {}
         self._eligible_bytes = 0
         self._num_wrapped = 0
         self.bytes_copied = 0
@@ -65,12 +64,13 @@ class UVAOffloader(BaseOffloader):
         """Per module, the local names of the parameters to offload. A parameter shared
         by several modules is planned once, with the first; resident-pinned ones never."""
         used = self.offloaded_bytes
-        seen = set(self._offloaded) | self._resident_param_ids
+        seen = set(self._host_views) | self._resident_param_ids
         plan: list[list[str]] = []
         names_seen: list[str] = []
         for module in modules:
             named = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
-            _check_not_meta(named, module)
+            if not self.deferred:
+                _check_not_meta(named, module)
             sizes = [(name, p.numel() * p.element_size()) for name, p in named]
             names_seen += [name for name, _ in sizes]
             chosen = select_within_budget(
@@ -135,9 +135,12 @@ class UVAOffloader(BaseOffloader):
         prefix = self.module_name(module, self._num_wrapped)
         for name, host in zip(chosen, slab.views, strict=True):
             param = params[name]
-            host.copy_(param.data)  # device (or CPU) -> slab; the old storage is freed below
-            param.data = device_view(host, device) if zero_copy and device.type == "cuda" else host
-            self._offloaded[id(param)] = param
+            if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
+                host.copy_(param.data)  # device (or CPU) -> slab; the old storage is freed below
+            set_param_data(
+                param, device_view(host, device) if zero_copy and device.type == "cuda" else host
+            )
+            self._host_views[id(param)] = host
             self._manifest.append(
                 OffloadedParam(
                     name=f"{prefix}.{name}",
@@ -151,7 +154,7 @@ class UVAOffloader(BaseOffloader):
             )
         self._slabs.append(slab)
         if not zero_copy:
-            mine = [p for p in module.parameters() if id(p) in self._offloaded]
+            mine = [p for p in module.parameters() if id(p) in self._host_views]
             self._hooks.append(CopyOnForwardHook(mine, device, self._count_copy).attach(module))
 
     def _count_copy(self, num_bytes: int) -> None:
@@ -168,9 +171,6 @@ class UVAOffloader(BaseOffloader):
                 UserWarning,
                 stacklevel=2,
             )
-
-    def is_offloaded(self, param: torch.Tensor) -> bool:
-        return id(param) in self._offloaded
 
     @property
     def slabs(self) -> tuple[HostSlab, ...]:

@@ -1,0 +1,209 @@
+"""Build a Hugging Face causal LM without allocating its weights, then stream each tensor
+from the checkpoint straight into where the offload plan puts it.
+
+Offloaded tensors are read from the file directly into their layer's host slab; resident
+ones go through one reusable host staging buffer to the device. The model is never
+whole in host memory, nor on the device.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.api import finish, prepare
+from offload.config import OffloadConfig
+from offload.errors import ModelError
+from offload.memory.disk import CheckpointError, StoredTensor, read_header, read_into
+from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.offloader.base import BaseOffloader
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
+    """`auto` is the checkpoint's own dtype (float32 when it names none)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ModelError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype}")
+        return dtype
+    if dtype == "auto":
+        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        stored = str(stored).removeprefix("torch.") if stored is not None else "float32"
+        return DTYPES.get(stored, torch.float32)
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint in `path`: one `model.safetensors`, or the shards
+    that `model.safetensors.index.json` names."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError):
+            raise CheckpointError(f"{index} is not a valid safetensors index") from None
+        files = sorted(set(weight_map.values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, StoredTensor] = {}
+    for name in files:
+        tensors.update(read_header(path / name))
+    return tensors
+
+
+def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
+    """The model from `config.json`, parameters on the meta device, buffers real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not path.is_dir():
+        raise ModelError(f"model path {path} does not exist or is not a directory")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"{path} is not a model directory (no config.json)")
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelError(
+            f"{path}/config.json: unknown or unsupported architecture ({first})"
+        ) from None
+    torch_dtype = resolve_dtype(dtype, hf_config)
+    with init_empty_weights(include_buffers=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
+        except ValueError as error:
+            first = str(error).strip().splitlines()[0]
+            raise ModelError(
+                f"{path}: not a causal language model transformers can build ({first})"
+            ) from None
+    model.tie_weights()  # tied names become one parameter before anything is placed
+    return model.eval()
+
+
+def load_model(
+    path: str | Path,
+    config: OffloadConfig | Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    load_format: str = "auto",
+    progress: bool = False,
+) -> tuple[nn.Module, BaseOffloader]:
+    """Load a causal LM from a safetensors directory with `config`'s offloading already in
+    place. `load_format="dummy"` (vLLM's name) fills random weights of the right shapes
+    instead, for benchmarks of large shapes without a checkpoint (only `config.json` is read)."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
+    path = Path(path)
+    device = torch.device(device)
+    model = build_empty(path, dtype)
+    stored = {} if load_format == "dummy" else checkpoint_tensors(path)
+    targets = _targets(model, stored, dummy=load_format == "dummy")
+    offloader = prepare(model, config, device, deferred=True)
+    _fill(model, offloader, targets, device, progress)
+    return model, finish(offloader)
+
+
+def _targets(
+    model: nn.Module, stored: dict[str, StoredTensor], dummy: bool
+) -> dict[str, StoredTensor | None]:
+    """Checkpoint entry of each parameter and persistent buffer (tied names share one
+    tensor: the first name the checkpoint has wins). Checked before anything is allocated."""
+    names = dict(model.named_parameters(remove_duplicate=False))
+    names.update(
+        (n, b) for n, b in model.named_buffers(remove_duplicate=False) if n in model.state_dict()
+    )
+    if dummy:
+        return dict.fromkeys(dict(model.named_parameters()))
+    by_tensor: dict[int, list[str]] = {}
+    for name, tensor in names.items():
+        by_tensor.setdefault(id(tensor), []).append(name)
+    targets: dict[str, StoredTensor | None] = {}
+    missing = []
+    for aliases in by_tensor.values():
+        found = [stored[a] for a in aliases if a in stored]
+        if found:
+            targets[aliases[0]] = found[0]
+        elif not names[aliases[0]].is_meta:  # a buffer computed at construction
+            continue
+        else:
+            missing.append(aliases[0])
+    unexpected = sorted(set(stored) - set(names))
+    if missing or unexpected:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        raise ModelError(f"the checkpoint does not match the model's parameters: {what}")
+    for name, entry in targets.items():
+        if tuple(names[name].shape) != entry.shape:
+            raise ModelError(
+                f"{name}: checkpoint shape {entry.shape}, model expects {tuple(names[name].shape)}"
+            )
+    return targets
+
+
+def _fill(model, offloader, targets, device: torch.device, progress: bool) -> None:
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+    largest = max((e.num_bytes for e in targets.values() if e is not None), default=0)
+    staging = _Staging(largest, device)
+    generator = torch.Generator().manual_seed(0)
+    items = targets.items()
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc="Loading weights", unit="tensor")
+    for name, entry in items:
+        tensor = tensors[name]
+        host = offloader.host_view(tensor)
+        destination = host if host is not None else tensor.data
+        if entry is None:
+            _dummy(destination, generator)
+        elif (
+            destination.device.type == "cpu"
+            and destination.dtype == entry.dtype
+            and destination.is_contiguous()
+        ):
+            read_into(entry, destination)  # file -> final host memory, nothing in between
+        else:
+            destination.copy_(staging.read(entry))  # file -> staging -> device, casting if needed
+
+
+class _Staging:
+    """One reusable host buffer (pinned when a GPU reads it) for tensors that do not go
+    straight from the file to their final host memory."""
+
+    def __init__(self, num_bytes: int, device: torch.device):
+        pin = should_pin_memory(device)
+        self._slab = HostSlab(
+            [TensorSpec((num_bytes,), torch.uint8)], pin_for=device if pin else None
+        )
+
+    def read(self, entry: StoredTensor) -> torch.Tensor:
+        raw = self._slab.buffer[: entry.num_bytes]
+        read_into(entry, raw)
+        return raw.view(entry.dtype).view(entry.shape)
+
+
+def _dummy(destination: torch.Tensor, generator: torch.Generator) -> None:
+    """Random weights of a plausible scale: ones for vectors (norms), N(0, 0.02) else."""
+    if destination.dim() <= 1:
+        destination.fill_(1.0)
+        return
+    values = torch.empty(destination.shape, dtype=torch.float32).normal_(
+        0.0, 0.02, generator=generator
+    )
+    destination.copy_(values)
