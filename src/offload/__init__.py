@@ -1,11 +1,13 @@
 """offload: run PyTorch models larger than the GPU by keeping weights in host memory.
 
 Configs, flags and the offloader API follow vLLM's (`OffloadConfig`, `UVAOffloader`,
-`create_offloader`, `get_offloader`, `set_offloader`); `apply` offloads any built model.
+`create_offloader`, `get_offloader`, `set_offloader`); `apply` offloads any built model;
+`LLM(...).generate(prompts, SamplingParams(...))` loads a checkpoint with offloading in place.
 """
 
 from offload.api import apply
 from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
+from offload.engine.llm import LLM, CompletionOutput, RequestOutput
 from offload.engine.sampling import SamplingParams
 from offload.errors import ConfigError, ModelError, OffloadError
 from offload.offloader import (
@@ -19,7 +21,9 @@ from offload.offloader import (
 )
 
 __all__ = [
+    "LLM",
     "BaseOffloader",
+    "CompletionOutput",
     "ConfigError",
     "ModelError",
     "NoopOffloader",
@@ -27,6 +31,7 @@ __all__ = [
     "OffloadError",
     "OffloadedParam",
     "PrefetchOffloadConfig",
+    "RequestOutput",
     "SamplingParams",
     "UVAOffloadConfig",
     "UVAOffloader",

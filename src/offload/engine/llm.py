@@ -1,0 +1,239 @@
+"""`LLM`: vLLM's offline API (`generate`, `chat`) over an offloaded Hugging Face model."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.config import OffloadConfig
+from offload.engine.sampling import SamplingParams, find_stop, make_generator, sample
+from offload.errors import ConfigError
+from offload.model.default import default_model_path
+from offload.model.loader import load_model
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's names)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (end token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string, if any
+
+
+@dataclass
+class RequestOutput:
+    """What `generate` returns for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+
+
+@dataclass
+class _Sequence:
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class LLM:
+    """Load a model with offloading in place and generate text, as vLLM's `LLM` does.
+
+    `model` is a Hugging Face model directory with safetensors weights (default: the
+    bundled SmolLM2-135M-Instruct). Offloading is set by an `offload_config`
+    (`OffloadConfig` or dict) or by vLLM's keyword names: `cpu_offload_gb`,
+    `cpu_offload_params`, `offload_backend`, `offload_group_size`,
+    `offload_num_in_group`, `offload_prefetch_step`, `offload_params`.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device = "cpu",
+        max_model_len: int | None = None,
+        seed: int = 0,
+        load_format: str = "auto",
+        offload_config: OffloadConfig | Mapping[str, Any] | None = None,
+        **offload_flags: Any,
+    ):
+        from transformers import AutoTokenizer
+
+        if offload_config is not None and offload_flags:
+            raise ConfigError(
+                "pass offload settings either as offload_config or as flags, not both"
+            )
+        config = (
+            offload_config if offload_config is not None else OffloadConfig.from_dict(offload_flags)
+        )
+        path = Path(model) if model is not None else default_model_path()
+        self.model, self.offloader = load_model(
+            path, config, device=device, dtype=dtype, load_format=load_format
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.device = torch.device(device)
+        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        if max_model_len is not None and not 0 < max_model_len <= limit:
+            raise ConfigError(
+                f"max_model_len must be in [1, {limit}] for this model, got {max_model_len}"
+            )
+        self.max_model_len = max_model_len or limit
+        self.seed = seed
+        torch.manual_seed(seed)
+
+    # -- public API -------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt; one `RequestOutput` per prompt, in order."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        ids = [self.tokenizer(p).input_ids for p in prompts]
+        return self._generate(prompts, ids, sampling_params)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {"role", "content"} messages) or several,
+        with the model's chat template."""
+        conversations = (
+            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        )
+        texts = [
+            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False)
+            for c in conversations
+        ]
+        ids = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        return self._generate(texts, ids, sampling_params)
+
+    # -- the decode loop ----------------------------------------------------------
+
+    def _generate(self, prompts, ids, sampling_params) -> list[RequestOutput]:
+        params = _per_prompt(sampling_params, len(prompts))
+        sequences = []
+        for prompt_ids, request in zip(ids, params, strict=True):
+            if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+                raise ConfigError(
+                    f"a prompt has {len(prompt_ids)} tokens; it must have 1 to "
+                    f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
+                )
+            generator = make_generator(request, self.device)
+            sequences += [_Sequence(prompt_ids, request, generator) for _ in range(request.n)]
+        self._decode(sequences)
+        outputs, start = [], 0
+        for number, (prompt, prompt_ids, request) in enumerate(
+            zip(prompts, ids, params, strict=True)
+        ):
+            group = sequences[start : start + request.n]
+            start += request.n
+            completions = [
+                CompletionOutput(i, s.text, s.tokens, s.finish_reason, s.stop_reason)
+                for i, s in enumerate(group)
+            ]
+            outputs.append(RequestOutput(str(number), prompt, prompt_ids, completions))
+        return outputs
+
+    @torch.inference_mode()
+    def _decode(self, sequences: list[_Sequence]) -> None:
+        """All sequences as one left-padded batch: a prefill, then one token per step."""
+        from transformers import DynamicCache
+
+        width = max(len(s.prompt_ids) for s in sequences)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids = torch.tensor(
+            [[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
+        )
+        mask = (
+            torch.arange(width)[None, :]
+            >= (width - torch.tensor([len(s.prompt_ids) for s in sequences]))[:, None]
+        ).long()
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)  # [batch, seq]
+        cache = DynamicCache()
+        step_ids, positions = input_ids, (mask.cumsum(-1) - 1).clamp(min=0)
+        while True:
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            logits = out.logits[:, -1, :]  # [batch, vocab]
+            self._suppress_early_eos(logits, sequences)
+            tokens = sample(logits, [s.params for s in sequences], [s.generator for s in sequences])
+            for sequence, token in zip(sequences, tokens.tolist(), strict=True):
+                if sequence.finish_reason is None:
+                    self._append(sequence, token)
+            length = mask.shape[1] + 1
+            if all(s.finish_reason is not None for s in sequences) or length >= self.max_model_len:
+                break
+            step_ids = tokens[:, None]
+            positions = positions[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(len(sequences), 1)], dim=1)
+        for sequence in sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "length"
+
+    def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[_Sequence]) -> None:
+        eos = self.tokenizer.eos_token_id
+        for row, sequence in enumerate(sequences):
+            if len(sequence.tokens) < sequence.params.min_tokens:
+                for token in [eos, *sequence.params.stop_token_ids]:
+                    if token is not None:
+                        logits[row, token] = -float("inf")
+
+    def _append(self, sequence: _Sequence, token: int) -> None:
+        request = sequence.params
+        is_eos = token == self.tokenizer.eos_token_id and not request.ignore_eos
+        if is_eos or token in request.stop_token_ids:
+            sequence.finish_reason, sequence.stop_reason = "stop", (None if is_eos else token)
+            sequence.text = self._detokenize(sequence)
+            return
+        sequence.tokens.append(token)
+        text = self._detokenize(sequence)
+        cut = find_stop(text, request.stop_strings, request.include_stop_str_in_output)
+        if cut is not None:
+            stop = next(s for s in request.stop_strings if s in text)
+            sequence.text, sequence.finish_reason, sequence.stop_reason = cut, "stop", stop
+            return
+        sequence.text = text
+        if len(sequence.tokens) >= request.max_tokens:
+            sequence.finish_reason = "length"
+
+    def _detokenize(self, sequence: _Sequence) -> str:
+        return self.tokenizer.decode(
+            sequence.tokens, skip_special_tokens=sequence.params.skip_special_tokens
+        )
+
+
+def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+        raise ConfigError(f"sampling_params must be one SamplingParams or one per prompt ({count})")
+    return params
+
+
+__all__ = ["LLM", "CompletionOutput", "RequestOutput"]

@@ -1,0 +1,99 @@
+"""LLM.generate / chat on the real SmolLM2, with and without offloading."""
+
+import pytest
+import torch
+
+from offload import ConfigError, SamplingParams
+from offload.engine.llm import LLM
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+OFFLOADS = {
+    "uva": {"cpu_offload_gb": 0.2},
+    "uva-copy-per-forward": {"cpu_offload_gb": 0.1, "offload_config_disable_uva": True},
+    "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
+    "prefetch-4-1": {"offload_group_size": 4, "offload_num_in_group": 1},
+}
+
+
+@pytest.fixture(scope="module")
+def resident(smollm2_path):
+    return LLM(smollm2_path)
+
+
+def _llm(path, setting):
+    flags = dict(OFFLOADS[setting])
+    if flags.pop("offload_config_disable_uva", False):
+        return LLM(path, offload_config={**flags, "disable_uva": True})
+    return LLM(path, **flags)
+
+
+def test_chat_answers(resident):
+    [out] = resident.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    assert out.outputs[0].text == "The capital of France is Paris."
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_unbatched_greedy_matches_transformers_generate(resident):
+    ids = resident.tokenizer(PROMPTS[1], return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = resident.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False
+        )
+    [out] = resident.generate(PROMPTS[1], GREEDY)
+    assert out.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist()
+    assert out.prompt_token_ids == ids[0].tolist() and out.prompt == PROMPTS[1]
+
+
+@pytest.mark.parametrize("setting", list(OFFLOADS))
+def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, resident, setting):
+    llm = _llm(smollm2_path, setting)
+    assert llm.offloader.offloaded_bytes > 0
+    batched = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in batched] == [
+        o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)
+    ]
+    alone = llm.generate(PROMPTS[2], GREEDY)
+    assert (
+        alone[0].outputs[0].token_ids
+        == resident.generate(PROMPTS[2], GREEDY)[0].outputs[0].token_ids
+    )
+
+
+def test_seeded_sampling_is_reproducible(resident):
+    params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=11, max_tokens=10)
+    first = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
+    again = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
+    assert first == again
+    greedy = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)]
+    assert first != [g[:10] for g in greedy]  # it really sampled
+
+
+def test_stop_strings_max_tokens_and_n(resident):
+    [out] = resident.generate(
+        "1, 2, 3,", SamplingParams(temperature=0, stop=[", 6"], max_tokens=20)
+    )
+    assert out.outputs[0].text == " 4, 5" and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == ", 6"
+    [out] = resident.generate(
+        "1, 2, 3,",
+        SamplingParams(temperature=0, stop=[", 6"], max_tokens=20, include_stop_str_in_output=True),
+    )
+    assert out.outputs[0].text == " 4, 5, 6"
+    [out] = resident.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=5))
+    assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+    [out] = resident.generate("Hello", SamplingParams(temperature=1.0, seed=1, n=3, max_tokens=4))
+    assert [c.index for c in out.outputs] == [0, 1, 2] and len(
+        {tuple(c.token_ids) for c in out.outputs}
+    ) > 1
+
+
+def test_bad_requests_are_clear_errors(smollm2_path, resident):
+    with pytest.raises(ConfigError, match="one SamplingParams or one per prompt"):
+        resident.generate(PROMPTS, [GREEDY])
+    with pytest.raises(ConfigError, match="must have 1 to"):
+        LLM(smollm2_path, max_model_len=8).generate("word " * 20, GREEDY)
+    with pytest.raises(ConfigError, match="not both"):
+        LLM(smollm2_path, offload_config={"cpu_offload_gb": 1}, cpu_offload_gb=1)
+    with pytest.raises(ConfigError, match="max_model_len must be in"):
+        LLM(smollm2_path, max_model_len=10**9)
