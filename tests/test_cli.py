@@ -40,3 +40,97 @@ def test_bad_input_is_one_line_and_exit_2(argv, needle, smollm2_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert "Traceback" not in result.stderr
     assert lines[-1].startswith("offload: error: ") and needle in lines[-1]
+
+
+def test_generate_with_no_arguments_answers(capsys, smollm2_path):
+    assert main(["generate"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "The capital of France is Paris."
+    assert "tok/s" in out[-1] and "UVAOffloader" in out[-1] and "moved" in out[-1]
+
+
+def test_generate_prefetch_batch_and_stop(capsys, smollm2_path):
+    argv = [
+        "generate",
+        "--prompt",
+        "1, 2, 3,",
+        "--prompt",
+        "a, b, c,",
+        "--stop",
+        ", 6",
+        "--offload-group-size",
+        "2",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == " 4, 5" and "PrefetchOffloader" in out[-1]
+
+
+def test_inspect_reports_the_plan(capsys, smollm2_path):
+    assert (
+        main(
+            [
+                "inspect",
+                str(smollm2_path),
+                "--offload-group-size",
+                "8",
+                "--offload-num-in-group",
+                "2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "model.layers: 30 x LlamaDecoderLayer" in out
+    assert (
+        "prefetch would offload 81.0 MiB (54 parameters of 6 modules: model.layers.6, model.layers.7"
+        in out
+    )
+
+
+def _damaged(tmp_path, smollm2_path, damage):
+    import shutil
+
+    target = tmp_path / "model"
+    shutil.copytree(smollm2_path, target)
+    damage(target)
+    return str(target)
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (
+            lambda p: (p / "model.safetensors").write_bytes(b"garbage!" * 4),
+            "is not a valid safetensors file",
+        ),
+        (
+            lambda p: (p / "config.json").write_text('{"model_type": "nope"}'),
+            "unknown or unsupported architecture",
+        ),
+        (lambda p: (p / "model.safetensors").unlink(), "has no model.safetensors"),
+    ],
+)
+def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
+    result = _run("generate", "--model", _damaged(tmp_path, smollm2_path, damage))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert needle in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate", "--model", "/nonexistent"], "does not exist"),
+        (["generate", "--temperature", "-1"], "temperature must be in"),
+        (["generate", "--dtype", "int4"], "invalid choice: 'int4'"),
+        (["inspect", "/nonexistent"], "does not exist"),
+        (
+            ["generate", "--offload-group-size", "2", "--offload-num-in-group", "3"],
+            "must be <= offload_group_size",
+        ),
+    ],
+)
+def test_generate_and_inspect_bad_input(argv, needle):
+    result = _run(*argv)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert needle in result.stderr.strip().splitlines()[-1]

@@ -50,17 +50,21 @@ def prepare(
     layers: str | nn.Module | Iterable[nn.Module] | None = None,
     *,
     deferred: bool = False,
+    dry_run: bool = False,
 ) -> BaseOffloader:
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
-    device memory, and a loader then reads the checkpoint into them."""
+    device memory, and a loader then reads the checkpoint into them. With `dry_run`,
+    only the plan is made (the manifest), and nothing is allocated or hooked."""
     blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
     offloader = create_offloader(config, device=device)
-    offloader.deferred = deferred
+    offloader.deferred = deferred or dry_run
+    offloader.dry_run = dry_run
     offloader.name_modules(model)
     offloader.keep_resident(_params_outside(model, blocks))
     offloader.wrap_modules(iter(blocks))
-    _move_resident(model, offloader, device)
+    if not dry_run:
+        _move_resident(model, offloader, device)
     return offloader
 
 

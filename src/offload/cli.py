@@ -34,7 +34,42 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
     demo.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda")
     add_cli_args(demo)
+
+    generate = commands.add_parser(
+        "generate", help="generate text with offloading (default: SmolLM2)"
+    )
+    generate.add_argument("--model", help="a model directory with safetensors weights")
+    generate.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    generate.add_argument(
+        "--chat", action="store_true", help="apply the chat template to the prompts"
+    )
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--max-model-len", type=int)
+    generate.add_argument(
+        "--no-offload", action="store_true", help="keep every weight on the device"
+    )
+    _device_flags(generate)
+    add_cli_args(generate)
+
+    inspect = commands.add_parser(
+        "inspect", help="a model's layers and sizes, and what a config offloads"
+    )
+    inspect.add_argument("path", help="a model directory (config.json is enough)")
+    _device_flags(inspect)
+    add_cli_args(inspect)
     return parser
+
+
+def _device_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda")
+    parser.add_argument(
+        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16")
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,10 +77,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
+        from offload import commands as run
+
+        print(run.generate(args) if args.command == "generate" else run.inspect(args))
+        return 0
     except OffloadError as error:
         print(f"offload: error: {error}", file=sys.stderr)
-        return 2
-    return 1
+    except OSError as error:  # unreadable files, a tokenizer missing from the model folder
+        print(f"offload: error: {error.strerror or error}", file=sys.stderr)
+    return 2
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -26,7 +26,21 @@ class OffloadedParam:
     shape: tuple[int, ...]
     dtype: torch.dtype
     location: str  # where the bytes live now: "host-pinned" or "host"
-    access: str  # how compute reaches them: "zero-copy" or "copy-per-forward"
+    access: str  # how compute reaches them: "zero-copy", "copy-per-forward" or "prefetch"
+
+    @classmethod
+    def of(
+        cls, module: str, name: str, tensor: torch.Tensor, location: str, access: str
+    ) -> OffloadedParam:
+        return cls(
+            name=f"{module}.{name}",
+            module=module,
+            num_bytes=tensor.numel() * tensor.element_size(),
+            shape=tuple(tensor.shape),
+            dtype=tensor.dtype,
+            location=location,
+            access=access,
+        )
 
 
 def set_param_data(param: nn.Parameter, data: torch.Tensor) -> None:
@@ -54,6 +68,7 @@ class BaseOffloader(ABC):
         self._resident_param_ids: set[int] = set()
         self._host_views: dict[int, torch.Tensor] = {}
         self.deferred = False  # parameters may be on meta: a loader fills them in later
+        self.dry_run = False  # plan and record the manifest only: no memory, no hooks
 
     @abstractmethod
     def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:

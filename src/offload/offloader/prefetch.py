@@ -129,6 +129,8 @@ class PrefetchOffloader(BaseOffloader):
         self._layers = self._plan(modules)
         for position, layer in enumerate(self._layers):
             self._move_to_host(layer)
+            if self.dry_run:
+                continue
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
         return modules
@@ -137,30 +139,24 @@ class PrefetchOffloader(BaseOffloader):
         device = self.device or layer.params[0][1].device
         self.device = device
         pin = should_pin_memory(device, self.disable_pin_memory)
+        location = "host-pinned" if pin else "host"
+        if self.dry_run:
+            self._manifest += [
+                OffloadedParam.of(layer.name, n, p, location, "prefetch") for n, p in layer.params
+            ]
+            return
         layer.slab = HostSlab(layer.specs, pin_for=device if pin else None)
         for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
             if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
                 host.copy_(param.data)
-            set_param_data(
-                param, host
-            )  # frees the device copy now; the slot view comes in post_init
+            set_param_data(param, host)  # frees the device copy; the slot view comes in post_init
             self._host_views[id(param)] = host
-            self._manifest.append(
-                OffloadedParam(
-                    name=f"{layer.name}.{name}",
-                    module=layer.name,
-                    num_bytes=host.numel() * host.element_size(),
-                    shape=tuple(host.shape),
-                    dtype=host.dtype,
-                    location="host-pinned" if layer.slab.is_pinned else "host",
-                    access="prefetch",
-                )
-            )
+            self._manifest.append(OffloadedParam.of(layer.name, name, host, location, "prefetch"))
 
     def post_init(self) -> None:
         """Allocate the slots, point every offloaded parameter at its slot for good, and
         start loading the first layer of each slot."""
-        if not self._layers or self._slots:
+        if not self._layers or self._slots or self.dry_run:
             return
         self._engine = self._copy_engine_factory(self.device)
         self._table = SlotTable(len(self._layers), self.prefetch_step)

@@ -127,31 +127,30 @@ class UVAOffloader(BaseOffloader):
         params = dict(module.named_parameters())
         device = self.device or params[chosen[0]].device
         pin = should_pin_memory(device, self.disable_pin_memory)
-        slab = HostSlab(
-            [TensorSpec.of(params[n]) for n in chosen],
-            pin_for=device if pin else None,
-        )
-        zero_copy = zero_copy_available(device, slab.is_pinned, self.disable_uva)
         prefix = self.module_name(module, self._num_wrapped)
+        if self.dry_run:
+            access = (
+                "zero-copy"
+                if zero_copy_available(device, pin, self.disable_uva)
+                else "copy-per-forward"
+            )
+            location = "host-pinned" if pin else "host"
+            self._manifest += [
+                OffloadedParam.of(prefix, n, params[n], location, access) for n in chosen
+            ]
+            return
+        slab = HostSlab([TensorSpec.of(params[n]) for n in chosen], pin_for=device if pin else None)
+        zero_copy = zero_copy_available(device, slab.is_pinned, self.disable_uva)
+        location = "host-pinned" if slab.is_pinned else "host"
+        access = "zero-copy" if zero_copy else "copy-per-forward"
         for name, host in zip(chosen, slab.views, strict=True):
             param = params[name]
             if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
                 host.copy_(param.data)  # device (or CPU) -> slab; the old storage is freed below
-            set_param_data(
-                param, device_view(host, device) if zero_copy and device.type == "cuda" else host
-            )
+            view = device_view(host, device) if zero_copy and device.type == "cuda" else host
+            set_param_data(param, view)
             self._host_views[id(param)] = host
-            self._manifest.append(
-                OffloadedParam(
-                    name=f"{prefix}.{name}",
-                    module=prefix,
-                    num_bytes=host.numel() * host.element_size(),
-                    shape=tuple(host.shape),
-                    dtype=host.dtype,
-                    location="host-pinned" if slab.is_pinned else "host",
-                    access="zero-copy" if zero_copy else "copy-per-forward",
-                )
-            )
+            self._manifest.append(OffloadedParam.of(prefix, name, host, location, access))
         self._slabs.append(slab)
         if not zero_copy:
             mine = [p for p in module.parameters() if id(p) in self._host_views]

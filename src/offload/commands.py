@@ -1,0 +1,123 @@
+"""What `offload generate` and `offload inspect` do (the parsing is in `cli.py`)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from offload.api import prepare
+from offload.config import OffloadConfig, UVAOffloadConfig
+from offload.engine.llm import LLM
+from offload.engine.sampling import SamplingParams
+from offload.model.default import default_model_path
+from offload.model.layers import find_layer_stacks
+from offload.model.loader import build_empty
+
+QUESTION = "What is the capital of France?"
+_GIB = 1024**3
+
+
+def _bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def _size(num_bytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.1f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def whole_stack_config(path: Path, dtype: str) -> OffloadConfig:
+    """UVA offloading of every layer of the stack (what `generate` does with no flags)."""
+    model = build_empty(path, dtype)
+    layer_bytes = sum(_bytes(stack) for _, stack in find_layer_stacks(model))
+    return OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=layer_bytes / _GIB))
+
+
+def generate(args: argparse.Namespace) -> str:
+    path = Path(args.model) if args.model else default_model_path()
+    config = OffloadConfig.from_cli_args(args)
+    if config.selected_backend == "none" and not args.no_offload:
+        config = whole_stack_config(path, args.dtype)
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        offload_config=config,
+    )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+        max_tokens=args.max_tokens,
+    )
+    chat = args.chat or not args.prompt
+    prompts = args.prompt or [QUESTION]
+    before = llm.offloader.stats()
+    started = time.perf_counter()
+    if chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+    else:
+        outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - started
+    return "\n".join(
+        [*(o.outputs[0].text for o in outputs), _figures(llm, outputs, before, seconds)]
+    )
+
+
+def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
+    after = llm.offloader.stats()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    moved = (after.get("bytes_copied", 0) - before.get("bytes_copied", 0)) / max(tokens, 1)
+    stall = after.get("stall_s", 0.0) - before.get("stall_s", 0.0)
+    return (
+        f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s; "
+        f"offloaded {_size(llm.offloader.offloaded_bytes)} ({type(llm.offloader).__name__}); "
+        f"moved {_size(moved)}/token; stall {stall * 1e3:.0f} ms]"
+    )
+
+
+def inspect(args: argparse.Namespace) -> str:
+    path = Path(args.path)
+    model = build_empty(path, args.dtype)
+    total = _bytes(model)
+    lines = [
+        f"{path}: {type(model).__name__}, {_size(total)} of parameters ({next(model.parameters()).dtype})"
+    ]
+    for name, stack in find_layer_stacks(model):
+        sizes = [_bytes(block) for block in stack]
+        lines.append(
+            f"  {name}: {len(sizes)} x {type(stack[0]).__name__}, {_size(sum(sizes))} "
+            f"(largest layer {_size(max(sizes))})"
+        )
+    config = OffloadConfig.from_cli_args(args)
+    if config.selected_backend == "none":
+        lines.append(
+            "no offloading configured (add e.g. --cpu-offload-gb 4 or --offload-group-size 8)"
+        )
+        return "\n".join(lines)
+    offloader = prepare(model, config, torch.device(args.device), dry_run=True)
+    manifest = offloader.manifest()
+    modules = list(dict.fromkeys(e.module for e in manifest))
+    lines.append(
+        f"{config.selected_backend} would offload {_size(offloader.offloaded_bytes)} "
+        f"({len(manifest)} parameters of {len(modules)} modules: {_ranges(modules)}); "
+        f"{_size(total - offloader.offloaded_bytes)} stays on {args.device}"
+    )
+    if config.selected_backend == "prefetch":
+        per_layer = {m: sum(e.num_bytes for e in manifest if e.module == m) for m in modules}
+        slots = min(config.prefetch.offload_prefetch_step, len(modules))
+        lines.append(f"device staging: {slots} slot(s) of up to {_size(max(per_layer.values()))}")
+    return "\n".join(lines)
+
+
+def _ranges(modules: list[str]) -> str:
+    shown = ", ".join(modules[:4])
+    return shown + (f", ... {modules[-1]}" if len(modules) > 4 else "")
