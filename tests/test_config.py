@@ -275,3 +275,9 @@ def test_validate_catches_later_assignment():
     config.uva.cpu_offload_gb = -1
     with pytest.raises(ConfigError, match="cpu_offload_gb"):
         config.validate()
+
+
+def test_cpu_offload_gb_auto_is_kept_for_the_engine_to_resolve():
+    config = OffloadConfig.from_cli(["--cpu-offload-gb", "auto"])
+    assert config.uva.cpu_offload_gb == "auto" and config.selected_backend == "uva"
+    assert OffloadConfig.from_dict(config.to_dict()) == config

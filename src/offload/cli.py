@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--no-offload", action="store_true", help="keep every weight on the device"
     )
+    generate.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    generate.add_argument(
+        "--device-memory-gb", type=float, help="pretend the device has this much memory"
+    )
     _device_flags(generate)
     add_cli_args(generate)
 

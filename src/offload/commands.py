@@ -48,6 +48,8 @@ def generate(args: argparse.Namespace) -> str:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_memory_gb=args.device_memory_gb,
         offload_config=config,
     )
     params = SamplingParams(

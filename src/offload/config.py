@@ -82,11 +82,12 @@ class UVAOffloadConfig:
     does not.
     """
 
-    cpu_offload_gb: float = 0
+    cpu_offload_gb: float | Literal["auto"] = 0
     cpu_offload_params: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        self.cpu_offload_gb = _as_number("uva", "cpu_offload_gb", self.cpu_offload_gb, 0)
+        if self.cpu_offload_gb != "auto":  # "auto": the smallest amount that fits (see LLM)
+            self.cpu_offload_gb = _as_number("uva", "cpu_offload_gb", self.cpu_offload_gb, 0)
         self.cpu_offload_params = _as_segments("uva", "cpu_offload_params", self.cpu_offload_params)
 
 
@@ -165,7 +166,7 @@ class OffloadConfig:
 
     def _warn_about_ignored_fields(self) -> None:
         pre = self.prefetch
-        uva_active = self.uva.cpu_offload_gb > 0
+        uva_active = self.uva.cpu_offload_gb == "auto" or self.uva.cpu_offload_gb > 0
         prefetch_active = pre.offload_group_size > 0
         if self.offload_backend == "uva" and prefetch_active:
             message = "Prefetch offload fields are set but offload_backend='uva'. Prefetch settings will be ignored."
@@ -188,7 +189,7 @@ class OffloadConfig:
             return self.offload_backend
         if self.prefetch.offload_group_size > 0:
             return "prefetch"
-        if self.uva.cpu_offload_gb > 0:
+        if self.uva.cpu_offload_gb == "auto" or self.uva.cpu_offload_gb > 0:
             return "uva"
         return "none"
 
@@ -282,10 +283,21 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+def _gib_or_auto(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of GiB or 'auto', got {text!r}"
+        ) from None
+
+
 # (flag, dest, argparse keywords): vLLM's names, plus the two switches vLLM keeps in env vars.
 _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("--offload-backend", "offload_backend", {"choices": BACKENDS}),
-    ("--cpu-offload-gb", "cpu_offload_gb", {"type": float, "metavar": "GIB"}),
+    ("--cpu-offload-gb", "cpu_offload_gb", {"type": _gib_or_auto, "metavar": "GIB|auto"}),
     ("--cpu-offload-params", "cpu_offload_params", {"nargs": "+", "metavar": "SEG"}),
     ("--offload-group-size", "offload_group_size", {"type": int, "metavar": "N"}),
     ("--offload-num-in-group", "offload_num_in_group", {"type": int, "metavar": "N"}),

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from offload.api import prepare
 from offload.config import OffloadConfig
+from offload.engine.fit import MemoryNeeds, check_fit, device_budget, measure, smallest_offload_gb
 from offload.engine.sampling import SamplingParams, find_stop, make_generator, sample
 from offload.errors import ConfigError
 from offload.model.default import default_model_path
-from offload.model.loader import load_model
+from offload.model.loader import build_empty, load_model
+from offload.offloader.base import as_config
 
 
 @dataclass
@@ -66,6 +69,8 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "cpu",
         max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        device_memory_gb: float | None = None,
         seed: int = 0,
         load_format: str = "auto",
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
@@ -77,21 +82,27 @@ class LLM:
             raise ConfigError(
                 "pass offload settings either as offload_config or as flags, not both"
             )
-        config = (
-            offload_config if offload_config is not None else OffloadConfig.from_dict(offload_flags)
-        )
+        config = as_config(offload_config if offload_config is not None else offload_flags)
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
+            )
         path = Path(model) if model is not None else default_model_path()
-        self.model, self.offloader = load_model(
-            path, config, device=device, dtype=dtype, load_format=load_format
-        )
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.device = torch.device(device)
-        limit = getattr(self.model.config, "max_position_embeddings", None) or 2048
+        empty = build_empty(path, dtype)
+        limit = getattr(empty.config, "max_position_embeddings", None) or 2048
         if max_model_len is not None and not 0 < max_model_len <= limit:
             raise ConfigError(
                 f"max_model_len must be in [1, {limit}] for this model, got {max_model_len}"
             )
         self.max_model_len = max_model_len or limit
+        budget = device_budget(self.device, gpu_memory_utilization, device_memory_gb)
+        self.memory_needs = measure(empty, self.max_model_len)
+        config = _fit(empty, config, self.memory_needs, budget, self.device)
+        self.model, self.offloader = load_model(
+            path, config, device=device, dtype=dtype, load_format=load_format
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.seed = seed
         torch.manual_seed(seed)
 
@@ -223,6 +234,27 @@ class LLM:
         return self.tokenizer.decode(
             sequence.tokens, skip_special_tokens=sequence.params.skip_special_tokens
         )
+
+
+def _fit(empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device) -> OffloadConfig:
+    """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits."""
+    if config.uva.cpu_offload_gb == "auto":
+        smallest = smallest_offload_gb(needs, budget)
+        if smallest is None:
+            check_fit(needs, budget, needs.weights - needs.layer_stack)  # raises, with the numbers
+        config = replace(config, uva=replace(config.uva, cpu_offload_gb=smallest))
+    planned = (
+        prepare(empty, config, device, dry_run=True) if config.selected_backend != "none" else None
+    )
+    resident = needs.weights - (planned.offloaded_bytes if planned else 0)
+    if config.selected_backend == "prefetch" and planned.manifest():
+        per_layer: dict[str, int] = {}
+        for entry in planned.manifest():
+            per_layer[entry.module] = per_layer.get(entry.module, 0) + entry.num_bytes
+        slots = min(config.prefetch.offload_prefetch_step, len(per_layer))
+        resident += slots * max(per_layer.values())  # the device staging slots
+    check_fit(needs, budget, resident)
+    return config
 
 
 def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:

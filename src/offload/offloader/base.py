@@ -177,6 +177,11 @@ def create_offloader(
     if backend == "uva":
         from offload.offloader.uva import UVAOffloader
 
+        if config.uva.cpu_offload_gb == "auto":
+            raise ConfigError(
+                "cpu_offload_gb='auto' needs the model's size and the device budget: "
+                "use LLM(...) or 'offload generate', or give a number of GiB"
+            )
         return UVAOffloader(
             cpu_offload_max_bytes=int(config.uva.cpu_offload_gb * 1024**3),
             cpu_offload_params=config.uva.cpu_offload_params,

@@ -1,0 +1,130 @@
+"""Does the model fit? Device memory needed for weights, KV cache and activations,
+against the budget, before anything is loaded; and the smallest offload that fits."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from offload.errors import ModelError
+from offload.model.layers import find_layer_stacks
+
+_GIB = 1024**3
+_MARGIN_BYTES = 64 * 2**20  # allocator slack, small kernels' workspaces
+
+
+@dataclass(frozen=True)
+class MemoryNeeds:
+    """Device bytes a model needs to serve `max_model_len` tokens, by kind."""
+
+    weights: int
+    layer_stack: int  # the part of `weights` an offloader may move to host memory
+    largest_layer: int
+    kv_cache: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations + _MARGIN_BYTES
+
+
+def kv_cache_bytes(hf_config, max_model_len: int, dtype: torch.dtype, batch: int = 1) -> int:
+    """Keys and values of every layer for `max_model_len` tokens."""
+    layers = hf_config.num_hidden_layers
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    return 2 * layers * heads * head_dim * max_model_len * batch * _itemsize(dtype)
+
+
+def activation_bytes(hf_config, max_model_len: int, dtype: torch.dtype) -> int:
+    """A prefill of `max_model_len` tokens through one layer (hidden states, the MLP's
+    intermediate, attention scores of one head at a time) and the last token's logits."""
+    hidden = hf_config.hidden_size
+    intermediate = getattr(hf_config, "intermediate_size", 4 * hidden)
+    per_token = 4 * hidden + 3 * intermediate
+    scores = max_model_len * max_model_len
+    return (max_model_len * per_token + scores) * _itemsize(dtype) + hf_config.vocab_size * 4
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def measure(model: nn.Module, max_model_len: int) -> MemoryNeeds:
+    """The needs of a model built on the meta device (no weights read)."""
+    dtype = next(model.parameters()).dtype
+    stacks = [stack for _, stack in find_layer_stacks(model)]
+    layers = [
+        sum(p.numel() * p.element_size() for p in block.parameters()) for s in stacks for block in s
+    ]
+    return MemoryNeeds(
+        weights=sum(p.numel() * p.element_size() for p in model.parameters()),
+        layer_stack=sum(layers),
+        largest_layer=max(layers, default=0),
+        kv_cache=kv_cache_bytes(model.config, max_model_len, dtype),
+        activations=activation_bytes(model.config, max_model_len, dtype),
+    )
+
+
+def device_budget(
+    device: torch.device, gpu_memory_utilization: float, device_memory_gb: float | None
+) -> int:
+    """Bytes the model may use on `device`: `gpu_memory_utilization` of the device's
+    memory (`device_memory_gb` emulates a smaller device, e.g. on the CPU)."""
+    if device_memory_gb is not None:
+        total = device_memory_gb * _GIB
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        total = _host_memory_bytes()
+    return int(total * gpu_memory_utilization)
+
+
+def _host_memory_bytes() -> int:
+    with open("/proc/meminfo") as info:
+        for line in info:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    return 2**63
+
+
+def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:
+    """The smallest `cpu_offload_gb` that fits (0 if it fits already; None if even the
+    whole layer stack offloaded is not enough). Rounded up to 0.01 GiB."""
+    excess = needs.total - budget
+    if excess <= 0:
+        return 0.0
+    # The UVA budget check runs before each parameter, so up to one more parameter may go;
+    # asking for `excess` therefore offloads at least `excess`.
+    if excess > needs.layer_stack:
+        return None
+    return math.ceil(excess / _GIB * 100) / 100
+
+
+def check_fit(needs: MemoryNeeds, budget: int, resident_weights: int) -> None:
+    """Raise one clear message, with the numbers and the fix, if it does not fit."""
+    need = resident_weights + needs.kv_cache + needs.activations + _MARGIN_BYTES
+    if need <= budget:
+        return
+    numbers = (
+        f"needs {need / _GIB:.2f} GiB on the device (weights {resident_weights / _GIB:.2f}, "
+        f"KV cache {needs.kv_cache / _GIB:.2f}, activations {needs.activations / _GIB:.2f}) "
+        f"but the budget is {budget / _GIB:.2f} GiB"
+    )
+    smallest = smallest_offload_gb(needs, budget)
+    if smallest is None:
+        raise ModelError(
+            f"the model does not fit even with every layer offloaded: it {numbers}; "
+            "lower max_model_len or raise gpu_memory_utilization"
+        )
+    raise ModelError(
+        f"the model does not fit: it {numbers}; --cpu-offload-gb {smallest:.2f} (or "
+        f"cpu_offload_gb='auto') makes it fit, as would --offload-group-size 1 "
+        f"--offload-prefetch-step 2 if {2 * needs.largest_layer / _GIB:.2f} GiB of staging fits"
+    )
