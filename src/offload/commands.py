@@ -12,6 +12,7 @@ from offload.api import prepare
 from offload.config import OffloadConfig, UVAOffloadConfig
 from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
+from offload.model.configs import resolve
 from offload.model.default import default_model_path
 from offload.model.layers import find_layer_stacks
 from offload.model.loader import build_empty
@@ -87,7 +88,7 @@ def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
 
 
 def inspect(args: argparse.Namespace) -> str:
-    path = Path(args.path)
+    path = resolve(args.path)
     model = build_empty(path, args.dtype)
     total = _bytes(model)
     lines = [

@@ -22,6 +22,7 @@ from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk import CheckpointError, StoredTensor, read_header, read_into
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.model.configs import resolve
 from offload.offloader.base import BaseOffloader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,12 +105,13 @@ def load_model(
 ) -> tuple[nn.Module, BaseOffloader]:
     """Load a causal LM from a safetensors directory with `config`'s offloading already in
     place. `load_format="dummy"` (vLLM's name) fills random weights of the right shapes
-    instead, for benchmarks of large shapes without a checkpoint (only `config.json` is read)."""
+    instead, for benchmarks of large shapes without a checkpoint (only `config.json` is read;
+    `path` may also name a shipped config, e.g. "llama-3-8b": see `offload.model.configs`)."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
-    path = Path(path)
+    path = resolve(path) if load_format == "dummy" else Path(path)
     device = torch.device(device)
     model = build_empty(path, dtype)
     stored = {} if load_format == "dummy" else checkpoint_tensors(path)
