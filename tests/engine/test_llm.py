@@ -97,3 +97,10 @@ def test_bad_requests_are_clear_errors(smollm2_path, resident):
         LLM(smollm2_path, offload_config={"cpu_offload_gb": 1}, cpu_offload_gb=1)
     with pytest.raises(ConfigError, match="max_model_len must be in"):
         LLM(smollm2_path, max_model_len=10**9)
+
+
+def test_max_model_len_bounds_prompt_plus_output(smollm2_path):
+    llm = LLM(smollm2_path, max_model_len=12)
+    [out] = llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=100))
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 12
+    assert out.outputs[0].finish_reason == "length"

@@ -164,27 +164,31 @@ class LLM:
 
     @torch.inference_mode()
     def _decode(self, sequences: list[_Sequence]) -> None:
-        """All sequences as one left-padded batch: a prefill, then one token per step."""
-        from transformers import DynamicCache
+        """All sequences as one left-padded batch in a static KV cache (fixed shapes, the
+        shape CUDA-graph decode needs): a prefill, then one token per step."""
+        from transformers import StaticCache
 
         width = max(len(s.prompt_ids) for s in sequences)
+        length = min(self.max_model_len, width + max(s.params.max_tokens for s in sequences))
         pad = self.tokenizer.pad_token_id or 0
-        input_ids = torch.tensor(
-            [[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
-        )
+        rows = [[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
+        input_ids = torch.tensor(rows, device=self.device)  # [batch, width]
+        starts = torch.tensor([width - len(s.prompt_ids) for s in sequences], device=self.device)
+        columns = torch.arange(length, device=self.device)
         mask = (
-            torch.arange(width)[None, :]
-            >= (width - torch.tensor([len(s.prompt_ids) for s in sequences]))[:, None]
-        ).long()
-        input_ids, mask = input_ids.to(self.device), mask.to(self.device)  # [batch, seq]
-        cache = DynamicCache()
-        step_ids, positions = input_ids, (mask.cumsum(-1) - 1).clamp(min=0)
+            (columns[None, :] >= starts[:, None]) & (columns[None, :] < width)
+        ).long()  # [batch, length]
+        cache = StaticCache(config=self.model.config, max_cache_len=length)
+        step_ids, position = input_ids, width
+        positions = (columns[None, :width] - starts[:, None]).clamp(min=0)  # [batch, width]
+        cache_position = columns[:width]
         while True:
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=mask,
                 position_ids=positions,
                 past_key_values=cache,
+                cache_position=cache_position,
                 use_cache=True,
                 logits_to_keep=1,
             )
@@ -194,12 +198,14 @@ class LLM:
             for sequence, token in zip(sequences, tokens.tolist(), strict=True):
                 if sequence.finish_reason is None:
                     self._append(sequence, token)
-            length = mask.shape[1] + 1
-            if all(s.finish_reason is not None for s in sequences) or length >= self.max_model_len:
+            # `position` is where the newest token goes; the text so far is position + 1 long.
+            if all(s.finish_reason is not None for s in sequences) or position + 1 >= length:
                 break
             step_ids = tokens[:, None]
             positions = positions[:, -1:] + 1
-            mask = torch.cat([mask, mask.new_ones(len(sequences), 1)], dim=1)
+            cache_position = columns[position : position + 1]
+            mask[:, position] = 1
+            position += 1
         for sequence in sequences:
             if sequence.finish_reason is None:
                 sequence.finish_reason = "length"
