@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 
 import offload
-from offload.demo import load_model
+from offload.demo import load_pretrained
 from offload.memory.copy_engine import make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.model.layers import find_layers
@@ -77,7 +77,7 @@ def main() -> None:
     setups = {}
     reference = None
     for name, config in RUNS.items():
-        model, tokenizer = load_model(None)
+        model, tokenizer = load_pretrained(None)
         inputs = tokenizer.apply_chat_template(
             [{"role": "user", "content": PROMPT}],
             add_generation_prompt=True,

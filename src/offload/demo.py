@@ -18,7 +18,7 @@ from offload.offloader.base import BaseOffloader
 _GIB = 1024**3
 
 
-def load_model(path: str | Path | None):
+def load_pretrained(path: str | Path | None):
     """A causal LM and its tokenizer from a safetensors directory (default model if None)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -55,7 +55,7 @@ def _whole_stack(model) -> OffloadConfig:
 def run_demo(
     model_path: str | None, prompt: str, max_tokens: int, device: str, config: OffloadConfig
 ) -> str:
-    model, tokenizer = load_model(model_path)
+    model, tokenizer = load_pretrained(model_path)
     model.to(device)
     resident_ids, resident_rate = greedy(model, tokenizer, prompt, max_tokens)
     if config.selected_backend == "none":

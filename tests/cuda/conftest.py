@@ -3,7 +3,7 @@ import gc
 import pytest
 import torch
 
-from offload.demo import greedy, load_model
+from offload.demo import greedy, load_pretrained
 
 QUESTION = "What is the capital of France?"
 
@@ -11,7 +11,7 @@ QUESTION = "What is the capital of France?"
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
     """SmolLM2 resident on the GPU: tokenizer, prompt ids, logits, greedy tokens."""
-    model, tokenizer = load_model(smollm2_path)
+    model, tokenizer = load_pretrained(smollm2_path)
     model.to("cuda")
     ids = tokenizer(QUESTION, return_tensors="pt").input_ids.to("cuda")
     with torch.no_grad():

@@ -6,7 +6,7 @@ import zoo
 from torch import nn
 
 import offload
-from offload.demo import greedy, load_model
+from offload.demo import greedy, load_pretrained
 from offload.memory.copy_engine import CudaCopyEngine
 
 pytestmark = pytest.mark.cuda
@@ -131,7 +131,7 @@ def test_cuda_graph_replays_the_copies():
 
 def test_smollm2_prefetch_exact_with_bounded_device_memory(smollm2_path, reference):
     tokenizer, ids, logits, tokens = reference
-    model, _ = load_model(smollm2_path)
+    model, _ = load_pretrained(smollm2_path)
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     offloader = offload.apply(

@@ -5,7 +5,7 @@ import torch
 import zoo
 
 import offload
-from offload.demo import greedy, load_model
+from offload.demo import greedy, load_pretrained
 from offload.memory.host import HostSlab, TensorSpec, device_view
 
 pytestmark = pytest.mark.cuda
@@ -42,7 +42,7 @@ def test_smollm2_offloaded_from_cpu_is_exact_without_a_device_spike(
     smollm2_path, reference, disable_uva
 ):
     tokenizer, ids, logits, tokens = reference
-    model, _ = load_model(smollm2_path)  # on the CPU
+    model, _ = load_pretrained(smollm2_path)  # on the CPU
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -69,7 +69,7 @@ def test_smollm2_offloaded_from_cpu_is_exact_without_a_device_spike(
 
 def test_offloading_a_model_already_on_the_gpu_frees_device_memory(smollm2_path, reference):
     _, ids, logits, _ = reference
-    model, _ = load_model(smollm2_path)
+    model, _ = load_pretrained(smollm2_path)
     model.to(CUDA)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()

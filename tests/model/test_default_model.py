@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import offload
-from offload.demo import greedy, load_model
+from offload.demo import greedy, load_pretrained
 from offload.errors import OffloadError
 from offload.model import default
 
@@ -16,7 +16,7 @@ QUESTION = "What is the capital of France?"
 
 @pytest.fixture(scope="module")
 def resident(smollm2_path):
-    model, tokenizer = load_model(smollm2_path)
+    model, tokenizer = load_pretrained(smollm2_path)
     tokens, _ = greedy(model, tokenizer, QUESTION, 12)
     ids = tokenizer(QUESTION, return_tensors="pt").input_ids
     with torch.no_grad():
@@ -51,7 +51,7 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_offloaded_smollm2_is_bitwise_equal(smollm2_path, resident, setting):
     tokenizer, tokens, ids, logits = resident
-    model, _ = load_model(smollm2_path)
+    model, _ = load_pretrained(smollm2_path)
     with warnings.catch_warnings():
         # Only mlp-only's budget is above what it can offload, and only it may warn.
         warnings.simplefilter("ignore" if setting == "mlp-only" else "error", UserWarning)
@@ -73,7 +73,7 @@ def test_offloaded_smollm2_is_bitwise_equal(smollm2_path, resident, setting):
     [("all-layers", 30), ("prefetch-all-layers", 30), ("prefetch-8-2-mlp", 6)],
 )
 def test_settings_cover_the_layers_they_say(smollm2_path, setting, num_layers):
-    model, _ = load_model(smollm2_path)
+    model, _ = load_pretrained(smollm2_path)
     offloader = offload.apply(model, SETTINGS[setting])
     assert len({e.module for e in offloader.manifest()}) == num_layers
 

@@ -14,7 +14,7 @@ import zoo
 from transformers import AutoModelForCausalLM
 
 from offload import ModelError
-from offload.demo import load_model as hf_load
+from offload.demo import load_pretrained as hf_load
 from offload.memory.disk import CheckpointError
 from offload.model.loader import load_model
 
