@@ -105,3 +105,8 @@ def layer_param_bytes(model: torch.nn.Module) -> int:
     from offload.model.layers import find_layers
 
     return sum(p.numel() * p.element_size() for m in find_layers(model) for p in m.parameters())
+
+
+def load_on_cpu(path) -> torch.nn.Module:
+    """A saved checkpoint through transformers' own loader, float32, on the CPU."""
+    return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
