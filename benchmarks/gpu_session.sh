@@ -11,6 +11,6 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -m pytest -m cuda tests/cuda -q -p no:cacheprovider 2>&1 | tee "$out/cuda-tests.log"
-python3 benchmarks/prefetch_step.py --device cuda --shape llama3-8b --seq 1 512 4096 --step 2 2>&1 | tee "$out/prefetch-step.log"
+python3 benchmarks/prefetch_step.py --device cuda --shape llama-3-8b --seq 1 512 4096 --step 2 2>&1 | tee "$out/prefetch-step.log"
 cp benchmarks/results/*-cuda-*.json "$out/" 2>/dev/null
 exit 0

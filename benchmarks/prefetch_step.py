@@ -1,8 +1,8 @@
 """Forward step time of a Llama-shaped model with dummy weights: resident vs prefetch with
 every decoder layer offloaded, against the bound max(compute, offloaded bytes / link).
 
-    python benchmarks/prefetch_step.py --device cuda --shape llama3-8b [--seq 1 512 4096]
-    python benchmarks/prefetch_step.py --device cpu --shape tiny      # smoke test
+    python benchmarks/prefetch_step.py --device cuda --shape llama-3-8b [--seq 1 512 4096]
+    python benchmarks/prefetch_step.py --device cpu --shape DIR --dtype float32   # smoke test, DIR/config.json small
 
 The link bandwidth is measured here, for a plain copy of one layer's bytes from an
 exact-size pinned buffer (the same buffers the offloader copies from) and, for
@@ -23,45 +23,20 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
 import offload
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
-
-SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),
-    "llama3-3b": dict(
-        hidden_size=3072,
-        intermediate_size=8192,
-        num_hidden_layers=28,
-        num_attention_heads=24,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    ),
-    "tiny": dict(
-        hidden_size=256,
-        intermediate_size=768,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-    ),
-}
+from offload.model.configs import resolve
 
 
 def build(shape: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """Random weights of the right shapes, made on the device (no checkpoint)."""
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192)
+    """Random weights of the right shapes, made on the device (no checkpoint). `shape` is
+    a shipped config (`offload.model.configs`, e.g. llama-3-8b) or a folder with a config.json."""
+    config = AutoConfig.from_pretrained(resolve(shape))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.to_empty(device=device)
@@ -106,7 +81,9 @@ def step_time(model, seq: int, device: torch.device, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    parser.add_argument(
+        "--shape", default="llama-3-8b", help="a shipped config name or a config folder"
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--seq", type=int, nargs="+", default=[1, 512, 4096])
     parser.add_argument("--step", type=int, default=2, help="offload_prefetch_step")
@@ -154,7 +131,7 @@ def main() -> None:
             f"{seconds / bound:>9.3f}{achieved:>11.1f}{achieved / link['slab']:>10.2f}"
         )
     path = common.save(
-        f"prefetch-step-{args.shape}",
+        f"prefetch-step-{Path(args.shape).name}",
         device,
         {
             "shape": args.shape,
