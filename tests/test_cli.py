@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 
@@ -66,6 +67,14 @@ def test_generate_prefetch_batch_and_stop(capsys, smollm2_path):
     assert out[0] == " 4, 5" and "PrefetchOffloader" in out[-1]
 
 
+def test_generate_with_the_kv_cache_in_host_memory(capsys, smollm2_path):
+    assert main(["generate", "--swap-space", "0.5", "--offload-group-size", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "The capital of France is Paris."
+    kv = re.search(r"KV cache ([\d.]+) (KiB|MiB)\)", out[-1])
+    assert kv and float(kv.group(1)) > 0, out[-1]
+
+
 def test_inspect_reports_the_plan(capsys, smollm2_path):
     assert (
         main(
@@ -128,6 +137,9 @@ def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
             ["generate", "--offload-group-size", "2", "--offload-num-in-group", "3"],
             "must be <= offload_group_size",
         ),
+        (["generate", "--swap-space", "1e6"], "swap_space=1e+06 GiB is not possible"),
+        (["generate", "--swap-space", "-2"], "swap_space=-2 GiB is not possible"),
+        (["generate", "--swap-space", "lots"], "invalid float value: 'lots'"),
     ],
 )
 def test_generate_and_inspect_bad_input(argv, needle):

@@ -57,6 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--device-memory-gb", type=float, help="pretend the device has this much memory"
     )
+    generate.add_argument(
+        "--swap-space",
+        type=float,
+        default=0,
+        help="GiB of host memory for the KV cache (> 0 keeps the KV cache in host memory)",
+    )
+    generate.add_argument(
+        "--kv-offload", action="store_true", help="keep the KV cache in host memory"
+    )
+    generate.add_argument(
+        "--no-progress", action="store_true", help="no progress bar while loading"
+    )
     _device_flags(generate)
     add_cli_args(generate)
 

@@ -111,3 +111,16 @@ def test_cli_auto(capsys, smollm2_path):
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "The capital of France is Paris." and "UVAOffloader" in out[-1]
+
+
+def test_kv_offload_lets_a_longer_context_fit(smollm2_path, resident_answer):
+    """At 4096 positions the KV cache (189 MB) does not fit the emulated device beside
+    the rest; in host memory, with two layers' worth of device slots, it does."""
+    budget = {"device_memory_gb": 0.45, "max_model_len": 4096, "cpu_offload_gb": 0.4}
+    with pytest.raises(ModelError, match=r"KV cache 0\.18, .*kv_offload=True"):
+        LLM(smollm2_path, **budget)
+    llm = LLM(smollm2_path, kv_offload=True, **budget)
+    assert (
+        llm.memory_needs.kv_cache == 2 * kv_cache_bytes(llm.model.config, 4096, torch.float32) // 30
+    )
+    assert llm.chat(QUESTION, GREEDY)[0].outputs[0].token_ids == resident_answer

@@ -13,6 +13,9 @@ OFFLOADS = {
     "uva-copy-per-forward": {"cpu_offload_gb": 0.1, "offload_config_disable_uva": True},
     "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
     "prefetch-4-1": {"offload_group_size": 4, "offload_num_in_group": 1},
+    "kv-cache": {"kv_offload": True},
+    "uva+kv-cache": {"cpu_offload_gb": 0.2, "swap_space": 0.5},
+    "prefetch+kv-cache": {"offload_group_size": 1, "offload_prefetch_step": 2, "swap_space": 1},
 }
 
 
@@ -48,7 +51,7 @@ def test_unbatched_greedy_matches_transformers_generate(resident):
 @pytest.mark.parametrize("setting", list(OFFLOADS))
 def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, resident, setting):
     llm = _llm(smollm2_path, setting)
-    assert llm.offloader.offloaded_bytes > 0
+    assert llm.offloader.offloaded_bytes > 0 or setting == "kv-cache"
     batched = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in batched] == [
         o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)
@@ -58,6 +61,8 @@ def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, resid
         alone[0].outputs[0].token_ids
         == resident.generate(PROMPTS[2], GREEDY)[0].outputs[0].token_ids
     )
+    if "kv" in setting:  # the cache went through host memory
+        assert llm.kv_stats["bytes_copied"] > 0 and llm.kv_stats["bytes_written_back"] > 0
 
 
 def test_seeded_sampling_is_reproducible(resident):
@@ -104,3 +109,35 @@ def test_max_model_len_bounds_prompt_plus_output(smollm2_path):
     [out] = llm.generate("1, 2, 3,", SamplingParams(temperature=0, max_tokens=100))
     assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 12
     assert out.outputs[0].finish_reason == "length"
+
+
+def test_kv_offload_sampling_is_reproducible(smollm2_path, resident):
+    params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=10)
+    llm = LLM(smollm2_path, kv_offload=True)
+    expected = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
+
+
+def test_swap_space_beyond_ram_is_refused_before_loading(smollm2_path, monkeypatch):
+    import offload.engine.llm as llm_module
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("read the model before refusing swap_space")
+
+    monkeypatch.setattr(llm_module, "build_empty", must_not_run)
+    with pytest.raises(ConfigError, match=r"swap_space=100000 GiB is not possible.*RAM available"):
+        LLM(smollm2_path, swap_space=100_000)
+    with pytest.raises(ConfigError, match="swap_space=-1 GiB is not possible"):
+        LLM(smollm2_path, swap_space=-1)
+    with pytest.raises(ConfigError, match="swap_space must be a number"):
+        LLM(smollm2_path, swap_space="lots")
+
+
+def test_a_batch_too_big_for_swap_space_is_refused_and_the_engine_still_works(smollm2_path):
+    llm = LLM(smollm2_path, swap_space=0.001)  # 1 MiB: 7 positions of 3 sequences
+    with pytest.raises(
+        ConfigError, match=r"needs 6\.7 MiB of host memory, more than swap_space \(1\.0 MiB\)"
+    ):
+        llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40))
+    [out] = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4))
+    assert len(out.outputs[0].token_ids) == 4

@@ -5,13 +5,13 @@ import warnings
 import pytest
 import torch
 import zoo
+from engines import SlowEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import offload
 from offload import ModelError
-from offload.memory.copy_engine import ThreadCopyEngine
 from offload.offloader.prefetch import PrefetchOffloader
 from offload.offloader.slots import offloaded_layer_indices
 
@@ -99,18 +99,6 @@ def test_greedy_and_logits_exact_across_architectures(arch):
     if expected_tokens is not None:
         assert torch.equal(zoo.greedy(model, ids), expected_tokens)
     assert offloader.stats()["bytes_copied"] > 0
-
-
-class SlowEngine(ThreadCopyEngine):
-    """Delays every copy: any read that is not ordered after its copy sees stale bytes."""
-
-    def __init__(self, delay_s=0.003, waits=True):
-        super().__init__(delay_s=delay_s)
-        self._waits = waits
-
-    def wait(self, ticket):
-        if self._waits:
-            super().wait(ticket)
 
 
 @pytest.mark.parametrize(("num_layers", "step"), [(5, 1), (5, 2), (6, 4), (4, 3)])

@@ -107,7 +107,9 @@ def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:
     return math.ceil(excess / _GIB * 100) / 100
 
 
-def check_fit(needs: MemoryNeeds, budget: int, resident_weights: int) -> None:
+def check_fit(
+    needs: MemoryNeeds, budget: int, resident_weights: int, kv_on_device: bool = True
+) -> None:
     """Raise one clear message, with the numbers and the fix, if it does not fit."""
     need = resident_weights + needs.kv_cache + needs.activations + _MARGIN_BYTES
     if need <= budget:
@@ -118,13 +120,19 @@ def check_fit(needs: MemoryNeeds, budget: int, resident_weights: int) -> None:
         f"but the budget is {budget / _GIB:.2f} GiB"
     )
     smallest = smallest_offload_gb(needs, budget)
+    kv_fix = (
+        "; the KV cache can also live in host memory (kv_offload=True or --swap-space)"
+        if kv_on_device and needs.kv_cache
+        else ""
+    )
     if smallest is None:
         raise ModelError(
             f"the model does not fit even with every layer offloaded: it {numbers}; "
-            "lower max_model_len or raise gpu_memory_utilization"
+            f"lower max_model_len or raise gpu_memory_utilization{kv_fix}"
         )
     raise ModelError(
         f"the model does not fit: it {numbers}; --cpu-offload-gb {smallest:.2f} (or "
         f"cpu_offload_gb='auto') makes it fit, as would --offload-group-size 1 "
-        f"--offload-prefetch-step 2 if {2 * needs.largest_layer / _GIB:.2f} GiB of staging fits"
+        f"--offload-prefetch-step 2 if {2 * needs.largest_layer / _GIB:.2f} GiB of staging "
+        f"fits{kv_fix}"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -12,6 +13,13 @@ import torch
 from offload.api import prepare
 from offload.config import OffloadConfig
 from offload.engine.fit import MemoryNeeds, check_fit, device_budget, measure, smallest_offload_gb
+from offload.engine.kv_cache import (
+    KV_SLOTS,
+    check_host_kv,
+    check_swap_space,
+    kv_shape_of,
+    static_cache,
+)
 from offload.engine.sampling import SamplingParams, find_stop, make_generator, sample
 from offload.errors import ConfigError
 from offload.model.default import default_model_path
@@ -42,6 +50,29 @@ class RequestOutput:
 
 
 @dataclass
+class _Batch:
+    """The sequences as one left-padded batch: prompts right-aligned at `width`."""
+
+    input_ids: torch.Tensor  # [batch, width]
+    starts: torch.Tensor  # [batch]: where each prompt begins
+    columns: torch.Tensor  # [length]
+    mask: torch.Tensor  # [batch, length]: 1 where a real token is
+    width: int
+    length: int  # prompt width plus the longest output, at most max_model_len
+
+    @classmethod
+    def of(cls, sequences, max_model_len: int, pad: int | None, device) -> _Batch:
+        width = max(len(s.prompt_ids) for s in sequences)
+        length = min(max_model_len, width + max(s.params.max_tokens for s in sequences))
+        rows = [[pad or 0] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
+        starts = torch.tensor([width - len(s.prompt_ids) for s in sequences], device=device)
+        columns = torch.arange(length, device=device)
+        mask = ((columns[None, :] >= starts[:, None]) & (columns[None, :] < width)).long()
+        input_ids = torch.tensor(rows, device=device)
+        return cls(input_ids, starts, columns, mask, width, length)
+
+
+@dataclass
 class _Sequence:
     prompt_ids: list[int]
     params: SamplingParams
@@ -60,6 +91,11 @@ class LLM:
     (`OffloadConfig` or dict) or by vLLM's keyword names: `cpu_offload_gb`,
     `cpu_offload_params`, `offload_backend`, `offload_group_size`,
     `offload_num_in_group`, `offload_prefetch_step`, `offload_params`.
+
+    The KV cache lives in host memory, layer by layer brought to the device ahead of
+    use, with `kv_offload=True` or `swap_space` > 0 (GiB of host memory it may take;
+    unlike vLLM's preemption swap space, which this engine has no use for, it holds the
+    cache itself). `device_memory_gb` emulates a smaller device.
     """
 
     def __init__(
@@ -71,8 +107,11 @@ class LLM:
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         device_memory_gb: float | None = None,
+        swap_space: float = 0,
+        kv_offload: bool = False,
         seed: int = 0,
         load_format: str = "auto",
+        progress: bool | None = None,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
@@ -87,6 +126,9 @@ class LLM:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
+        # Refused before anything is read or allocated.
+        self.swap_space_bytes = check_swap_space(swap_space)
+        self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
         path = Path(model) if model is not None else default_model_path()
         self.device = torch.device(device)
         empty = build_empty(path, dtype)
@@ -98,11 +140,18 @@ class LLM:
         self.max_model_len = max_model_len or limit
         budget = device_budget(self.device, gpu_memory_utilization, device_memory_gb)
         self.memory_needs = measure(empty, self.max_model_len)
-        config = _fit(empty, config, self.memory_needs, budget, self.device)
+        if self.kv_offload:  # the device holds only the slots: two layers' keys and values
+            layers = empty.config.num_hidden_layers
+            slots = min(KV_SLOTS, layers) * self.memory_needs.kv_cache // layers
+            self.memory_needs = replace(self.memory_needs, kv_cache=slots)
+        config = _fit(empty, config, self.memory_needs, budget, self.device, self.kv_offload)
+        if progress is None:  # a bar for the load when someone watches
+            progress = sys.stderr.isatty()
         self.model, self.offloader = load_model(
-            path, config, device=device, dtype=dtype, load_format=load_format
+            path, config, device=device, dtype=dtype, load_format=load_format, progress=progress
         )
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.kv_stats: dict[str, int] = {}  # what the KV offload moved, summed over calls
         self.seed = seed
         torch.manual_seed(seed)
 
@@ -166,22 +215,35 @@ class LLM:
     def _decode(self, sequences: list[_Sequence]) -> None:
         """All sequences as one left-padded batch in a static KV cache (fixed shapes, the
         shape CUDA-graph decode needs): a prefill, then one token per step."""
-        from transformers import StaticCache
+        batch = _Batch.of(sequences, self.max_model_len, self.tokenizer.pad_token_id, self.device)
+        cache = self._make_cache(len(sequences), batch.length)
+        try:
+            self._decode_steps(sequences, batch, cache)
+        finally:
+            if cache.kv_offloader is not None:
+                cache.kv_offloader.close()
+                moved = cache.kv_offloader.stats()
+                for key in ("bytes_copied", "bytes_written_back", "num_copies"):
+                    self.kv_stats[key] = self.kv_stats.get(key, 0) + moved[key]
+        for sequence in sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "length"
 
-        width = max(len(s.prompt_ids) for s in sequences)
-        length = min(self.max_model_len, width + max(s.params.max_tokens for s in sequences))
-        pad = self.tokenizer.pad_token_id or 0
-        rows = [[pad] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
-        input_ids = torch.tensor(rows, device=self.device)  # [batch, width]
-        starts = torch.tensor([width - len(s.prompt_ids) for s in sequences], device=self.device)
-        columns = torch.arange(length, device=self.device)
-        mask = (
-            (columns[None, :] >= starts[:, None]) & (columns[None, :] < width)
-        ).long()  # [batch, length]
-        cache = StaticCache(config=self.model.config, max_cache_len=length)
-        step_ids, position = input_ids, width
-        positions = (columns[None, :width] - starts[:, None]).clamp(min=0)  # [batch, width]
-        cache_position = columns[:width]
+    def _make_cache(self, batch: int, length: int):
+        dtype = next(self.model.parameters()).dtype
+        if self.kv_offload:
+            shape = kv_shape_of(self.model.config, batch, length, dtype)
+            layers = self.model.config.num_hidden_layers
+            check_host_kv(shape, layers, self.swap_space_bytes)
+        return static_cache(
+            self.model.config, batch, length, dtype, self.device, offload=self.kv_offload
+        )
+
+    def _decode_steps(self, sequences: list[_Sequence], batch: _Batch, cache) -> None:
+        mask, columns, length = batch.mask, batch.columns, batch.length
+        step_ids, position = batch.input_ids, batch.width
+        positions = (columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
+        cache_position = columns[: batch.width]
         while True:
             out = self.model(
                 input_ids=step_ids,
@@ -206,9 +268,6 @@ class LLM:
             cache_position = columns[position : position + 1]
             mask[:, position] = 1
             position += 1
-        for sequence in sequences:
-            if sequence.finish_reason is None:
-                sequence.finish_reason = "length"
 
     def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[_Sequence]) -> None:
         eos = self.tokenizer.eos_token_id
@@ -242,12 +301,15 @@ class LLM:
         )
 
 
-def _fit(empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device) -> OffloadConfig:
+def _fit(
+    empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device, kv_offload: bool
+) -> OffloadConfig:
     """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits."""
     if config.uva.cpu_offload_gb == "auto":
         smallest = smallest_offload_gb(needs, budget)
         if smallest is None:
-            check_fit(needs, budget, needs.weights - needs.layer_stack)  # raises, with the numbers
+            # Raises, with the numbers.
+            check_fit(needs, budget, needs.weights - needs.layer_stack, not kv_offload)
         config = replace(config, uva=replace(config.uva, cpu_offload_gb=smallest))
     planned = (
         prepare(empty, config, device, dry_run=True) if config.selected_backend != "none" else None
@@ -259,7 +321,7 @@ def _fit(empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device) 
             per_layer[entry.module] = per_layer.get(entry.module, 0) + entry.num_bytes
         slots = min(config.prefetch.offload_prefetch_step, len(per_layer))
         resident += slots * max(per_layer.values())  # the device staging slots
-    check_fit(needs, budget, resident)
+    check_fit(needs, budget, resident, not kv_offload)
     return config
 
 

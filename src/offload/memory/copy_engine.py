@@ -136,7 +136,7 @@ def _advise_omp_wait_policy() -> None:
         return
     _advised = True
     _logger.warning(
-        "prefetch offloading on the CPU: start Python with OMP_WAIT_POLICY=PASSIVE so that "
+        "offloading with a copy thread on the CPU: start Python with OMP_WAIT_POLICY=PASSIVE so that "
         "OpenMP threads do not spin on the cores the copy thread needs"
     )
 

@@ -1,0 +1,364 @@
+"""The static KV cache for `LLM`: in device memory, or in host memory with a ring of
+device slots that each layer's keys and values are brought into just before use.
+
+Why not transformers' own `StaticCache(offloading=True)`: it copies every layer's whole
+cache (all `max_cache_len` positions) to the device and back to the host at every token,
+into new tensors each time (no CUDA graphs), and it needs CUDA. Here the host keeps the
+cache; a layer's slot is refilled with only the positions written so far, and only the
+new positions are written back. Layout, per layer: `[max_cache_len, row]`, a row being
+one position's keys then values for the whole batch, so that "the first L positions"
+is one contiguous byte range on both sides (one copy).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from offload.errors import ConfigError
+from offload.memory.copy_engine import CopyEngine, make_copy_engine
+from offload.memory.host import HostSlab, TensorSpec, device_view, should_pin_memory
+from offload.offloader.slots import SlotTable, slot_of
+
+_GIB = 1024**3
+_logger = logging.getLogger("offload")
+KV_SLOTS = 2  # device slots of the KV ring: the next layer arrives while one computes
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """One layer's keys and values: [batch, num_heads, max_cache_len, head_dim]."""
+
+    batch: int
+    num_heads: int
+    max_cache_len: int
+    k_head_dim: int
+    v_head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one position (keys, then values, of every sequence and head)."""
+        return self.batch * self.num_heads * (self.k_head_dim + self.v_head_dim)
+
+    @property
+    def layer_bytes(self) -> int:
+        return self.max_cache_len * self.row_elements * _itemsize(self.dtype)
+
+    def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as transformers wants them, [batch, heads, len, dim], viewed
+        over `rows` ([max_cache_len, row_elements]): no copy, fixed addresses."""
+        keys_width = self.batch * self.num_heads * self.k_head_dim
+        keys = rows[:, :keys_width].unflatten(1, (self.batch, self.num_heads, self.k_head_dim))
+        values = rows[:, keys_width:].unflatten(1, (self.batch, self.num_heads, self.v_head_dim))
+        return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
+
+
+def kv_shape_of(hf_config, batch: int, max_cache_len: int, dtype: torch.dtype) -> KVShape:
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = (
+        getattr(hf_config, "head_dim", None)
+        or hf_config.hidden_size // hf_config.num_attention_heads
+    )
+    return KVShape(batch, heads, max_cache_len, head_dim, head_dim, dtype)
+
+
+def available_ram_bytes() -> int:
+    """Host memory that can be had now without swapping (the kernel's MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
+    return pages * os.sysconf("SC_PAGE_SIZE") if pages > 0 else 2**63
+
+
+def check_swap_space(swap_space: float) -> int:
+    """`swap_space` GiB as bytes, refused (before anything is allocated) when negative
+    or larger than the RAM available now."""
+    if isinstance(swap_space, bool) or not isinstance(swap_space, int | float):
+        raise ConfigError(f"swap_space must be a number of GiB, got {swap_space!r}")
+    available = available_ram_bytes()
+    if not 0 <= swap_space * _GIB <= available:
+        raise ConfigError(
+            f"swap_space={swap_space:g} GiB is not possible: it must be between 0 and the "
+            f"{available / _GIB:.2f} GiB of RAM available now"
+        )
+    return int(swap_space * _GIB)
+
+
+def check_host_kv(shape: KVShape, num_layers: int, swap_space_bytes: int) -> None:
+    """Refuse, before allocating, a host KV cache larger than `swap_space` (when set) or
+    than the RAM available."""
+    need = shape.layer_bytes * num_layers
+    limit = swap_space_bytes or available_ram_bytes()
+    if need > limit:
+        what = "swap_space" if swap_space_bytes else "the RAM available"
+        raise ConfigError(
+            f"the KV cache for {shape.batch} sequence(s) of {shape.max_cache_len} positions "
+            f"needs {_size(need)} of host memory, more than {what} ({_size(limit)}); "
+            "lower max_tokens, max_model_len or the batch, or raise swap_space"
+        )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class KVOffloader:
+    """Host-resident keys and values of `num_layers` cache layers, a ring of `num_slots`
+    device slots, and the schedule that fills them.
+
+    Layers are numbered in the order their attention runs. Layer p always uses slot
+    p % num_slots, so its keys and values are permanent views of that slot (fixed
+    addresses, as a static cache needs). When layer p's `update` comes, the layer that
+    ran before it is done reading its slot, so that slot is refilled (copy engine, off
+    the compute path) with its next occupant: with two slots, the next layer's K/V
+    arrive while this layer computes. The slot ownership table is the weight prefetch
+    backend's, so skipped or repeated layers are loaded on demand, never read stale.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        shape: KVShape,
+        device: torch.device,
+        *,
+        num_slots: int = 2,
+        disable_pin_memory: bool = False,
+        copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
+    ):
+        if num_layers < 1 or num_slots < 1:
+            raise ConfigError(f"KV offload needs layers and slots, got {num_layers}, {num_slots}")
+        self.shape = shape
+        self.device = torch.device(device)
+        spec = TensorSpec((shape.max_cache_len, shape.row_elements), shape.dtype)
+        pin = self.device if should_pin_memory(self.device, disable_pin_memory) else None
+        self._host = [HostSlab([spec], pin_for=pin) for _ in range(num_layers)]
+        self.host_rows = [slab.views[0] for slab in self._host]  # [max_len, row] each
+        # Kernels write new positions straight into host memory (zero-copy) on CUDA, so
+        # the write-back needs no host-side position and can be captured in a graph.
+        self._host_writable = [self._writable(slab) for slab in self._host]
+        self._table = SlotTable(num_layers, num_slots)
+        self.slot_rows = [  # [max_len, row] each, on the device
+            torch.zeros(spec.shape, dtype=shape.dtype, device=self.device)
+            for _ in range(self._table.slots)
+        ]
+        self._tickets: list[object | None] = [None] * self._table.slots
+        self._engine = copy_engine_factory(self.device)
+        self._closed = False
+        self.lengths = [0] * num_layers  # positions written so far, per layer
+        self._last: int | None = None  # the layer that updated last (its slot is in use)
+        self.bytes_written_back = 0
+
+    def _writable(self, slab: HostSlab) -> torch.Tensor:
+        rows = slab.views[0]
+        if self.device.type == "cuda" and slab.is_pinned:
+            return device_view(rows, self.device)
+        return rows
+
+    # -- what a cache layer sees ----------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._host)
+
+    @property
+    def num_slots(self) -> int:
+        return self._table.slots
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(slab.num_bytes for slab in self._host)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(rows.numel() * rows.element_size() for rows in self.slot_rows)
+
+    def views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The permanent keys/values views ([batch, heads, len, dim]) of `layer`."""
+        return self.shape.split(self.slot_rows[slot_of(layer, self.num_slots)])
+
+    def before_update(self, layer: int) -> None:
+        """Refill the slot the previous layer used, then make sure `layer`'s slot holds
+        its keys and values before they are written and read."""
+        if self._last is not None:
+            self._refill_after(self._last)
+        slot = slot_of(layer, self.num_slots)
+        if self._table.before_run(layer):
+            # Its slot holds another layer (first forward, or a layer ran out of order).
+            self._tickets[slot] = self._load(layer, slot)
+        if self._tickets[slot] is not None:
+            # Compute waits until the copy into this slot has landed.
+            self._engine.wait(self._tickets[slot])
+            self._tickets[slot] = None
+
+    def after_update(self, layer: int, positions: torch.Tensor, count: int) -> None:
+        """`count` new positions (`positions`, on the device) were written into the
+        slot: write the same rows back to the host copy."""
+        self._write_back(layer, positions, count)
+        self.lengths[layer] += count
+        self.bytes_written_back += count * self.shape.row_elements * _itemsize(self.shape.dtype)
+        self._last = layer
+
+    def _write_back(self, layer: int, positions: torch.Tensor, count: int) -> None:
+        rows = self.slot_rows[slot_of(layer, self.num_slots)]
+        host = self._host_writable[layer]
+        if host.device == rows.device:
+            host.index_copy_(0, positions, rows.index_select(0, positions))
+        else:
+            # No zero-copy view (pinning disabled): an ordinary copy of the appended rows.
+            start = self.lengths[layer]
+            host[start : start + count].copy_(rows[start : start + count])
+
+    def _refill_after(self, layer: int) -> None:
+        following = self._table.after_run(layer)
+        if following is None:
+            return
+        slot = slot_of(following, self.num_slots)
+        # The copy waits until compute issued so far (the layer that read this slot) is done.
+        self._tickets[slot] = self._load(following, slot, after=self._engine.mark_released())
+
+    def _load(self, layer: int, slot: int, after: object = None) -> object | None:
+        count = self._copy_rows(layer)
+        if count == 0:
+            return None  # nothing written yet: nothing to bring
+        row_bytes = self.shape.row_elements * _itemsize(self.shape.dtype)
+        src = self._host[layer].buffer[: count * row_bytes]
+        dst = self.slot_rows[slot].view(-1).view(torch.uint8)[: count * row_bytes]
+        return self._engine.copy(dst, src, after=after)
+
+    def _copy_rows(self, layer: int) -> int:
+        """Positions to bring in: those written so far, or all of them inside a CUDA
+        graph capture (a replay must copy whatever has been written by then)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return self.shape.max_cache_len
+        return self.lengths[layer]
+
+    def close(self) -> None:
+        """Wait for every copy in flight, so the slots and host memory can be freed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def stats(self) -> dict[str, float | int]:
+        stats = self._engine.collect_stats().as_dict()
+        stats["bytes_written_back"] = self.bytes_written_back
+        stats["host_bytes"] = self.host_bytes
+        stats["device_bytes"] = self.device_bytes
+        return stats
+
+
+def static_cache(
+    hf_config,
+    batch: int,
+    max_cache_len: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    offload: bool = False,
+    num_slots: int = KV_SLOTS,
+    disable_pin_memory: bool = False,
+    copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
+):
+    """A transformers `StaticCache`; with `offload`, its full-attention layers keep their
+    keys and values in host memory (`cache.kv_offloader`, a `KVOffloader`), and only
+    `num_slots` layers' worth of device memory is used. Other layer kinds (sliding
+    windows, linear attention) are small and stay on the device."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=hf_config, max_cache_len=max_cache_len)
+    cache.kv_offloader = None
+    if not offload:
+        return cache
+    from transformers.cache_utils import StaticLayer
+
+    indices = [i for i, layer in enumerate(cache.layers) if type(layer) is StaticLayer]
+    if not indices:
+        _logger.warning(
+            "KV offload: this model's attention layers all use sliding windows, whose caches "
+            "are bounded by the window; the KV cache stays on the device"
+        )
+        return cache
+    shape = kv_shape_of(hf_config, batch, max_cache_len, dtype)
+    offloader = KVOffloader(
+        len(indices),
+        shape,
+        device,
+        num_slots=num_slots,
+        disable_pin_memory=disable_pin_memory,
+        copy_engine_factory=copy_engine_factory,
+    )
+    for position, index in enumerate(indices):
+        cache.layers[index] = _offloaded_layer(max_cache_len, offloader, position)
+    cache.kv_offloader = offloader
+    return cache
+
+
+def _offloaded_layer(max_cache_len: int, offloader: KVOffloader, position: int):
+    layer = _layer_class()(max_cache_len)
+    layer.offloader, layer.position = offloader, position
+    shape = offloader.shape
+    layer.dtype, layer.device = shape.dtype, offloader.device
+    layer.batch_size = layer.max_batch_size = shape.batch
+    layer.num_heads = shape.num_heads
+    layer.k_head_dim = layer.head_dim = shape.k_head_dim
+    layer.v_head_dim = shape.v_head_dim
+    layer.keys, layer.values = offloader.views(position)
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = layer.cumulative_length.to(offloader.device)
+    layer.is_initialized = True
+    return layer
+
+
+@functools.cache
+def _layer_class() -> type:
+    """Made on first use, so that importing offload does not import transformers."""
+    from transformers.cache_utils import StaticLayer
+
+    class OffloadedStaticLayer(StaticLayer):
+        """A `StaticLayer` whose keys and values are views of a device slot that a
+        `KVOffloader` fills from host memory before each update."""
+
+        offloader: KVOffloader
+        position: int
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            return None  # allocated up front, by the offloader
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            count = key_states.shape[-2]
+            cache_kwargs = kwargs.get("cache_kwargs", args[0] if args else None)
+            positions = (
+                cache_kwargs.get("cache_position") if isinstance(cache_kwargs, dict) else None
+            )
+            if positions is None:  # transformers >= 5.17 counts positions itself
+                start = getattr(self, "cumulative_length", self.offloader.lengths[self.position])
+                positions = torch.arange(count, device=self.device) + start
+            if hasattr(self, "cumulative_length"):
+                self.cumulative_length.add_(count)
+            self.offloader.before_update(self.position)
+            self.keys.index_copy_(2, positions, key_states)
+            self.values.index_copy_(2, positions, value_states)
+            self.offloader.after_update(self.position, positions, count)
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.offloader.lengths[self.position]
+
+    return OffloadedStaticLayer
