@@ -1,16 +1,40 @@
 #!/usr/bin/env bash
-# Everything a session with a GPU should run, in one device call (see the device tool's README):
-#   run(command="bash benchmarks/gpu_session.sh", timeout_s=600)
+# Everything a session with a GPU should run, in two device calls of under 10 minutes each
+# (see the device tool's README):
+#   run(command="bash benchmarks/gpu_session.sh tests", timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh bench", timeout_s=600)
 # The device image already has torch, transformers, accelerate, safetensors, pytest and
-# hypothesis; nothing needs carrying. SmolLM2's GGUF cannot travel (98 MB > 64 MiB), so the CUDA
-# tests use a seeded checkpoint of its shape there. Logs and result JSON come back in $OUT.
+# hypothesis; nothing needs carrying. SmolLM2's GGUF cannot travel (98 MB > 64 MiB), so the
+# CUDA tests and the LLM runs use a seeded checkpoint of its shape, with a word tokenizer
+# made locally (tests/zoo.py). Logs and result JSON come back in $OUT.
 set -uo pipefail
+part=${1:-all}
 out=${OUT:-/tmp/offload-gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
-python3 -m pytest -m cuda tests/cuda -q -p no:cacheprovider 2>&1 | tee "$out/cuda-tests.log"
-python3 benchmarks/prefetch_step.py --device cuda --shape llama-3-8b --seq 1 512 4096 --step 2 2>&1 | tee "$out/prefetch-step.log"
-cp benchmarks/results/*-cuda-*.json "$out/" 2>/dev/null
+
+if [[ $part == tests || $part == all ]]; then
+  python3 -m pytest -m cuda tests/cuda -q -p no:cacheprovider 2>&1 | tee "$out/cuda-tests.log"
+fi
+
+if [[ $part == bench || $part == all ]]; then
+  model=/tmp/smollm2-shape
+  python3 -c "import sys; sys.path.insert(0, 'tests'); import zoo; zoo.save_smollm2_shape('$model')"
+  prompt="t5 t6 t7 t8 t9 t10 t11 t12"
+  # Decode with CUDA graphs (the default) and eagerly: tokens/s and bytes moved per token.
+  for eager in "" "--enforce-eager"; do
+    for flags in "" "--kv-offload" "--offload-group-size 1 --offload-prefetch-step 2 --kv-offload"; do
+      echo "== generate $flags $eager" | tee -a "$out/generate.log"
+      offload generate --model "$model" --device cuda --prompt "$prompt" --max-tokens 256 \
+        --no-progress $flags $eager 2>&1 | tail -1 | tee -a "$out/generate.log"
+    done
+  done
+  python3 benchmarks/kv_cache.py --device cuda --model "$model" --batch 8 --prompt-tokens 1024 \
+    2>&1 | tee "$out/kv-cache.log"
+  python3 benchmarks/prefetch_step.py --device cuda --shape llama-3-8b --seq 1 512 4096 --step 2 \
+    2>&1 | tee "$out/prefetch-step.log"
+  cp benchmarks/results/*-cuda-*.json "$out/" 2>/dev/null
+fi
 exit 0

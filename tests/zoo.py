@@ -110,3 +110,34 @@ def layer_param_bytes(model: torch.nn.Module) -> int:
 def load_on_cpu(path) -> torch.nn.Module:
     """A saved checkpoint through transformers' own loader, float32, on the CPU."""
     return tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def save_smollm2_shape(path):
+    """A seeded, randomly initialised checkpoint of SmolLM2-135M's shape, with a
+    tokenizer made here, saved to `path` (where the real model cannot be had)."""
+    shape = tf.LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    tf.AutoModelForCausalLM.from_config(shape).save_pretrained(path)
+    _word_tokenizer(shape.vocab_size).save_pretrained(path)
+    return path
+
+
+def _word_tokenizer(vocab_size: int):
+    """One word per token, "t3" to "t<vocab-1>"; ids 0-2 are pad, bos and eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return tf.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--no-progress", action="store_true", help="no progress bar while loading"
     )
+    generate.add_argument(
+        "--enforce-eager", action="store_true", help="decode without CUDA graphs (GPU)"
+    )
     _device_flags(generate)
     add_cli_args(generate)
 

@@ -54,6 +54,7 @@ def generate(args: argparse.Namespace) -> str:
         device_memory_gb=args.device_memory_gb,
         swap_space=args.swap_space,
         kv_offload=args.kv_offload,
+        enforce_eager=args.enforce_eager,
         progress=not args.no_progress and sys.stderr.isatty(),
         offload_config=config,
     )
@@ -67,7 +68,7 @@ def generate(args: argparse.Namespace) -> str:
     )
     chat = args.chat or not args.prompt
     prompts = args.prompt or [QUESTION]
-    before = {**llm.offloader.stats(), **{f"kv_{k}": v for k, v in llm.kv_stats.items()}}
+    before = llm.transfer_stats()
     started = time.perf_counter()
     if chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
@@ -80,22 +81,24 @@ def generate(args: argparse.Namespace) -> str:
 
 
 def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
-    after = {**llm.offloader.stats(), **{f"kv_{k}": v for k, v in llm.kv_stats.items()}}
+    after = llm.transfer_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
 
     def per_token(*keys: str) -> float:
         return sum(after.get(k, 0) - before.get(k, 0) for k in keys) / max(tokens, 1)
 
-    weights = per_token("bytes_copied")
+    weights = per_token("weight_bytes_copied")
     kv = per_token("kv_bytes_copied", "kv_bytes_written_back")
-    stall = after.get("stall_s", 0.0) - before.get("stall_s", 0.0)
+    stall = after["stall_s"] - before["stall_s"]
+    replays = after["graph_replays"] - before["graph_replays"]
     moved = f"moved {_size(weights + kv)}/token"
     if llm.kv_offload:
         moved += f" (weights {_size(weights)}, KV cache {_size(kv)})"
     return (
         f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s; "
         f"offloaded {_size(llm.offloader.offloaded_bytes)} ({type(llm.offloader).__name__}); "
-        f"{moved}; stall {stall * 1e3:.0f} ms]"
+        f"{moved}; stall {stall * 1e3:.0f} ms; "
+        f"decode {f'in CUDA graphs ({replays} replays)' if replays else 'eager'}]"
     )
 
 

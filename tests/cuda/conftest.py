@@ -3,8 +3,7 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-from zoo import load_on_cpu
+from zoo import load_on_cpu, save_smollm2_shape
 
 
 @pytest.fixture(scope="session")
@@ -15,19 +14,7 @@ def checkpoint(tmp_path_factory):
         from offload.model.default import default_model_path
 
         return default_model_path()
-    shape = LlamaConfig(
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("smollm2-shape")
-    AutoModelForCausalLM.from_config(shape).save_pretrained(path)
-    return path
+    return save_smollm2_shape(tmp_path_factory.mktemp("smollm2-shape"))
 
 
 @pytest.fixture(scope="module")

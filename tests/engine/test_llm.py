@@ -62,7 +62,8 @@ def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, resid
         == resident.generate(PROMPTS[2], GREEDY)[0].outputs[0].token_ids
     )
     if "kv" in setting:  # the cache went through host memory
-        assert llm.kv_stats["bytes_copied"] > 0 and llm.kv_stats["bytes_written_back"] > 0
+        moved = llm.transfer_stats()
+        assert moved["kv_bytes_copied"] > 0 and moved["kv_bytes_written_back"] > 0
 
 
 def test_seeded_sampling_is_reproducible(resident):
@@ -141,3 +142,13 @@ def test_a_batch_too_big_for_swap_space_is_refused_and_the_engine_still_works(sm
         llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40))
     [out] = llm.generate("Hi", SamplingParams(temperature=0, max_tokens=4))
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_prompts_as_token_ids_or_dicts(resident):
+    ids = resident.tokenizer(PROMPTS[0]).input_ids
+    expected = resident.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
+    by_ids, by_dict = resident.generate([{"prompt_token_ids": ids}, {"prompt": PROMPTS[0]}], GREEDY)
+    assert by_ids.outputs[0].token_ids == expected and by_ids.prompt_token_ids == ids
+    assert by_dict.outputs[0].token_ids == expected and by_dict.prompt == PROMPTS[0]
+    with pytest.raises(ConfigError, match="a prompt must be a string"):
+        resident.generate([42], GREEDY)

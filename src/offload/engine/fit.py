@@ -81,6 +81,9 @@ def device_budget(
         total = device_memory_gb * _GIB
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
+        # A cap set with torch.cuda.set_per_process_memory_fraction is a smaller device.
+        get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+        total *= get_fraction(device) if get_fraction is not None else 1.0
     else:
         total = _host_memory_bytes()
     return int(total * gpu_memory_utilization)

@@ -161,6 +161,7 @@ class KVOffloader:
         self._closed = False
         self.lengths = [0] * num_layers  # positions written so far, per layer
         self._last: int | None = None  # the layer that updated last (its slot is in use)
+        self.capture_rows: int | None = None  # rows a CUDA graph copies (None: all)
         self.bytes_written_back = 0
 
     def _writable(self, slab: HostSlab) -> torch.Tensor:
@@ -244,8 +245,13 @@ class KVOffloader:
         """Positions to bring in: those written so far, or all of them inside a CUDA
         graph capture (a replay must copy whatever has been written by then)."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return self.shape.max_cache_len
+            return self.capture_rows or self.shape.max_cache_len
         return self.lengths[layer]
+
+    def synchronize(self) -> None:
+        """Compute waits for every copy issued so far (inside a capture: joins the copy
+        stream into the graph)."""
+        self._engine.synchronize()
 
     def close(self) -> None:
         """Wait for every copy in flight, so the slots and host memory can be freed."""

@@ -13,6 +13,7 @@ import torch
 from offload.api import prepare
 from offload.config import OffloadConfig
 from offload.engine.fit import MemoryNeeds, check_fit, device_budget, measure, smallest_offload_gb
+from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import (
     KV_SLOTS,
     check_host_kv,
@@ -112,6 +113,7 @@ class LLM:
         seed: int = 0,
         load_format: str = "auto",
         progress: bool | None = None,
+        enforce_eager: bool = False,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
@@ -151,7 +153,15 @@ class LLM:
             path, config, device=device, dtype=dtype, load_format=load_format, progress=progress
         )
         self.tokenizer = AutoTokenizer.from_pretrained(path)
-        self.kv_stats: dict[str, int] = {}  # what the KV offload moved, summed over calls
+        self._moved: dict[str, int] = {}  # KV and graph-replay bytes, summed over calls
+        # CUDA graphs for decode, as vLLM does unless enforce_eager; copies from unpinned
+        # memory or per-forward weight copies cannot be captured.
+        self._use_graphs = (
+            self.device.type == "cuda"
+            and not enforce_eager
+            and not config.disable_pin_memory
+            and not config.disable_uva
+        )
         self.seed = seed
         torch.manual_seed(seed)
 
@@ -159,13 +169,30 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt; one `RequestOutput` per prompt, in order."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        ids = [self.tokenizer(p).input_ids for p in prompts]
-        return self._generate(prompts, ids, sampling_params)
+        """Complete each prompt; one `RequestOutput` per prompt, in order. A prompt is a
+        string or, as in vLLM, {"prompt": str} or {"prompt_token_ids": [int, ...]}."""
+        if isinstance(prompts, str | Mapping):
+            prompts = [prompts]
+        texts, ids = [], []
+        for prompt in prompts:
+            if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+                texts.append(prompt.get("prompt"))
+                ids.append([int(token) for token in prompt["prompt_token_ids"]])
+            elif isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
+                texts.append(prompt["prompt"])
+                ids.append(self.tokenizer(prompt["prompt"]).input_ids)
+            elif isinstance(prompt, str):
+                texts.append(prompt)
+                ids.append(self.tokenizer(prompt).input_ids)
+            else:
+                raise ConfigError(
+                    "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
+                    f"got {type(prompt).__name__}"
+                )
+        return self._generate(texts, ids, sampling_params)
 
     def chat(
         self,
@@ -217,17 +244,46 @@ class LLM:
         shape CUDA-graph decode needs): a prefill, then one token per step."""
         batch = _Batch.of(sequences, self.max_model_len, self.tokenizer.pad_token_id, self.device)
         cache = self._make_cache(len(sequences), batch.length)
+        graphs = None
         try:
-            self._decode_steps(sequences, batch, cache)
+            graphs = self._decode_steps(sequences, batch, cache)
         finally:
-            if cache.kv_offloader is not None:
-                cache.kv_offloader.close()
-                moved = cache.kv_offloader.stats()
-                for key in ("bytes_copied", "bytes_written_back", "num_copies"):
-                    self.kv_stats[key] = self.kv_stats.get(key, 0) + moved[key]
+            self._count_moved(cache.kv_offloader, graphs)
         for sequence in sequences:
             if sequence.finish_reason is None:
                 sequence.finish_reason = "length"
+
+    def _count_moved(self, kv, graphs: DecodeGraphs | None) -> None:
+        """Add what this call moved to the running totals (graph replays included)."""
+        moved = {}
+        if kv is not None:
+            kv.close()
+            stats = kv.stats()
+            moved = {"kv_bytes_copied": stats["bytes_copied"]}
+            moved["kv_bytes_written_back"] = stats["bytes_written_back"]
+        if graphs is not None:
+            replayed = graphs.replayed_bytes
+            moved["kv_bytes_copied"] = moved.get("kv_bytes_copied", 0) + replayed["kv_copied"]
+            moved["kv_bytes_written_back"] = (
+                moved.get("kv_bytes_written_back", 0) + replayed["kv_written_back"]
+            )
+            moved["graph_weight_bytes"] = replayed["weights"]
+            moved["graph_replays"] = graphs.num_replays
+        for key, value in moved.items():
+            self._moved[key] = self._moved.get(key, 0) + value
+
+    def transfer_stats(self) -> dict[str, float]:
+        """Bytes moved so far, host to device and back (weights and KV cache, CUDA graph
+        replays included), and the time compute waited for weight copies."""
+        weights = self.offloader.stats()
+        return {
+            "weight_bytes_copied": weights.get("bytes_copied", 0)
+            + self._moved.get("graph_weight_bytes", 0),
+            "kv_bytes_copied": self._moved.get("kv_bytes_copied", 0),
+            "kv_bytes_written_back": self._moved.get("kv_bytes_written_back", 0),
+            "stall_s": weights.get("stall_s", 0.0),
+            "graph_replays": self._moved.get("graph_replays", 0),
+        }
 
     def _make_cache(self, batch: int, length: int):
         dtype = next(self.model.parameters()).dtype
@@ -239,34 +295,37 @@ class LLM:
             self.model.config, batch, length, dtype, self.device, offload=self.kv_offload
         )
 
-    def _decode_steps(self, sequences: list[_Sequence], batch: _Batch, cache) -> None:
-        mask, columns, length = batch.mask, batch.columns, batch.length
-        step_ids, position = batch.input_ids, batch.width
-        positions = (columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
-        cache_position = columns[: batch.width]
+    def _decode_steps(
+        self, sequences: list[_Sequence], batch: _Batch, cache
+    ) -> DecodeGraphs | None:
+        """The prefill, then one token per step: the first decode step eagerly (it also
+        warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`."""
+        positions = (batch.columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
+        out = self.model(
+            input_ids=batch.input_ids,
+            attention_mask=batch.mask,
+            position_ids=positions,
+            past_key_values=cache,
+            cache_position=batch.columns[: batch.width],
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]  # [batch, vocab]
+        step = DecodeStep(self.model, cache, batch.mask, positions)
+        graphs, position = None, batch.width  # where the newest token goes
         while True:
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=positions,
-                past_key_values=cache,
-                cache_position=cache_position,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits = out.logits[:, -1, :]  # [batch, vocab]
             self._suppress_early_eos(logits, sequences)
             tokens = sample(logits, [s.params for s in sequences], [s.generator for s in sequences])
             for sequence, token in zip(sequences, tokens.tolist(), strict=True):
                 if sequence.finish_reason is None:
                     self._append(sequence, token)
-            # `position` is where the newest token goes; the text so far is position + 1 long.
-            if all(s.finish_reason is not None for s in sequences) or position + 1 >= length:
-                break
-            step_ids = tokens[:, None]
-            positions = positions[:, -1:] + 1
-            cache_position = columns[position : position + 1]
-            mask[:, position] = 1
+            # The text so far is position + 1 long.
+            if all(s.finish_reason is not None for s in sequences) or position + 1 >= batch.length:
+                return graphs
+            step.prepare(tokens, position)
+            if graphs is None and self._use_graphs and position > batch.width:
+                graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
+            logits = graphs.run(position + 1) if graphs is not None else step()
             position += 1
 
     def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[_Sequence]) -> None:

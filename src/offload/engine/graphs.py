@@ -1,0 +1,143 @@
+"""The decode step as CUDA graphs: captured once per KV-copy length, then replayed for
+every token, with the weight and KV offloaders' copies inside the graph.
+
+A graph replays fixed work: the same kernels on the same addresses, copies of the same
+sizes. The static KV cache and the offloaders' slots give the fixed addresses; the step's
+inputs go through static buffers. What still varies is how many KV positions must be
+brought in for each layer; so a graph is captured per power-of-two bucket of positions
+and a step replays the smallest one that covers what has been written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from offload.engine.kv_cache import KVOffloader
+from offload.errors import OffloadError
+from offload.offloader.base import BaseOffloader
+
+_MIN_BUCKET = 64
+
+
+def kv_bucket(num_positions: int, max_positions: int) -> int:
+    """The KV rows a graph copies for a step that reads `num_positions`: the next power
+    of two (at least 64), never past the cache."""
+    bucket = _MIN_BUCKET
+    while bucket < num_positions:
+        bucket *= 2
+    return min(bucket, max_positions)
+
+
+class DecodeStep:
+    """A model's decode forward over static buffers: the token, position and cache
+    position of each step are copied in, and the attention mask is updated in place, so
+    the same addresses serve every step (what a CUDA graph replays)."""
+
+    def __init__(self, model: torch.nn.Module, cache, mask: torch.Tensor, positions: torch.Tensor):
+        batch = mask.shape[0]
+        self._model, self._cache = model, cache
+        self.mask = mask  # [batch, length]
+        self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=mask.device)
+        self.position_ids = positions[:, -1:].clone()  # [batch, 1]
+        self.cache_position = torch.zeros(1, dtype=torch.long, device=mask.device)
+
+    def prepare(self, tokens: torch.Tensor, position: int) -> None:
+        """Inputs of the step that writes cache position `position`."""
+        self.input_ids.copy_(tokens[:, None])
+        self.position_ids.add_(1)
+        self.cache_position.fill_(position)
+        self.mask[:, position] = 1
+
+    def __call__(self) -> torch.Tensor:
+        out = self._model(
+            input_ids=self.input_ids,
+            attention_mask=self.mask,
+            position_ids=self.position_ids,
+            past_key_values=self._cache,
+            cache_position=self.cache_position,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]  # [batch, vocab]
+
+
+class DecodeGraphs:
+    """Capture-on-first-use CUDA graphs of `step`, a function of static buffers that runs
+    one decode forward and returns its (static) logits.
+
+    Bytes the offloaders move inside a graph are counted once, at capture, by their
+    own counters; `replayed_bytes` adds what the replays moved, so figures stay true.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[], torch.Tensor],
+        offloader: BaseOffloader,
+        kv: KVOffloader | None,
+    ):
+        self._step = step
+        self._offloader = offloader
+        self._kv = kv
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, int]]] = {}
+        self._pool = None
+        self.num_replays = 0
+        self.replayed_bytes = {"weights": 0, "kv_copied": 0, "kv_written_back": 0}
+
+    def run(self, num_positions: int) -> torch.Tensor:
+        """One decode step reading `num_positions` cache positions: replay (capturing
+        first if needed) the graph of its bucket."""
+        rows = kv_bucket(num_positions, self._kv.shape.max_cache_len) if self._kv else 0
+        if rows not in self._graphs:
+            self._graphs[rows] = self._capture(rows)
+        graph, logits, moved = self._graphs[rows]
+        with self._around():
+            graph.replay()
+        self.num_replays += 1
+        for key, value in moved.items():
+            self.replayed_bytes[key] += value
+        return logits
+
+    @contextlib.contextmanager
+    def _around(self):
+        # Compute first waits for copies issued before (eager steps), and the copy
+        # streams are joined after, as for an eager forward.
+        if self._kv is not None:
+            self._kv.synchronize()
+        with self._offloader.graph_capture():
+            yield
+        if self._kv is not None:
+            self._kv.synchronize()
+
+    def _capture(self, rows: int):
+        graph = torch.cuda.CUDAGraph()
+        before = self._counters()
+        if self._kv is not None:
+            self._kv.capture_rows = rows
+            self._kv.synchronize()
+        try:
+            with self._offloader.graph_capture(graph, pool=self._pool):
+                logits = self._step()
+                if self._kv is not None:
+                    self._kv.synchronize()  # joins the KV copy stream into the capture
+        except RuntimeError as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise OffloadError(
+                f"capturing the decode step as a CUDA graph failed ({first_line}); "
+                "pass enforce_eager=True (--enforce-eager) to decode without graphs"
+            ) from error
+        self._pool = graph.pool()
+        after = self._counters()
+        moved = {key: after[key] - before[key] for key in after}
+        return graph, logits, moved
+
+    def _counters(self) -> dict[str, int]:
+        weights = self._offloader.stats().get("bytes_copied", 0)
+        kv = self._kv.stats() if self._kv is not None else {}
+        return {
+            "weights": weights,
+            "kv_copied": kv.get("bytes_copied", 0),
+            "kv_written_back": kv.get("bytes_written_back", 0),
+        }
