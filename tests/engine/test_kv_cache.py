@@ -180,3 +180,12 @@ def test_any_update_order_sees_its_own_rows(num_layers, num_slots, order):
         written[layer].append(row)
         kv.after_update(layer, torch.tensor([count]), 1)
     kv.close()
+
+
+def test_graph_buckets_cover_the_written_rows():
+    from offload.engine.graphs import kv_bucket
+
+    assert [kv_bucket(n, 1000) for n in (1, 64, 65, 128, 129, 600, 999)] == [
+        64, 64, 128, 128, 256, 1000, 1000,
+    ]  # fmt: skip
+    assert kv_bucket(70, 80) == 80  # never past the cache

@@ -11,12 +11,14 @@ Nothing here blocks the host on CUDA: the waits are stream waits.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import time
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -176,14 +178,15 @@ class CudaCopyEngine(CopyEngine):
         if start is not None:
             self._timed.append(("copy", start, done))
             self._drain(block=False)
-        return _CudaTicket(done, capturing)
+        return _CudaTicket(done, _capture_number if capturing else None)
 
     def wait(self, ticket: _CudaTicket) -> None:
         compute = torch.cuda.current_stream(self.device)
         capturing = torch.cuda.is_current_stream_capturing()
-        if capturing and not ticket.in_capture:
-            # Issued before the capture began: graph_capture's sync_prev_onload already
-            # ordered it, and an event from outside a capture cannot be waited on inside.
+        if capturing and ticket.capture != _capture_number:
+            # Issued before this capture began (eagerly, or inside an earlier capture that
+            # its replays run in stream order): the capture starts after a device sync, and
+            # an event from outside a capture cannot be waited on inside it.
             return
         before = None if capturing else _timing_event(compute)
         # The compute stream waits until the slot holds this layer's weights.
@@ -227,7 +230,7 @@ class CudaCopyEngine(CopyEngine):
 @dataclass(frozen=True)
 class _CudaTicket:
     event: torch.cuda.Event
-    in_capture: bool
+    capture: int | None  # the capture it was issued in (None: issued eagerly)
 
 
 def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -236,9 +239,16 @@ def _timing_event(stream: torch.cuda.Stream) -> torch.cuda.Event:
     return event
 
 
-def capture(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Any:
+_capture_number = 0  # counts captures, so a ticket knows which capture it belongs to
+
+
+@contextlib.contextmanager
+def capture(graph: torch.cuda.CUDAGraph, **kwargs: Any) -> Iterator[None]:
     """The context that captures CUDA work into `graph` (torch's, with its keywords)."""
-    return torch.cuda.graph(graph, **kwargs)
+    global _capture_number
+    _capture_number += 1
+    with torch.cuda.graph(graph, **kwargs):
+        yield
 
 
 def make_copy_engine(device: torch.device, delay_s: float = 0.0) -> CopyEngine:
