@@ -217,10 +217,13 @@ class KVOffloader:
     def _write_back(self, layer: int, positions: torch.Tensor, count: int) -> None:
         rows = self.slot_rows[slot_of(layer, self.num_slots)]
         host = self._host_writable[layer]
-        if host.device == rows.device:
+        if host.device.type == "cuda":
+            # A kernel writes the rows through the zero-copy view: the positions stay on the
+            # device, so a CUDA graph replays it for whatever step it is.
             host.index_copy_(0, positions, rows.index_select(0, positions))
         else:
-            # No zero-copy view (pinning disabled): an ordinary copy of the appended rows.
+            # Host memory (the CPU, or pinning disabled): the rows were appended after the
+            # `lengths[layer]` written so far; one slice copy is cheapest.
             start = self.lengths[layer]
             host[start : start + count].copy_(rows[start : start + count])
 
