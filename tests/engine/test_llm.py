@@ -1,5 +1,7 @@
 """LLM.generate / chat on the real SmolLM2, with and without offloading."""
 
+import re
+
 import pytest
 import torch
 
@@ -152,3 +154,12 @@ def test_prompts_as_token_ids_or_dicts(resident):
     assert by_dict.outputs[0].token_ids == expected and by_dict.prompt == PROMPTS[0]
     with pytest.raises(ConfigError, match="a prompt must be a string"):
         resident.generate([42], GREEDY)
+
+
+def test_the_load_shows_progress_in_bytes(smollm2_path, capsys):
+    LLM(smollm2_path, progress=True)
+    bar = capsys.readouterr().err
+    assert "Loading weights" in bar and "100%" in bar
+    assert re.search(r"100%.*\b(\d+)M/\1M\b", bar)  # bytes (MiB), not tensors
+    LLM(smollm2_path, progress=False)
+    assert "Loading weights" not in capsys.readouterr().err

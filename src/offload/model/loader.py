@@ -163,12 +163,17 @@ def _fill(model, offloader, targets, device: torch.device, progress: bool) -> No
     largest = max((e.num_bytes for e in targets.values() if e is not None), default=0)
     staging = _Staging(largest, device)
     generator = torch.Generator().manual_seed(0)
-    items = targets.items()
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        items = tqdm(items, desc="Loading weights", unit="tensor")
-    for name, entry in items:
+        total = sum(e.num_bytes for e in targets.values() if e is not None)
+        bar = tqdm(
+            total=total, desc="Loading weights", unit="B", unit_scale=True, unit_divisor=1024
+        )
+    for name, entry in targets.items():
+        if bar is not None and entry is not None:
+            bar.update(entry.num_bytes)
         tensor = tensors[name]
         host = offloader.host_view(tensor)
         destination = host if host is not None else tensor.data
@@ -182,6 +187,8 @@ def _fill(model, offloader, targets, device: torch.device, progress: bool) -> No
             read_into(entry, destination)  # file -> final host memory, nothing in between
         else:
             destination.copy_(staging.read(entry))  # file -> staging -> device, casting if needed
+    if bar is not None:
+        bar.close()
 
 
 class _Staging:
