@@ -27,7 +27,7 @@ if [[ $part == bench || $part == all ]]; then
   for eager in "" "--enforce-eager"; do
     for flags in "" "--kv-offload" "--offload-group-size 1 --offload-prefetch-step 2 --kv-offload"; do
       echo "== generate $flags $eager" | tee -a "$out/generate.log"
-      offload generate --model "$model" --device cuda --prompt "$prompt" --max-tokens 256 \
+      python3 -m offload.cli generate --model "$model" --device cuda --prompt "$prompt" --max-tokens 256 \
         --no-progress $flags $eager 2>&1 | tail -1 | tee -a "$out/generate.log"
     done
   done
