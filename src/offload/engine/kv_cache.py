@@ -95,6 +95,18 @@ def check_swap_space(swap_space: float) -> int:
     return int(swap_space * _GIB)
 
 
+def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
+    """Refuse, before loading, a `swap_space` that fits in RAM only without the weights
+    that offloading will put there too."""
+    available = available_ram_bytes()
+    if swap_space_bytes and swap_space_bytes + offloaded_weight_bytes > available:
+        raise ConfigError(
+            f"swap_space={swap_space_bytes / _GIB:g} GiB plus the "
+            f"{offloaded_weight_bytes / _GIB:.2f} GiB of offloaded weights is more than the "
+            f"{available / _GIB:.2f} GiB of RAM available now; lower swap_space or offload less"
+        )
+
+
 def check_host_kv(shape: KVShape, num_layers: int, swap_space_bytes: int) -> None:
     """Refuse, before allocating, a host KV cache larger than `swap_space` (when set) or
     than the RAM available."""

@@ -17,6 +17,7 @@ from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import (
     KV_SLOTS,
     check_host_kv,
+    check_host_room,
     check_swap_space,
     kv_shape_of,
     static_cache,
@@ -146,7 +147,10 @@ class LLM:
             layers = empty.config.num_hidden_layers
             slots = min(KV_SLOTS, layers) * self.memory_needs.kv_cache // layers
             self.memory_needs = replace(self.memory_needs, kv_cache=slots)
-        config = _fit(empty, config, self.memory_needs, budget, self.device, self.kv_offload)
+        config, offloaded = _fit(
+            empty, config, self.memory_needs, budget, self.device, self.kv_offload
+        )
+        check_host_room(self.swap_space_bytes, offloaded)
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
         self.model, self.offloader = load_model(
@@ -362,8 +366,9 @@ class LLM:
 
 def _fit(
     empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device, kv_offload: bool
-) -> OffloadConfig:
-    """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits."""
+) -> tuple[OffloadConfig, int]:
+    """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits; the
+    config and the bytes it moves to host memory."""
     if config.uva.cpu_offload_gb == "auto":
         smallest = smallest_offload_gb(needs, budget)
         if smallest is None:
@@ -381,7 +386,7 @@ def _fit(
         slots = min(config.prefetch.offload_prefetch_step, len(per_layer))
         resident += slots * max(per_layer.values())  # the device staging slots
     check_fit(needs, budget, resident, not kv_offload)
-    return config
+    return config, planned.offloaded_bytes if planned else 0
 
 
 def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
