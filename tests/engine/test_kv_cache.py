@@ -189,3 +189,22 @@ def test_graph_buckets_cover_the_written_rows():
         64, 64, 128, 128, 256, 1000, 1000,
     ]  # fmt: skip
     assert kv_bucket(70, 80) == 80  # never past the cache
+
+
+def test_mixed_sliding_and_full_layers():
+    """Gemma 2 alternates sliding-window and full layers: the full ones go to the host,
+    the sliding ones (window 4, shorter than the text) keep their ring on the device."""
+    import transformers as tf
+
+    config = tf.Gemma2Config(
+        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids = zoo.inputs()
+    expected, _ = decode(model, ids, 5, offload=False)
+    got, kv = decode(model, ids, 5, offload=True)
+    assert equal(got, expected)
+    assert kv.num_layers == 2 and kv.stats()["bytes_copied"] > 0
