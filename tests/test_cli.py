@@ -91,6 +91,8 @@ def test_inspect_reports_the_plan(capsys, smollm2_path):
     )
     out = capsys.readouterr().out
     assert "model.layers: 30 x LlamaDecoderLayer" in out
+    # 2 (K, V) x 30 layers x 3 KV heads x 64 dims x 4 bytes; 8192 positions.
+    assert "KV cache: 45.0 KiB per position per sequence, 360.0 MiB for 8192 positions" in out
     assert (
         "prefetch would offload 81.0 MiB (54 parameters of 6 modules: model.layers.6, model.layers.7"
         in out

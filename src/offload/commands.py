@@ -11,6 +11,7 @@ import torch
 
 from offload.api import prepare
 from offload.config import OffloadConfig, UVAOffloadConfig
+from offload.engine.fit import kv_cache_bytes
 from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
 from offload.model.configs import resolve
@@ -115,6 +116,14 @@ def inspect(args: argparse.Namespace) -> str:
             f"  {name}: {len(sizes)} x {type(stack[0]).__name__}, {_size(sum(sizes))} "
             f"(largest layer {_size(max(sizes))})"
         )
+    dtype = next(model.parameters()).dtype
+    per_position = kv_cache_bytes(model.config, 1, dtype)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    lines.append(
+        f"  KV cache: {_size(per_position)} per position per sequence"
+        + (f", {_size(per_position * limit)} for {limit} positions" if limit else "")
+        + " (--kv-offload / --swap-space keeps it in host memory)"
+    )
     config = OffloadConfig.from_cli_args(args)
     if config.selected_backend == "none":
         lines.append(
