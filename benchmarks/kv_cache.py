@@ -273,7 +273,7 @@ def main() -> None:
     if HF in tokens_equal:
         same = "equal" if tokens_equal[HF] else "DIFFERENT"
         print(f"{HF}: greedy tokens {same} to ours")
-    per_position = shape.row_elements * shape.dtype.itemsize
+    per_position = shape.row_bytes
     print(
         f"host cache: {kv_per_step['bytes_copied'] / 2**20:.2f} MiB brought in + "
         f"{kv_per_step['bytes_written_back'] / 2**20:.3f} MiB written back per step (one "

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from offload.errors import ModelError
+from offload.memory.host import meminfo_bytes
 from offload.model.layers import find_layer_stacks
 
 _GIB = 1024**3
@@ -39,7 +40,7 @@ def kv_cache_bytes(hf_config, max_model_len: int, dtype: torch.dtype, batch: int
         getattr(hf_config, "head_dim", None)
         or hf_config.hidden_size // hf_config.num_attention_heads
     )
-    return 2 * layers * heads * head_dim * max_model_len * batch * _itemsize(dtype)
+    return 2 * layers * heads * head_dim * max_model_len * batch * dtype.itemsize
 
 
 def activation_bytes(hf_config, max_model_len: int, dtype: torch.dtype) -> int:
@@ -49,11 +50,7 @@ def activation_bytes(hf_config, max_model_len: int, dtype: torch.dtype) -> int:
     intermediate = getattr(hf_config, "intermediate_size", 4 * hidden)
     per_token = 4 * hidden + 3 * intermediate
     scores = max_model_len * max_model_len
-    return (max_model_len * per_token + scores) * _itemsize(dtype) + hf_config.vocab_size * 4
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return (max_model_len * per_token + scores) * dtype.itemsize + hf_config.vocab_size * 4
 
 
 def measure(model: nn.Module, max_model_len: int) -> MemoryNeeds:
@@ -85,16 +82,8 @@ def device_budget(
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
         total *= get_fraction(device) if get_fraction is not None else 1.0
     else:
-        total = _host_memory_bytes()
+        total = meminfo_bytes("MemTotal") or 2**63
     return int(total * gpu_memory_utilization)
-
-
-def _host_memory_bytes() -> int:
-    with open("/proc/meminfo") as info:
-        for line in info:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 2**63
 
 
 def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:

@@ -102,14 +102,12 @@ class DecodeGraphs:
 
     @contextlib.contextmanager
     def _around(self):
-        # Compute first waits for copies issued before (eager steps), and the copy
-        # streams are joined after, as for an eager forward.
+        # Compute first waits for copies issued before (by eager steps). The graph's own
+        # KV copies were joined into it at capture, so nothing is left to join after.
         if self._kv is not None:
             self._kv.synchronize()
         with self._offloader.graph_capture():
             yield
-        if self._kv is not None:
-            self._kv.synchronize()
 
     def _capture(self, rows: int):
         graph = torch.cuda.CUDAGraph()

@@ -22,7 +22,13 @@ import torch
 
 from offload.errors import ConfigError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
-from offload.memory.host import HostSlab, TensorSpec, device_view, should_pin_memory
+from offload.memory.host import (
+    HostSlab,
+    TensorSpec,
+    device_view,
+    meminfo_bytes,
+    should_pin_memory,
+)
 from offload.offloader.slots import SlotTable, slot_of
 
 _GIB = 1024**3
@@ -47,8 +53,12 @@ class KVShape:
         return self.batch * self.num_heads * (self.k_head_dim + self.v_head_dim)
 
     @property
+    def row_bytes(self) -> int:
+        return self.row_elements * self.dtype.itemsize
+
+    @property
     def layer_bytes(self) -> int:
-        return self.max_cache_len * self.row_elements * _itemsize(self.dtype)
+        return self.max_cache_len * self.row_bytes
 
     def split(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as transformers wants them, [batch, heads, len, dim], viewed
@@ -70,15 +80,10 @@ def kv_shape_of(hf_config, batch: int, max_cache_len: int, dtype: torch.dtype) -
 
 def available_ram_bytes() -> int:
     """Host memory that can be had now without swapping (the kernel's MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as info:
-            for line in info:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    pages = os.sysconf("SC_AVPHYS_PAGES") if hasattr(os, "sysconf") else 0
-    return pages * os.sysconf("SC_PAGE_SIZE") if pages > 0 else 2**63
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        return available
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_swap_space(swap_space: float) -> int:
@@ -123,10 +128,6 @@ def check_host_kv(shape: KVShape, num_layers: int, swap_space_bytes: int) -> Non
 
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 class KVOffloader:
@@ -223,7 +224,7 @@ class KVOffloader:
         slot: write the same rows back to the host copy."""
         self._write_back(layer, positions, count)
         self.lengths[layer] += count
-        self.bytes_written_back += count * self.shape.row_elements * _itemsize(self.shape.dtype)
+        self.bytes_written_back += count * self.shape.row_bytes
         self._last = layer
 
     def _write_back(self, layer: int, positions: torch.Tensor, count: int) -> None:
@@ -251,9 +252,9 @@ class KVOffloader:
         count = self._copy_rows(layer)
         if count == 0:
             return None  # nothing written yet: nothing to bring
-        row_bytes = self.shape.row_elements * _itemsize(self.shape.dtype)
-        src = self._host[layer].buffer[: count * row_bytes]
-        dst = self.slot_rows[slot].view(-1).view(torch.uint8)[: count * row_bytes]
+        num_bytes = count * self.shape.row_bytes
+        src = self._host[layer].buffer[:num_bytes]
+        dst = self.slot_rows[slot].view(-1).view(torch.uint8)[:num_bytes]
         return self._engine.copy(dst, src, after=after)
 
     def _copy_rows(self, layer: int) -> int:

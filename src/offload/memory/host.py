@@ -71,7 +71,7 @@ class TensorSpec:
 
     @property
     def num_bytes(self) -> int:
-        return self.num_elements * _itemsize(self.dtype)
+        return self.num_elements * self.dtype.itemsize
 
     def view_of(self, raw: torch.Tensor) -> torch.Tensor:
         """This tensor over `raw`, a uint8 tensor of `num_bytes` bytes."""
@@ -88,8 +88,17 @@ def _numel(shape: Sequence[int]) -> int:
     return count
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def meminfo_bytes(field: str) -> int | None:
+    """A field of /proc/meminfo ("MemTotal", "MemAvailable") in bytes; None where the
+    kernel does not provide it."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def pack_offsets(sizes: Sequence[int], align: int = ALIGN_BYTES) -> tuple[list[int], int]:
