@@ -121,6 +121,24 @@ def test_kv_offload_sampling_is_reproducible(smollm2_path, resident):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
 
 
+def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(smollm2_path, resident):
+    llm = LLM(smollm2_path, kv_offload=True)
+    pool = llm._kv_pool
+    expected = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    held = [slab.buffer.data_ptr() for slab in pool._slabs]
+    size = pool.num_bytes
+    # A smaller call (stale rows of the last call are in the buffers) reuses them ...
+    [one] = llm.generate(PROMPTS[2], GREEDY)
+    assert one.outputs[0].token_ids == expected[2]
+    assert [slab.buffer.data_ptr() for slab in pool._slabs] == held and pool.num_bytes == size
+    # ... and a larger one grows them.
+    longer = SamplingParams(temperature=0, max_tokens=40)
+    want = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, longer)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, longer)] == want
+    assert pool.num_bytes > size
+
+
 def test_swap_space_beyond_ram_is_refused_before_loading(smollm2_path, monkeypatch):
     import offload.engine.llm as llm_module
 

@@ -112,11 +112,13 @@ def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
         )
 
 
-def check_host_kv(shape: KVShape, num_layers: int, swap_space_bytes: int) -> None:
+def check_host_kv(
+    shape: KVShape, num_layers: int, swap_space_bytes: int, held_bytes: int = 0
+) -> None:
     """Refuse, before allocating, a host KV cache larger than `swap_space` (when set) or
-    than the RAM available."""
+    than the RAM available (counting the `held_bytes` a `KVHostPool` would give back)."""
     need = shape.layer_bytes * num_layers
-    limit = swap_space_bytes or available_ram_bytes()
+    limit = swap_space_bytes or available_ram_bytes() + held_bytes
     if need > limit:
         what = "swap_space" if swap_space_bytes else "the RAM available"
         raise ConfigError(
@@ -128,6 +130,34 @@ def check_host_kv(shape: KVShape, num_layers: int, swap_space_bytes: int) -> Non
 
 def _size(num_bytes: int) -> str:
     return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
+class KVHostPool:
+    """Host memory for offloaded KV caches, kept from one call to the next: one buffer
+    per cache layer, allocated (and pinned, on a GPU) only when a call needs more than
+    the pool holds, and reused otherwise, so repeated `generate` calls pay for
+    allocation, page faults and pinning once."""
+
+    def __init__(self, device: torch.device, *, disable_pin_memory: bool = False):
+        device = torch.device(device)
+        self._pin_for = device if should_pin_memory(device, disable_pin_memory) else None
+        self._slabs: list[HostSlab] = []
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(slab.num_bytes for slab in self._slabs)
+
+    def take(self, num_layers: int, layer_bytes: int) -> list[HostSlab]:
+        """`num_layers` buffers of at least `layer_bytes` each (old contents are left:
+        a cache reads only the positions it has written)."""
+        held = max((slab.num_bytes for slab in self._slabs), default=0)
+        if len(self._slabs) < num_layers or held < layer_bytes:
+            size = max(held, layer_bytes)
+            count = max(len(self._slabs), num_layers)
+            self._slabs = []  # the old buffers are freed before the new ones are made
+            spec = TensorSpec((size,), torch.uint8)
+            self._slabs = [HostSlab([spec], pin_for=self._pin_for) for _ in range(count)]
+        return self._slabs[:num_layers]
 
 
 class KVOffloader:
@@ -152,18 +182,24 @@ class KVOffloader:
         num_slots: int = 2,
         disable_pin_memory: bool = False,
         copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
+        host_pool: KVHostPool | None = None,
     ):
         if num_layers < 1 or num_slots < 1:
             raise ConfigError(f"KV offload needs layers and slots, got {num_layers}, {num_slots}")
         self.shape = shape
         self.device = torch.device(device)
         spec = TensorSpec((shape.max_cache_len, shape.row_elements), shape.dtype)
-        pin = self.device if should_pin_memory(self.device, disable_pin_memory) else None
-        self._host = [HostSlab([spec], pin_for=pin) for _ in range(num_layers)]
-        self.host_rows = [slab.views[0] for slab in self._host]  # [max_len, row] each
+        if host_pool is None:
+            host_pool = KVHostPool(self.device, disable_pin_memory=disable_pin_memory)
+        self._host = host_pool.take(num_layers, spec.num_bytes)
+        # [max_len, row] each, over the first bytes of the layer's host buffer
+        self.host_rows = [spec.view_of(slab.buffer[: spec.num_bytes]) for slab in self._host]
         # Kernels write new positions straight into host memory (zero-copy) on CUDA, so
         # the write-back needs no host-side position and can be captured in a graph.
-        self._host_writable = [self._writable(slab) for slab in self._host]
+        self._host_writable = [
+            self._writable(rows, slab)
+            for rows, slab in zip(self.host_rows, self._host, strict=True)
+        ]
         self._table = SlotTable(num_layers, num_slots)
         self.slot_rows = [  # [max_len, row] each, on the device
             torch.zeros(spec.shape, dtype=shape.dtype, device=self.device)
@@ -177,8 +213,7 @@ class KVOffloader:
         self.capture_rows: int | None = None  # rows a CUDA graph copies (None: all)
         self.bytes_written_back = 0
 
-    def _writable(self, slab: HostSlab) -> torch.Tensor:
-        rows = slab.views[0]
+    def _writable(self, rows: torch.Tensor, slab: HostSlab) -> torch.Tensor:
         if self.device.type == "cuda" and slab.is_pinned:
             return device_view(rows, self.device)
         return rows
@@ -195,7 +230,7 @@ class KVOffloader:
 
     @property
     def host_bytes(self) -> int:
-        return sum(slab.num_bytes for slab in self._host)
+        return self.shape.layer_bytes * self.num_layers
 
     @property
     def device_bytes(self) -> int:
@@ -297,11 +332,13 @@ def static_cache(
     num_slots: int = KV_SLOTS,
     disable_pin_memory: bool = False,
     copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
+    host_pool: KVHostPool | None = None,
 ):
     """A transformers `StaticCache`; with `offload`, its full-attention layers keep their
-    keys and values in host memory (`cache.kv_offloader`, a `KVOffloader`), and only
-    `num_slots` layers' worth of device memory is used. Other layer kinds (sliding
-    windows, linear attention) are small and stay on the device."""
+    keys and values in host memory (`cache.kv_offloader`, a `KVOffloader`; from
+    `host_pool` when given, to reuse it across calls), and only `num_slots` layers' worth
+    of device memory is used. Other layer kinds (sliding windows, linear attention) are
+    small and stay on the device."""
     from transformers import StaticCache
 
     cache = StaticCache(config=hf_config, max_cache_len=max_cache_len)
@@ -325,6 +362,7 @@ def static_cache(
         num_slots=num_slots,
         disable_pin_memory=disable_pin_memory,
         copy_engine_factory=copy_engine_factory,
+        host_pool=host_pool,
     )
     for position, index in enumerate(indices):
         cache.layers[index] = _offloaded_layer(max_cache_len, offloader, position)

@@ -16,6 +16,7 @@ from offload.engine.fit import MemoryNeeds, check_fit, device_budget, measure, s
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import (
     KV_SLOTS,
+    KVHostPool,
     check_host_kv,
     check_host_room,
     check_swap_space,
@@ -158,6 +159,8 @@ class LLM:
         )
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._moved: dict[str, int] = {}  # KV and graph-replay bytes, summed over calls
+        # Host memory of the offloaded KV cache, kept between calls (pinned once).
+        self._kv_pool = KVHostPool(self.device, disable_pin_memory=config.disable_pin_memory)
         # CUDA graphs for decode, as vLLM does unless enforce_eager; copies from unpinned
         # memory or per-forward weight copies cannot be captured.
         self._use_graphs = (
@@ -294,9 +297,15 @@ class LLM:
         if self.kv_offload:
             shape = kv_shape_of(self.model.config, batch, length, dtype)
             layers = self.model.config.num_hidden_layers
-            check_host_kv(shape, layers, self.swap_space_bytes)
+            check_host_kv(shape, layers, self.swap_space_bytes, self._kv_pool.num_bytes)
         return static_cache(
-            self.model.config, batch, length, dtype, self.device, offload=self.kv_offload
+            self.model.config,
+            batch,
+            length,
+            dtype,
+            self.device,
+            offload=self.kv_offload,
+            host_pool=self._kv_pool,
         )
 
     def _decode_steps(
