@@ -64,3 +64,88 @@ def test_offloaded_model_reports_params_on_the_compute_device():
     model = zoo.build("llama")
     offload.apply(model, {"cpu_offload_gb": 1}, device="cpu")
     assert {p.device for p in model.parameters()} == {torch.device("cpu")}
+
+
+PREFETCH = {"offload_group_size": 1, "offload_prefetch_step": 1}
+UVA = {"cpu_offload_gb": 1}
+
+
+def _logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+@pytest.mark.parametrize("first", [PREFETCH, UVA])
+@pytest.mark.parametrize("second", [PREFETCH, UVA])
+def test_offloading_twice_is_refused_and_the_model_still_works(first, second):
+    model = zoo.build("llama")
+    x = torch.randint(0, 100, (1, 6))
+    expected = _logits(model, x)
+    offload.apply(model, first)
+    with pytest.raises(offload.ModelError, match="already offloaded"):
+        offload.apply(model, second)
+    assert torch.equal(_logits(model, x), expected)
+
+
+@pytest.mark.parametrize("device", ["meta", "nonsense", "cuda:99"])
+def test_an_unusable_device_is_refused_before_anything_changes(device):
+    model = zoo.build("llama")
+    before = _params(model)
+    with pytest.raises(offload.ConfigError, match="device"):
+        offload.apply(model, PREFETCH, device=device)
+    assert _params(model) == before
+
+
+@pytest.mark.parametrize("config", [PREFETCH, UVA])
+def test_a_failure_halfway_through_is_undone(config, monkeypatch):
+    """The third layer's host slab cannot be made: the first two are given back."""
+    import offload.memory.host as host
+
+    model = zoo.build("llama", num_layers=4)
+    x = torch.randint(0, 100, (1, 6))
+    expected = _logits(model, x)
+    real = host.HostSlab
+    made = []
+
+    def failing(*args, **kwargs):
+        made.append(1)
+        if len(made) == 3:
+            raise MemoryError("no host memory left")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("offload.offloader.prefetch.HostSlab", failing)
+    monkeypatch.setattr("offload.offloader.uva.HostSlab", failing)
+    with pytest.raises(MemoryError):
+        offload.apply(model, config)
+    assert len(made) == 3
+    monkeypatch.undo()
+    assert torch.equal(_logits(model, x), expected)
+    offloader = offload.apply(model, config)  # and it can be offloaded after all
+    assert offloader.offloaded_bytes > 0
+    assert torch.equal(_logits(model, x), expected)
+
+
+class _SharedHead(nn.Module):
+    """A block's submodule that the model also uses outside the stack."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = self.blocks[1][0]
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("config", [PREFETCH, UVA])
+def test_a_submodule_also_used_outside_the_stack_stays_resident(config):
+    torch.manual_seed(0)
+    model = _SharedHead()
+    x = torch.randn(2, 8)
+    expected = model(x)
+    offloader = offload.apply(model, config)
+    names = {entry.name for entry in offloader.manifest()}
+    assert names and not any(name.startswith("blocks.1.") for name in names)
+    assert torch.equal(model(x), expected)

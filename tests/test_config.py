@@ -71,7 +71,8 @@ def test_nested_defaults_are_independent():
         # vLLM: an explicit prefetch backend with group size 0 fails the num_in_group check.
         (
             lambda: OffloadConfig(offload_backend="prefetch"),
-            "offload_num_in_group (1) must be <= offload_group_size (0)",
+            "offload_num_in_group (1) must be <= offload_group_size (0); "
+            "offload_backend='prefetch' needs offload_group_size >= 1",
         ),
         (lambda: OffloadConfig(uva={"cpu_offload_gbs": 1}), "unknown key 'cpu_offload_gbs' in uva"),
         (lambda: OffloadConfig(uva=3), "uva must be a UVAOffloadConfig or a mapping"),

@@ -10,10 +10,12 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.errors import ModelError
+from offload.memory.device import check_device
 from offload.model.layers import find_layers, resolve_layers
 from offload.offloader.base import (
     BaseOffloader,
     create_offloader,
+    offloaded_params,
     set_offloader,
     set_param_data,
 )
@@ -38,7 +40,7 @@ def apply(
     if not isinstance(model, nn.Module):
         raise ModelError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     _check_no_meta(model)
-    device = torch.device(device) if device is not None else _model_device(model)
+    device = check_device(device if device is not None else _model_device(model))
     offloader = prepare(model, config, device, layers)
     return finish(offloader)
 
@@ -55,14 +57,26 @@ def prepare(
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
     device memory, and a loader then reads the checkpoint into them. With `dry_run`,
-    only the plan is made (the manifest), and nothing is allocated or hooked."""
+    only the plan is made (the manifest), and nothing is allocated or hooked. If anything
+    fails, what was done is undone: the model is left as it was."""
+    taken = offloaded_params(model)
+    if taken:
+        raise ModelError(
+            f"this model is already offloaded ({len(taken)} parameters, first "
+            f"{taken[0]!r}); apply offloading once, to a model that is not offloaded"
+        )
     blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
     offloader = create_offloader(config, device=device)
     offloader.deferred = deferred or dry_run
     offloader.dry_run = dry_run
     offloader.name_modules(model)
     offloader.keep_resident(_params_outside(model, blocks))
-    offloader.wrap_modules(iter(blocks))
+    offloader.keep_resident(p for p in model.parameters() if _self_overlapping(p))
+    try:
+        offloader.wrap_modules(iter(blocks))
+    except BaseException:
+        offloader.undo()
+        raise
     if not dry_run:
         _move_resident(model, offloader, device)
     return offloader
@@ -95,14 +109,26 @@ def _model_device(model: nn.Module) -> torch.device:
 
 def _params_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Parameter]:
     """Parameters that modules outside `blocks` also use (weights tied across the
-    boundary): offloading them would move them under the feet of those modules."""
-    inside = {id(m) for block in blocks for m in block.modules()}
-    return [
-        p
-        for module in model.modules()
-        if id(module) not in inside
-        for p in module.parameters(recurse=False)
-    ]
+    boundary, or a submodule of a block that the model also holds elsewhere): offloading
+    them would move them under the feet of those modules. Every module reachable from
+    `model` without entering a block counts as outside."""
+    stops = {id(block) for block in blocks}
+    seen: set[int] = set()
+    outside, pending = [], [model]
+    while pending:
+        module = pending.pop()
+        if id(module) in seen or id(module) in stops:
+            continue
+        seen.add(id(module))
+        outside += module.parameters(recurse=False)
+        pending += module.children()
+    return outside
+
+
+def _self_overlapping(param: torch.Tensor) -> bool:
+    """A broadcast (stride-0) parameter: several elements share memory, so it cannot be
+    packed into a slab; it is small by nature and stays where it is."""
+    return any(step == 0 and size > 1 for size, step in zip(param.shape, param.stride(), strict=True))
 
 
 def _move_resident(model: nn.Module, offloader: BaseOffloader, device: torch.device) -> None:

@@ -53,6 +53,10 @@ def _as_segments(owner: str, name: str, value: Any) -> set[str]:
     for item in items:
         if not isinstance(item, str):
             raise ConfigError(f"{owner}.{name} must hold strings, got {item!r}")
+        if not item.strip(" ,"):
+            raise ConfigError(
+                f"{owner}.{name} entries must be name segments such as 'experts', got {item!r}"
+            )
         for part in item.split(","):
             part = part.strip()
             if part.startswith(".") or part.endswith(".") or ".." in part:
@@ -157,6 +161,11 @@ class OffloadConfig:
                 raise ConfigError(
                     f"offload_num_in_group ({pre.offload_num_in_group}) must be "
                     f"<= offload_group_size ({pre.offload_group_size})"
+                    + (
+                        "; offload_backend='prefetch' needs offload_group_size >= 1"
+                        if pre.offload_group_size == 0
+                        else ""
+                    )
                 )
             if pre.offload_prefetch_step < 1:
                 raise ConfigError(

@@ -67,6 +67,9 @@ class BaseOffloader(ABC):
         self._module_names: dict[int, str] = {}
         self._resident_param_ids: set[int] = set()
         self._host_views: dict[int, torch.Tensor] = {}
+        # (parameter, the device it was on) for each parameter taken, to undo a failed apply
+        self._taken: list[tuple[nn.Parameter, torch.device]] = []
+        self._hooks: list[Any] = []  # attached hooks (each has detach())
         self.deferred = False  # parameters may be on meta: a loader fills them in later
         self.dry_run = False  # plan and record the manifest only: no memory, no hooks
 
@@ -127,6 +130,26 @@ class BaseOffloader(ABC):
     def is_offloaded(self, param: torch.Tensor) -> bool:
         return id(param) in self._host_views
 
+    def _take(self, param: nn.Parameter, host: torch.Tensor) -> None:
+        """Record that `param`'s bytes now live in `host` (this offloader owns it)."""
+        self._host_views[id(param)] = host
+        self._taken.append((param, param.device))
+        param._offload_taken = True  # (an attribute: it survives swap_tensors, no weakref)
+
+    def undo(self) -> None:
+        """Give back everything taken so far (after a failed `apply`): hooks detached,
+        each parameter's values back on the device it came from."""
+        for hook in self._hooks:
+            hook.detach()
+        self._hooks = []
+        for param, device in reversed(self._taken):
+            host = self._host_views.pop(id(param))
+            param._offload_taken = False
+            if not param.is_meta and not self.deferred:
+                param.data = host if device.type == "cpu" else host.to(device)
+        self._taken = []
+        self._manifest = []
+
     def host_view(self, param: torch.Tensor) -> torch.Tensor | None:
         """Where an offloaded parameter's bytes live on the host (a loader writes there);
         None for a parameter this offloader did not take."""
@@ -148,6 +171,15 @@ class NoopOffloader(BaseOffloader):
 
 
 _instance: BaseOffloader = NoopOffloader()
+
+
+def offloaded_params(model: nn.Module) -> list[str]:
+    """Names of `model`'s parameters that an offloader has already taken."""
+    return [
+        name
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if getattr(p, "_offload_taken", False)
+    ]
 
 
 def get_offloader() -> BaseOffloader:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import PrefetchHook
-from offload.offloader.selection import matches_segments
+from offload.offloader.selection import matches_segments, unmatched_segments
 from offload.offloader.slots import SlotTable, offloaded_layer_indices, slot_of, slot_sizes
 
 
@@ -27,6 +28,7 @@ class _Layer:
     params: list[tuple[str, nn.Parameter]]
     specs: list[TensorSpec]
     slab: HostSlab | None = None
+    address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -72,8 +74,8 @@ class PrefetchOffloader(BaseOffloader):
         self.device = device
         self.disable_pin_memory = disable_pin_memory
         self._copy_engine_factory = copy_engine_factory
+        self._warned_grad = False
         self._layers: list[_Layer] = []
-        self._hooks: list[PrefetchHook] = []
         self._slots: list[torch.Tensor] = []
         self._tickets: list[object] = []
         self._table: SlotTable | None = None
@@ -88,7 +90,21 @@ class PrefetchOffloader(BaseOffloader):
             for p in module.parameters():
                 uses[id(p)] = uses.get(id(p), 0) + 1
         layers = []
-        for index in offloaded_layer_indices(len(modules), self.group_size, self.num_in_group):
+        indices = offloaded_layer_indices(len(modules), self.group_size, self.num_in_group)
+        if not indices:
+            # As in vLLM, a layout that selects no layer offloads nothing; say so.
+            warnings.warn(self._nothing_to_offload(len(modules)), UserWarning, stacklevel=4)
+            return []
+        if self.offload_params:
+            names = [n for i in indices for n, _ in modules[i].named_parameters()]
+            missing = unmatched_segments(names, self.offload_params)
+            if missing and len(missing) < len(self.offload_params):
+                warnings.warn(
+                    f"offload_params {sorted(missing)} match no parameter; the others are used",
+                    UserWarning,
+                    stacklevel=4,
+                )
+        for index in indices:
             module = modules[index]
             params = [
                 (name, p)
@@ -103,8 +119,15 @@ class PrefetchOffloader(BaseOffloader):
             if params:  # as vLLM: a layer with nothing to offload is not offloaded
                 name = self.module_name(module, index)
                 layers.append(_Layer(module, name, params, [TensorSpec.of(p) for _, p in params]))
-        if not layers:
+        if not layers and self.offload_params:
             raise ModelError(self._nothing_to_offload(len(modules)))
+        if not layers:
+            warnings.warn(
+                "the parameters of the layers to offload are all tied to other modules and "
+                "stay resident: nothing is offloaded",
+                UserWarning,
+                stacklevel=4,
+            )
         return layers
 
     def _nothing_to_offload(self, num_layers: int) -> str:
@@ -117,7 +140,7 @@ class PrefetchOffloader(BaseOffloader):
         return (
             f"offload_group_size={self.group_size} with offload_num_in_group="
             f"{self.num_in_group} offloads layers {first}, {first + 1}, ... but there are "
-            f"only {num_layers} layers"
+            f"only {num_layers} layers: nothing is offloaded"
         )
 
     # -- the vLLM contract ------------------------------------------------------
@@ -133,6 +156,7 @@ class PrefetchOffloader(BaseOffloader):
                 continue
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
+            self._hooks.append(_StateDictHooks(self, layer).attach(layer.module))
         return modules
 
     def _move_to_host(self, layer: _Layer) -> None:
@@ -149,8 +173,8 @@ class PrefetchOffloader(BaseOffloader):
         for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
             if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
                 host.copy_(param.data)
+            self._take(param, host)
             set_param_data(param, host)  # frees the device copy; the slot view comes in post_init
-            self._host_views[id(param)] = host
             self._manifest.append(OffloadedParam.of(layer.name, name, host, location, "prefetch"))
 
     def post_init(self) -> None:
@@ -168,6 +192,7 @@ class PrefetchOffloader(BaseOffloader):
                 layer.params, layer.specs, layer.slab.offsets, strict=True
             ):
                 param.data = spec.view_of(slot[offset : offset + spec.num_bytes])
+            layer.address = layer.params[0][1].data_ptr()
         self._tickets = [None] * len(self._layers)
         for position in self._table.initial_loads():
             self._load(position)
@@ -176,6 +201,14 @@ class PrefetchOffloader(BaseOffloader):
         layer = self._layers[position]
         num_bytes = layer.slab.num_bytes
         slot = self._slots[slot_of(position, self._table.slots)]
+        if torch.is_grad_enabled():
+            # Autograd may have saved the slot's previous weights for a backward pass: mark
+            # them overwritten, so that backward fails loudly instead of using wrong weights.
+            # (Each parameter has its own version counter, not the slot's.)
+            slots = self._table.slots
+            for other in self._layers[slot_of(position, slots) :: slots]:
+                for _, param in other.params:
+                    torch.autograd.graph.increment_version(param)
         # The copy waits until every read issued so far (the slot's last user) is done.
         self._tickets[position] = self._engine.copy(
             slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
@@ -184,13 +217,43 @@ class PrefetchOffloader(BaseOffloader):
     def wait_for_layer(self, position: int, weights: list[torch.Tensor] | None = None) -> None:
         """Before layer `position` runs: load it now if its slot holds another layer,
         then make compute wait until its copy has landed."""
-        if weights and weights[0].data_ptr() != self._layers[position].params[0][1].data_ptr():
+        layer = self._layers[position]
+        if weights and weights[0].data_ptr() != layer.params[0][1].data_ptr():
             raise RuntimeError(
                 "the compiled graph passed a copy of an offloaded weight, not its slot"
+            )
+        if layer.params[0][1].data_ptr() != layer.address:
+            raise ModelError(
+                f"the offloaded parameters of {layer.name} no longer live in their device slot "
+                "(model.to(), load_state_dict(assign=True) or .data replaced them); change dtype "
+                "or device before offloading, and load weights with load_state_dict()"
+            )
+        if torch.is_grad_enabled() and not self._warned_grad and self._shares_slots():
+            self._warned_grad = True
+            warnings.warn(
+                "prefetch offloading is for inference: offloaded layers share device slots, so "
+                "a backward pass through them fails; run forwards under torch.no_grad() or "
+                "torch.inference_mode()",
+                UserWarning,
+                stacklevel=4,
             )
         if self._table.before_run(position):
             self._load(position)
         self._engine.wait(self._tickets[position])
+
+    def _shares_slots(self) -> bool:
+        return self._table.slots < len(self._layers)
+
+    def reload(self) -> None:
+        """Forget what the slots hold (after their contents were overwritten, e.g. by
+        load_state_dict): every layer is brought in again from host memory before it runs."""
+        if self._engine is None:
+            return
+        self._engine.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._table = SlotTable(len(self._layers), self.prefetch_step)
+        self._tickets = [None] * len(self._layers)
 
     def layer_done(self, position: int) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
@@ -240,3 +303,40 @@ class PrefetchOffloader(BaseOffloader):
             "pinned_bytes": self.pinned_bytes,
             **copies,
         }
+
+
+class _StateDictHooks:
+    """Make an offloaded layer's `state_dict()` report its weights from host memory (its
+    slot may hold another layer), and `load_state_dict()` write them there (a write to
+    the slot alone would be lost at the next refill)."""
+
+    def __init__(self, offloader: PrefetchOffloader, layer: _Layer):
+        self._offloader = offloader
+        self._layer = layer
+        self._handles: list = []
+
+    def attach(self, module: nn.Module) -> _StateDictHooks:
+        self._handles = [
+            module._register_state_dict_hook(self._saved),
+            module._register_load_state_dict_pre_hook(self._loading),
+        ]
+        return self
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _saved(self, module, state_dict, prefix, local_metadata) -> None:
+        for name, param in self._layer.params:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = self._offloader.host_view(param).detach()
+
+    def _loading(self, state_dict, prefix, *args) -> None:
+        # Slot contents are about to be overwritten by the default loading: forget them.
+        self._offloader.reload()
+        for name, param in self._layer.params:
+            value = state_dict.get(prefix + name)
+            host = self._offloader.host_view(param)
+            if isinstance(value, torch.Tensor) and value.shape == host.shape:
+                host.copy_(value)

@@ -148,8 +148,8 @@ class UVAOffloader(BaseOffloader):
             if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
                 host.copy_(param.data)  # device (or CPU) -> slab; the old storage is freed below
             view = device_view(host, device) if zero_copy and device.type == "cuda" else host
+            self._take(param, host)
             set_param_data(param, view)
-            self._host_views[id(param)] = host
             self._manifest.append(OffloadedParam.of(prefix, name, host, location, access))
         self._slabs.append(slab)
         if not zero_copy:
