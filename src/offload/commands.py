@@ -14,6 +14,7 @@ from offload.config import OffloadConfig, UVAOffloadConfig
 from offload.engine.fit import kv_cache_bytes
 from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
+from offload.memory.device import check_device
 from offload.model.configs import resolve
 from offload.model.default import default_model_path
 from offload.model.layers import find_layer_stacks
@@ -67,7 +68,8 @@ def generate(args: argparse.Namespace) -> str:
         stop=args.stop,
         max_tokens=args.max_tokens,
     )
-    chat = args.chat or not args.prompt
+    # With no prompt, the default question goes through the chat template, if there is one.
+    chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))
     prompts = args.prompt or [QUESTION]
     before = llm.transfer_stats()
     started = time.perf_counter()
@@ -130,7 +132,7 @@ def inspect(args: argparse.Namespace) -> str:
             "no offloading configured (add e.g. --cpu-offload-gb 4 or --offload-group-size 8)"
         )
         return "\n".join(lines)
-    offloader = prepare(model, config, torch.device(args.device), dry_run=True)
+    offloader = prepare(model, config, check_device(args.device), dry_run=True)
     manifest = offloader.manifest()
     modules = list(dict.fromkeys(e.module for e in manifest))
     lines.append(

@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from offload import ConfigError, SamplingParams
+from offload import ConfigError, ModelError, SamplingParams
 from offload.engine.llm import LLM
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3,"]
@@ -195,3 +195,97 @@ def test_swap_space_must_leave_room_for_the_offloaded_weights(smollm2_path, monk
         ConfigError, match=r"swap_space=1\.8 GiB plus the 0\.39 GiB of offloaded weights"
     ):
         LLM(smollm2_path, swap_space=1.8, cpu_offload_gb=0.39)
+
+
+def _copy_of(path, tmp_path, drop=(), **generation):
+    """The model folder, linked file by file, without `drop` and with a changed
+    generation_config.json."""
+    import json
+
+    for item in path.iterdir():
+        if item.name not in drop and item.name != "generation_config.json":
+            (tmp_path / item.name).symlink_to(item)
+    (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return tmp_path
+
+
+def test_each_row_may_use_max_model_len_whatever_else_is_batched(smollm2_path):
+    llm = LLM(smollm2_path, max_model_len=40)
+    short, long = [5, 6, 7], list(range(100, 130))  # 3 and 30 tokens
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    [alone] = llm.generate({"prompt_token_ids": short}, params)
+    batched = llm.generate([{"prompt_token_ids": short}, {"prompt_token_ids": long}], params)
+    assert len(alone.outputs[0].token_ids) == 20
+    assert batched[0].outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(batched[1].outputs[0].token_ids) == 10  # 30 + 10 = max_model_len
+    assert batched[1].outputs[0].finish_reason == "length"
+
+
+def test_end_ids_of_generation_config_stop_and_end_token_ids(smollm2_path, resident, tmp_path):
+    [free] = resident.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    end = free.outputs[0].token_ids[2]
+    first = free.outputs[0].token_ids.index(end)
+    llm = LLM(_copy_of(smollm2_path, tmp_path, eos_token_id=[2, end]))
+    [out] = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    completion = out.outputs[0]
+    # As vLLM: the end token is the last of token_ids, the text stops before it.
+    assert completion.token_ids == free.outputs[0].token_ids[: first + 1]
+    assert completion.finish_reason == "stop" and completion.stop_reason is None
+    assert completion.text == llm.tokenizer.decode(completion.token_ids[:-1])
+
+
+def test_a_stop_token_id_ends_token_ids_and_names_the_stop(resident):
+    [free] = resident.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8))
+    stop = free.outputs[0].token_ids[3]
+    first = free.outputs[0].token_ids.index(stop)
+    [out] = resident.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop])
+    )
+    assert out.outputs[0].token_ids == free.outputs[0].token_ids[: first + 1]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", stop)
+
+
+def test_empty_requests_and_out_of_range_ids(resident):
+    assert resident.generate([]) == [] and resident.chat([]) == []
+    vocab = resident.model.config.vocab_size
+    with pytest.raises(ConfigError, match=rf"token ids in \[0, {vocab}\), got {vocab}"):
+        resident.generate({"prompt_token_ids": [1, vocab]})
+    with pytest.raises(ConfigError, match="got -1"):
+        resident.generate({"prompt_token_ids": [-1]})
+    with pytest.raises(ConfigError, match="stop_token_ids must be below"):
+        resident.generate("Hi", SamplingParams(stop_token_ids=[vocab], min_tokens=1))
+
+
+def test_a_model_without_tokenizer_is_refused_before_its_weights_load(
+    smollm2_path, tmp_path, monkeypatch
+):
+    import offload.engine.llm as llm_module
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("loaded the weights before finding the tokenizer missing")
+
+    monkeypatch.setattr(llm_module, "load_model", must_not_run)
+    folder = _copy_of(smollm2_path, tmp_path, drop=("tokenizer.json", "tokenizer_config.json"))
+    with pytest.raises(ModelError, match="has no usable tokenizer"):
+        LLM(folder)
+
+
+def test_chat_needs_a_chat_template(smollm2_path, tmp_path):
+    llm = LLM(_copy_of(smollm2_path, tmp_path, drop=("chat_template.jinja",), eos_token_id=2))
+    with pytest.raises(ConfigError, match="no chat template"):
+        llm.chat([{"role": "user", "content": "Hi"}])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"device": "nonsense"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ({"device": "meta"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        ({"device_memory_gb": float("nan")}, "device_memory_gb must be a positive, finite"),
+        ({"device_memory_gb": float("inf")}, "device_memory_gb must be a positive, finite"),
+    ],
+)
+def test_bad_device_settings_are_one_line_errors(smollm2_path, kwargs, needle):
+    with pytest.raises(ConfigError) as info:
+        LLM(smollm2_path, **kwargs)
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offload.errors import ModelError
+from offload.errors import ConfigError, ModelError
 from offload.memory.host import meminfo_bytes
 from offload.model.layers import find_layer_stacks
 
@@ -75,6 +75,14 @@ def device_budget(
     """Bytes the model may use on `device`: `gpu_memory_utilization` of the device's
     memory (`device_memory_gb` emulates a smaller device, e.g. on the CPU)."""
     if device_memory_gb is not None:
+        if (
+            isinstance(device_memory_gb, bool)
+            or not isinstance(device_memory_gb, int | float)
+            or not 0 < device_memory_gb < math.inf
+        ):
+            raise ConfigError(
+                f"device_memory_gb must be a positive, finite number of GiB, got {device_memory_gb!r}"
+            )
         total = device_memory_gb * _GIB
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory

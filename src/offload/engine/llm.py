@@ -25,8 +25,10 @@ from offload.engine.kv_cache import (
 )
 from offload.engine.sampling import SamplingParams, find_stop, make_generator, sample
 from offload.errors import ConfigError
+from offload.memory.device import check_device
 from offload.model.default import default_model_path
 from offload.model.loader import build_empty, load_model
+from offload.model.tokenizer import eos_token_ids, load_tokenizer
 from offload.offloader.base import as_config
 
 
@@ -61,12 +63,12 @@ class _Batch:
     columns: torch.Tensor  # [length]
     mask: torch.Tensor  # [batch, length]: 1 where a real token is
     width: int
-    length: int  # prompt width plus the longest output, at most max_model_len
+    length: int  # prompt width plus the longest output a row may have
 
     @classmethod
-    def of(cls, sequences, max_model_len: int, pad: int | None, device) -> _Batch:
+    def of(cls, sequences, pad: int | None, device) -> _Batch:
         width = max(len(s.prompt_ids) for s in sequences)
-        length = min(max_model_len, width + max(s.params.max_tokens for s in sequences))
+        length = width + max(s.limit for s in sequences)
         rows = [[pad or 0] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
         starts = torch.tensor([width - len(s.prompt_ids) for s in sequences], device=device)
         columns = torch.arange(length, device=device)
@@ -80,6 +82,7 @@ class _Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     generator: torch.Generator | None
+    limit: int  # new tokens it may have: max_tokens, and prompt + output <= max_model_len
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
@@ -119,8 +122,6 @@ class LLM:
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
-        from transformers import AutoTokenizer
-
         if offload_config is not None and offload_flags:
             raise ConfigError(
                 "pass offload settings either as offload_config or as flags, not both"
@@ -134,7 +135,7 @@ class LLM:
         self.swap_space_bytes = check_swap_space(swap_space)
         self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
         path = Path(model) if model is not None else default_model_path()
-        self.device = torch.device(device)
+        self.device = check_device(device)
         empty = build_empty(path, dtype)
         limit = getattr(empty.config, "max_position_embeddings", None) or 2048
         if max_model_len is not None and not 0 < max_model_len <= limit:
@@ -152,12 +153,13 @@ class LLM:
             empty, config, self.memory_needs, budget, self.device, self.kv_offload
         )
         check_host_room(self.swap_space_bytes, offloaded)
+        self.tokenizer = load_tokenizer(path)  # before the weights: its errors come first
+        self._eos_ids = eos_token_ids(path, self.tokenizer, empty.config)
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
         self.model, self.offloader = load_model(
             path, config, device=device, dtype=dtype, load_format=load_format, progress=progress
         )
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._moved: dict[str, int] = {}  # KV and graph-replay bytes, summed over calls
         # Host memory of the offloaded KV cache, kept between calls (pinned once).
         self._kv_pool = KVHostPool(self.device, disable_pin_memory=config.disable_pin_memory)
@@ -183,11 +185,18 @@ class LLM:
         string or, as in vLLM, {"prompt": str} or {"prompt_token_ids": [int, ...]}."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
+        vocab = self.model.config.vocab_size
         texts, ids = [], []
         for prompt in prompts:
             if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
                 texts.append(prompt.get("prompt"))
-                ids.append([int(token) for token in prompt["prompt_token_ids"]])
+                tokens = [int(token) for token in prompt["prompt_token_ids"]]
+                if any(not 0 <= token < vocab for token in tokens):
+                    raise ConfigError(
+                        f"prompt_token_ids must be token ids in [0, {vocab}), got "
+                        f"{next(t for t in tokens if not 0 <= t < vocab)}"
+                    )
+                ids.append(tokens)
             elif isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
                 texts.append(prompt["prompt"])
                 ids.append(self.tokenizer(prompt["prompt"]).input_ids)
@@ -211,6 +220,10 @@ class LLM:
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError(
+                "this model's tokenizer has no chat template; use generate() with a plain prompt"
+            )
         texts = [
             self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False)
             for c in conversations
@@ -222,6 +235,7 @@ class LLM:
 
     def _generate(self, prompts, ids, sampling_params) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
+        vocab = self.model.config.vocab_size
         sequences = []
         for prompt_ids, request in zip(ids, params, strict=True):
             if not prompt_ids or len(prompt_ids) >= self.max_model_len:
@@ -229,9 +243,15 @@ class LLM:
                     f"a prompt has {len(prompt_ids)} tokens; it must have 1 to "
                     f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
                 )
+            if any(token >= vocab for token in request.stop_token_ids):
+                raise ConfigError(f"stop_token_ids must be below the vocabulary size {vocab}")
             generator = make_generator(request, self.device)
-            sequences += [_Sequence(prompt_ids, request, generator) for _ in range(request.n)]
-        self._decode(sequences)
+            limit = min(request.max_tokens, self.max_model_len - len(prompt_ids))
+            sequences += [
+                _Sequence(prompt_ids, request, generator, limit) for _ in range(request.n)
+            ]
+        if sequences:
+            self._decode(sequences)
         outputs, start = [], 0
         for number, (prompt, prompt_ids, request) in enumerate(
             zip(prompts, ids, params, strict=True)
@@ -249,7 +269,7 @@ class LLM:
     def _decode(self, sequences: list[_Sequence]) -> None:
         """All sequences as one left-padded batch in a static KV cache (fixed shapes, the
         shape CUDA-graph decode needs): a prefill, then one token per step."""
-        batch = _Batch.of(sequences, self.max_model_len, self.tokenizer.pad_token_id, self.device)
+        batch = _Batch.of(sequences, self.tokenizer.pad_token_id, self.device)
         cache = self._make_cache(len(sequences), batch.length)
         graphs = None
         try:
@@ -342,29 +362,29 @@ class LLM:
             position += 1
 
     def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[_Sequence]) -> None:
-        eos = self.tokenizer.eos_token_id
         for row, sequence in enumerate(sequences):
             if len(sequence.tokens) < sequence.params.min_tokens:
-                for token in [eos, *sequence.params.stop_token_ids]:
-                    if token is not None:
-                        logits[row, token] = -float("inf")
+                for token in [*self._eos_ids, *sequence.params.stop_token_ids]:
+                    logits[row, token] = -float("inf")
 
     def _append(self, sequence: _Sequence, token: int) -> None:
         request = sequence.params
-        is_eos = token == self.tokenizer.eos_token_id and not request.ignore_eos
+        is_eos = token in self._eos_ids and not request.ignore_eos
         if is_eos or token in request.stop_token_ids:
-            sequence.finish_reason, sequence.stop_reason = "stop", (None if is_eos else token)
+            # As vLLM: the stop token ends token_ids, and the text stops before it.
             sequence.text = self._detokenize(sequence)
+            sequence.tokens.append(token)
+            sequence.finish_reason, sequence.stop_reason = "stop", (None if is_eos else token)
             return
         sequence.tokens.append(token)
         text = self._detokenize(sequence)
-        cut = find_stop(text, request.stop_strings, request.include_stop_str_in_output)
-        if cut is not None:
-            stop = next(s for s in request.stop_strings if s in text)
-            sequence.text, sequence.finish_reason, sequence.stop_reason = cut, "stop", stop
+        found = find_stop(text, request.stop_strings, request.include_stop_str_in_output)
+        if found is not None:
+            sequence.text, sequence.stop_reason = found
+            sequence.finish_reason = "stop"
             return
         sequence.text = text
-        if len(sequence.tokens) >= request.max_tokens:
+        if len(sequence.tokens) >= sequence.limit:
             sequence.finish_reason = "length"
 
     def _detokenize(self, sequence: _Sequence) -> str:

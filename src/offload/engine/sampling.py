@@ -133,11 +133,11 @@ def sample(
     return tokens
 
 
-def find_stop(text: str, stops: Sequence[str], include: bool = False) -> str | None:
-    """If `text` contains a stop string, the text up to the earliest one (with it when
-    `include`); else None."""
+def find_stop(text: str, stops: Sequence[str], include: bool = False) -> tuple[str, str] | None:
+    """If `text` contains a stop string: the text up to the earliest one (with it when
+    `include`), and that stop string; else None."""
     hits = [(text.find(stop), stop) for stop in stops if stop in text]
     if not hits:
         return None
     start, stop = min(hits)
-    return text[: start + len(stop)] if include else text[:start]
+    return (text[: start + len(stop)] if include else text[:start]), stop

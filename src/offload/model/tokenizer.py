@@ -1,0 +1,46 @@
+"""The tokenizer of a model folder and the ids that end a sequence."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from offload.errors import ModelError
+
+
+def load_tokenizer(path: Path):
+    """The model folder's tokenizer, or one clear error (before any weight is read)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelError(
+            f"{path} has no usable tokenizer (tokenizer.json or tokenizer_config.json with "
+            f"its vocabulary files): {reason}"
+        ) from None
+
+
+def eos_token_ids(path: Path, tokenizer, config) -> frozenset[int]:
+    """Every id that ends a sequence: the tokenizer's end token and, as vLLM and
+    transformers do, the `eos_token_id`s of `generation_config.json` (Llama 3 and Qwen
+    instruct models list several there) and of the model config."""
+    ids = set(_as_ids(tokenizer.eos_token_id))
+    ids |= _as_ids(getattr(config, "eos_token_id", None))
+    generation = Path(path) / "generation_config.json"
+    if generation.is_file():
+        # An unreadable generation config only loses its extra end ids.
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            ids |= _as_ids(json.loads(generation.read_text()).get("eos_token_id"))
+    vocab = getattr(config, "vocab_size", None)
+    return frozenset(i for i in ids if vocab is None or 0 <= i < vocab)
+
+
+def _as_ids(value) -> set[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {value}
+    if isinstance(value, list | tuple):
+        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
+    return set()
