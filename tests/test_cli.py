@@ -142,9 +142,26 @@ def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
         (["generate", "--swap-space", "1e6"], "swap_space=1e+06 GiB is not possible"),
         (["generate", "--swap-space", "-2"], "swap_space=-2 GiB is not possible"),
         (["generate", "--swap-space", "lots"], "invalid float value: 'lots'"),
+        (["generate", "--device", "nonsense"], "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        (["generate", "--device-memory-gb", "nan"], "device_memory_gb must be a positive"),
+        (
+            ["inspect", "llama-3-8b", "--device", "nonsense", "--cpu-offload-gb", "1"],
+            "device must be 'cpu', 'cuda' or 'cuda:N'",
+        ),
     ],
 )
 def test_generate_and_inspect_bad_input(argv, needle):
     result = _run(*argv)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert needle in result.stderr.strip().splitlines()[-1]
+
+
+def test_generate_without_a_chat_template_asks_the_plain_question(smollm2_path, tmp_path):
+    for item in smollm2_path.iterdir():
+        if item.name != "chat_template.jinja":
+            (tmp_path / item.name).symlink_to(item)
+    result = _run("generate", "--model", str(tmp_path), "--max-tokens", "4", "--no-progress")
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert "tokens in" in result.stdout.splitlines()[-1]
+    chat = _run("generate", "--model", str(tmp_path), "--chat", "--prompt", "Hi")
+    assert chat.returncode == 2 and "no chat template" in chat.stderr.strip().splitlines()[-1]

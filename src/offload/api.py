@@ -128,7 +128,9 @@ def _params_outside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Parame
 def _self_overlapping(param: torch.Tensor) -> bool:
     """A broadcast (stride-0) parameter: several elements share memory, so it cannot be
     packed into a slab; it is small by nature and stays where it is."""
-    return any(step == 0 and size > 1 for size, step in zip(param.shape, param.stride(), strict=True))
+    return any(
+        step == 0 and size > 1 for size, step in zip(param.shape, param.stride(), strict=True)
+    )
 
 
 def _move_resident(model: nn.Module, offloader: BaseOffloader, device: torch.device) -> None:
