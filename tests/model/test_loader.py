@@ -3,6 +3,7 @@ dummy weights, clear errors, and peak memory measured in a fresh process."""
 
 import json
 import shutil
+import struct
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,8 @@ import warnings
 import pytest
 import torch
 import zoo
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from offload import ModelError
@@ -155,6 +158,173 @@ def test_bad_options(tiny_checkpoint):
         load_model(path, dtype="int8")
 
 
+def _edit_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("write", "needle"),
+    [
+        (lambda p: (p / "config.json").write_text("null"), "must hold a JSON object"),
+        (lambda p: (p / "config.json").write_text("[1, 2]"), "settings, got array"),
+        (lambda p: (p / "config.json").write_text("{oops"), "is not valid JSON"),
+        (
+            lambda p: _edit_config(p, num_attention_heads=5),
+            "invalid llama settings (Class validation error for validator "
+            "'validate_architecture': ValueError: The hidden size (64) is not a multiple of "
+            "the number of attention heads (5).)",
+        ),
+        (lambda p: _edit_config(p, hidden_size="abc"), "'hidden_size' expected int, got str"),
+        (lambda p: _edit_config(p, hidden_act="nope"), "cannot build the model from these"),
+    ],
+    ids=["null", "array", "not-json", "heads", "hidden-size-str", "activation"],
+)
+def test_bad_config_contents_are_one_model_error(tiny_checkpoint, write, needle):
+    _, path = tiny_checkpoint
+    write(path)
+    with pytest.raises(ModelError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert message.startswith(f"{path / 'config.json'}") and needle in message, message
+    assert "\n" not in message
+    assert info.value.__cause__ is None  # no chained traceback under the one line
+    assert info.value.__context__ is None or info.value.__suppress_context__
+
+
+def _safetensors(path, header, data=b""):
+    encoded = json.dumps(header).encode()
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+
+
+def _entry(dtype="F32", shape=(2, 2), offsets=(0, 16)):
+    return {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}
+
+
+NORM = "model.norm.weight"
+
+
+@pytest.mark.parametrize(
+    ("header", "needle"),
+    [
+        ([1, 2], "is not a valid safetensors file (its header is a JSON array, not an object"),
+        (None, "is not a valid safetensors file (its header is a JSON null"),
+        ({NORM: "x"}, f"tensor '{NORM}' has a malformed header entry (needs an object"),
+        ({NORM: {"shape": [4], "data_offsets": [0, 16]}}, "needs an object with dtype, shape"),
+        ({NORM: _entry(dtype="Q4")}, 'has dtype "Q4"; supported: F64, F32'),
+        ({NORM: _entry(dtype=7)}, "has dtype 7; supported: F64"),
+        ({NORM: _entry(shape=(2, "2"))}, "shape is a list of non-negative integers"),
+        ({NORM: _entry(shape=(-1, 2))}, "shape is a list of non-negative integers"),
+        ({NORM: _entry(offsets=(-8, 8))}, "has data_offsets [-8, 8]; they must be [begin, end]"),
+        ({NORM: _entry(offsets=(16, 0))}, "has data_offsets [16, 0]"),
+        ({NORM: _entry(offsets=(0, 16, 32))}, "has data_offsets [0, 16, 32]"),
+        ({NORM: _entry(offsets=(0, 12))}, "has 12 bytes, its shape [2, 2] of F32 needs 16"),
+        ({NORM: _entry(offsets=(64, 80))}, "is truncated: tensor 'model.norm.weight' ends past"),
+    ],
+)
+def test_malformed_safetensors_headers(tiny_checkpoint, header, needle):
+    _, path = tiny_checkpoint
+    _safetensors(path, header, data=bytes(16))
+    with pytest.raises(CheckpointError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert isinstance(info.value, ModelError)
+    assert message.startswith(str(path / "model.safetensors")) and needle in message, message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("index", "needle"),
+    [
+        ({"weight_map": [1]}, 'is not a valid safetensors index (it must be a JSON object whose "'),
+        ({"metadata": {}}, "is not a valid safetensors index"),
+        ([{"weight_map": {}}], "is not a valid safetensors index"),
+        ({"weight_map": {NORM: 5}}, f"the shard of tensor '{NORM}' must be a file name, got 5"),
+        ({"weight_map": {NORM: None}}, "must be a file name, got null"),
+        ({"weight_map": {NORM: "../model.safetensors"}}, "is outside the model folder"),
+        ({"weight_map": {NORM: "/etc/passwd"}}, "shard '/etc/passwd' of tensor"),
+    ],
+)
+def test_malformed_index(tiny_checkpoint, index, needle):
+    _, path = tiny_checkpoint
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError) as info:
+        load_model(path)
+    message = str(info.value)
+    assert message.startswith(str(path / "model.safetensors.index.json")), message
+    assert needle in message and "\n" not in message, message
+
+
+def test_a_tensor_in_two_shards_is_refused(tiny_checkpoint):
+    _, path = tiny_checkpoint
+    shutil.copy(path / "model.safetensors", path / "copy.safetensors")
+    index = {"weight_map": {NORM: "model.safetensors", "x": "copy.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor '[\w.]+' is in both copy\.safetensors and model\.safetensors",
+    ):
+        load_model(path)
+
+
+def _keys(path):
+    with safe_open(path / "model.safetensors", "pt") as file:
+        return set(file.keys())
+
+
+def test_gpt_neox_checkpoint_saved_by_transformers(tmp_path):
+    """transformers saves GPT-NeoX's head as `embed_out` (Pythia's layout) and renames it
+    to `lm_head` when loading, by its conversion mapping: so does the loader."""
+    zoo.build("gpt_neox", num_layers=2).save_pretrained(tmp_path)
+    assert "embed_out.weight" in _keys(tmp_path) and "lm_head.weight" not in _keys(tmp_path)
+    loaded, _ = load_model(tmp_path)
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(loaded, ids), zoo.logits(zoo.load_on_cpu(tmp_path), ids))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_checkpoint_of_the_base_model(tmp_path, arch):
+    """Keys without the base model's prefix (`h.0...`, `decoder...`, `layers...`, the
+    layout of a saved base model) are found under it, as transformers does; the tied
+    head follows the embeddings."""
+    model = zoo.build(arch, num_layers=2)
+    model.config.tie_word_embeddings = True
+    model.config.save_pretrained(tmp_path)
+    base = {k: v.contiguous() for k, v in model.base_model.state_dict().items()}
+    save_file(base, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    prefix = model.base_model_prefix
+    assert not any(key.startswith(f"{prefix}.") for key in _keys(tmp_path))
+    loaded, _ = load_model(tmp_path)
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(loaded, ids), zoo.logits(zoo.load_on_cpu(tmp_path), ids))
+
+
+def test_base_model_checkpoint_without_a_head_is_refused(tmp_path):
+    model = zoo.build("llama", num_layers=2)  # lm_head not tied: it must be in the checkpoint
+    model.config.save_pretrained(tmp_path)
+    save_file(model.model.state_dict(), tmp_path / "model.safetensors")
+    with pytest.raises(ModelError, match=r"does not match .* missing \['lm_head.weight'\]"):
+        load_model(tmp_path)
+
+
+def test_one_tensor_under_two_names_is_refused(tiny_checkpoint):
+    model, path = tiny_checkpoint
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors["norm.weight"] = tensors[NORM].clone()
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(ModelError, match=r"has both 'model\.norm\.weight' and 'norm\.weight' for"):
+        load_model(path)
+
+
+def test_tensors_transformers_must_merge_are_refused(tmp_path):
+    """Per-expert tensors that transformers stacks into one parameter when loading: the
+    loader reads tensors whole, so it says so instead of calling them unexpected."""
+    zoo.build("qwen3_moe", num_layers=1).save_pretrained(tmp_path)
+    with pytest.raises(ModelError, match=r"'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight'"):
+        load_model(tmp_path)
+
+
 PEAK_SCRIPT = textwrap.dedent(
     """
     import json, sys
@@ -200,3 +370,18 @@ def test_peak_host_memory_is_one_copy_of_the_weights(tmp_path, config):
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     assert figures["total"] > 350e6
     assert figures["growth"] <= figures["total"] + figures["largest"] + 64 * 2**20, figures
+
+
+def test_old_rotary_buffers_in_a_checkpoint_are_ignored_as_transformers_does(tmp_path):
+    model = zoo.build("llama", num_layers=2)
+    model.config.save_pretrained(tmp_path)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    loaded, _ = load_model(tmp_path)
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(loaded, ids), zoo.logits(model, ids))
+    tensors["model.layers.0.self_attn.surprise"] = torch.ones(4)  # others are still refused
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelError, match=r"unexpected.*surprise"):
+        load_model(tmp_path)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from offload.errors import OffloadError
+from offload.errors import ModelError
 
 DTYPES = {
     "F64": torch.float64,
@@ -34,7 +34,7 @@ DTYPES = {
 _MAX_HEADER_BYTES = 100 * 2**20
 
 
-class CheckpointError(OffloadError):
+class CheckpointError(ModelError):
     """A checkpoint file is missing, truncated or not valid safetensors."""
 
 
@@ -66,8 +66,13 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             header = json.loads(file.read(header_bytes))
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror or error}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"{path} is not a valid safetensors file (bad header)") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(
+            f"{path} is not a valid safetensors file (its header is a JSON "
+            f"{json_type(header)}, not an object of tensors)"
+        )
     header.pop("__metadata__", None)
     start = 8 + header_bytes
     tensors = {}
@@ -77,20 +82,54 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
 
 
 def _stored(path: Path, name: str, entry: object, start: int, size: int) -> StoredTensor:
-    try:
-        dtype = DTYPES[entry["dtype"]]
-        shape = tuple(int(d) for d in entry["shape"])
-        begin, end = (int(x) for x in entry["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-    if end - begin != expected or begin < 0:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= entry.keys():
         raise CheckpointError(
-            f"{path}: tensor {name!r} has {end - begin} bytes, its shape needs {expected}"
+            f"{where} has a malformed header entry (needs an object with dtype, shape and "
+            f"data_offsets, got {json_type(entry)} {_short(entry)})"
+        )
+    dtype = DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+    if dtype is None:
+        raise CheckpointError(
+            f"{where} has dtype {_short(entry['dtype'])}; supported: {', '.join(DTYPES)}"
+        )
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not _naturals(shape):
+        raise CheckpointError(
+            f"{where} has shape {_short(shape)}; a shape is a list of non-negative integers"
+        )
+    if not _naturals(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CheckpointError(
+            f"{where} has data_offsets {_short(offsets)}; they must be [begin, end] with "
+            "0 <= begin <= end"
+        )
+    begin, end = offsets
+    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{where} has {end - begin} bytes, its shape {shape} of {entry['dtype']} needs {expected}"
         )
     if start + end > size:
         raise CheckpointError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
-    return StoredTensor(path, name, dtype, shape, start + begin, end - begin)
+    return StoredTensor(path, name, dtype, tuple(shape), start + begin, end - begin)
+
+
+def _naturals(value: object) -> bool:
+    """A JSON list of non-negative integers (booleans are not integers here)."""
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    )
+
+
+def json_type(value: object) -> str:
+    """The JSON name of a decoded JSON value's type, for messages."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}
+    return names.get(type(value), "number")
+
+
+def _short(value: object, limit: int = 60) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_into(stored: StoredTensor, destination: torch.Tensor) -> None:

@@ -9,9 +9,10 @@ whole in host memory, nor on the device.
 from __future__ import annotations
 
 import json
+import re
 import warnings
-from collections.abc import Mapping
-from pathlib import Path
+from collections.abc import Collection, Mapping
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -20,13 +21,20 @@ from torch import nn
 from offload.api import finish, prepare
 from offload.config import OffloadConfig
 from offload.errors import ModelError
-from offload.memory.disk import CheckpointError, StoredTensor, read_header, read_into
+from offload.memory.disk import CheckpointError, StoredTensor, json_type, read_header, read_into
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.model.configs import resolve
 from offload.offloader.base import BaseOffloader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+try:  # transformers' strict config checks, whose messages name the field and the problem
+    from huggingface_hub.errors import StrictDataclassError
+
+    _SELF_EXPLAINING: tuple[type[Exception], ...] = (ValueError, StrictDataclassError)
+except ImportError:
+    _SELF_EXPLAINING = (ValueError,)
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
@@ -49,19 +57,45 @@ def checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
     that `model.safetensors.index.json` names."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError):
-            raise CheckpointError(f"{index} is not a valid safetensors index") from None
-        files = sorted(set(weight_map.values()))
+        files = _shard_files(index)
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
         raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
     tensors: dict[str, StoredTensor] = {}
     for name in files:
-        tensors.update(read_header(path / name))
+        for key, entry in read_header(path / name).items():
+            if key in tensors:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} is in both {tensors[key].path.name} and {name}; "
+                    "each tensor must be in one shard"
+                )
+            tensors[key] = entry
     return tensors
+
+
+def _shard_files(index: Path) -> list[str]:
+    """The shard files an index names, each a relative path inside the model folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+        weight_map = None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index} is not a valid safetensors index (it must be a JSON object whose "
+            '"weight_map" maps tensor names to shard files)'
+        )
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(
+                f"{index}: the shard of tensor {key!r} must be a file name, got {json.dumps(name)}"
+            )
+        if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+            raise CheckpointError(
+                f"{index}: shard {name!r} of tensor {key!r} is outside the model folder; "
+                "shards must be named relative to the folder, without '..'"
+            )
+    return sorted(set(weight_map.values()))
 
 
 def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
@@ -71,27 +105,67 @@ def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
 
     if not path.is_dir():
         raise ModelError(f"model path {path} does not exist or is not a directory")
-    if not (path / "config.json").is_file():
+    config_file = path / "config.json"
+    if not config_file.is_file():
         raise ModelError(f"{path} is not a model directory (no config.json)")
+    settings = _read_config(config_file)
     try:
         hf_config = AutoConfig.from_pretrained(path)
-    except (ValueError, KeyError, OSError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ModelError(
-            f"{path}/config.json: unknown or unsupported architecture ({first})"
-        ) from None
+    except Exception as error:  # transformers raises many types for bad settings
+        model_type = settings.get("model_type")
+        if not isinstance(model_type, str) or model_type not in _known_model_types():
+            problem = f"unknown or unsupported architecture ({_describe(error)})"
+        else:
+            problem = f"invalid {model_type} settings ({_describe(error)})"
+        raise ModelError(f"{config_file}: {problem}") from None
     torch_dtype = resolve_dtype(dtype, hf_config)
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
         except ValueError as error:
-            first = str(error).strip().splitlines()[0]
             raise ModelError(
-                f"{path}: not a causal language model transformers can build ({first})"
+                f"{path}: not a causal language model transformers can build ({_describe(error)})"
+            ) from None
+        except Exception as error:  # e.g. a negative size or an unknown activation
+            raise ModelError(
+                f"{config_file}: transformers cannot build the model from these settings "
+                f"({_describe(error)})"
             ) from None
     model.tie_weights()  # tied names become one parameter before anything is placed
     return model.eval()
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    try:
+        settings = json.loads(config_file.read_text())
+    except OSError as error:
+        raise ModelError(f"cannot read {config_file}: {error.strerror or error}") from None
+    except (ValueError, RecursionError) as error:
+        raise ModelError(f"{config_file} is not valid JSON ({_describe(error)})") from None
+    if not isinstance(settings, dict):
+        raise ModelError(
+            f"{config_file} must hold a JSON object of model settings, got {json_type(settings)}"
+        )
+    return settings
+
+
+def _known_model_types() -> set[str]:
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return set(CONFIG_MAPPING.keys())
+    except (ImportError, AttributeError):
+        return set()
+
+
+def _describe(error: BaseException, limit: int = 300) -> str:
+    """One line of at most `limit` characters for a third-party error; bare messages such
+    as a KeyError's key get the error's type in front."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if not isinstance(error, _SELF_EXPLAINING):
+        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def load_model(
@@ -132,6 +206,7 @@ def _targets(
     )
     if dummy:
         return dict.fromkeys(dict(model.named_parameters()))
+    stored, unexpected = _by_model_name(model, stored, names.keys())
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in names.items():
         by_tensor.setdefault(id(tensor), []).append(name)
@@ -145,9 +220,8 @@ def _targets(
             continue
         else:
             missing.append(aliases[0])
-    unexpected = sorted(set(stored) - set(names))
     if missing or unexpected:
-        what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
+        what = f"missing {missing[:3]}" if missing else f"unexpected {sorted(unexpected)[:3]}"
         raise ModelError(f"the checkpoint does not match the model's parameters: {what}")
     for name, entry in targets.items():
         if tuple(names[name].shape) != entry.shape:
@@ -155,6 +229,72 @@ def _targets(
                 f"{name}: checkpoint shape {entry.shape}, model expects {tuple(names[name].shape)}"
             )
     return targets
+
+
+def _by_model_name(
+    model: nn.Module, stored: dict[str, StoredTensor], names: Collection[str]
+) -> tuple[dict[str, StoredTensor], list[str]]:
+    """The checkpoint's tensors under the model's names, and the checkpoint keys that are
+    none of them. Keys are renamed as transformers' `from_pretrained` does: first the
+    architecture's own renamings (GPT-NeoX's `embed_out` is `lm_head`), then the base
+    model's prefix is added for a checkpoint of the base model alone (Llama's `norm.weight`
+    is `model.norm.weight`). A key the model has as it is keeps its name."""
+    prefix = getattr(model, "base_model_prefix", "")
+    # Keys transformers drops without complaint: the model's own list (GPT-2's attention
+    # masks) and the rotary inverse frequencies that older checkpoints saved as weights.
+    ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    ignored.append(r"rotary_emb\.inv_freq$")
+    by_name: dict[str, StoredTensor] = {}
+    unexpected = []
+    for key, (name, converted) in _transformers_renaming(model, stored).items():
+        if name not in names and key in names:
+            name, converted = key, False
+        if name not in names and prefix and f"{prefix}.{name}" in names:
+            name = f"{prefix}.{name}"
+        if name not in names:
+            if not any(re.search(pattern, key) for pattern in ignored):
+                unexpected.append(key)
+            continue
+        if converted:
+            raise ModelError(
+                f"the checkpoint stores {name!r} as parts (e.g. {key!r}) that transformers "
+                "merges when loading; offload reads each tensor whole, one per parameter"
+            )
+        if name in by_name:
+            raise ModelError(
+                f"the checkpoint has both {by_name[name].name!r} and {key!r} for the "
+                f"model's {name!r}; a checkpoint has one tensor per parameter"
+            )
+        by_name[name] = stored[key]
+    return by_name, unexpected
+
+
+def _transformers_renaming(
+    model: nn.Module, stored: Mapping[str, StoredTensor]
+) -> dict[str, tuple[str, bool]]:
+    """Each checkpoint key -> (its name after the key renamings transformers registers for
+    the model's architecture, whether transformers must also merge or split the tensor).
+    Keys go in transformers' order, which some renamings depend on. No renaming where this
+    transformers has no conversion mapping."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            dot_natural_key,
+            rename_source_key,
+        )
+
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        renamed = {}
+        for key in sorted(stored, key=dot_natural_key):
+            name, converter = rename_source_key(key, renamings, converters)
+            renamed[key] = (name, converter is not None)
+        return renamed
+    except (ImportError, AttributeError, TypeError):
+        return {key: (key, False) for key in stored}
 
 
 def _fill(model, offloader, targets, device: torch.device, progress: bool) -> None:
