@@ -33,6 +33,7 @@ from offload.model.layers import find_layers
 
 PROMPT = "Write a short story about a dragon who learns to fly."
 ALL_LAYERS = {"offload_group_size": 1, "offload_num_in_group": 1}
+MODULES = {**ALL_LAYERS, "prefetch_unit": "module"}  # one copy per linear layer, not per layer
 # name -> (offload config or None for resident, compute threads or None for torch's default).
 # On CPU the copy thread needs a core of its own, so prefetch also runs with one compute
 # thread fewer; resident runs at both thread counts and the ratio is taken to the faster.
@@ -41,12 +42,15 @@ RUNS = {
     "prefetch step 1": ({**ALL_LAYERS, "offload_prefetch_step": 1}, None),
     "prefetch step 2": ({**ALL_LAYERS, "offload_prefetch_step": 2}, None),
     "prefetch step 3": ({**ALL_LAYERS, "offload_prefetch_step": 3}, None),
+    "prefetch modules step 2": ({**MODULES, "offload_prefetch_step": 2}, None),
     "uva all layers": ({"cpu_offload_gb": 0.3955}, None),  # the 30 layers: 405 MiB
 }
 SPARE_CORE_RUNS = {
     "resident -1 thread": (None, -1),
     "prefetch step 2 -1 thread": ({**ALL_LAYERS, "offload_prefetch_step": 2}, -1),
     "prefetch step 3 -1 thread": ({**ALL_LAYERS, "offload_prefetch_step": 3}, -1),
+    "prefetch modules step 2 -1 thread": ({**MODULES, "offload_prefetch_step": 2}, -1),
+    "prefetch modules step 4 -1 thread": ({**MODULES, "offload_prefetch_step": 4}, -1),
     # Diagnostic, outputs not checked: the same run with the copies skipped (the slots keep
     # whatever they hold), so the cost of the mechanism (hooks, ops, waits) shows apart
     # from the cost of moving the bytes.

@@ -14,3 +14,18 @@ class SlowEngine(ThreadCopyEngine):
     def wait(self, ticket):
         if self._waits:
             super().wait(ticket)
+
+
+class ImmediateEngine(ThreadCopyEngine):
+    """Copies at once, on the calling thread: a read that should have come before an
+    overwrite of its slot, but runs after it, sees the new occupant's bytes."""
+
+    def copy(self, dst, src, after=None):
+        self._copy(dst, src)
+        return None
+
+    def wait(self, ticket):
+        return None
+
+    def synchronize(self):
+        return None

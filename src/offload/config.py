@@ -2,9 +2,9 @@
 
 A config written for vLLM (`OffloadConfig`, its `uva` and `prefetch` parts, the
 `--cpu-offload-gb`-style flags, or a JSON dict of either) means the same thing here.
-Two fields exist beyond vLLM's, both off by default: `disable_uva` and
+Three fields exist beyond vLLM's, all vLLM's behaviour by default: `disable_uva` and
 `disable_pin_memory` (vLLM reads these only from environment variables, which are
-honoured here too; see `offload.memory.host`).
+honoured here too; see `offload.memory.host`), and `prefetch_unit`.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ class PrefetchOffloadConfig:
 
 
 _VLLM_TOP_FIELDS = ("offload_backend", "uva", "prefetch")
-_EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory")
+_EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit")
+PREFETCH_UNITS = ("layer", "module")
 
 
 @dataclass
@@ -137,12 +138,20 @@ class OffloadConfig:
     prefetch: PrefetchOffloadConfig = field(default_factory=PrefetchOffloadConfig)
     disable_uva: bool = False
     disable_pin_memory: bool = False
+    # Ours, not vLLM's: what one prefetch copy brings in. "layer" (vLLM's) copies whole
+    # layers; "module" copies each weight-holding module of an offloaded layer on its own,
+    # so `offload_prefetch_step` counts modules (see PrefetchOffloader).
+    prefetch_unit: str = "layer"
 
     def __post_init__(self) -> None:
         self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
         self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
         self.disable_uva = _as_bool("offload", "disable_uva", self.disable_uva)
         self.disable_pin_memory = _as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
+        if self.prefetch_unit not in PREFETCH_UNITS:
+            raise ConfigError(
+                f"prefetch_unit must be one of {', '.join(PREFETCH_UNITS)}, got {self.prefetch_unit!r}"
+            )
         self.validate()
         self._warn_about_ignored_fields()
 
@@ -208,7 +217,7 @@ class OffloadConfig:
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def to_dict(self, vllm_only: bool = False) -> dict[str, Any]:
-        """A JSON-ready dict (sets become sorted lists). `vllm_only` drops the two
+        """A JSON-ready dict (sets become sorted lists). `vllm_only` drops the
         fields vLLM does not have, so vLLM's `OffloadConfig(**d)` accepts the result."""
         result: dict[str, Any] = {
             "offload_backend": self.offload_backend,
@@ -218,6 +227,7 @@ class OffloadConfig:
         if not vllm_only:
             result["disable_uva"] = self.disable_uva
             result["disable_pin_memory"] = self.disable_pin_memory
+            result["prefetch_unit"] = self.prefetch_unit
         return result
 
     @classmethod
@@ -318,6 +328,7 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "disable_pin_memory",
         {"action": "store_const", "const": True},
     ),
+    ("--offload-prefetch-unit", "prefetch_unit", {"choices": PREFETCH_UNITS}),
 )
 _FLAG_DESTS = tuple(dest for _, dest, _ in _FLAGS)
 

@@ -5,7 +5,7 @@ import warnings
 import pytest
 import torch
 import zoo
-from engines import SlowEngine
+from engines import ImmediateEngine, SlowEngine
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -16,12 +16,15 @@ from offload.offloader.prefetch import PrefetchOffloader
 from offload.offloader.slots import offloaded_layer_indices
 
 
-def prefetch(model, group=1, num_in_group=1, step=1, params=(), engine=None, layers=None):
+def prefetch(
+    model, group=1, num_in_group=1, step=1, params=(), engine=None, layers=None, unit="layer"
+):
     config = {
         "offload_group_size": group,
         "offload_num_in_group": num_in_group,
         "offload_prefetch_step": step,
         "offload_params": list(params),
+        "prefetch_unit": unit,
     }
     offloader = offload.create_offloader(config)
     if engine is not None:
@@ -59,6 +62,7 @@ def test_exact_for_every_layout(arch, num_layers, group, data):
     num_in_group = data.draw(st.integers(1, group), label="num_in_group")
     step = data.draw(st.integers(1, 5), label="step")
     params = data.draw(st.sampled_from([(), *[(p,) for p in ARCH_PARAMS[arch]]]), label="params")
+    unit = data.draw(st.sampled_from(["layer", "module"]), label="unit")
     if not offloaded_layer_indices(num_layers, group, num_in_group):
         return  # nothing to offload: an error, tested below
     model = zoo.build(arch, num_layers=num_layers)
@@ -69,6 +73,7 @@ def test_exact_for_every_layout(arch, num_layers, group, data):
         "offload_num_in_group": num_in_group,
         "offload_prefetch_step": step,
         "offload_params": list(params),
+        "prefetch_unit": unit,
     }
     offloader = offload.apply(model, config, layers=STACK[arch])  # a 1-layer "stack" too
     offloader.sync_prev_onload()  # the initial loads have landed
@@ -78,35 +83,41 @@ def test_exact_for_every_layout(arch, num_layers, group, data):
     offloader.sync_prev_onload()
     stats = offloader.stats()
     assert stats["bytes_copied"] - first == 3 * _expected_bytes_per_forward(offloader)
+    # (with module units, the "layers" of this bound are the units: smaller)
     assert (
         stats["device_staging_bytes"]
-        <= min(step, stats["num_offloaded_layers"]) * stats["largest_layer_bytes"]
+        <= min(step, stats["num_units"]) * stats["largest_layer_bytes"]
     )
+    if unit == "module":
+        assert stats["num_units"] >= stats["num_offloaded_layers"]
     manifest = offloader.manifest()
     assert manifest and all(e.access == "prefetch" for e in manifest)
     if params:
         assert all(f".{params[0]}." in f".{e.name}." for e in manifest)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2", "t5", "bert", "opt", "phi3"])
-def test_greedy_and_logits_exact_across_architectures(arch):
+@pytest.mark.parametrize("unit", ["layer", "module"])
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "t5", "bert", "opt", "phi3", "qwen3_moe"])
+def test_greedy_and_logits_exact_across_architectures(arch, unit):
     model = zoo.build(arch)
     ids = zoo.inputs()
     expected = zoo.logits(model, ids)
     expected_tokens = zoo.greedy(model, ids) if arch in zoo.CAUSAL_ARCHS else None
-    offloader = offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": 2})
+    config = {"offload_group_size": 1, "offload_prefetch_step": 2, "prefetch_unit": unit}
+    offloader = offload.apply(model, config)
     assert torch.equal(zoo.logits(model, ids), expected)
     if expected_tokens is not None:
         assert torch.equal(zoo.greedy(model, ids), expected_tokens)
     assert offloader.stats()["bytes_copied"] > 0
 
 
+@pytest.mark.parametrize("unit", ["layer", "module"])
 @pytest.mark.parametrize(("num_layers", "step"), [(5, 1), (5, 2), (6, 4), (4, 3)])
-def test_delayed_copies_still_give_exact_outputs(num_layers, step):
+def test_delayed_copies_still_give_exact_outputs(num_layers, step, unit):
     model = zoo.build("llama", num_layers=num_layers)
     ids = zoo.inputs()
     expected = zoo.logits(model, ids)
-    offloader = prefetch(model, step=step, engine=SlowEngine())
+    offloader = prefetch(model, step=step, engine=SlowEngine(), unit=unit)
     for _ in range(3):
         assert torch.equal(zoo.logits(model, ids), expected)
     assert offloader.stats()["stall_s"] > 0  # the delays were really waited for
@@ -260,8 +271,8 @@ def test_auto_selects_prefetch_and_graph_capture_context_runs_on_cpu():
     assert stats["achieved_gb_per_s"] > 0
 
 
-@pytest.mark.parametrize(("num_layers", "step"), [(3, 2), (4, 1)])
-def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step):
+@pytest.mark.parametrize(("num_layers", "step", "unit"), [(3, 2, "layer"), (4, 1, "layer")])
+def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step, unit):
     """Inductor on the CPU: the offloaded model compiles with fullgraph=True, moves bytes,
     and gives bitwise what the same compiled model gives without offloading."""
     torch._dynamo.reset()
@@ -270,7 +281,8 @@ def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step):
     with torch.no_grad():
         expected = torch.compile(model, fullgraph=True)(input_ids=ids).logits
     torch._dynamo.reset()
-    offloader = offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": step})
+    config = {"offload_group_size": 1, "offload_prefetch_step": step, "prefetch_unit": unit}
+    offloader = offload.apply(model, config)
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -280,6 +292,19 @@ def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step):
             assert torch.equal(compiled(input_ids=ids).logits, expected)
     offloader.sync_prev_onload()
     assert offloader.stats()["bytes_copied"] - before == 2 * _expected_bytes_per_forward(offloader)
+    torch._dynamo.reset()
+
+
+def test_torch_compile_refuses_grouped_module_units_clearly():
+    """A unit of several modules (gate and up of an MLP run side by side) cannot have its
+    release ordered after all of them by data dependencies: compiling it is refused."""
+    torch._dynamo.reset()
+    model = zoo.build("llama", num_layers=2)
+    offload.apply(
+        model, {"offload_group_size": 1, "offload_prefetch_step": 2, "prefetch_unit": "module"}
+    )
+    with pytest.raises(Exception, match="compile with prefetch_unit='layer'"), torch.no_grad():
+        torch.compile(model, fullgraph=True)(input_ids=zoo.inputs())
     torch._dynamo.reset()
 
 
@@ -376,3 +401,66 @@ def test_backward_with_a_slot_per_layer_gives_the_resident_gradients():
     grads = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         assert torch.equal(param.grad, grads[name].grad), name
+
+
+def test_module_units_group_weight_modules_and_leave_norms_resident():
+    model = zoo.build("llama", num_layers=2)
+    x = torch.randint(0, 100, (1, 6))
+    with torch.no_grad():
+        expected = model(x).logits
+    offloader = prefetch(model, step=2, unit="module")
+    manifest = offloader.manifest()
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    parents = ["self_attn"] * 4 + ["mlp"] * 3
+    assert [e.name for e in manifest[:7]] == [
+        f"model.layers.0.{p}.{n}.weight" for p, n in zip(parents, names, strict=True)
+    ]
+    up = model.model.layers[0].mlp.up_proj.weight
+    assert offloader.host_tensor("model.layers.0.mlp.up_proj.weight").shape == up.shape
+    assert not any("norm" in e.name for e in manifest)  # a few hundred bytes: resident
+    assert not offloader.is_offloaded(model.model.layers[0].input_layernorm.weight)
+    # Consecutive modules grouped into units of at least a quarter of the layer (but the last).
+    units: dict[str, int] = {}
+    for e in manifest:
+        if e.module.startswith("model.layers.0#"):
+            units[e.module] = units.get(e.module, 0) + e.num_bytes
+    assert list(units) == [f"model.layers.0#{i}" for i in range(len(units))]
+    assert 2 <= len(units) <= 4
+    assert all(size >= sum(units.values()) / 4 for size in list(units.values())[:-1])
+    stats = offloader.stats()
+    assert (stats["num_units"], stats["num_offloaded_layers"]) == (2 * len(units), 2)
+    assert stats["unit"] == "module"
+    per_unit: dict[str, int] = {}
+    for e in manifest:
+        per_unit[e.module] = per_unit.get(e.module, 0) + e.num_bytes
+    assert stats["device_staging_bytes"] <= 2 * max(per_unit.values()) + 2 * 4 * 256
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, expected)
+        assert torch.equal(model(x).logits, expected)
+
+
+class _Reversed(nn.Module):
+    """A block that calls its five linear layers last to first: units group them first
+    to last ([0, 1], [2, 3], [4]), so a unit's releasing member runs before the others."""
+
+    def __init__(self):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x):
+        for linear in reversed(self.linears):
+            x = torch.tanh(linear(x))
+        return x
+
+
+@pytest.mark.parametrize("engine", [SlowEngine, ImmediateEngine])
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_module_units_stay_exact_when_modules_run_out_of_registration_order(step, engine):
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[_Reversed() for _ in range(3)])
+    x = torch.randn(3, 8)
+    expected = blocks(x)
+    offloader = prefetch(blocks, step=step, layers=list(blocks), unit="module", engine=engine())
+    assert offloader.stats()["num_units"] == 9
+    for _ in range(3):
+        assert torch.equal(blocks(x), expected)

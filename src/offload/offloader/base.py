@@ -231,6 +231,7 @@ def create_offloader(
             offload_params=config.prefetch.offload_params,
             device=device,
             disable_pin_memory=config.disable_pin_memory,
+            unit=config.prefetch_unit,
         )
     return NoopOffloader()
 

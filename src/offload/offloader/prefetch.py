@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ class _Layer:
     params: list[tuple[str, nn.Parameter]]
     specs: list[TensorSpec]
     slab: HostSlab | None = None
+    owner: nn.Module | None = None  # the decoder layer it belongs to (itself, for layer units)
+    prefix: str = ""  # qualified name of `module`, which the parameter names are relative to
+    members: list[nn.Module] | None = None  # modules that read it (None: `module` itself)
     address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
 
 
@@ -58,8 +62,12 @@ class PrefetchOffloader(BaseOffloader):
         device: torch.device | None = None,
         disable_pin_memory: bool = False,
         copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
+        unit: str = "layer",
     ):
         super().__init__()
+        if unit not in ("layer", "module"):
+            raise ModelError(f"prefetch unit must be 'layer' or 'module', got {unit!r}")
+        self.unit = unit
         if mode != "cpu":
             raise ModelError(f"PrefetchOffloader mode must be 'cpu' (host memory), got {mode!r}")
         if group_size < 1 or not 1 <= num_in_group <= group_size or prefetch_step < 1:
@@ -118,7 +126,10 @@ class PrefetchOffloader(BaseOffloader):
                     raise ModelError(f"parameter {name!r} of layer {index} is on the meta device")
             if params:  # as vLLM: a layer with nothing to offload is not offloaded
                 name = self.module_name(module, index)
-                layers.append(_Layer(module, name, params, [TensorSpec.of(p) for _, p in params]))
+                specs = [TensorSpec.of(p) for _, p in params]
+                layers.append(_Layer(module, name, params, specs, owner=module))
+        if self.unit == "module":
+            layers = [unit for layer in layers for unit in _split_into_modules(layer)]
         if not layers and self.offload_params:
             raise ModelError(self._nothing_to_offload(len(modules)))
         if not layers:
@@ -155,7 +166,14 @@ class PrefetchOffloader(BaseOffloader):
             if self.dry_run:
                 continue
             weights = [p for _, p in layer.params]
-            self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
+            members = layer.members or [layer.module]
+            for member in members:
+                # Every member waits for the unit (in whatever order they run); the last
+                # one releases its slot.
+                hook = PrefetchHook(self, self._id, position, weights)
+                self._hooks.append(
+                    hook.attach(member, release=member is members[-1], compilable=len(members) == 1)
+                )
             self._hooks.append(_StateDictHooks(self, layer).attach(layer.module))
         return modules
 
@@ -165,9 +183,7 @@ class PrefetchOffloader(BaseOffloader):
         pin = should_pin_memory(device, self.disable_pin_memory)
         location = "host-pinned" if pin else "host"
         if self.dry_run:
-            self._manifest += [
-                OffloadedParam.of(layer.name, n, p, location, "prefetch") for n, p in layer.params
-            ]
+            self._manifest += [self._entry(layer, n, p, location) for n, p in layer.params]
             return
         layer.slab = HostSlab(layer.specs, pin_for=device if pin else None)
         for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
@@ -175,7 +191,12 @@ class PrefetchOffloader(BaseOffloader):
                 host.copy_(param.data)
             self._take(param, host)
             set_param_data(param, host)  # frees the device copy; the slot view comes in post_init
-            self._manifest.append(OffloadedParam.of(layer.name, name, host, location, "prefetch"))
+            self._manifest.append(self._entry(layer, name, host, location))
+
+    @staticmethod
+    def _entry(layer: _Layer, name: str, tensor: torch.Tensor, location: str) -> OffloadedParam:
+        entry = OffloadedParam.of(layer.prefix or layer.name, name, tensor, location, "prefetch")
+        return dataclasses.replace(entry, module=layer.name)
 
     def post_init(self) -> None:
         """Allocate the slots, point every offloaded parameter at its slot for good, and
@@ -275,7 +296,7 @@ class PrefetchOffloader(BaseOffloader):
         """The host copy of an offloaded parameter (by its manifest name)."""
         for layer in self._layers:
             for local, param in layer.params:
-                if f"{layer.name}.{local}" == name:
+                if f"{layer.prefix or layer.name}.{local}" == name:
                     return self._host_views[id(param)]
         raise KeyError(name)
 
@@ -295,7 +316,9 @@ class PrefetchOffloader(BaseOffloader):
         copies = self._engine.collect_stats().as_dict() if self._engine else {}
         return {
             **super().stats(),
-            "num_offloaded_layers": len(self._layers),
+            "num_offloaded_layers": len({id(layer.owner) for layer in self._layers}),
+            "num_units": len(self._layers),
+            "unit": self.unit,
             "num_slots": len(self._slots),
             "device_staging_bytes": self.device_staging_bytes,
             "largest_layer_bytes": max((lay.slab.num_bytes for lay in self._layers), default=0),
@@ -303,6 +326,57 @@ class PrefetchOffloader(BaseOffloader):
             "pinned_bytes": self.pinned_bytes,
             **copies,
         }
+
+
+# With prefetch_unit="module", a module whose weights are less than this share of its
+# layer's stays resident: a norm's few KiB are not worth a copy and a wait.
+_SMALL_UNIT_SHARE = 1 / 64
+# ... and consecutive modules are grouped into units of about this share of the layer,
+# so that a unit's copy and its compute take similar times (fewer, shorter waits).
+_UNIT_SHARE = 1 / 4
+
+
+def _split_into_modules(layer: _Layer) -> list[_Layer]:
+    """`layer` as a few units of consecutive weight-holding modules (registration order,
+    the order Hugging Face layers call them in), each about a quarter of the layer. Each
+    unit is copied, waited for and released on its own, so a copy lands just before its
+    modules run: on a CPU the bytes are still in cache when they are read. Every module of
+    a unit waits for it and the last releases it, so modules that run in another order
+    are still correct (loaded on demand)."""
+    local = {id(p): name for name, p in layer.params}
+    pieces, seen = [], set()
+    for _, sub in layer.module.named_modules():
+        params = []
+        for _, p in sub.named_parameters(recurse=False):
+            if id(p) in local and id(p) not in seen:
+                seen.add(id(p))
+                params.append((local[id(p)], p))
+        if params:
+            pieces.append((sub, params, sum(TensorSpec.of(p).num_bytes for _, p in params)))
+    total = sum(size for *_, size in pieces)
+    pieces = [piece for piece in pieces if piece[2] >= total * _SMALL_UNIT_SHARE]
+    groups, group = [], []
+    for piece in pieces:
+        group.append(piece)
+        if sum(size for *_, size in group) >= total * _UNIT_SHARE:
+            groups, group = [*groups, group], []
+    if group:
+        groups.append(group)
+    units = []
+    for number, group in enumerate(groups):
+        params = [param for _, group_params, _ in group for param in group_params]
+        units.append(
+            _Layer(
+                layer.module,
+                f"{layer.name}#{number}",
+                params,
+                [TensorSpec.of(p) for _, p in params],
+                owner=layer.module,
+                prefix=layer.name,
+                members=[sub for sub, _, _ in group],
+            )
+        )
+    return units
 
 
 class _StateDictHooks:
