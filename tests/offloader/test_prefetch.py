@@ -271,7 +271,9 @@ def test_auto_selects_prefetch_and_graph_capture_context_runs_on_cpu():
     assert stats["achieved_gb_per_s"] > 0
 
 
-@pytest.mark.parametrize(("num_layers", "step", "unit"), [(3, 2, "layer"), (4, 1, "layer")])
+@pytest.mark.parametrize(
+    ("num_layers", "step", "unit"), [(3, 2, "layer"), (4, 1, "layer"), (2, 3, "module")]
+)
 def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step, unit):
     """Inductor on the CPU: the offloaded model compiles with fullgraph=True, moves bytes,
     and gives bitwise what the same compiled model gives without offloading."""
@@ -292,19 +294,6 @@ def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step, uni
             assert torch.equal(compiled(input_ids=ids).logits, expected)
     offloader.sync_prev_onload()
     assert offloader.stats()["bytes_copied"] - before == 2 * _expected_bytes_per_forward(offloader)
-    torch._dynamo.reset()
-
-
-def test_torch_compile_refuses_grouped_module_units_clearly():
-    """A unit of several modules (gate and up of an MLP run side by side) cannot have its
-    release ordered after all of them by data dependencies: compiling it is refused."""
-    torch._dynamo.reset()
-    model = zoo.build("llama", num_layers=2)
-    offload.apply(
-        model, {"offload_group_size": 1, "offload_prefetch_step": 2, "prefetch_unit": "module"}
-    )
-    with pytest.raises(Exception, match="compile with prefetch_unit='layer'"), torch.no_grad():
-        torch.compile(model, fullgraph=True)(input_ids=zoo.inputs())
     torch._dynamo.reset()
 
 
@@ -403,7 +392,7 @@ def test_backward_with_a_slot_per_layer_gives_the_resident_gradients():
         assert torch.equal(param.grad, grads[name].grad), name
 
 
-def test_module_units_group_weight_modules_and_leave_norms_resident():
+def test_module_units_are_the_weight_modules_and_norms_stay_resident():
     model = zoo.build("llama", num_layers=2)
     x = torch.randint(0, 100, (1, 6))
     with torch.no_grad():
@@ -419,16 +408,10 @@ def test_module_units_group_weight_modules_and_leave_norms_resident():
     assert offloader.host_tensor("model.layers.0.mlp.up_proj.weight").shape == up.shape
     assert not any("norm" in e.name for e in manifest)  # a few hundred bytes: resident
     assert not offloader.is_offloaded(model.model.layers[0].input_layernorm.weight)
-    # Consecutive modules grouped into units of at least a quarter of the layer (but the last).
-    units: dict[str, int] = {}
-    for e in manifest:
-        if e.module.startswith("model.layers.0#"):
-            units[e.module] = units.get(e.module, 0) + e.num_bytes
-    assert list(units) == [f"model.layers.0#{i}" for i in range(len(units))]
-    assert 2 <= len(units) <= 4
-    assert all(size >= sum(units.values()) / 4 for size in list(units.values())[:-1])
+    # One unit per linear layer, named by it.
+    assert [e.module for e in manifest[:7]] == [e.name[: -len(".weight")] for e in manifest[:7]]
     stats = offloader.stats()
-    assert (stats["num_units"], stats["num_offloaded_layers"]) == (2 * len(units), 2)
+    assert (stats["num_units"], stats["num_offloaded_layers"]) == (14, 2)
     assert stats["unit"] == "module"
     per_unit: dict[str, int] = {}
     for e in manifest:
@@ -440,8 +423,8 @@ def test_module_units_group_weight_modules_and_leave_norms_resident():
 
 
 class _Reversed(nn.Module):
-    """A block that calls its five linear layers last to first: units group them first
-    to last ([0, 1], [2, 3], [4]), so a unit's releasing member runs before the others."""
+    """A block that calls its five linear layers last to first: against the order their
+    units are scheduled in (registration order)."""
 
     def __init__(self):
         super().__init__()
@@ -461,6 +444,6 @@ def test_module_units_stay_exact_when_modules_run_out_of_registration_order(step
     x = torch.randn(3, 8)
     expected = blocks(x)
     offloader = prefetch(blocks, step=step, layers=list(blocks), unit="module", engine=engine())
-    assert offloader.stats()["num_units"] == 9
+    assert offloader.stats()["num_units"] == 15
     for _ in range(3):
         assert torch.equal(blocks(x), expected)

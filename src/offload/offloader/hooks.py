@@ -81,15 +81,11 @@ class PrefetchHook:
         self._weights = list(weights)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
-    def attach(
-        self, module: nn.Module, release: bool = True, compilable: bool = True
-    ) -> PrefetchHook:
-        """Wait before `module` runs; with `release`, start the next load after it.
-        Without `compilable`, tracing it under torch.compile is refused."""
-        self._compilable = compilable
-        self._handles = [module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)]
-        if release:
-            self._handles.append(module.register_forward_hook(self._post_forward))
+    def attach(self, module: nn.Module) -> PrefetchHook:
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            module.register_forward_hook(self._post_forward),
+        ]
         return self
 
     def detach(self) -> None:
@@ -101,11 +97,6 @@ class PrefetchHook:
         if not torch.compiler.is_compiling():
             self._offloader.wait_for_layer(self._position)
             return
-        if not self._compilable:
-            raise RuntimeError(
-                "prefetch_unit='module' groups modules into units whose release torch.compile "
-                "cannot order after all of them; compile with prefetch_unit='layer'"
-            )
         activation = _first_tensor((args, kwargs))
         if activation is None:
             raise RuntimeError(

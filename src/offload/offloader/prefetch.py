@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -30,8 +29,6 @@ class _Layer:
     specs: list[TensorSpec]
     slab: HostSlab | None = None
     owner: nn.Module | None = None  # the decoder layer it belongs to (itself, for layer units)
-    prefix: str = ""  # qualified name of `module`, which the parameter names are relative to
-    members: list[nn.Module] | None = None  # modules that read it (None: `module` itself)
     address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
 
 
@@ -166,14 +163,7 @@ class PrefetchOffloader(BaseOffloader):
             if self.dry_run:
                 continue
             weights = [p for _, p in layer.params]
-            members = layer.members or [layer.module]
-            for member in members:
-                # Every member waits for the unit (in whatever order they run); the last
-                # one releases its slot.
-                hook = PrefetchHook(self, self._id, position, weights)
-                self._hooks.append(
-                    hook.attach(member, release=member is members[-1], compilable=len(members) == 1)
-                )
+            self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
             self._hooks.append(_StateDictHooks(self, layer).attach(layer.module))
         return modules
 
@@ -183,7 +173,9 @@ class PrefetchOffloader(BaseOffloader):
         pin = should_pin_memory(device, self.disable_pin_memory)
         location = "host-pinned" if pin else "host"
         if self.dry_run:
-            self._manifest += [self._entry(layer, n, p, location) for n, p in layer.params]
+            self._manifest += [
+                OffloadedParam.of(layer.name, n, p, location, "prefetch") for n, p in layer.params
+            ]
             return
         layer.slab = HostSlab(layer.specs, pin_for=device if pin else None)
         for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
@@ -191,12 +183,7 @@ class PrefetchOffloader(BaseOffloader):
                 host.copy_(param.data)
             self._take(param, host)
             set_param_data(param, host)  # frees the device copy; the slot view comes in post_init
-            self._manifest.append(self._entry(layer, name, host, location))
-
-    @staticmethod
-    def _entry(layer: _Layer, name: str, tensor: torch.Tensor, location: str) -> OffloadedParam:
-        entry = OffloadedParam.of(layer.prefix or layer.name, name, tensor, location, "prefetch")
-        return dataclasses.replace(entry, module=layer.name)
+            self._manifest.append(OffloadedParam.of(layer.name, name, host, location, "prefetch"))
 
     def post_init(self) -> None:
         """Allocate the slots, point every offloaded parameter at its slot for good, and
@@ -296,7 +283,7 @@ class PrefetchOffloader(BaseOffloader):
         """The host copy of an offloaded parameter (by its manifest name)."""
         for layer in self._layers:
             for local, param in layer.params:
-                if f"{layer.prefix or layer.name}.{local}" == name:
+                if f"{layer.name}.{local}" == name:
                     return self._host_views[id(param)]
         raise KeyError(name)
 
@@ -331,52 +318,26 @@ class PrefetchOffloader(BaseOffloader):
 # With prefetch_unit="module", a module whose weights are less than this share of its
 # layer's stays resident: a norm's few KiB are not worth a copy and a wait.
 _SMALL_UNIT_SHARE = 1 / 64
-# ... and consecutive modules are grouped into units of about this share of the layer,
-# so that a unit's copy and its compute take similar times (fewer, shorter waits).
-_UNIT_SHARE = 1 / 4
 
 
 def _split_into_modules(layer: _Layer) -> list[_Layer]:
-    """`layer` as a few units of consecutive weight-holding modules (registration order,
-    the order Hugging Face layers call them in), each about a quarter of the layer. Each
-    unit is copied, waited for and released on its own, so a copy lands just before its
-    modules run: on a CPU the bytes are still in cache when they are read. Every module of
-    a unit waits for it and the last releases it, so modules that run in another order
-    are still correct (loaded on demand)."""
-    local = {id(p): name for name, p in layer.params}
-    pieces, seen = [], set()
-    for _, sub in layer.module.named_modules():
-        params = []
-        for _, p in sub.named_parameters(recurse=False):
-            if id(p) in local and id(p) not in seen:
-                seen.add(id(p))
-                params.append((local[id(p)], p))
-        if params:
-            pieces.append((sub, params, sum(TensorSpec.of(p).num_bytes for _, p in params)))
-    total = sum(size for *_, size in pieces)
-    pieces = [piece for piece in pieces if piece[2] >= total * _SMALL_UNIT_SHARE]
-    groups, group = [], []
-    for piece in pieces:
-        group.append(piece)
-        if sum(size for *_, size in group) >= total * _UNIT_SHARE:
-            groups, group = [*groups, group], []
-    if group:
-        groups.append(group)
+    """`layer` as one unit per module that holds its offloaded weights directly (its
+    linear layers, in registration order, which is the order Hugging Face layers call
+    them in; a module that runs out of that order is still correct, loaded on demand).
+    Each unit is copied, waited for and released on its own, so a copy lands just before
+    its module runs: on a CPU the bytes are still in cache when they are read. (Grouping
+    neighbours into bigger units measured slower: more bytes in flight.)"""
+    chosen = {id(p) for _, p in layer.params}
     units = []
-    for number, group in enumerate(groups):
-        params = [param for _, group_params, _ in group for param in group_params]
-        units.append(
-            _Layer(
-                layer.module,
-                f"{layer.name}#{number}",
-                params,
-                [TensorSpec.of(p) for _, p in params],
-                owner=layer.module,
-                prefix=layer.name,
-                members=[sub for sub, _, _ in group],
-            )
-        )
-    return units
+    for sub_name, sub in layer.module.named_modules():
+        params = [(n, p) for n, p in sub.named_parameters(recurse=False) if id(p) in chosen]
+        chosen -= {id(p) for _, p in params}  # a parameter shared by two modules: once
+        if params:
+            name = f"{layer.name}.{sub_name}" if sub_name else layer.name
+            specs = [TensorSpec.of(p) for _, p in params]
+            units.append(_Layer(sub, name, params, specs, owner=layer.module))
+    total = sum(spec.num_bytes for unit in units for spec in unit.specs)
+    return [u for u in units if sum(s.num_bytes for s in u.specs) >= total * _SMALL_UNIT_SHARE]
 
 
 class _StateDictHooks:
