@@ -175,7 +175,7 @@ def main() -> None:
     resident_step = 1 / best_resident[0]
     print(f"ratios are to the fastest resident run: {best_resident[1]!r}")
     print(
-        f"{'run':<27}{'threads':>8}{'tok/s':>8}{'x resident':>12}{'copied/token':>14}"
+        f"{'run':<36}{'threads':>8}{'tok/s':>8}{'x resident':>12}{'copied/token':>14}"
         f"{'stall/token':>13}  bound"
     )
     for name, row in results.items():
@@ -191,7 +191,7 @@ def main() -> None:
             row["shared_core_bound_step_s"] = resident_step + copy_s / cores
             bound += f"; shared {cores} cores: {row['shared_core_bound_step_s'] * 1e3:.1f} ms = {resident_step / row['shared_core_bound_step_s']:.2f}x"
         print(
-            f"{name:<27}{row['compute_threads']:>8}{row['tokens_per_s']:>8.2f}{ratio:>12.2f}"
+            f"{name:<36}{row['compute_threads']:>8}{row['tokens_per_s']:>8.2f}{ratio:>12.2f}"
             f"{row['bytes_copied_per_token'] / 2**20:>11.1f} MiB{row['stall_s_per_token'] * 1e3:>10.2f} ms  {bound}"
         )
     path = common.save(
