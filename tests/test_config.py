@@ -282,3 +282,20 @@ def test_cpu_offload_gb_auto_is_kept_for_the_engine_to_resolve():
     config = OffloadConfig.from_cli(["--cpu-offload-gb", "auto"])
     assert config.uva.cpu_offload_gb == "auto" and config.selected_backend == "uva"
     assert OffloadConfig.from_dict(config.to_dict()) == config
+
+
+def test_prefetch_unit_is_ours_off_by_default_and_checked():
+    assert OffloadConfig().prefetch_unit == "layer"
+    config = OffloadConfig.from_cli(
+        ["--offload-group-size", "1", "--offload-prefetch-unit", "module"]
+    )
+    assert config.prefetch_unit == "module"
+    assert OffloadConfig.from_dict(config.to_dict()) == config
+    assert "prefetch_unit" not in config.to_dict(vllm_only=True)
+    assert (
+        config.compute_hash() != OffloadConfig.from_dict({"offload_group_size": 1}).compute_hash()
+    )
+    with pytest.raises(
+        ConfigError, match="prefetch_unit must be one of layer, module, got 'block'"
+    ):
+        OffloadConfig(prefetch_unit="block")

@@ -15,6 +15,11 @@ OFFLOADS = {
     "uva-copy-per-forward": {"cpu_offload_gb": 0.1, "offload_config_disable_uva": True},
     "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
     "prefetch-4-1": {"offload_group_size": 4, "offload_num_in_group": 1},
+    "prefetch-modules": {
+        "offload_group_size": 1,
+        "offload_prefetch_step": 2,
+        "prefetch_unit": "module",
+    },
     "kv-cache": {"kv_offload": True},
     "uva+kv-cache": {"cpu_offload_gb": 0.2, "swap_space": 0.5},
     "prefetch+kv-cache": {"offload_group_size": 1, "offload_prefetch_step": 2, "swap_space": 1},
