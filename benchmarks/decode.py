@@ -62,8 +62,9 @@ DIAGNOSTIC = {"prefetch step 2 NO COPY"}
 class SkippedCopies(ThreadCopyEngine):
     """Issues and waits like the real engine, but moves no bytes (diagnostic only)."""
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.stats.num_copies += 1
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: object = None) -> object:
+        self._last = self._worker.submit(lambda: None)  # queued and waited for; no bytes
+        return self._last
 
 
 def decode(model, inputs, num_tokens: int) -> torch.Tensor:

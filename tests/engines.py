@@ -22,6 +22,8 @@ class ImmediateEngine(ThreadCopyEngine):
 
     def copy(self, dst, src, after=None):
         self._copy(dst, src)
+        self.stats.bytes_copied += dst.numel()
+        self.stats.num_copies += 1
         return None
 
     def wait(self, ticket):

@@ -447,3 +447,12 @@ def test_module_units_stay_exact_when_modules_run_out_of_registration_order(step
     assert offloader.stats()["num_units"] == 15
     for _ in range(3):
         assert torch.equal(blocks(x), expected)
+
+
+def test_copies_are_counted_when_issued_as_on_cuda():
+    model = zoo.build("llama", num_layers=4)
+    offloader = prefetch(model, step=2, engine=SlowEngine(delay_s=0.05))
+    issued = sum(layer.slab.num_bytes for layer in offloader._layers[:2])  # the initial loads
+    assert offloader.stats()["bytes_copied"] == issued  # before they have run
+    offloader.sync_prev_onload()
+    assert offloader.stats()["bytes_copied"] == issued and offloader.stats()["num_copies"] == 2

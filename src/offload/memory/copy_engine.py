@@ -101,6 +101,9 @@ class ThreadCopyEngine(CopyEngine):
         if dst.numel() != src.numel():
             raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
         self._last = self._worker.submit(self._copy, dst, src)
+        # Counted when issued, as the CUDA engine does (the time when it has run).
+        self.stats.bytes_copied += dst.numel()
+        self.stats.num_copies += 1
         return self._last
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -109,8 +112,6 @@ class ThreadCopyEngine(CopyEngine):
         started = time.perf_counter()
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())
         self.stats.copy_s += time.perf_counter() - started
-        self.stats.bytes_copied += dst.numel()
-        self.stats.num_copies += 1
 
     def wait(self, ticket: Future) -> None:
         if not ticket.done():
