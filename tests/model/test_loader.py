@@ -178,8 +178,12 @@ def _edit_config(path, **changes):
         ),
         (lambda p: _edit_config(p, hidden_size="abc"), "'hidden_size' expected int, got str"),
         (lambda p: _edit_config(p, hidden_act="nope"), "cannot build the model from these"),
+        (
+            lambda p: _edit_config(p, num_key_value_heads=3),
+            "num_key_value_heads (3) must divide num_attention_heads (4)",
+        ),
     ],
-    ids=["null", "array", "not-json", "heads", "hidden-size-str", "activation"],
+    ids=["null", "array", "not-json", "heads", "hidden-size-str", "activation", "kv-heads"],
 )
 def test_bad_config_contents_are_one_model_error(tiny_checkpoint, write, needle):
     _, path = tiny_checkpoint

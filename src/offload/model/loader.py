@@ -118,6 +118,13 @@ def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
         else:
             problem = f"invalid {model_type} settings ({_describe(error)})"
         raise ModelError(f"{config_file}: {problem}") from None
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ModelError(
+            f"{config_file}: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+            f"({heads}): each key/value head serves a whole group of query heads"
+        )
     torch_dtype = resolve_dtype(dtype, hf_config)
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
