@@ -8,7 +8,18 @@ import torch
 from torch import nn
 
 
-class CopyOnForwardHook:
+class ModuleHooks:
+    """Hooks registered on a module, removable together (`detach`)."""
+
+    _handles: list[torch.utils.hooks.RemovableHandle]
+
+    def detach(self) -> None:
+        for handle in getattr(self, "_handles", []):
+            handle.remove()
+        self._handles = []
+
+
+class CopyOnForwardHook(ModuleHooks):
     """Runs a module with device copies of its offloaded parameters.
 
     Before the forward each offloaded parameter's data is swapped for a fresh copy on
@@ -39,11 +50,6 @@ class CopyOnForwardHook:
         ]
         return self
 
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         self._depth += 1
         if self._depth > 1:
@@ -66,7 +72,7 @@ class CopyOnForwardHook:
         self._host_data = []
 
 
-class PrefetchHook:
+class PrefetchHook(ModuleHooks):
     """Brackets an offloaded layer: wait for its slot before the forward, start the next
     load into that slot after it. Eager calls go straight to the offloader; under
     torch.compile they go through the `offload::` custom ops, which tie them to the
@@ -87,11 +93,6 @@ class PrefetchHook:
             module.register_forward_hook(self._post_forward),
         ]
         return self
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.compiler.is_compiling():

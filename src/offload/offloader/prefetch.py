@@ -14,7 +14,7 @@ from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
-from offload.offloader.hooks import PrefetchHook
+from offload.offloader.hooks import ModuleHooks, PrefetchHook
 from offload.offloader.selection import matches_segments, unmatched_segments
 from offload.offloader.slots import SlotTable, offloaded_layer_indices, slot_of, slot_sizes
 
@@ -340,7 +340,7 @@ def _split_into_modules(layer: _Layer) -> list[_Layer]:
     return [u for u in units if sum(s.num_bytes for s in u.specs) >= total * _SMALL_UNIT_SHARE]
 
 
-class _StateDictHooks:
+class _StateDictHooks(ModuleHooks):
     """Make an offloaded layer's `state_dict()` report its weights from host memory (its
     slot may hold another layer), and `load_state_dict()` write them there (a write to
     the slot alone would be lost at the next refill)."""
@@ -348,7 +348,7 @@ class _StateDictHooks:
     def __init__(self, offloader: PrefetchOffloader, layer: _Layer):
         self._offloader = offloader
         self._layer = layer
-        self._handles: list = []
+        self._handles = []
 
     def attach(self, module: nn.Module) -> _StateDictHooks:
         self._handles = [
@@ -356,11 +356,6 @@ class _StateDictHooks:
             module._register_load_state_dict_pre_hook(self._loading),
         ]
         return self
-
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     def _saved(self, module, state_dict, prefix, local_metadata) -> None:
         for name, param in self._layer.params:
