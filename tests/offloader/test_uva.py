@@ -225,3 +225,25 @@ def test_layers_can_be_given_explicitly():
     assert {e.module for e in offloader.manifest()} == {"model.layers.2"}
     offloader = offload.apply(zoo.build("llama"), {"cpu_offload_gb": 1}, layers="model.layers")
     assert len({e.module for e in offloader.manifest()}) == len(find_layers(model))
+
+
+@pytest.mark.parametrize("disable_uva", [False, True])
+def test_parameters_replaced_after_offloading_are_no_longer_counted(disable_uva):
+    """`module.to(dtype)` after offloading makes new, resident parameters: the figures
+    stop counting them (with one warning), instead of reporting bytes that moved back."""
+    model = zoo.build("llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the budget is more than the model)
+        offloader = offload.apply(model, {"cpu_offload_gb": 1, "disable_uva": disable_uva})
+    before = offloader.stats()
+    assert before["offloaded_bytes"] > 0
+    model.model.layers[0].to(torch.float64).to(torch.float32)  # new tensors, resident
+    moved = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    with pytest.warns(UserWarning, match="no longer live in host memory"):
+        after = offloader.stats()
+    assert after["offloaded_bytes"] == before["offloaded_bytes"] - moved
+    assert offloader.offloaded_bytes == after["offloaded_bytes"]
+    layer_params = len(list(model.model.layers[0].parameters()))
+    assert after["num_offloaded_params"] == before["num_offloaded_params"] - layer_params
+    model(torch.randint(0, 100, (1, 4)))  # copy-per-forward hooks still restore cleanly
+    assert offloader.stats()["offloaded_bytes"] == after["offloaded_bytes"]

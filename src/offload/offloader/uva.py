@@ -53,6 +53,7 @@ class UVAOffloader(BaseOffloader):
         self.disable_pin_memory = disable_pin_memory
         self._slabs: list[HostSlab] = []
         self._hooks: list[CopyOnForwardHook] = []
+        self._warned_moved = False
         self._eligible_bytes = 0
         self._num_wrapped = 0
         self.bytes_copied = 0
@@ -186,9 +187,39 @@ class UVAOffloader(BaseOffloader):
         """All host bytes held for offloaded parameters, pinned or not."""
         return sum(slab.mapped_bytes for slab in self._slabs)
 
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes of offloaded parameters whose data still lives in host memory: after
+        `model.to()` or an assignment replaced a parameter's data, it is resident again."""
+        moved = self._moved()
+        return super().offloaded_bytes - sum(entry.num_bytes for entry in moved)
+
+    def _moved(self) -> list[OffloadedParam]:
+        """Manifest entries whose parameter no longer reads its host slab."""
+        if self.dry_run:
+            return []
+        moved = [
+            entry
+            for entry, (param, _) in zip(self._manifest, self._taken, strict=True)
+            # (a zero-copy device view has its host slab's address)
+            if param.data_ptr() != self._host_views[id(param)].data_ptr()
+        ]
+        if moved and not self._warned_moved:
+            self._warned_moved = True
+            warnings.warn(
+                f"{len(moved)} offloaded parameters (e.g. {moved[0].name}) no longer live in "
+                "host memory: model.to() or an assignment replaced their data, so they are "
+                "resident now; change dtype or device before offloading",
+                UserWarning,
+                stacklevel=3,
+            )
+        return moved
+
     def stats(self) -> dict[str, int]:
+        moved = self._moved()
         return {
             **super().stats(),
+            "num_offloaded_params": len(self._manifest) - len(moved),
             "host_bytes": self.host_bytes,
             "pinned_bytes": self.pinned_bytes,
             "bytes_copied": self.bytes_copied,
