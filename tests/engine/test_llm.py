@@ -257,6 +257,12 @@ def test_empty_requests_and_out_of_range_ids(resident):
         resident.generate({"prompt_token_ids": [1, vocab]})
     with pytest.raises(ConfigError, match="got -1"):
         resident.generate({"prompt_token_ids": [-1]})
+    for bad in ([1.5], ["12"], 7):
+        with pytest.raises(ConfigError, match="list of integer token ids"):
+            resident.generate({"prompt_token_ids": bad})
+    numpy_ids = torch.tensor([1, 2, 3]).numpy()  # numpy integers are ids too, as in vLLM
+    [out] = resident.generate({"prompt_token_ids": list(numpy_ids)}, SamplingParams(max_tokens=1))
+    assert out.prompt_token_ids == [1, 2, 3]
     with pytest.raises(ConfigError, match="stop_token_ids must be below"):
         resident.generate("Hi", SamplingParams(stop_token_ids=[vocab], min_tokens=1))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -190,7 +191,12 @@ class LLM:
         for prompt in prompts:
             if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
                 texts.append(prompt.get("prompt"))
-                tokens = [int(token) for token in prompt["prompt_token_ids"]]
+                try:
+                    tokens = [operator.index(token) for token in prompt["prompt_token_ids"]]
+                except TypeError:
+                    raise ConfigError(
+                        "prompt_token_ids must be a list of integer token ids"
+                    ) from None
                 if any(not 0 <= token < vocab for token in tokens):
                     raise ConfigError(
                         f"prompt_token_ids must be token ids in [0, {vocab}), got "
