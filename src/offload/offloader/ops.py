@@ -9,6 +9,13 @@ layer's compute and before the next layer reads that output. Neither touches the
 The weights are passed as read-only arguments: they are the tensors that the wait
 makes valid, and passing them lets the op check that the compiled graph hands it the
 slot's own storage, not a copy. Registered once, at import (the only import-time effect).
+
+Why the weights are not declared mutated too (which would order weight-only compute after
+the wait): measured with torch 2.13, the weights become mutated graph inputs that alias
+each other (views of one slot), AOT autograd merges them into synthetic bases, and its
+compile cache then serves a graph built for one slot layout to another (prefetch_step 2
+then 3 on the same model, in two processes): the op receives copies and raises. Without
+inductor (aot_eager), the mutation clones every weight and writes it back at graph end.
 """
 
 from __future__ import annotations
