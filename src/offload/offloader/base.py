@@ -121,7 +121,11 @@ class BaseOffloader(ABC):
     @property
     def offloaded_bytes(self) -> int:
         """Bytes of parameters that no longer occupy device memory."""
-        return sum(entry.num_bytes for entry in self._manifest)
+        return sum(entry.num_bytes for entry in self._still_offloaded())
+
+    def _still_offloaded(self) -> list[OffloadedParam]:
+        """The manifest entries whose parameters are still offloaded now."""
+        return self._manifest
 
     def manifest(self) -> list[OffloadedParam]:
         """Every parameter this offloader moved, in the order it moved them."""
@@ -157,9 +161,10 @@ class BaseOffloader(ABC):
 
     def stats(self) -> dict[str, Any]:
         """Counters for what was offloaded and what has moved since."""
+        still = self._still_offloaded()
         return {
-            "offloaded_bytes": self.offloaded_bytes,
-            "num_offloaded_params": len(self._manifest),
+            "offloaded_bytes": sum(entry.num_bytes for entry in still),
+            "num_offloaded_params": len(still),
         }
 
 

@@ -187,23 +187,15 @@ class UVAOffloader(BaseOffloader):
         """All host bytes held for offloaded parameters, pinned or not."""
         return sum(slab.mapped_bytes for slab in self._slabs)
 
-    @property
-    def offloaded_bytes(self) -> int:
-        """Bytes of offloaded parameters whose data still lives in host memory: after
-        `model.to()` or an assignment replaced a parameter's data, it is resident again."""
-        moved = self._moved()
-        return super().offloaded_bytes - sum(entry.num_bytes for entry in moved)
-
-    def _moved(self) -> list[OffloadedParam]:
-        """Manifest entries whose parameter no longer reads its host slab."""
+    def _still_offloaded(self) -> list[OffloadedParam]:
+        """Entries whose parameter still reads its host slab (a zero-copy device view has
+        the slab's address): `model.to()` or an assignment makes a parameter resident."""
         if self.dry_run:
-            return []
-        moved = [
-            entry
-            for entry, (param, _) in zip(self._manifest, self._taken, strict=True)
-            # (a zero-copy device view has its host slab's address)
-            if param.data_ptr() != self._host_views[id(param)].data_ptr()
-        ]
+            return self._manifest
+        still, moved = [], []
+        for entry, (param, _) in zip(self._manifest, self._taken, strict=True):
+            same = param.data_ptr() == self._host_views[id(param)].data_ptr()
+            (still if same else moved).append(entry)
         if moved and not self._warned_moved:
             self._warned_moved = True
             warnings.warn(
@@ -213,13 +205,11 @@ class UVAOffloader(BaseOffloader):
                 UserWarning,
                 stacklevel=3,
             )
-        return moved
+        return still
 
     def stats(self) -> dict[str, int]:
-        moved = self._moved()
         return {
             **super().stats(),
-            "num_offloaded_params": len(self._manifest) - len(moved),
             "host_bytes": self.host_bytes,
             "pinned_bytes": self.pinned_bytes,
             "bytes_copied": self.bytes_copied,
