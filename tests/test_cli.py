@@ -67,6 +67,21 @@ def test_generate_prefetch_batch_and_stop(capsys, smollm2_path):
     assert out[0] == " 4, 5" and "PrefetchOffloader" in out[-1]
 
 
+def test_generate_passes_the_penalties_on(capsys, smollm2_path):
+    from offload import LLM, SamplingParams
+
+    flags = {"repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.25}
+    argv = ["generate", "--prompt", "1, 2, 3,", "--max-tokens", "12", "--no-progress"]
+    for name, value in flags.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out.splitlines()[0]
+    params = SamplingParams(temperature=0, max_tokens=12, **flags)
+    [expected] = LLM(smollm2_path).generate("1, 2, 3,", params)
+    assert text == expected.outputs[0].text.splitlines()[0]
+    assert not text.startswith(" 4, 5, 6, 7")  # what greedy without penalties says
+
+
 def test_generate_with_the_kv_cache_in_host_memory(capsys, smollm2_path):
     assert main(["generate", "--swap-space", "0.5", "--offload-group-size", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -133,6 +148,10 @@ def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
     [
         (["generate", "--model", "/nonexistent"], "does not exist"),
         (["generate", "--temperature", "-1"], "temperature must be in"),
+        (["generate", "--repetition-penalty", "0"], "repetition_penalty must be in (0.0, inf]"),
+        (["generate", "--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0]"),
+        (["generate", "--frequency-penalty", "x"], "invalid float value: 'x'"),
+        (["generate", "--min-p", "1.5"], "min_p must be in [0.0, 1.0]"),
         (["generate", "--dtype", "int4"], "invalid choice: 'int4'"),
         (["inspect", "/nonexistent"], "does not exist"),
         (

@@ -8,6 +8,7 @@ Configs, flags and the offloader API follow vLLM's (`OffloadConfig`, `UVAOffload
 from offload.api import apply
 from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
 from offload.engine.llm import LLM, CompletionOutput, RequestOutput
+from offload.engine.logprobs import Logprob
 from offload.engine.sampling import SamplingParams
 from offload.errors import ConfigError, ModelError, OffloadError
 from offload.offloader import (
@@ -25,6 +26,7 @@ __all__ = [
     "BaseOffloader",
     "CompletionOutput",
     "ConfigError",
+    "Logprob",
     "ModelError",
     "NoopOffloader",
     "OffloadConfig",

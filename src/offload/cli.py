@@ -47,6 +47,22 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
+    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 1 discourages tokens seen in the prompt or output",
+    )
+    generate.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="in [-2, 2], once per generated token"
+    )
+    generate.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2], times how often a token was generated",
+    )
     generate.add_argument("--seed", type=int)
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument("--max-model-len", type=int)

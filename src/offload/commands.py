@@ -42,7 +42,24 @@ def whole_stack_config(path: Path, dtype: str) -> OffloadConfig:
     return OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=layer_bytes / _GIB))
 
 
+# The `generate` flags that are SamplingParams fields of the same name.
+_SAMPLING_FLAGS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "stop",
+    "max_tokens",
+)
+
+
 def generate(args: argparse.Namespace) -> str:
+    # Checked before the model loads: a bad flag costs nothing.
+    params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     path = Path(args.model) if args.model else default_model_path()
     config = OffloadConfig.from_cli_args(args)
     if config.selected_backend == "none" and not args.no_offload:
@@ -59,14 +76,6 @@ def generate(args: argparse.Namespace) -> str:
         enforce_eager=args.enforce_eager,
         progress=not args.no_progress and sys.stderr.isatty(),
         offload_config=config,
-    )
-    params = SamplingParams(
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop,
-        max_tokens=args.max_tokens,
     )
     # With no prompt, the default question goes through the chat template, if there is one.
     chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))

@@ -263,8 +263,101 @@ def test_empty_requests_and_out_of_range_ids(resident):
     numpy_ids = torch.tensor([1, 2, 3]).numpy()  # numpy integers are ids too, as in vLLM
     [out] = resident.generate({"prompt_token_ids": list(numpy_ids)}, SamplingParams(max_tokens=1))
     assert out.prompt_token_ids == [1, 2, 3]
-    with pytest.raises(ConfigError, match="stop_token_ids must be below"):
+    with pytest.raises(ConfigError, match="stop_token_ids must hold token ids below"):
         resident.generate("Hi", SamplingParams(stop_token_ids=[vocab], min_tokens=1))
+    for field in ("logit_bias", "allowed_token_ids"):
+        bad = {vocab: 1.0} if field == "logit_bias" else [1, vocab]
+        needle = f"{field} must hold token ids below the vocabulary size {vocab}, got {vocab}"
+        with pytest.raises(ConfigError, match=needle):
+            resident.generate(["Hi", "Ho"], [GREEDY, SamplingParams(**{field: bad})])
+
+
+def test_repetition_penalty_greedy_matches_transformers_generate(resident):
+    ids = resident.tokenizer(PROMPTS[2], return_tensors="pt").input_ids
+    with torch.no_grad():
+        expected = resident.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=16,
+            do_sample=False,
+            repetition_penalty=1.3,
+        )
+    penalised = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.3)
+    [out] = resident.generate(PROMPTS[2], penalised)
+    assert out.outputs[0].token_ids == expected[0, ids.shape[1] :].tolist()
+    [plain] = resident.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=16))
+    assert plain.outputs[0].token_ids != out.outputs[0].token_ids  # the penalty did something
+
+
+PENALISED = SamplingParams(
+    temperature=0, max_tokens=12, presence_penalty=0.8, frequency_penalty=0.6, logprobs=3
+)
+
+
+def _tokens_and_logprobs(outputs):
+    return [
+        (c.token_ids, [{t: e.logprob for t, e in entry.items()} for entry in c.logprobs or []])
+        for c in (o.outputs[0] for o in outputs)
+    ]
+
+
+@pytest.mark.parametrize("setting", ["prefetch", "uva+kv-cache"])
+def test_penalties_and_logprobs_are_per_row_and_unchanged_by_offloading(
+    smollm2_path, resident, setting
+):
+    mixed = [GREEDY, PENALISED, SamplingParams(temperature=0, max_tokens=12, logprobs=0)]
+    expected = _tokens_and_logprobs(resident.generate(PROMPTS, mixed))
+    alone = _tokens_and_logprobs(resident.generate(PROMPTS[1], PENALISED))
+    # The other rows' tokens are not counted against it (the log-probabilities differ in
+    # the last bits between a padded batch and a lone row, as without penalties).
+    assert expected[1][0] == alone[0][0]
+    for batched, single in zip(expected[1][1], alone[0][1], strict=True):
+        assert list(batched) == list(single)
+        assert list(batched.values()) == pytest.approx(list(single.values()), abs=1e-4)
+    plain = resident.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))
+    assert plain[0].outputs[0].token_ids != alone[0][0]
+    llm = _llm(smollm2_path, setting)
+    assert _tokens_and_logprobs(llm.generate(PROMPTS, mixed)) == expected  # bit for bit
+    assert llm.offloader.stats()["bytes_copied"] > 0 or setting != "prefetch"
+
+
+def test_logprobs_are_those_of_a_plain_forward(resident):
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, prompt_logprobs=2)
+    [out] = resident.generate(PROMPTS[0], params)
+    completion = out.outputs[0]
+    ids = out.prompt_token_ids + completion.token_ids
+    with torch.no_grad():
+        reference = torch.log_softmax(resident.model(torch.tensor([ids])).logits[0].float(), -1)
+    width = len(out.prompt_token_ids)
+    assert len(completion.logprobs) == len(completion.token_ids)
+    for step, (token, entry) in enumerate(
+        zip(completion.token_ids, completion.logprobs, strict=True)
+    ):
+        expected = reference[width - 1 + step]
+        assert next(iter(entry)) == token and entry[token].rank == 1  # greedy: the most likely
+        assert len(entry) == 3  # the chosen token is in the top 3
+        assert [t for t in entry] == expected.topk(3).indices.tolist()
+        for t, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(expected[t].item(), abs=1e-4)
+            assert logprob.decoded_token == resident.tokenizer.decode([t])
+    total = sum(
+        e[t].logprob for e, t in zip(completion.logprobs, completion.token_ids, strict=True)
+    )
+    assert completion.cumulative_logprob == pytest.approx(total)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == width
+    for place, (token, entry) in enumerate(
+        zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:], strict=True)
+    ):
+        assert next(iter(entry)) == token and len(entry) in (2, 3)
+        assert entry[token].logprob == pytest.approx(reference[place, token].item(), abs=1e-4)
+        assert entry[token].rank == int((reference[place] >= reference[place, token]).sum())
+    [plain] = resident.generate(PROMPTS[0], GREEDY)
+    assert plain.prompt_logprobs is None and plain.outputs[0].logprobs is None
+    assert plain.outputs[0].cumulative_logprob is None
+    with pytest.raises(ConfigError, match="at most max_logprobs=20"):
+        resident.generate("Hi", SamplingParams(logprobs=21))
+    with pytest.raises(ConfigError, match="prompt_logprobs=-1 asks for"):
+        resident.generate("Hi", SamplingParams(prompt_logprobs=-1))
 
 
 def test_a_model_without_tokenizer_is_refused_before_its_weights_load(

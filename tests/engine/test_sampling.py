@@ -6,7 +6,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload import ConfigError
-from offload.engine.sampling import SamplingParams, filter_logits, find_stop, make_generator, sample
+from offload.engine.logprobs import prompt_logprobs, token_logprobs
+from offload.engine.sampling import (
+    SamplingParams,
+    TokenCounts,
+    adjust_logits,
+    filter_logits,
+    find_stop,
+    make_generator,
+    sample,
+)
 
 
 def test_defaults_are_vllms():
@@ -14,6 +23,9 @@ def test_defaults_are_vllms():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (1, 1.0, 1.0, 0, 0.0, None)
     assert (p.max_tokens, p.min_tokens, p.ignore_eos, p.skip_special_tokens) == (16, 0, False, True)
     assert p.stop_strings == () and p.stop_token_ids == [] and not p.include_stop_str_in_output
+    penalties = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+    assert penalties == (0.0, 0.0, 1.0) and not p.has_penalties
+    assert (p.logit_bias, p.allowed_token_ids, p.logprobs, p.prompt_logprobs) == (None,) * 4
 
 
 @pytest.mark.parametrize(
@@ -33,6 +45,18 @@ def test_defaults_are_vllms():
         ({"stop_token_ids": [-1]}, "stop_token_ids[] must be an integer >= 0"),
         ({"temperature": float("nan")}, "temperature must be a number"),
         ({"seed": "7"}, "seed must be an integer"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2.0, 2.0]"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in [-2.0, 2.0]"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0.0, inf]"),
+        ({"repetition_penalty": "1.2"}, "repetition_penalty must be a number"),
+        ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
+        ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be token ids"),
+        ({"logit_bias": {1: "up"}}, "logit_bias[] must be a number"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must be a non-empty list"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids[] must be an integer >= 0"),
+        ({"logprobs": -2}, "logprobs must be an integer >= -1"),
+        ({"prompt_logprobs": 1.5}, "prompt_logprobs must be an integer >= -1"),
     ],
 )
 def test_bad_values_are_one_line_errors(kwargs, needle):
@@ -70,6 +94,89 @@ def test_filters_keep_the_expected_tokens(kwargs, kept):
     logits = _logits(0.5, 0.3, 0.15, 0.05)
     filtered = filter_logits(logits, SamplingParams(**kwargs))
     assert torch.isfinite(filtered).nonzero().flatten().tolist() == kept
+
+
+def test_min_p_cuts_before_top_p_measures_the_mass():
+    # min_p=0.2 drops the 0.05 token; top_p then measures the remaining mass (vLLM's
+    # order): 0.5/0.95 + 0.3/0.95 = 0.84 >= 0.83, so 0.15 goes too.
+    kept = filter_logits(_logits(0.5, 0.3, 0.15, 0.05), SamplingParams(min_p=0.2, top_p=0.83))
+    assert torch.isfinite(kept).nonzero().flatten().tolist() == [0, 1]
+
+
+def test_logit_bias_keys_may_be_strings_and_biases_are_clamped():
+    p = SamplingParams(logit_bias={"5": 300, 7: -0.5, 9: -1e9})
+    assert p.logit_bias == {5: 100.0, 7: -0.5, 9: -100.0}
+    named = SamplingParams(stop_token_ids=[3], allowed_token_ids=[4]).token_ids_named()
+    assert named == {"stop_token_ids": [3], "logit_bias": [], "allowed_token_ids": [4]}
+
+
+def _counts(prompt, generated, vocab=6):
+    counts = TokenCounts(prompt, vocab, torch.device("cpu"))
+    for token in generated:
+        counts.add(token)
+    return counts
+
+
+def test_penalties_follow_vllms_formulas():
+    logits = torch.tensor([2.0, -2.0, 1.0, -1.0, 4.0, 0.5])
+    counts = _counts(prompt=[0, 1], generated=[2, 3, 2])
+    got = adjust_logits(
+        logits,
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25),
+        counts,
+    )
+    # tokens 0, 1: prompt only (repetition: divide positive, multiply negative); 2: twice
+    # generated; 3: once; 4, 5: never seen, unchanged.
+    expected = torch.tensor([1.0, -4.0, 0.5 - 1.0 - 0.25, -2.0 - 0.5 - 0.25, 4.0, 0.5])
+    assert torch.equal(got, expected)
+    # Presence and frequency read only the output, never the prompt.
+    only_output = adjust_logits(logits, SamplingParams(presence_penalty=1.0), counts)
+    assert torch.equal(only_output, logits - torch.tensor([0.0, 0, 1, 1, 0, 0]))
+
+
+def test_repetition_penalty_is_bitwise_transformers_processor():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    torch.manual_seed(0)
+    seen = torch.randint(0, 500, (1, 40))  # [1, prompt + output]
+    logits = torch.randn(1, 500)
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(seen, logits.clone())
+    counts = _counts(seen[0, :25].tolist(), seen[0, 25:].tolist(), vocab=500)
+    got = adjust_logits(logits[0], SamplingParams(repetition_penalty=1.3), counts)
+    assert torch.equal(got, expected[0])
+
+
+def test_allowed_tokens_and_logit_bias_steer_greedy_picks():
+    logits = torch.tensor([[5.0, 1.0, 2.0, 3.0]] * 2)
+    params = [
+        SamplingParams(temperature=0, allowed_token_ids=[1, 2]),
+        SamplingParams(temperature=0, logit_bias={1: 10.0}),
+    ]
+    assert sample(logits, params, [None, None]).tolist() == [2, 1]
+    # An untouched request keeps its logits as they are: no copy, no float32 cast.
+    plain = logits[0].half()
+    assert adjust_logits(plain, SamplingParams(), None) is plain
+
+
+def test_a_penalty_changes_greedy_picks_per_row():
+    logits = torch.tensor([[3.0, 2.9, 0.0]] * 2)
+    params = [SamplingParams(temperature=0, presence_penalty=0.2)] * 2
+    counts = [_counts([2], [0], vocab=3), _counts([2], [1], vocab=3)]
+    # Each row is penalised for its own output only.
+    assert sample(logits, params, [None, None], counts).tolist() == [1, 0]
+
+
+def test_token_logprobs_put_the_chosen_token_first_with_its_rank():
+    logprobs = torch.log_softmax(torch.tensor([1.0, 3.0, 2.0, 0.0]), dim=-1)
+    entries = token_logprobs(logprobs, 3, 2, str)
+    assert list(entries) == [3, 1, 2]
+    assert [e.rank for e in entries.values()] == [4, 1, 2]
+    assert entries[3].logprob == logprobs[3].item() and entries[1].decoded_token == "1"
+    assert list(token_logprobs(logprobs, 1, 2, str)) == [1, 2]  # chosen inside the top: k
+    assert list(token_logprobs(logprobs, 2, 0, str)) == [2]
+    assert len(token_logprobs(logprobs, 0, -1, str)) == 4
+    prompt = prompt_logprobs(torch.randn(3, 4), [2, 0, 1], 1, str)
+    assert prompt[0] is None and [next(iter(e)) for e in prompt[1:]] == [0, 1]
 
 
 def test_greedy_rows_take_the_argmax_of_the_raw_logits():

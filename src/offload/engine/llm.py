@@ -24,7 +24,14 @@ from offload.engine.kv_cache import (
     kv_shape_of,
     static_cache,
 )
-from offload.engine.sampling import SamplingParams, find_stop, make_generator, sample
+from offload.engine.logprobs import Logprob, log_softmax, prompt_logprobs, token_logprobs
+from offload.engine.sampling import (
+    SamplingParams,
+    TokenCounts,
+    find_stop,
+    make_generator,
+    sample,
+)
 from offload.errors import ConfigError
 from offload.memory.device import check_device
 from offload.model.default import default_model_path
@@ -42,6 +49,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" (end token or stop string) or "length"
     stop_reason: int | str | None = None  # the stop token id or stop string, if any
+    cumulative_logprob: float | None = None  # with `logprobs`: the sum over token_ids
+    logprobs: list[dict[int, Logprob]] | None = None  # with `logprobs`: one per token id
 
 
 @dataclass
@@ -53,6 +62,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = True
+    # With `prompt_logprobs`: one entry per prompt token, None for the first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -84,7 +95,11 @@ class _Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     limit: int  # new tokens it may have: max_tokens, and prompt + output <= max_model_len
+    counts: TokenCounts | None = None  # what the penalties read, when the request has any
+    is_first: bool = True  # the first of its request's n: it carries the prompt logprobs
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -120,6 +135,7 @@ class LLM:
         load_format: str = "auto",
         progress: bool | None = None,
         enforce_eager: bool = False,
+        max_logprobs: int = 20,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
@@ -172,6 +188,7 @@ class LLM:
             and not config.disable_pin_memory
             and not config.disable_uva
         )
+        self.max_logprobs = max_logprobs  # -1: no limit, as vLLM
         self.seed = seed
         torch.manual_seed(seed)
 
@@ -241,21 +258,20 @@ class LLM:
 
     def _generate(self, prompts, ids, sampling_params) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompts))
+        for prompt_ids, request in zip(ids, params, strict=True):  # all before any work
+            self._check_request(prompt_ids, request)
         vocab = self.model.config.vocab_size
         sequences = []
         for prompt_ids, request in zip(ids, params, strict=True):
-            if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-                raise ConfigError(
-                    f"a prompt has {len(prompt_ids)} tokens; it must have 1 to "
-                    f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
-                )
-            if any(token >= vocab for token in request.stop_token_ids):
-                raise ConfigError(f"stop_token_ids must be below the vocabulary size {vocab}")
             generator = make_generator(request, self.device)
             limit = min(request.max_tokens, self.max_model_len - len(prompt_ids))
-            sequences += [
-                _Sequence(prompt_ids, request, generator, limit) for _ in range(request.n)
-            ]
+            for number in range(request.n):
+                counts = (
+                    TokenCounts(prompt_ids, vocab, self.device) if request.has_penalties else None
+                )
+                sequences.append(
+                    _Sequence(prompt_ids, request, generator, limit, counts, number == 0)
+                )
         if sequences:
             self._decode(sequences)
         outputs, start = [], 0
@@ -264,12 +280,39 @@ class LLM:
         ):
             group = sequences[start : start + request.n]
             start += request.n
-            completions = [
-                CompletionOutput(i, s.text, s.tokens, s.finish_reason, s.stop_reason)
-                for i, s in enumerate(group)
-            ]
-            outputs.append(RequestOutput(str(number), prompt, prompt_ids, completions))
+            completions = [_completion(i, s) for i, s in enumerate(group)]
+            outputs.append(
+                RequestOutput(
+                    str(number),
+                    prompt,
+                    prompt_ids,
+                    completions,
+                    prompt_logprobs=group[0].prompt_logprobs if group else None,
+                )
+            )
         return outputs
+
+    def _check_request(self, prompt_ids: list[int], request: SamplingParams) -> None:
+        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+            raise ConfigError(
+                f"a prompt has {len(prompt_ids)} tokens; it must have 1 to "
+                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
+            )
+        vocab = self.model.config.vocab_size
+        for name, tokens in request.token_ids_named().items():
+            if any(token >= vocab for token in tokens):
+                raise ConfigError(
+                    f"{name} must hold token ids below the vocabulary size {vocab}, "
+                    f"got {max(tokens)}"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(request, name)
+            num = vocab if asked == -1 else asked
+            if num is not None and self.max_logprobs != -1 and num > self.max_logprobs:
+                raise ConfigError(
+                    f"{name}={asked} asks for {num} log-probabilities per token; at most "
+                    f"max_logprobs={self.max_logprobs} are allowed (set LLM(max_logprobs=...))"
+                )
 
     @torch.inference_mode()
     def _decode(self, sequences: list[_Sequence]) -> None:
@@ -340,6 +383,7 @@ class LLM:
         """The prefill, then one token per step: the first decode step eagerly (it also
         warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`."""
         positions = (batch.columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
+        every_position = any(s.params.prompt_logprobs is not None for s in sequences)
         out = self.model(
             input_ids=batch.input_ids,
             attention_mask=batch.mask,
@@ -347,16 +391,29 @@ class LLM:
             past_key_values=cache,
             cache_position=batch.columns[: batch.width],
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=0 if every_position else 1,
         )
+        if every_position:
+            self._prompt_logprobs(out.logits, sequences, batch)
         logits = out.logits[:, -1, :]  # [batch, vocab]
         step = DecodeStep(self.model, cache, batch.mask, positions)
         graphs, position = None, batch.width  # where the newest token goes
         while True:
+            raw = self._raw_logprobs(logits, sequences)  # before anything changes the logits
             self._suppress_early_eos(logits, sequences)
-            tokens = sample(logits, [s.params for s in sequences], [s.generator for s in sequences])
-            for sequence, token in zip(sequences, tokens.tolist(), strict=True):
+            tokens = sample(
+                logits,
+                [s.params for s in sequences],
+                [s.generator for s in sequences],
+                [s.counts for s in sequences],
+            )
+            for row, (sequence, token) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
                 if sequence.finish_reason is None:
+                    if row in raw:
+                        num = sequence.params.logprobs
+                        sequence.logprobs.append(token_logprobs(raw[row], token, num, self._text))
+                    if sequence.counts is not None:
+                        sequence.counts.add(token)
                     self._append(sequence, token)
             # The text so far is position + 1 long.
             if all(s.finish_reason is not None for s in sequences) or position + 1 >= batch.length:
@@ -366,6 +423,28 @@ class LLM:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
             logits = graphs.run(position + 1) if graphs is not None else step()
             position += 1
+
+    def _raw_logprobs(self, logits: torch.Tensor, sequences: list[_Sequence]) -> dict:
+        """Row -> log-probabilities [vocab] for the unfinished rows that want them."""
+        return {
+            row: log_softmax(logits[row])
+            for row, s in enumerate(sequences)
+            if s.params.logprobs is not None and s.finish_reason is None
+        }
+
+    def _prompt_logprobs(self, logits: torch.Tensor, sequences: list[_Sequence], batch) -> None:
+        """Each request's prompt logprobs from the prefill's logits [batch, width, vocab]
+        (the prompt is right-aligned in its row)."""
+        for row, sequence in enumerate(sequences):
+            num = sequence.params.prompt_logprobs
+            if num is not None and sequence.is_first:
+                start = batch.width - len(sequence.prompt_ids)
+                sequence.prompt_logprobs = prompt_logprobs(
+                    logits[row, start:], sequence.prompt_ids, num, self._text
+                )
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
 
     def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[_Sequence]) -> None:
         for row, sequence in enumerate(sequences):
@@ -424,6 +503,26 @@ def _fit(
     return config, planned.offloaded_bytes if planned else 0
 
 
+def _completion(index: int, sequence: _Sequence) -> CompletionOutput:
+    wants = sequence.params.logprobs is not None
+    return CompletionOutput(
+        index,
+        sequence.text,
+        sequence.tokens,
+        sequence.finish_reason,
+        sequence.stop_reason,
+        cumulative_logprob=(
+            sum(
+                entry[t].logprob
+                for entry, t in zip(sequence.logprobs, sequence.tokens, strict=True)
+            )
+            if wants
+            else None
+        ),
+        logprobs=sequence.logprobs if wants else None,
+    )
+
+
 def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     if sampling_params is None:
         return [SamplingParams()] * count
@@ -435,4 +534,4 @@ def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
     return params
 
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput"]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,15 @@ class SamplingParams:
     else is in the batch; `stop` strings end the text (not included in it unless
     `include_stop_str_in_output`); generation also ends at `max_tokens`, at the model's
     end-of-sequence token (unless `ignore_eos`) and at any of `stop_token_ids`.
+
+    Before any token is picked (greedy too), as vLLM does: only `allowed_token_ids` may
+    be picked; `logit_bias` ({token id: bias}, clamped to [-100, 100]) is added; a token
+    seen in the prompt or the output has its logit divided by `repetition_penalty` (> 0;
+    multiplied when negative); `frequency_penalty` times the number of times a token was
+    generated and `presence_penalty` once if it was (both in [-2, 2]) are subtracted.
+    `logprobs=k` returns, for each generated token, its log-probability and those of
+    the k most likely tokens (-1: all), from the model's raw logits; `prompt_logprobs`
+    the same for each prompt token after the first.
     """
 
     n: int = 1
@@ -53,6 +63,13 @@ class SamplingParams:
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -73,12 +90,110 @@ class SamplingParams:
         self.stop_strings = tuple(stops)
         ids = list(self.stop_token_ids or [])
         self.stop_token_ids = [_integer("stop_token_ids[]", i, 0) for i in ids]
+        self._check_logit_rules()
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _integer(name, getattr(self, name), -1))
         if self.is_greedy:  # as vLLM: the filters mean nothing for greedy decoding
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_logit_rules(self) -> None:
+        self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _number(
+            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True
+        )
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise ConfigError(
+                    f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}"
+                )
+            # Keys may be strings, as JSON has them; biases clamped as OpenAI's API does.
+            self.logit_bias = {
+                _token_id("logit_bias", token): min(
+                    100.0, max(-100.0, _number("logit_bias[]", bias, -math.inf, math.inf))
+                )
+                for token, bias in self.logit_bias.items()
+            }
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or not ids:
+                raise ConfigError(
+                    f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}"
+                )
+            self.allowed_token_ids = [_integer("allowed_token_ids[]", i, 0) for i in ids]
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+    def token_ids_named(self) -> dict[str, list[int]]:
+        """The token ids this request names, by field (to check against the vocabulary)."""
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "logit_bias": list(self.logit_bias or {}),
+            "allowed_token_ids": self.allowed_token_ids or [],
+        }
+
+
+def _token_id(name: str, token: object) -> int:
+    try:
+        value = int(token) if isinstance(token, str) else operator.index(token)
+    except (TypeError, ValueError):
+        value = -1
+    if isinstance(token, bool) or value < 0:
+        raise ConfigError(f"{name} keys must be token ids (integers >= 0), got {token!r}")
+    return value
+
+
+class TokenCounts:
+    """What the penalties read for one sequence, on the device: which tokens its prompt
+    holds and how many times it generated each token."""
+
+    def __init__(self, prompt_ids: Sequence[int], vocab_size: int, device: torch.device):
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [vocab]
+        self.in_prompt[torch.tensor(list(prompt_ids), device=device)] = True
+        self.generated = torch.zeros(vocab_size, dtype=torch.float32, device=device)  # [vocab]
+
+    def add(self, token: int) -> None:
+        self.generated[token] += 1
+
+
+def adjust_logits(
+    logits: torch.Tensor, params: SamplingParams, counts: TokenCounts | None
+) -> torch.Tensor:
+    """One request's logits [vocab] after vLLM's argmax-changing steps, in its order:
+    allowed tokens, logit bias, then the repetition, frequency and presence penalties
+    (in float32). Unchanged, and not copied, when the request asks for none of them."""
+    if not (params.allowed_token_ids or params.logit_bias or params.has_penalties):
+        return logits
+    logits = logits.float()
+    if params.allowed_token_ids:
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        allowed[params.allowed_token_ids] = True
+        logits = logits.masked_fill(~allowed, -math.inf)
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), device=logits.device)
+        bias = torch.tensor(list(params.logit_bias.values()), device=logits.device)
+        logits = logits.index_add(0, ids, bias)
+    if params.has_penalties:
+        generated = counts.generated
+        if params.repetition_penalty != 1.0:
+            seen = counts.in_prompt | (generated > 0)
+            penalty = params.repetition_penalty
+            scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+            logits = torch.where(seen, scaled, logits)
+        logits = logits - params.frequency_penalty * generated
+        logits = logits - params.presence_penalty * (generated > 0).float()
+    return logits
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -91,23 +206,21 @@ def make_generator(params: SamplingParams, device: torch.device) -> torch.Genera
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """One request's logits [vocab] after temperature, top-k, top-p and min-p: the
-    filtered-out tokens are -inf."""
+    """One request's logits [vocab] after temperature, then min-p, top-k and top-p in
+    vLLM's order (top-p over what min-p and top-k left): filtered-out tokens are -inf."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), -math.inf)
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, -math.inf)
-    if params.top_p < 1.0 or params.min_p > 0.0:
+    if params.top_p < 1.0:
         probs = torch.softmax(logits, dim=-1)
-        keep = torch.ones_like(probs, dtype=torch.bool)
-        if params.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (always the top token).
-            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            keep_sorted = before < params.top_p
-            keep = torch.zeros_like(keep).scatter(0, order, keep_sorted)
-        if params.min_p > 0.0:
-            keep &= probs >= params.min_p * probs.max()
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p (always the top token).
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(0, order, before < params.top_p)
         logits = logits.masked_fill(~keep, -math.inf)
     return logits
 
@@ -116,19 +229,23 @@ def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    counts: Sequence[TokenCounts | None] | None = None,
 ) -> torch.Tensor:
     """The next token of each request: logits [batch, vocab] -> token ids [batch].
 
     Greedy rows take the argmax of the raw logits (bitwise what a model without
-    offloading picks); the others draw from their filtered distribution with their own
-    generator, so a seeded request gives the same tokens alone or in any batch.
+    offloading picks) after `adjust_logits`; the others draw from their filtered
+    distribution with their own generator, so a seeded request gives the same tokens
+    alone or in any batch. `counts` (one per row) feed the penalties.
     """
+    counts = counts if counts is not None else [None] * len(params)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [batch]
     for row, (request, generator) in enumerate(zip(params, generators, strict=True)):
+        row_logits = adjust_logits(logits[row], request, counts[row])
         if request.is_greedy:
-            tokens[row] = torch.argmax(logits[row])
+            tokens[row] = torch.argmax(row_logits)
             continue
-        probs = torch.softmax(filter_logits(logits[row], request), dim=-1)
+        probs = torch.softmax(filter_logits(row_logits, request), dim=-1)
         tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
     return tokens
 
