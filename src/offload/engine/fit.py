@@ -4,11 +4,13 @@ against the budget, before anything is loaded; and the smallest offload that fit
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
+from offload.api import prepare
+from offload.config import OffloadConfig
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import meminfo_bytes
 from offload.model.layers import find_layer_stacks
@@ -136,3 +138,28 @@ def check_fit(
         f"--offload-prefetch-step 2 if {2 * needs.largest_layer / _GIB:.2f} GiB of staging "
         f"fits{kv_fix}"
     )
+
+
+def plan_fit(
+    empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device, kv_offload: bool
+) -> tuple[OffloadConfig, int]:
+    """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits; the
+    config and the bytes it moves to host memory."""
+    if config.uva.cpu_offload_gb == "auto":
+        smallest = smallest_offload_gb(needs, budget)
+        if smallest is None:
+            # Raises, with the numbers.
+            check_fit(needs, budget, needs.weights - needs.layer_stack, not kv_offload)
+        config = replace(config, uva=replace(config.uva, cpu_offload_gb=smallest))
+    planned = (
+        prepare(empty, config, device, dry_run=True) if config.selected_backend != "none" else None
+    )
+    resident = needs.weights - (planned.offloaded_bytes if planned else 0)
+    if config.selected_backend == "prefetch" and planned.manifest():
+        per_layer: dict[str, int] = {}
+        for entry in planned.manifest():
+            per_layer[entry.module] = per_layer.get(entry.module, 0) + entry.num_bytes
+        slots = min(config.prefetch.offload_prefetch_step, len(per_layer))
+        resident += slots * max(per_layer.values())  # the device staging slots
+    check_fit(needs, budget, resident, not kv_offload)
+    return config, planned.offloaded_bytes if planned else 0

@@ -5,15 +5,14 @@ from __future__ import annotations
 import operator
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from offload.api import prepare
 from offload.config import OffloadConfig
-from offload.engine.fit import MemoryNeeds, check_fit, device_budget, measure, smallest_offload_gb
+from offload.engine.fit import device_budget, measure, plan_fit
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import (
     KV_SLOTS,
@@ -24,7 +23,7 @@ from offload.engine.kv_cache import (
     kv_shape_of,
     static_cache,
 )
-from offload.engine.logprobs import Logprob, log_softmax, prompt_logprobs, token_logprobs
+from offload.engine.logprobs import log_softmax, prompt_logprobs, token_logprobs
 from offload.engine.sampling import (
     SamplingParams,
     TokenCounts,
@@ -32,77 +31,20 @@ from offload.engine.sampling import (
     make_generator,
     sample,
 )
+from offload.engine.sequences import (
+    Batch,
+    CompletionOutput,
+    RequestOutput,
+    SequenceState,
+    completion_of,
+    per_prompt,
+)
 from offload.errors import ConfigError
 from offload.memory.device import check_device
 from offload.model.default import default_model_path
 from offload.model.loader import build_empty, load_model
 from offload.model.tokenizer import eos_token_ids, load_tokenizer
 from offload.offloader.base import as_config
-
-
-@dataclass
-class CompletionOutput:
-    """One generated sequence (vLLM's names)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None  # "stop" (end token or stop string) or "length"
-    stop_reason: int | str | None = None  # the stop token id or stop string, if any
-    cumulative_logprob: float | None = None  # with `logprobs`: the sum over token_ids
-    logprobs: list[dict[int, Logprob]] | None = None  # with `logprobs`: one per token id
-
-
-@dataclass
-class RequestOutput:
-    """What `generate` returns for one prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput] = field(default_factory=list)
-    finished: bool = True
-    # With `prompt_logprobs`: one entry per prompt token, None for the first.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-
-@dataclass
-class _Batch:
-    """The sequences as one left-padded batch: prompts right-aligned at `width`."""
-
-    input_ids: torch.Tensor  # [batch, width]
-    starts: torch.Tensor  # [batch]: where each prompt begins
-    columns: torch.Tensor  # [length]
-    mask: torch.Tensor  # [batch, length]: 1 where a real token is
-    width: int
-    length: int  # prompt width plus the longest output a row may have
-
-    @classmethod
-    def of(cls, sequences, pad: int | None, device) -> _Batch:
-        width = max(len(s.prompt_ids) for s in sequences)
-        length = width + max(s.limit for s in sequences)
-        rows = [[pad or 0] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
-        starts = torch.tensor([width - len(s.prompt_ids) for s in sequences], device=device)
-        columns = torch.arange(length, device=device)
-        mask = ((columns[None, :] >= starts[:, None]) & (columns[None, :] < width)).long()
-        input_ids = torch.tensor(rows, device=device)
-        return cls(input_ids, starts, columns, mask, width, length)
-
-
-@dataclass
-class _Sequence:
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    limit: int  # new tokens it may have: max_tokens, and prompt + output <= max_model_len
-    counts: TokenCounts | None = None  # what the penalties read, when the request has any
-    is_first: bool = True  # the first of its request's n: it carries the prompt logprobs
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-    text: str = ""
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class LLM:
@@ -166,7 +108,7 @@ class LLM:
             layers = empty.config.num_hidden_layers
             slots = min(KV_SLOTS, layers) * self.memory_needs.kv_cache // layers
             self.memory_needs = replace(self.memory_needs, kv_cache=slots)
-        config, offloaded = _fit(
+        config, offloaded = plan_fit(
             empty, config, self.memory_needs, budget, self.device, self.kv_offload
         )
         check_host_room(self.swap_space_bytes, offloaded)
@@ -257,7 +199,7 @@ class LLM:
     # -- the decode loop ----------------------------------------------------------
 
     def _generate(self, prompts, ids, sampling_params) -> list[RequestOutput]:
-        params = _per_prompt(sampling_params, len(prompts))
+        params = per_prompt(sampling_params, len(prompts))
         for prompt_ids, request in zip(ids, params, strict=True):  # all before any work
             self._check_request(prompt_ids, request)
         vocab = self.model.config.vocab_size
@@ -270,7 +212,7 @@ class LLM:
                     TokenCounts(prompt_ids, vocab, self.device) if request.has_penalties else None
                 )
                 sequences.append(
-                    _Sequence(prompt_ids, request, generator, limit, counts, number == 0)
+                    SequenceState(prompt_ids, request, generator, limit, counts, number == 0)
                 )
         if sequences:
             self._decode(sequences)
@@ -280,7 +222,7 @@ class LLM:
         ):
             group = sequences[start : start + request.n]
             start += request.n
-            completions = [_completion(i, s) for i, s in enumerate(group)]
+            completions = [completion_of(i, s) for i, s in enumerate(group)]
             outputs.append(
                 RequestOutput(
                     str(number),
@@ -315,10 +257,10 @@ class LLM:
                 )
 
     @torch.inference_mode()
-    def _decode(self, sequences: list[_Sequence]) -> None:
+    def _decode(self, sequences: list[SequenceState]) -> None:
         """All sequences as one left-padded batch in a static KV cache (fixed shapes, the
         shape CUDA-graph decode needs): a prefill, then one token per step."""
-        batch = _Batch.of(sequences, self.tokenizer.pad_token_id, self.device)
+        batch = Batch.of(sequences, self.tokenizer.pad_token_id, self.device)
         cache = self._make_cache(len(sequences), batch.length)
         graphs = None
         try:
@@ -378,7 +320,7 @@ class LLM:
         )
 
     def _decode_steps(
-        self, sequences: list[_Sequence], batch: _Batch, cache
+        self, sequences: list[SequenceState], batch: Batch, cache
     ) -> DecodeGraphs | None:
         """The prefill, then one token per step: the first decode step eagerly (it also
         warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`."""
@@ -424,7 +366,7 @@ class LLM:
             logits = graphs.run(position + 1) if graphs is not None else step()
             position += 1
 
-    def _raw_logprobs(self, logits: torch.Tensor, sequences: list[_Sequence]) -> dict:
+    def _raw_logprobs(self, logits: torch.Tensor, sequences: list[SequenceState]) -> dict:
         """Row -> log-probabilities [vocab] for the unfinished rows that want them."""
         return {
             row: log_softmax(logits[row])
@@ -432,7 +374,7 @@ class LLM:
             if s.params.logprobs is not None and s.finish_reason is None
         }
 
-    def _prompt_logprobs(self, logits: torch.Tensor, sequences: list[_Sequence], batch) -> None:
+    def _prompt_logprobs(self, logits: torch.Tensor, sequences: list[SequenceState], batch) -> None:
         """Each request's prompt logprobs from the prefill's logits [batch, width, vocab]
         (the prompt is right-aligned in its row)."""
         for row, sequence in enumerate(sequences):
@@ -446,13 +388,13 @@ class LLM:
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[_Sequence]) -> None:
+    def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[SequenceState]) -> None:
         for row, sequence in enumerate(sequences):
             if len(sequence.tokens) < sequence.params.min_tokens:
                 for token in [*self._eos_ids, *sequence.params.stop_token_ids]:
                     logits[row, token] = -float("inf")
 
-    def _append(self, sequence: _Sequence, token: int) -> None:
+    def _append(self, sequence: SequenceState, token: int) -> None:
         request = sequence.params
         is_eos = token in self._eos_ids and not request.ignore_eos
         if is_eos or token in request.stop_token_ids:
@@ -472,66 +414,10 @@ class LLM:
         if len(sequence.tokens) >= sequence.limit:
             sequence.finish_reason = "length"
 
-    def _detokenize(self, sequence: _Sequence) -> str:
+    def _detokenize(self, sequence: SequenceState) -> str:
         return self.tokenizer.decode(
             sequence.tokens, skip_special_tokens=sequence.params.skip_special_tokens
         )
 
 
-def _fit(
-    empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device, kv_offload: bool
-) -> tuple[OffloadConfig, int]:
-    """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits; the
-    config and the bytes it moves to host memory."""
-    if config.uva.cpu_offload_gb == "auto":
-        smallest = smallest_offload_gb(needs, budget)
-        if smallest is None:
-            # Raises, with the numbers.
-            check_fit(needs, budget, needs.weights - needs.layer_stack, not kv_offload)
-        config = replace(config, uva=replace(config.uva, cpu_offload_gb=smallest))
-    planned = (
-        prepare(empty, config, device, dry_run=True) if config.selected_backend != "none" else None
-    )
-    resident = needs.weights - (planned.offloaded_bytes if planned else 0)
-    if config.selected_backend == "prefetch" and planned.manifest():
-        per_layer: dict[str, int] = {}
-        for entry in planned.manifest():
-            per_layer[entry.module] = per_layer.get(entry.module, 0) + entry.num_bytes
-        slots = min(config.prefetch.offload_prefetch_step, len(per_layer))
-        resident += slots * max(per_layer.values())  # the device staging slots
-    check_fit(needs, budget, resident, not kv_offload)
-    return config, planned.offloaded_bytes if planned else 0
-
-
-def _completion(index: int, sequence: _Sequence) -> CompletionOutput:
-    wants = sequence.params.logprobs is not None
-    return CompletionOutput(
-        index,
-        sequence.text,
-        sequence.tokens,
-        sequence.finish_reason,
-        sequence.stop_reason,
-        cumulative_logprob=(
-            sum(
-                entry[t].logprob
-                for entry, t in zip(sequence.logprobs, sequence.tokens, strict=True)
-            )
-            if wants
-            else None
-        ),
-        logprobs=sequence.logprobs if wants else None,
-    )
-
-
-def _per_prompt(sampling_params, count: int) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * count
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * count
-    params = list(sampling_params)
-    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
-        raise ConfigError(f"sampling_params must be one SamplingParams or one per prompt ({count})")
-    return params
-
-
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput"]

@@ -1,0 +1,110 @@
+"""A request's sequences while they decode, the batch they form, and what `generate`
+returns (vLLM's `RequestOutput` and `CompletionOutput`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.engine.logprobs import Logprob
+from offload.engine.sampling import SamplingParams, TokenCounts
+from offload.errors import ConfigError
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (vLLM's names)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" (end token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string, if any
+    cumulative_logprob: float | None = None  # with `logprobs`: the sum over token_ids
+    logprobs: list[dict[int, Logprob]] | None = None  # with `logprobs`: one per token id
+
+
+@dataclass
+class RequestOutput:
+    """What `generate` returns for one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = True
+    # With `prompt_logprobs`: one entry per prompt token, None for the first.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass
+class Batch:
+    """The sequences as one left-padded batch: prompts right-aligned at `width`."""
+
+    input_ids: torch.Tensor  # [batch, width]
+    starts: torch.Tensor  # [batch]: where each prompt begins
+    columns: torch.Tensor  # [length]
+    mask: torch.Tensor  # [batch, length]: 1 where a real token is
+    width: int
+    length: int  # prompt width plus the longest output a row may have
+
+    @classmethod
+    def of(cls, sequences, pad: int | None, device) -> Batch:
+        width = max(len(s.prompt_ids) for s in sequences)
+        length = width + max(s.limit for s in sequences)
+        rows = [[pad or 0] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
+        starts = torch.tensor([width - len(s.prompt_ids) for s in sequences], device=device)
+        columns = torch.arange(length, device=device)
+        mask = ((columns[None, :] >= starts[:, None]) & (columns[None, :] < width)).long()
+        input_ids = torch.tensor(rows, device=device)
+        return cls(input_ids, starts, columns, mask, width, length)
+
+
+@dataclass
+class SequenceState:
+    """One sequence of a request (a request with `n` > 1 has n of them)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    limit: int  # new tokens it may have: max_tokens, and prompt + output <= max_model_len
+    counts: TokenCounts | None = None  # what the penalties read, when the request has any
+    is_first: bool = True  # the first of its request's n: it carries the prompt logprobs
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def completion_of(index: int, sequence: SequenceState) -> CompletionOutput:
+    wants = sequence.params.logprobs is not None
+    return CompletionOutput(
+        index,
+        sequence.text,
+        sequence.tokens,
+        sequence.finish_reason,
+        sequence.stop_reason,
+        cumulative_logprob=(
+            sum(
+                entry[t].logprob
+                for entry, t in zip(sequence.logprobs, sequence.tokens, strict=True)
+            )
+            if wants
+            else None
+        ),
+        logprobs=sequence.logprobs if wants else None,
+    )
+
+
+def per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+        raise ConfigError(f"sampling_params must be one SamplingParams or one per prompt ({count})")
+    return params
