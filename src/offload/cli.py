@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-offload", action="store_true", help="keep the KV cache in host memory"
     )
     generate.add_argument(
-        "--no-progress", action="store_true", help="no progress bar while loading"
+        "--no-progress", action="store_true", help="no progress bars (loading, prompts)"
     )
     generate.add_argument(
         "--enforce-eager", action="store_true", help="decode without CUDA graphs (GPU)"

@@ -60,6 +60,7 @@ _SAMPLING_FLAGS = (
 def generate(args: argparse.Namespace) -> str:
     # Checked before the model loads: a bad flag costs nothing.
     params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
+    show_progress = not args.no_progress and sys.stderr.isatty()
     path = Path(args.model) if args.model else default_model_path()
     config = OffloadConfig.from_cli_args(args)
     if config.selected_backend == "none" and not args.no_offload:
@@ -74,7 +75,7 @@ def generate(args: argparse.Namespace) -> str:
         swap_space=args.swap_space,
         kv_offload=args.kv_offload,
         enforce_eager=args.enforce_eager,
-        progress=not args.no_progress and sys.stderr.isatty(),
+        progress=show_progress,
         offload_config=config,
     )
     # With no prompt, the default question goes through the chat template, if there is one.
@@ -83,9 +84,11 @@ def generate(args: argparse.Namespace) -> str:
     before = llm.transfer_stats()
     started = time.perf_counter()
     if chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params)
+        outputs = llm.chat(
+            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=show_progress
+        )
     else:
-        outputs = llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params, use_tqdm=show_progress)
     seconds = time.perf_counter() - started
     return "\n".join(
         [*(o.outputs[0].text for o in outputs), _figures(llm, outputs, before, seconds)]

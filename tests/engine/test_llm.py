@@ -360,6 +360,75 @@ def test_logprobs_are_those_of_a_plain_forward(resident):
         resident.generate("Hi", SamplingParams(prompt_logprobs=-1))
 
 
+def test_bad_words_are_never_generated(resident):
+    def text(prompt, **kwargs):
+        params = SamplingParams(temperature=0, max_tokens=12, **kwargs)
+        return resident.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+    assert text(PROMPTS[0]).startswith(" Paris")
+    assert "Paris" not in text(PROMPTS[0], bad_words=["Paris"])
+    # A word of several tokens: only its last token is banned, only after the others.
+    assert text(PROMPTS[2]).startswith(" 4, 5, 6, 7")
+    assert text(PROMPTS[2], bad_words=["5, 6"]).startswith(" 4, 5, 7")
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(smollm2_path, resident):
+    params = SamplingParams(temperature=0, max_tokens=6, truncate_prompt_tokens=4)
+    [cut] = resident.generate(PROMPTS[1], params)
+    ids = resident.tokenizer(PROMPTS[1]).input_ids
+    assert cut.prompt_token_ids == ids[-4:] and cut.prompt == PROMPTS[1]
+    [same] = resident.generate(
+        {"prompt_token_ids": ids[-4:]}, SamplingParams(temperature=0, max_tokens=6)
+    )
+    assert cut.outputs[0].token_ids == same.outputs[0].token_ids
+    small = LLM(smollm2_path, max_model_len=8)
+    with pytest.raises(ConfigError, match="must have 1 to 7"):
+        small.generate(PROMPTS[1], GREEDY)
+    [fitted] = small.generate(PROMPTS[1], SamplingParams(max_tokens=4, truncate_prompt_tokens=-1))
+    assert fitted.prompt_token_ids == ids[-7:] and len(fitted.outputs[0].token_ids) == 1
+
+
+def test_use_tqdm_counts_processed_prompts(resident):
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, **kwargs):
+            self.total, self.n, self.closed = total, 0, False
+            bars.append(self)
+
+        def update(self, count):
+            assert count >= 0
+            self.n += count
+
+        def close(self):
+            self.closed = True
+
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (2, 5, 9)]
+    resident.generate(PROMPTS, params, use_tqdm=Recorder)
+    [bar] = bars
+    assert (bar.total, bar.n, bar.closed) == (3, 3, True)
+    resident.generate(PROMPTS, params, use_tqdm=False)
+    assert len(bars) == 1
+
+
+def test_chat_takes_vllms_template_arguments(resident):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ suffix }}"
+    [out] = resident.chat(
+        messages,
+        GREEDY,
+        chat_template=template,
+        chat_template_kwargs={"suffix": " Answer: The capital of France is"},
+    )
+    assert out.prompt == "What is the capital of France? Answer: The capital of France is"
+    assert out.outputs[0].text.startswith(" Paris")
+    start = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "The capital"}]
+    [cont] = resident.chat(start, GREEDY, add_generation_prompt=False, continue_final_message=True)
+    assert cont.prompt.rstrip().endswith("The capital")
+    with pytest.raises(ConfigError, match="continue_final_message=True needs"):
+        resident.chat(start, GREEDY, continue_final_message=True)
+
+
 def test_a_model_without_tokenizer_is_refused_before_its_weights_load(
     smollm2_path, tmp_path, monkeypatch
 ):

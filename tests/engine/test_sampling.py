@@ -11,6 +11,8 @@ from offload.engine.sampling import (
     SamplingParams,
     TokenCounts,
     adjust_logits,
+    bad_words_token_ids,
+    banned_tokens,
     filter_logits,
     find_stop,
     make_generator,
@@ -57,6 +59,10 @@ def test_defaults_are_vllms():
         ({"allowed_token_ids": [3, -1]}, "allowed_token_ids[] must be an integer >= 0"),
         ({"logprobs": -2}, "logprobs must be an integer >= -1"),
         ({"prompt_logprobs": 1.5}, "prompt_logprobs must be an integer >= -1"),
+        ({"bad_words": "Paris"}, "bad_words must be a list of non-blank strings"),
+        ({"bad_words": ["ok", " "]}, "bad_words must be a list of non-blank strings"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1 or -1"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be an integer >= 1 or -1"),
     ],
 )
 def test_bad_values_are_one_line_errors(kwargs, needle):
@@ -246,3 +252,24 @@ def test_find_stop_properties(text, stops):
         assert text.startswith(cut) and not any(s in cut for s in stops)
         assert stop in stops and text[len(cut) :].startswith(stop)
     assert math.isfinite(len(text))
+
+
+def test_bad_words_are_found_alone_and_after_a_space_as_vllm_does():
+    vocab = {"cat": [1], " cat": [2], "big cat": [3, 1], " big cat": [4, 1], "a b": [5, 6]}
+
+    def encode(text):
+        return vocab.get(text, [9, 9, 9])
+
+    assert bad_words_token_ids(["cat"], encode) == [[1], [2]]
+    assert bad_words_token_ids([" big cat"], encode) == [[3, 1], [4, 1]]
+    # " a b" encodes to another length: only the word alone counts.
+    assert bad_words_token_ids(["a b"], encode) == [[5, 6]]
+
+
+def test_a_bad_word_loses_its_last_token_only_after_the_others():
+    bad = [[7], [3, 4, 5]]
+    assert banned_tokens(bad, []) == [7]
+    assert banned_tokens(bad, [1, 3]) == [7]
+    assert banned_tokens(bad, [1, 3, 4]) == [7, 5]
+    assert banned_tokens(bad, [3, 4, 1]) == [7]
+    assert banned_tokens([[3, 4, 5]], [4]) == []  # shorter than the head: no wrap-around

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,8 @@ from offload.engine.logprobs import log_softmax, prompt_logprobs, token_logprobs
 from offload.engine.sampling import (
     SamplingParams,
     TokenCounts,
+    bad_words_token_ids,
+    banned_tokens,
     find_stop,
     make_generator,
     sample,
@@ -35,6 +37,7 @@ from offload.engine.sequences import (
     Batch,
     CompletionOutput,
     RequestOutput,
+    RequestProgress,
     SequenceState,
     completion_of,
     per_prompt,
@@ -140,9 +143,11 @@ class LLM:
         self,
         prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Complete each prompt; one `RequestOutput` per prompt, in order. A prompt is a
-        string or, as in vLLM, {"prompt": str} or {"prompt_token_ids": [int, ...]}."""
+        string or, as in vLLM, {"prompt": str} or {"prompt_token_ids": [int, ...]}.
+        `use_tqdm` shows a bar of processed prompts (or names the tqdm class to use)."""
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         vocab = self.model.config.vocab_size
@@ -173,49 +178,76 @@ class LLM:
                     "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
                     f"got {type(prompt).__name__}"
                 )
-        return self._generate(texts, ids, sampling_params)
+        return self._generate(texts, ids, sampling_params, use_tqdm)
 
     def chat(
         self,
-        messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or several,
-        with the model's chat template."""
+        with the model's chat template or `chat_template`; the other arguments are
+        vLLM's and go to the template (`chat_template_kwargs`, e.g. enable_thinking)."""
         conversations = (
             [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         )
-        if not getattr(self.tokenizer, "chat_template", None):
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
-                "this model's tokenizer has no chat template; use generate() with a plain prompt"
+                "this model's tokenizer has no chat template; pass chat_template= or use "
+                "generate() with a plain prompt"
+            )
+        if add_generation_prompt and continue_final_message:
+            raise ConfigError(
+                "continue_final_message=True needs add_generation_prompt=False: the reply "
+                "either continues the last message or starts a new one"
             )
         texts = [
-            self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True, tokenize=False)
+            self.tokenizer.apply_chat_template(
+                list(c),
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                tokenize=False,
+                **(chat_template_kwargs or {}),
+            )
             for c in conversations
         ]
         ids = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-        return self._generate(texts, ids, sampling_params)
+        return self._generate(texts, ids, sampling_params, use_tqdm)
 
     # -- the decode loop ----------------------------------------------------------
 
-    def _generate(self, prompts, ids, sampling_params) -> list[RequestOutput]:
+    def _generate(self, prompts, ids, sampling_params, use_tqdm=False) -> list[RequestOutput]:
         params = per_prompt(sampling_params, len(prompts))
+        ids = [self._truncate(i, p) for i, p in zip(ids, params, strict=True)]
         for prompt_ids, request in zip(ids, params, strict=True):  # all before any work
             self._check_request(prompt_ids, request)
         vocab = self.model.config.vocab_size
         sequences = []
-        for prompt_ids, request in zip(ids, params, strict=True):
+        for index, (prompt_ids, request) in enumerate(zip(ids, params, strict=True)):
             generator = make_generator(request, self.device)
             limit = min(request.max_tokens, self.max_model_len - len(prompt_ids))
+            bad_ids = bad_words_token_ids(request.bad_words or [], self._encode)
             for number in range(request.n):
                 counts = (
                     TokenCounts(prompt_ids, vocab, self.device) if request.has_penalties else None
                 )
-                sequences.append(
-                    SequenceState(prompt_ids, request, generator, limit, counts, number == 0)
-                )
+                sequence = SequenceState(prompt_ids, request, generator, limit, counts)
+                sequence.is_first, sequence.request, sequence.bad_ids = number == 0, index, bad_ids
+                sequences.append(sequence)
         if sequences:
-            self._decode(sequences)
+            progress = RequestProgress(sequences, use_tqdm)
+            try:
+                self._decode(sequences, progress)
+            finally:
+                progress.close()
         outputs, start = [], 0
         for number, (prompt, prompt_ids, request) in enumerate(
             zip(prompts, ids, params, strict=True)
@@ -233,6 +265,16 @@ class LLM:
                 )
             )
         return outputs
+
+    def _truncate(self, prompt_ids: list[int], request: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: room for one new token)."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        return prompt_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _check_request(self, prompt_ids: list[int], request: SamplingParams) -> None:
         if not prompt_ids or len(prompt_ids) >= self.max_model_len:
@@ -257,14 +299,14 @@ class LLM:
                 )
 
     @torch.inference_mode()
-    def _decode(self, sequences: list[SequenceState]) -> None:
+    def _decode(self, sequences: list[SequenceState], progress: RequestProgress) -> None:
         """All sequences as one left-padded batch in a static KV cache (fixed shapes, the
         shape CUDA-graph decode needs): a prefill, then one token per step."""
         batch = Batch.of(sequences, self.tokenizer.pad_token_id, self.device)
         cache = self._make_cache(len(sequences), batch.length)
         graphs = None
         try:
-            graphs = self._decode_steps(sequences, batch, cache)
+            graphs = self._decode_steps(sequences, batch, cache, progress)
         finally:
             self._count_moved(cache.kv_offloader, graphs)
         for sequence in sequences:
@@ -320,7 +362,7 @@ class LLM:
         )
 
     def _decode_steps(
-        self, sequences: list[SequenceState], batch: Batch, cache
+        self, sequences: list[SequenceState], batch: Batch, cache, progress: RequestProgress
     ) -> DecodeGraphs | None:
         """The prefill, then one token per step: the first decode step eagerly (it also
         warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`."""
@@ -342,7 +384,7 @@ class LLM:
         graphs, position = None, batch.width  # where the newest token goes
         while True:
             raw = self._raw_logprobs(logits, sequences)  # before anything changes the logits
-            self._suppress_early_eos(logits, sequences)
+            self._ban(logits, sequences)
             tokens = sample(
                 logits,
                 [s.params for s in sequences],
@@ -357,6 +399,7 @@ class LLM:
                     if sequence.counts is not None:
                         sequence.counts.add(token)
                     self._append(sequence, token)
+            progress.update()
             # The text so far is position + 1 long.
             if all(s.finish_reason is not None for s in sequences) or position + 1 >= batch.length:
                 return graphs
@@ -388,11 +431,15 @@ class LLM:
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    def _suppress_early_eos(self, logits: torch.Tensor, sequences: list[SequenceState]) -> None:
+    def _ban(self, logits: torch.Tensor, sequences: list[SequenceState]) -> None:
+        """Tokens a row may not pick now: its bad words' next tokens, and the end and stop
+        tokens before `min_tokens`."""
         for row, sequence in enumerate(sequences):
+            banned = banned_tokens(sequence.bad_ids, sequence.tokens)
             if len(sequence.tokens) < sequence.params.min_tokens:
-                for token in [*self._eos_ids, *sequence.params.stop_token_ids]:
-                    logits[row, token] = -float("inf")
+                banned += [*self._eos_ids, *sequence.params.stop_token_ids]
+            if banned:
+                logits[row, banned] = -float("inf")
 
     def _append(self, sequence: SequenceState, token: int) -> None:
         request = sequence.params

@@ -45,6 +45,9 @@ class SamplingParams:
     seen in the prompt or the output has its logit divided by `repetition_penalty` (> 0;
     multiplied when negative); `frequency_penalty` times the number of times a token was
     generated and `presence_penalty` once if it was (both in [-2, 2]) are subtracted.
+    `bad_words` are never generated (a word of several tokens loses its last token
+    when the output ends with the others). `truncate_prompt_tokens=k` keeps the last k
+    prompt tokens (-1: as many as `max_model_len` allows).
     `logprobs=k` returns, for each generated token, its log-probability and those of
     the k most likely tokens (-1: all), from the model's raw logits; `prompt_logprobs`
     the same for each prompt token after the first.
@@ -70,6 +73,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +99,19 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 setattr(self, name, _integer(name, getattr(self, name), -1))
+        if self.truncate_prompt_tokens is not None:
+            keep = self.truncate_prompt_tokens
+            if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
+                raise ConfigError(
+                    f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep!r}"
+                )
+        words = self.bad_words
+        if words is not None and (
+            isinstance(words, str)
+            or not isinstance(words, list | tuple)
+            or not all(isinstance(w, str) and w.strip() for w in words)
+        ):
+            raise ConfigError(f"bad_words must be a list of non-blank strings, got {words!r}")
         if self.is_greedy:  # as vLLM: the filters mean nothing for greedy decoding
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -142,6 +160,30 @@ class SamplingParams:
             "logit_bias": list(self.logit_bias or {}),
             "allowed_token_ids": self.allowed_token_ids or [],
         }
+
+
+def bad_words_token_ids(words: Sequence[str], encode) -> list[list[int]]:
+    """The token sequences of each bad word as vLLM finds them: the word alone, and with
+    a leading space when that is a different first token of the same length (so the word
+    is banned at the start of the text and after a space)."""
+    found: list[list[int]] = []
+    for word in words:
+        alone = encode(word.lstrip())
+        spaced = encode(" " + word.lstrip())
+        found.append(alone)
+        if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+            found.append(spaced)
+    return [ids for ids in found if ids]
+
+
+def banned_tokens(bad_ids: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens that would complete a bad word after `output` (a one-token word always)."""
+    banned = []
+    for ids in bad_ids:
+        head = list(ids[:-1])
+        if not head or list(output[len(output) - len(head) :]) == head:
+            banned.append(ids[-1])
+    return banned
 
 
 def _token_id(name: str, token: object) -> int:

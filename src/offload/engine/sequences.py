@@ -3,6 +3,7 @@ returns (vLLM's `RequestOutput` and `CompletionOutput`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,12 +72,42 @@ class SequenceState:
     limit: int  # new tokens it may have: max_tokens, and prompt + output <= max_model_len
     counts: TokenCounts | None = None  # what the penalties read, when the request has any
     is_first: bool = True  # the first of its request's n: it carries the prompt logprobs
+    request: int = 0  # which prompt of the call it answers
+    bad_ids: list[list[int]] = field(default_factory=list)  # bad words' token sequences
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class RequestProgress:
+    """vLLM's "Processed prompts" bar: a prompt counts once all its sequences are done.
+    `use_tqdm` is True, False or a tqdm-like class to draw it with."""
+
+    def __init__(self, sequences: list[SequenceState], use_tqdm: bool | Callable):
+        self._sequences = sequences
+        self._total = len({s.request for s in sequences})
+        self._done = 0
+        self._bar = None
+        if use_tqdm and self._total:
+            from tqdm import tqdm
+
+            make = use_tqdm if callable(use_tqdm) else tqdm
+            self._bar = make(total=self._total, desc="Processed prompts", dynamic_ncols=True)
+
+    def update(self) -> None:
+        if self._bar is None:
+            return
+        open_requests = {s.request for s in self._sequences if s.finish_reason is None}
+        done = self._total - len(open_requests)
+        self._bar.update(done - self._done)
+        self._done = done
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def completion_of(index: int, sequence: SequenceState) -> CompletionOutput:
