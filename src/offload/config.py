@@ -272,10 +272,12 @@ class OffloadConfig:
 
 _UVA_FIELDS = tuple(f.name for f in dataclasses.fields(UVAOffloadConfig))
 _PREFETCH_FIELDS = tuple(f.name for f in dataclasses.fields(PrefetchOffloadConfig))
+# Every key an offload config (or LLM's offload flags) may have.
+OFFLOAD_KEYS = (*_VLLM_TOP_FIELDS, *_EXTRA_TOP_FIELDS, *_UVA_FIELDS, *_PREFETCH_FIELDS)
 
 
 def _allowed_keys() -> str:
-    return ", ".join((*_VLLM_TOP_FIELDS, *_EXTRA_TOP_FIELDS, *_UVA_FIELDS, *_PREFETCH_FIELDS))
+    return ", ".join(OFFLOAD_KEYS)
 
 
 def _plain(part: UVAOffloadConfig | PrefetchOffloadConfig) -> dict[str, Any]:

@@ -443,6 +443,32 @@ def test_a_model_without_tokenizer_is_refused_before_its_weights_load(
         LLM(folder)
 
 
+def test_tokenizer_may_come_from_another_folder(smollm2_path, tmp_path, resident):
+    folder = _copy_of(smollm2_path, tmp_path, drop=("tokenizer.json", "tokenizer_config.json"))
+    llm = LLM(folder, tokenizer=smollm2_path)
+    [out] = llm.generate(PROMPTS[0], GREEDY)
+    assert out.outputs[0].token_ids == resident.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
+
+
+def test_max_num_seqs_splits_the_batch(smollm2_path, resident, monkeypatch):
+    llm = LLM(smollm2_path, max_num_seqs=2, cpu_offload_gb=0.1)
+    sizes = []
+    make_cache = LLM._make_cache
+
+    def spy(self, batch, length):
+        sizes.append(batch)
+        return make_cache(self, batch, length)
+
+    monkeypatch.setattr(LLM, "_make_cache", spy)
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=5, n=2), GREEDY]
+    got = llm.generate(PROMPTS, params)
+    assert sizes == [2, 2]  # four sequences, two at a time
+    expected = resident.generate(PROMPTS, params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [
+        [c.token_ids for c in o.outputs] for o in expected
+    ]
+
+
 def test_chat_needs_a_chat_template(smollm2_path, tmp_path):
     llm = LLM(_copy_of(smollm2_path, tmp_path, drop=("chat_template.jinja",), eos_token_id=2))
     with pytest.raises(ConfigError, match="no chat template"):
@@ -456,6 +482,10 @@ def test_chat_needs_a_chat_template(smollm2_path, tmp_path):
         ({"device": "meta"}, "device must be 'cpu', 'cuda' or 'cuda:N'"),
         ({"device_memory_gb": float("nan")}, "device_memory_gb must be a positive, finite"),
         ({"device_memory_gb": float("inf")}, "device_memory_gb must be a positive, finite"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
+        ({"max_logprobs": -2}, "max_logprobs must be an integer >= -1, got -2"),
+        ({"trust_remote_code": True}, "LLM() got an unexpected argument 'trust_remote_code'"),
     ],
 )
 def test_bad_device_settings_are_one_line_errors(smollm2_path, kwargs, needle):

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from offload.config import OffloadConfig
+from offload.config import OFFLOAD_KEYS, OffloadConfig
 from offload.engine.fit import device_budget, measure, plan_fit
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import (
@@ -81,18 +81,24 @@ class LLM:
         progress: bool | None = None,
         enforce_eager: bool = False,
         max_logprobs: int = 20,
+        max_num_seqs: int = 256,
+        tokenizer: str | Path | None = None,
+        tensor_parallel_size: int = 1,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
-        if offload_config is not None and offload_flags:
-            raise ConfigError(
-                "pass offload settings either as offload_config or as flags, not both"
-            )
-        config = as_config(offload_config if offload_config is not None else offload_flags)
+        config = _offload_config(offload_config, offload_flags)
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
             )
+        if tensor_parallel_size != 1:
+            raise ConfigError(
+                f"tensor_parallel_size must be 1 (offload runs a model on one device), "
+                f"got {tensor_parallel_size!r}"
+            )
+        self.max_logprobs = _whole("max_logprobs", max_logprobs, -1)  # -1: no limit, as vLLM
+        self.max_num_seqs = _whole("max_num_seqs", max_num_seqs, 1)
         # Refused before anything is read or allocated.
         self.swap_space_bytes = check_swap_space(swap_space)
         self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
@@ -115,7 +121,8 @@ class LLM:
             empty, config, self.memory_needs, budget, self.device, self.kv_offload
         )
         check_host_room(self.swap_space_bytes, offloaded)
-        self.tokenizer = load_tokenizer(path)  # before the weights: its errors come first
+        # Before the weights: its errors come first.
+        self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else path)
         self._eos_ids = eos_token_ids(path, self.tokenizer, empty.config)
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
@@ -133,7 +140,6 @@ class LLM:
             and not config.disable_pin_memory
             and not config.disable_uva
         )
-        self.max_logprobs = max_logprobs  # -1: no limit, as vLLM
         self.seed = seed
         torch.manual_seed(seed)
 
@@ -244,8 +250,9 @@ class LLM:
                 sequences.append(sequence)
         if sequences:
             progress = RequestProgress(sequences, use_tqdm)
-            try:
-                self._decode(sequences, progress)
+            try:  # at most max_num_seqs sequences in one batch, as vLLM schedules them
+                for start in range(0, len(sequences), self.max_num_seqs):
+                    self._decode(sequences[start : start + self.max_num_seqs], progress)
             finally:
                 progress.close()
         outputs, start = [], 0
@@ -465,6 +472,26 @@ class LLM:
         return self.tokenizer.decode(
             sequence.tokens, skip_special_tokens=sequence.params.skip_special_tokens
         )
+
+
+def _offload_config(
+    offload_config: OffloadConfig | Mapping[str, Any] | None, flags: dict[str, Any]
+) -> OffloadConfig:
+    if offload_config is not None and flags:
+        raise ConfigError("pass offload settings either as offload_config or as flags, not both")
+    unknown = [key for key in flags if key not in OFFLOAD_KEYS]
+    if unknown:
+        raise ConfigError(
+            f"LLM() got an unexpected argument {unknown[0]!r}; besides its own arguments it "
+            f"takes the offload flags {', '.join(OFFLOAD_KEYS)}"
+        )
+    return as_config(offload_config if offload_config is not None else flags)
+
+
+def _whole(name: str, value: object, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    return value
 
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
