@@ -23,15 +23,11 @@ from offload.engine.kv_cache import (
     kv_shape_of,
     static_cache,
 )
-from offload.engine.logprobs import log_softmax, prompt_logprobs, token_logprobs
 from offload.engine.sampling import (
     SamplingParams,
     TokenCounts,
     bad_words_token_ids,
-    banned_tokens,
-    find_stop,
     make_generator,
-    sample,
 )
 from offload.engine.sequences import (
     Batch,
@@ -42,6 +38,7 @@ from offload.engine.sequences import (
     completion_of,
     per_prompt,
 )
+from offload.engine.tokens import TokenSteps
 from offload.errors import ConfigError
 from offload.memory.device import check_device
 from offload.model.default import default_model_path
@@ -123,7 +120,7 @@ class LLM:
         check_host_room(self.swap_space_bytes, offloaded)
         # Before the weights: its errors come first.
         self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else path)
-        self._eos_ids = eos_token_ids(path, self.tokenizer, empty.config)
+        self._tokens = TokenSteps(self.tokenizer, eos_token_ids(path, self.tokenizer, empty.config))
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
         self.model, self.offloader = load_model(
@@ -240,7 +237,7 @@ class LLM:
         for index, (prompt_ids, request) in enumerate(zip(ids, params, strict=True)):
             generator = make_generator(request, self.device)
             limit = min(request.max_tokens, self.max_model_len - len(prompt_ids))
-            bad_ids = bad_words_token_ids(request.bad_words or [], self._encode)
+            bad_ids = bad_words_token_ids(request.bad_words or [], self._tokens.encode)
             for number in range(request.n):
                 counts = (
                     TokenCounts(prompt_ids, vocab, self.device) if request.has_penalties else None
@@ -279,9 +276,6 @@ class LLM:
         if keep is None:
             return prompt_ids
         return prompt_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def _check_request(self, prompt_ids: list[int], request: SamplingParams) -> None:
         if not prompt_ids or len(prompt_ids) >= self.max_model_len:
@@ -385,27 +379,12 @@ class LLM:
             logits_to_keep=0 if every_position else 1,
         )
         if every_position:
-            self._prompt_logprobs(out.logits, sequences, batch)
+            self._tokens.prompt_logprobs(out.logits, sequences, batch.width)
         logits = out.logits[:, -1, :]  # [batch, vocab]
         step = DecodeStep(self.model, cache, batch.mask, positions)
         graphs, position = None, batch.width  # where the newest token goes
         while True:
-            raw = self._raw_logprobs(logits, sequences)  # before anything changes the logits
-            self._ban(logits, sequences)
-            tokens = sample(
-                logits,
-                [s.params for s in sequences],
-                [s.generator for s in sequences],
-                [s.counts for s in sequences],
-            )
-            for row, (sequence, token) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
-                if sequence.finish_reason is None:
-                    if row in raw:
-                        num = sequence.params.logprobs
-                        sequence.logprobs.append(token_logprobs(raw[row], token, num, self._text))
-                    if sequence.counts is not None:
-                        sequence.counts.add(token)
-                    self._append(sequence, token)
+            tokens = self._tokens.pick(logits, sequences)
             progress.update()
             # The text so far is position + 1 long.
             if all(s.finish_reason is not None for s in sequences) or position + 1 >= batch.length:
@@ -415,63 +394,6 @@ class LLM:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
             logits = graphs.run(position + 1) if graphs is not None else step()
             position += 1
-
-    def _raw_logprobs(self, logits: torch.Tensor, sequences: list[SequenceState]) -> dict:
-        """Row -> log-probabilities [vocab] for the unfinished rows that want them."""
-        return {
-            row: log_softmax(logits[row])
-            for row, s in enumerate(sequences)
-            if s.params.logprobs is not None and s.finish_reason is None
-        }
-
-    def _prompt_logprobs(self, logits: torch.Tensor, sequences: list[SequenceState], batch) -> None:
-        """Each request's prompt logprobs from the prefill's logits [batch, width, vocab]
-        (the prompt is right-aligned in its row)."""
-        for row, sequence in enumerate(sequences):
-            num = sequence.params.prompt_logprobs
-            if num is not None and sequence.is_first:
-                start = batch.width - len(sequence.prompt_ids)
-                sequence.prompt_logprobs = prompt_logprobs(
-                    logits[row, start:], sequence.prompt_ids, num, self._text
-                )
-
-    def _text(self, token: int) -> str:
-        return self.tokenizer.decode([token])
-
-    def _ban(self, logits: torch.Tensor, sequences: list[SequenceState]) -> None:
-        """Tokens a row may not pick now: its bad words' next tokens, and the end and stop
-        tokens before `min_tokens`."""
-        for row, sequence in enumerate(sequences):
-            banned = banned_tokens(sequence.bad_ids, sequence.tokens)
-            if len(sequence.tokens) < sequence.params.min_tokens:
-                banned += [*self._eos_ids, *sequence.params.stop_token_ids]
-            if banned:
-                logits[row, banned] = -float("inf")
-
-    def _append(self, sequence: SequenceState, token: int) -> None:
-        request = sequence.params
-        is_eos = token in self._eos_ids and not request.ignore_eos
-        if is_eos or token in request.stop_token_ids:
-            # As vLLM: the stop token ends token_ids, and the text stops before it.
-            sequence.text = self._detokenize(sequence)
-            sequence.tokens.append(token)
-            sequence.finish_reason, sequence.stop_reason = "stop", (None if is_eos else token)
-            return
-        sequence.tokens.append(token)
-        text = self._detokenize(sequence)
-        found = find_stop(text, request.stop_strings, request.include_stop_str_in_output)
-        if found is not None:
-            sequence.text, sequence.stop_reason = found
-            sequence.finish_reason = "stop"
-            return
-        sequence.text = text
-        if len(sequence.tokens) >= sequence.limit:
-            sequence.finish_reason = "length"
-
-    def _detokenize(self, sequence: SequenceState) -> str:
-        return self.tokenizer.decode(
-            sequence.tokens, skip_special_tokens=sequence.params.skip_special_tokens
-        )
 
 
 def _offload_config(
