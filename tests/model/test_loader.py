@@ -321,12 +321,81 @@ def test_one_tensor_under_two_names_is_refused(tiny_checkpoint):
         load_model(path)
 
 
-def test_tensors_transformers_must_merge_are_refused(tmp_path):
-    """Per-expert tensors that transformers stacks into one parameter when loading: the
-    loader reads tensors whole, so it says so instead of calling them unexpected."""
-    zoo.build("qwen3_moe", num_layers=1).save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match=r"'model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight'"):
+def _mixtral():
+    import transformers as tf
+
+    config = tf.MixtralConfig(
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=3,
+        num_experts_per_tok=2,
+        vocab_size=zoo.VOCAB,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+MOE_SETTINGS = {
+    "resident": None,
+    "uva": {"cpu_offload_gb": 0.0002},
+    "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
+    "prefetch-bf16": {"offload_group_size": 2, "offload_num_in_group": 1},
+}
+
+
+@pytest.mark.parametrize("setting", list(MOE_SETTINGS))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_per_expert_checkpoints_are_stacked_as_transformers_does(tmp_path, arch, setting):
+    """transformers saves a mixture's experts one tensor each (the hub's layout) and
+    stacks them into `experts.gate_up_proj` / `down_proj` when loading: the loader reads
+    each expert's tensor straight into its slice of the stacked parameter."""
+    model = _mixtral() if arch == "mixtral" else zoo.build(arch, num_layers=2)
+    model.save_pretrained(tmp_path)
+    assert any(".experts.1." in key for key in _keys(tmp_path))  # one tensor per expert
+    dtype = "bfloat16" if setting.endswith("bf16") else "auto"
+    loaded, offloader = load_model(tmp_path, MOE_SETTINGS[setting], dtype=dtype)
+    expected = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=loaded.dtype).eval()
+    for name, tensor in expected.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(loaded, ids), zoo.logits(expected, ids))
+    if setting != "resident":
+        experts = [e for e in offloader.manifest() if ".experts." in e.name]
+        assert experts, "the stacked experts were offloaded"
+
+
+def _moe_checkpoint(path, drop=None, reshape=None):
+    zoo.build("qwen3_moe", num_layers=1).save_pretrained(path)
+    with safe_open(path / "model.safetensors", "pt") as file:
+        tensors = {key: file.get_tensor(key) for key in file.keys()}  # noqa: SIM118
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (
+            {"drop": "model.layers.0.mlp.experts.1.up_proj.weight"},
+            "model.layers.0.mlp.experts.gate_up_proj: the checkpoint's experts are [0, 2, 3]",
+        ),
+        (
+            {"reshape": "model.layers.0.mlp.experts.2.down_proj.weight"},
+            "model.layers.0.mlp.experts.down_proj: the checkpoint's parts of one kind differ",
+        ),
+    ],
+)
+def test_incomplete_experts_are_one_model_error(tmp_path, damage, needle):
+    _moe_checkpoint(tmp_path, **damage)
+    with pytest.raises(ModelError) as info:
         load_model(tmp_path)
+    assert needle in str(info.value)
 
 
 PEAK_SCRIPT = textwrap.dedent(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -24,6 +24,7 @@ from offload.errors import ModelError
 from offload.memory.disk import CheckpointError, StoredTensor, json_type, read_header, read_into
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.model.configs import resolve
+from offload.model.merges import Assembled, Converted, assemble, transformers_renaming
 from offload.offloader.base import BaseOffloader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -213,7 +214,8 @@ def _targets(
     )
     if dummy:
         return dict.fromkeys(dict(model.named_parameters()))
-    stored, unexpected = _by_model_name(model, stored, names.keys())
+    shapes = {name: tuple(tensor.shape) for name, tensor in names.items()}
+    stored, unexpected = _by_model_name(model, stored, shapes)
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in names.items():
         by_tensor.setdefault(id(tensor), []).append(name)
@@ -239,75 +241,54 @@ def _targets(
 
 
 def _by_model_name(
-    model: nn.Module, stored: dict[str, StoredTensor], names: Collection[str]
-) -> tuple[dict[str, StoredTensor], list[str]]:
+    model: nn.Module, stored: dict[str, StoredTensor], shapes: Mapping[str, tuple[int, ...]]
+) -> tuple[dict[str, StoredTensor | Assembled], list[str]]:
     """The checkpoint's tensors under the model's names, and the checkpoint keys that are
     none of them. Keys are renamed as transformers' `from_pretrained` does: first the
     architecture's own renamings (GPT-NeoX's `embed_out` is `lm_head`), then the base
     model's prefix is added for a checkpoint of the base model alone (Llama's `norm.weight`
-    is `model.norm.weight`). A key the model has as it is keeps its name."""
+    is `model.norm.weight`). A key the model has as it is keeps its name. Parts that
+    transformers merges (a mixture's experts) become one `Assembled` parameter."""
+    names = shapes.keys()
     prefix = getattr(model, "base_model_prefix", "")
     # Keys transformers drops without complaint: the model's own list (GPT-2's attention
     # masks) and the rotary inverse frequencies that older checkpoints saved as weights.
     ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
     ignored.append(r"rotary_emb\.inv_freq$")
-    by_name: dict[str, StoredTensor] = {}
+    by_name: dict[str, StoredTensor | Assembled] = {}
+    merged: dict[str, list[tuple[StoredTensor, Converted]]] = {}
     unexpected = []
-    for key, (name, converted) in _transformers_renaming(model, stored).items():
+    for key, (name, converted) in transformers_renaming(model, stored).items():
         if name not in names and key in names:
-            name, converted = key, False
+            name, converted = key, None
         if name not in names and prefix and f"{prefix}.{name}" in names:
             name = f"{prefix}.{name}"
         if name not in names:
             if not any(re.search(pattern, key) for pattern in ignored):
                 unexpected.append(key)
             continue
-        if converted:
-            raise ModelError(
-                f"the checkpoint stores {name!r} as parts (e.g. {key!r}) that transformers "
-                "merges when loading; offload reads each tensor whole, one per parameter"
-            )
+        if converted is not None:
+            merged.setdefault(name, []).append((stored[key], converted))
+            continue
         if name in by_name:
             raise ModelError(
                 f"the checkpoint has both {by_name[name].name!r} and {key!r} for the "
                 f"model's {name!r}; a checkpoint has one tensor per parameter"
             )
         by_name[name] = stored[key]
+    for name, parts in merged.items():
+        if name in by_name:
+            raise ModelError(
+                f"the checkpoint has {by_name[name].name!r} and parts of it for the model's {name!r}"
+            )
+        by_name[name] = assemble(name, shapes[name], parts)
     return by_name, unexpected
-
-
-def _transformers_renaming(
-    model: nn.Module, stored: Mapping[str, StoredTensor]
-) -> dict[str, tuple[str, bool]]:
-    """Each checkpoint key -> (its name after the key renamings transformers registers for
-    the model's architecture, whether transformers must also merge or split the tensor).
-    Keys go in transformers' order, which some renamings depend on. No renaming where this
-    transformers has no conversion mapping."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            WeightRenaming,
-            dot_natural_key,
-            rename_source_key,
-        )
-
-        transforms = get_model_conversion_mapping(model)
-        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        renamed = {}
-        for key in sorted(stored, key=dot_natural_key):
-            name, converter = rename_source_key(key, renamings, converters)
-            renamed[key] = (name, converter is not None)
-        return renamed
-    except (ImportError, AttributeError, TypeError):
-        return {key: (key, False) for key in stored}
 
 
 def _fill(model, offloader, targets, device: torch.device, progress: bool) -> None:
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
-    largest = max((e.num_bytes for e in targets.values() if e is not None), default=0)
+    largest = max((_largest_read(e) for e in targets.values() if e is not None), default=0)
     staging = _Staging(largest, device)
     generator = torch.Generator().manual_seed(0)
     bar = None
@@ -326,16 +307,28 @@ def _fill(model, offloader, targets, device: torch.device, progress: bool) -> No
         destination = host if host is not None else tensor.data
         if entry is None:
             _dummy(destination, generator)
-        elif (
-            destination.device.type == "cpu"
-            and destination.dtype == entry.dtype
-            and destination.is_contiguous()
-        ):
-            read_into(entry, destination)  # file -> final host memory, nothing in between
+        elif isinstance(entry, Assembled):
+            for part, index in entry.parts:  # each part straight into its slice
+                _read(part, destination[index], staging)
         else:
-            destination.copy_(staging.read(entry))  # file -> staging -> device, casting if needed
+            _read(entry, destination, staging)
     if bar is not None:
         bar.close()
+
+
+def _read(entry: StoredTensor, destination: torch.Tensor, staging: _Staging) -> None:
+    if (
+        destination.device.type == "cpu"
+        and destination.dtype == entry.dtype
+        and destination.is_contiguous()
+    ):
+        read_into(entry, destination)  # file -> final host memory, nothing in between
+    else:
+        destination.copy_(staging.read(entry))  # file -> staging -> device, casting if needed
+
+
+def _largest_read(entry: StoredTensor | Assembled) -> int:
+    return entry.largest_part_bytes if isinstance(entry, Assembled) else entry.num_bytes
 
 
 class _Staging:
