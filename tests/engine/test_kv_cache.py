@@ -9,14 +9,20 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import ConfigError
-from offload.engine.kv_cache import KVOffloader, KVShape, check_host_kv, static_cache
+from offload.engine.kv_cache import (
+    KVOffloader,
+    KVShape,
+    check_host_kv,
+    probe_kv_dims,
+    static_cache,
+)
 
 CPU = torch.device("cpu")
 KV_ARCHS = ("llama", "qwen2", "gemma", "phi3", "qwen3_moe", "gpt_neox", "opt", "gpt2")
 
 
 @torch.inference_mode()
-def decode(model, ids, steps, *, offload, num_slots=2, engine=None):
+def decode(model, ids, steps, *, offload, num_slots=2, engine=None, kv_dims=None):
     """A prefill of `ids` then `steps` greedy tokens in a static cache; every step's
     logits, and the cache's KV offloader (or None)."""
     batch, width = ids.shape
@@ -24,7 +30,7 @@ def decode(model, ids, steps, *, offload, num_slots=2, engine=None):
     extra = {"copy_engine_factory": factory} if factory else {}
     cache = static_cache(
         model.config, batch, width + steps, torch.float32, CPU, offload=offload,
-        num_slots=num_slots, **extra,
+        num_slots=num_slots, kv_dims=kv_dims, **extra,
     )  # fmt: skip
     outputs, tokens, position = [], ids, torch.arange(width)
     for _ in range(steps + 1):
@@ -51,6 +57,31 @@ def test_exact_on_every_architecture(arch):
     got, kv = decode(model, ids, 5, offload=True)
     assert equal(got, expected)
     assert kv.stats()["bytes_copied"] > 0  # the cache really went through the host
+
+
+def test_latent_attention_is_sized_by_what_it_caches():
+    """DeepSeek-V3's attention caches compressed latents, not heads x head_dim as its
+    config suggests: the probe measures the real shape, and the host cache holds it."""
+    import transformers as tf
+
+    config = tf.DeepseekV3Config(
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=16, n_group=1, topk_group=1, vocab_size=zoo.VOCAB,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    dims = probe_kv_dims(model)
+    assert dims is not None and dims[1:] != (config.head_dim, config.head_dim)
+    ids = zoo.inputs()
+    expected, _ = decode(model, ids, 4, offload=False)
+    got, kv = decode(model, ids, 4, offload=True, kv_dims=dims)
+    assert equal(got, expected) and kv.stats()["bytes_copied"] > 0
+    llama = zoo.build("llama", num_layers=2)
+    heads, head_dim = llama.config.num_key_value_heads, llama.config.head_dim
+    assert probe_kv_dims(llama) == (heads, head_dim, head_dim)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.host import (
     HostSlab,
@@ -69,13 +69,58 @@ class KVShape:
         return keys.permute(1, 2, 0, 3), values.permute(1, 2, 0, 3)
 
 
-def kv_shape_of(hf_config, batch: int, max_cache_len: int, dtype: torch.dtype) -> KVShape:
-    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = (
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
-    )
-    return KVShape(batch, heads, max_cache_len, head_dim, head_dim, dtype)
+def kv_shape_of(
+    hf_config,
+    batch: int,
+    max_cache_len: int,
+    dtype: torch.dtype,
+    dims: tuple[int, int, int] | None = None,
+) -> KVShape:
+    """A cache layer's shape: from `dims` (heads, key dim, value dim, as `probe_kv_dims`
+    measures them) or else from the config's usual fields."""
+    if dims is None:
+        heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        head_dim = (
+            getattr(hf_config, "head_dim", None)
+            or hf_config.hidden_size // hf_config.num_attention_heads
+        )
+        dims = (heads, head_dim, head_dim)
+    heads, k_head_dim, v_head_dim = dims
+    return KVShape(batch, heads, max_cache_len, k_head_dim, v_head_dim, dtype)
+
+
+def probe_kv_dims(model) -> tuple[int, int, int] | None:
+    """(heads, key dim, value dim) of what the model's full-attention layers cache, seen
+    by running one token: some attentions cache other shapes than their config suggests
+    (DeepSeek's latent attention caches compressed keys). None when there is no such
+    layer; a ModelError when they differ from layer to layer."""
+    from transformers import DynamicCache, StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    layers = StaticCache(config=model.config, max_cache_len=1).layers
+    full = [i for i, layer in enumerate(layers) if type(layer) is StaticLayer]
+    if not full:
+        return None
+    cache = DynamicCache(config=model.config)
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        model(
+            input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    seen = set()
+    for index in full:
+        keys, values = cache.layers[index].keys, cache.layers[index].values
+        if keys.shape[1] != values.shape[1]:
+            raise ModelError("KV offload needs keys and values with as many heads")
+        seen.add((keys.shape[1], keys.shape[-1], values.shape[-1]))
+    if len(seen) != 1:
+        raise ModelError(
+            f"KV offload needs one cache shape for all attention layers, this model has {sorted(seen)}"
+        )
+    return seen.pop()
 
 
 def available_ram_bytes() -> int:
@@ -333,8 +378,10 @@ def static_cache(
     disable_pin_memory: bool = False,
     copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
     host_pool: KVHostPool | None = None,
+    kv_dims: tuple[int, int, int] | None = None,
 ):
-    """A transformers `StaticCache`; with `offload`, its full-attention layers keep their
+    """A transformers `StaticCache`; with `offload` (sized by `kv_dims`, see
+    `probe_kv_dims`, or by the config), its full-attention layers keep their
     keys and values in host memory (`cache.kv_offloader`, a `KVOffloader`; from
     `host_pool` when given, to reuse it across calls), and only `num_slots` layers' worth
     of device memory is used. Other layer kinds (sliding windows, linear attention) are
@@ -354,7 +401,7 @@ def static_cache(
             "are bounded by the window; the KV cache stays on the device"
         )
         return cache
-    shape = kv_shape_of(hf_config, batch, max_cache_len, dtype)
+    shape = kv_shape_of(hf_config, batch, max_cache_len, dtype, kv_dims)
     offloader = KVOffloader(
         len(indices),
         shape,

@@ -21,6 +21,7 @@ from offload.engine.kv_cache import (
     check_host_room,
     check_swap_space,
     kv_shape_of,
+    probe_kv_dims,
     static_cache,
 )
 from offload.engine.sampling import (
@@ -128,6 +129,7 @@ class LLM:
         )
         self._moved: dict[str, int] = {}  # KV and graph-replay bytes, summed over calls
         # Host memory of the offloaded KV cache, kept between calls (pinned once).
+        self._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
         self._kv_pool = KVHostPool(self.device, disable_pin_memory=config.disable_pin_memory)
         # CUDA graphs for decode, as vLLM does unless enforce_eager; copies from unpinned
         # memory or per-forward weight copies cannot be captured.
@@ -348,8 +350,12 @@ class LLM:
 
     def _make_cache(self, batch: int, length: int):
         dtype = next(self.model.parameters()).dtype
+        dims = None
         if self.kv_offload:
-            shape = kv_shape_of(self.model.config, batch, length, dtype)
+            if self._kv_dims is None:  # once: what the attention layers really cache
+                self._kv_dims = (probe_kv_dims(self.model),)
+            (dims,) = self._kv_dims
+            shape = kv_shape_of(self.model.config, batch, length, dtype, dims)
             layers = self.model.config.num_hidden_layers
             check_host_kv(shape, layers, self.swap_space_bytes, self._kv_pool.num_bytes)
         return static_cache(
@@ -360,6 +366,7 @@ class LLM:
             self.device,
             offload=self.kv_offload,
             host_pool=self._kv_pool,
+            kv_dims=dims,
         )
 
     def _decode_steps(
