@@ -469,6 +469,25 @@ def test_max_num_seqs_splits_the_batch(smollm2_path, resident, monkeypatch):
     ]
 
 
+def test_a_mixture_of_experts_checkpoint_generates_as_transformers_does(tmp_path):
+    """A per-expert MoE checkpoint (the hub's layout), offloaded layer by layer with its
+    KV cache in host memory, gives transformers' own greedy tokens."""
+    import zoo
+
+    model = zoo.build("qwen3_moe", num_layers=3)
+    model.save_pretrained(tmp_path)
+    zoo._word_tokenizer(zoo.VOCAB).save_pretrained(tmp_path)
+    ids = [5, 17, 42, 9, 77]
+    expected = zoo.greedy(model, torch.tensor([ids]), 8)[0, len(ids) :].tolist()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for flags in ({}, {"offload_group_size": 1, "offload_prefetch_step": 2, "kv_offload": True}):
+        llm = LLM(tmp_path, **flags)
+        [out] = llm.generate({"prompt_token_ids": ids}, params)
+        assert out.outputs[0].token_ids == expected, flags
+    assert llm.offloader.stats()["bytes_copied"] > 0
+    assert llm.transfer_stats()["kv_bytes_copied"] > 0
+
+
 def test_chat_needs_a_chat_template(smollm2_path, tmp_path):
     llm = LLM(_copy_of(smollm2_path, tmp_path, drop=("chat_template.jinja",), eos_token_id=2))
     with pytest.raises(ConfigError, match="no chat template"):
