@@ -456,3 +456,63 @@ def test_copies_are_counted_when_issued_as_on_cuda():
     assert offloader.stats()["bytes_copied"] == issued  # before they have run
     offloader.sync_prev_onload()
     assert offloader.stats()["bytes_copied"] == issued and offloader.stats()["num_copies"] == 2
+
+
+class _ReadsChildWeights(nn.Module):
+    """A block that reads one child's weights directly (never calling that child), as
+    Mamba's mixer reads `dt_proj.weight`: module units must still see the right bytes."""
+
+    def __init__(self):
+        super().__init__()
+        self.direct = nn.Linear(8, 8)
+        self.called = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.tanh(nn.functional.linear(x, self.direct.weight.T, self.direct.bias))
+        return torch.tanh(self.called(x))
+
+
+@pytest.mark.parametrize("engine", [SlowEngine, ImmediateEngine])
+@pytest.mark.parametrize("step", [1, 2, 3])
+@torch.no_grad()
+def test_module_units_read_outside_their_forward_stay_exact_with_a_warning(step, engine):
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[_ReadsChildWeights() for _ in range(3)])
+    x = torch.randn(3, 8)
+    expected = blocks(x)
+    offloader = prefetch(blocks, step=step, layers=list(blocks), unit="module", engine=engine())
+    with pytest.warns(UserWarning, match=r"reads the weights of .*direct outside"):
+        assert torch.equal(blocks(x), expected)
+    for _ in range(4):  # past the checked calls: the layers that read so stay checked
+        assert torch.equal(blocks(x), expected)
+    assert offloader.stats()["bytes_copied"] > 0
+
+
+def test_mamba_with_module_units_gives_the_resident_tokens():
+    import transformers as tf
+
+    config = tf.MambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=zoo.VOCAB, state_size=8)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    ids = zoo.inputs()
+    expected = zoo.greedy(model, ids)
+    offloader = prefetch(model, step=2, layers=model.backbone.layers, unit="module")
+    with pytest.warns(UserWarning, match="outside that module's forward"):
+        assert torch.equal(zoo.greedy(model, ids), expected)
+    assert offloader.stats()["bytes_copied"] > 0
+
+
+def test_module_units_of_ordinary_layers_are_checked_only_on_their_first_calls():
+    from offload.offloader.unit_check import NUM_CHECKED_CALLS, UnitReadCheck
+
+    model = zoo.build("llama", num_layers=3)
+    x = zoo.inputs()
+    offloader = prefetch(model, step=2, unit="module")
+    checks = [hook for hook in offloader._hooks if isinstance(hook, UnitReadCheck)]
+    assert len(checks) == 3  # one per offloaded layer
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no read outside a module's own forward
+        for _ in range(NUM_CHECKED_CALLS + 1):
+            zoo.logits(model, x)
+    assert not any(check.is_permanent for check in checks)
+    assert all(check._num_calls == NUM_CHECKED_CALLS for check in checks)

@@ -17,6 +17,7 @@ from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import ModuleHooks, PrefetchHook
 from offload.offloader.selection import matches_segments, unmatched_segments
 from offload.offloader.slots import SlotTable, offloaded_layer_indices, slot_of, slot_sizes
+from offload.offloader.unit_check import UnitReadCheck
 
 
 @dataclass
@@ -83,6 +84,7 @@ class PrefetchOffloader(BaseOffloader):
         self._layers: list[_Layer] = []
         self._slots: list[torch.Tensor] = []
         self._tickets: list[object] = []
+        self._running: set[int] = set()  # positions between their wait and their release
         self._table: SlotTable | None = None
         self._engine: CopyEngine | None = None
         self._id = ops.register(self)
@@ -165,7 +167,22 @@ class PrefetchOffloader(BaseOffloader):
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
             self._hooks.append(_StateDictHooks(self, layer).attach(layer.module))
+        if self.unit == "module" and not self.dry_run:
+            self._hooks += self._unit_read_checks()
         return modules
+
+    def _unit_read_checks(self) -> list[UnitReadCheck]:
+        """One check per offloaded layer over its module units (see `unit_check.py`)."""
+        units: dict[int, list[int]] = {}
+        for position, layer in enumerate(self._layers):
+            units.setdefault(id(layer.owner), []).append(position)
+        checks = []
+        for positions in units.values():
+            owner = self._layers[positions[0]].owner
+            name = self.module_name(owner, positions[0])
+            members = [(p, [param for _, param in self._layers[p].params]) for p in positions]
+            checks.append(UnitReadCheck(self, owner, name, members))
+        return checks
 
     def _move_to_host(self, layer: _Layer) -> None:
         device = self.device or layer.params[0][1].device
@@ -222,10 +239,15 @@ class PrefetchOffloader(BaseOffloader):
             slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
         )
 
-    def wait_for_layer(self, position: int, weights: list[torch.Tensor] | None = None) -> None:
+    def wait_for_layer(
+        self, position: int, weights: list[torch.Tensor] | None = None, *, running: bool = True
+    ) -> None:
         """Before layer `position` runs: load it now if its slot holds another layer,
-        then make compute wait until its copy has landed."""
+        then make compute wait until its copy has landed. (`running=False`: a read of its
+        weights outside its forward, see `unit_check.py`.)"""
         layer = self._layers[position]
+        if running:
+            self._running.add(position)
         if weights and weights[0].data_ptr() != layer.params[0][1].data_ptr():
             raise RuntimeError(
                 "the compiled graph passed a copy of an offloaded weight, not its slot"
@@ -249,6 +271,14 @@ class PrefetchOffloader(BaseOffloader):
             self._load(position)
         self._engine.wait(self._tickets[position])
 
+    def is_running(self, position: int) -> bool:
+        """True between `position`'s wait and its release while its slot still holds it."""
+        slot = slot_of(position, self._table.slots)
+        return position in self._running and self._table.owner[slot] == position
+
+    def unit_name(self, position: int) -> str:
+        return self._layers[position].name
+
     def _shares_slots(self) -> bool:
         return self._table.slots < len(self._layers)
 
@@ -262,9 +292,11 @@ class PrefetchOffloader(BaseOffloader):
             torch.cuda.current_stream(self.device).synchronize()
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         self._tickets = [None] * len(self._layers)
+        self._running.clear()
 
     def layer_done(self, position: int) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
+        self._running.discard(position)
         following = self._table.after_run(position)
         if following is not None:
             self._load(following)

@@ -1,0 +1,112 @@
+"""Module units: catch weights that are read outside their own module's forward.
+
+With `prefetch_unit="module"` each weight module is waited for in its own pre-forward.
+Some layers read a child's weights directly instead of calling the child (Mamba's mixer
+reads `dt_proj.weight` and `conv1d.weight`); such a read would see whatever its slot
+holds. The first calls of each offloaded layer therefore run under a torch-function mode
+that sees every use of its units' weights: a use that is not inside the unit's forward
+is made safe on the spot (the unit is loaded if its slot holds another, and waited
+for), and that layer keeps the check for good (slower, but exact), with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+# Calls that look at a tensor's metadata, never at its bytes.
+_METADATA = {
+    torch.Tensor.data_ptr,
+    torch.Tensor.size,
+    torch.Tensor.dim,
+    torch.Tensor.numel,
+    torch.Tensor.nelement,
+    torch.Tensor.element_size,
+    torch.Tensor.stride,
+    torch.Tensor.storage_offset,
+    torch.Tensor.is_contiguous,
+    torch.Tensor.is_floating_point,
+    torch.Tensor.get_device,
+    torch.Tensor.untyped_storage,
+    torch.Tensor.__hash__,
+    *(
+        getattr(torch.Tensor, name).__get__
+        for name in ("shape", "dtype", "device", "ndim", "requires_grad", "is_cuda", "layout")
+    ),
+}
+
+# Calls of an offloaded layer that run under the check before it is trusted: the prefill
+# and the first decode step of a generate take different code paths in some layers.
+NUM_CHECKED_CALLS = 2
+
+
+class _UnitReads(TorchFunctionMode):
+    def __init__(self, check: UnitReadCheck):
+        super().__init__()
+        self._check = check
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA:
+            for value in (*args, *kwargs.values()):
+                for tensor in value if isinstance(value, list | tuple) else (value,):
+                    position = self._check.positions.get(id(tensor))
+                    if position is not None:
+                        self._check.ensure_loaded(position)
+        return func(*args, **kwargs)
+
+
+class UnitReadCheck:
+    """Attached to one offloaded layer (the owner of several module units)."""
+
+    def __init__(self, offloader, owner: nn.Module, name: str, units: Iterable[tuple[int, list]]):
+        self._offloader = offloader
+        self._name = name
+        self.positions = {id(p): position for position, params in units for p in params}
+        self._num_calls = 0
+        self.is_permanent = False
+        self._mode: _UnitReads | None = None
+        self._handles = [
+            owner.register_forward_pre_hook(self._pre_forward),
+            owner.register_forward_hook(self._post_forward, always_call=True),
+        ]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _pre_forward(self, module, args) -> None:
+        if torch.compiler.is_compiling() or self._mode is not None:
+            return
+        if self._num_calls >= NUM_CHECKED_CALLS and not self.is_permanent:
+            return
+        self._num_calls += 1
+        self._mode = _UnitReads(self)
+        self._mode.__enter__()
+
+    def _post_forward(self, module, args, output) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(None, None, None)
+
+    def ensure_loaded(self, position: int) -> None:
+        """Before a read of unit `position`'s weights: fine inside its forward while its
+        slot still holds it; anything else loads it (if needed) and waits for it."""
+        if self._offloader.is_running(position):
+            return
+        self._offloader.wait_for_layer(position, running=False)
+        if not self.is_permanent:
+            self.is_permanent = True
+            warnings.warn(
+                f"prefetch_unit='module': {self._name} reads the weights of "
+                f"{self._offloader.unit_name(position)} outside that module's forward; its "
+                "weight reads are checked from now on (exact, but slower): use "
+                "prefetch_unit='layer' for this model",
+                UserWarning,
+                stacklevel=2,
+            )
