@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument("--max-model-len", type=int)
     generate.add_argument(
+        "--max-num-batched-tokens", type=int, help="prefill prompts in chunks of this many tokens"
+    )
+    generate.add_argument(
         "--no-offload", action="store_true", help="keep every weight on the device"
     )
     generate.add_argument("--gpu-memory-utilization", type=float, default=0.9)

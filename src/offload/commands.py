@@ -70,6 +70,7 @@ def generate(args: argparse.Namespace) -> str:
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         gpu_memory_utilization=args.gpu_memory_utilization,
         device_memory_gb=args.device_memory_gb,
         swap_space=args.swap_space,

@@ -511,3 +511,55 @@ def test_bad_device_settings_are_one_line_errors(smollm2_path, kwargs, needle):
     with pytest.raises(ConfigError) as info:
         LLM(smollm2_path, **kwargs)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def _prefill_widths(llm):
+    """Records the number of columns of every multi-token forward (the prefill chunks)."""
+    widths = []
+    llm.model.register_forward_pre_hook(
+        lambda module, args, kwargs: (
+            widths.append(kwargs["input_ids"].shape[1])
+            if kwargs["input_ids"].shape[1] > 1
+            else None
+        ),
+        with_kwargs=True,
+    )
+    return widths
+
+
+def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(smollm2_path, resident):
+    chunked = LLM(smollm2_path, max_num_batched_tokens=9)
+    offloaded = LLM(
+        smollm2_path, max_num_batched_tokens=9, offload_group_size=1, offload_prefetch_step=2,
+        swap_space=0.5,
+    )  # fmt: skip
+    widths = _prefill_widths(offloaded)
+    params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2, logprobs=2)
+    expected = chunked.generate(PROMPTS, params)
+    got = offloaded.generate(PROMPTS, params)
+    width = max(len(o.prompt_token_ids) for o in got)
+    assert widths == [3] * (width // 3) + ([width % 3] if width % 3 else [])  # 9 over 3 rows
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert mine.outputs[0].logprobs == theirs.outputs[0].logprobs
+        assert mine.prompt_logprobs == theirs.prompt_logprobs
+    assert offloaded.transfer_stats()["kv_bytes_copied"] > 0
+    whole = resident.generate(PROMPTS, GREEDY)  # chunks change the arithmetic, not the answer
+    assert [o.outputs[0].token_ids for o in whole] == [
+        o.outputs[0].token_ids for o in chunked.generate(PROMPTS, GREEDY)
+    ]
+
+
+def test_chunked_prefill_makes_a_long_context_fit(smollm2_path):
+    """A 0.25 GiB device holds the resident embeddings and two KV slots, but not the
+    activations of an 8192-token prefill: chunks of 256 tokens fit."""
+    flags = dict(device_memory_gb=0.25, kv_offload=True, cpu_offload_gb="auto")
+    with pytest.raises(ModelError, match="max_num_batched_tokens"):
+        LLM(smollm2_path, **flags)
+    llm = LLM(smollm2_path, max_num_batched_tokens=256, **flags)
+    assert llm.max_model_len == 8192
+    assert llm.memory_needs.activations < 0.02 * 2**30
+    [out] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY)
+    assert out.outputs[0].text == "The capital of France is Paris."
+    with pytest.raises(ConfigError, match="max_num_batched_tokens must be an integer >= 1"):
+        LLM(smollm2_path, max_num_batched_tokens=0)

@@ -45,18 +45,23 @@ def kv_cache_bytes(hf_config, max_model_len: int, dtype: torch.dtype, batch: int
     return 2 * layers * heads * head_dim * max_model_len * batch * dtype.itemsize
 
 
-def activation_bytes(hf_config, max_model_len: int, dtype: torch.dtype) -> int:
-    """A prefill of `max_model_len` tokens through one layer (hidden states, the MLP's
-    intermediate, attention scores of one head at a time) and the last token's logits."""
+def activation_bytes(
+    hf_config, max_model_len: int, dtype: torch.dtype, chunk_tokens: int | None = None
+) -> int:
+    """A prefill through one layer (hidden states, the MLP's intermediate, attention
+    scores of one head at a time) and the last token's logits: of `max_model_len`
+    tokens, or of a chunk of `chunk_tokens` against a cache of `max_model_len`."""
     hidden = hf_config.hidden_size
     intermediate = getattr(hf_config, "intermediate_size", 4 * hidden)
     per_token = 4 * hidden + 3 * intermediate
-    scores = max_model_len * max_model_len
-    return (max_model_len * per_token + scores) * dtype.itemsize + hf_config.vocab_size * 4
+    tokens = min(max_model_len, chunk_tokens or max_model_len)
+    scores = tokens * max_model_len
+    return (tokens * per_token + scores) * dtype.itemsize + hf_config.vocab_size * 4
 
 
-def measure(model: nn.Module, max_model_len: int) -> MemoryNeeds:
-    """The needs of a model built on the meta device (no weights read)."""
+def measure(model: nn.Module, max_model_len: int, chunk_tokens: int | None = None) -> MemoryNeeds:
+    """The needs of a model built on the meta device (no weights read), with prompts
+    prefilled `chunk_tokens` at a time (None: whole)."""
     dtype = next(model.parameters()).dtype
     stacks = [stack for _, stack in find_layer_stacks(model)]
     layers = [
@@ -67,7 +72,7 @@ def measure(model: nn.Module, max_model_len: int) -> MemoryNeeds:
         layer_stack=sum(layers),
         largest_layer=max(layers, default=0),
         kv_cache=kv_cache_bytes(model.config, max_model_len, dtype),
-        activations=activation_bytes(model.config, max_model_len, dtype),
+        activations=activation_bytes(model.config, max_model_len, dtype, chunk_tokens),
     )
 
 
@@ -130,7 +135,9 @@ def check_fit(
     if smallest is None:
         raise ModelError(
             f"the model does not fit even with every layer offloaded: it {numbers}; "
-            f"lower max_model_len or raise gpu_memory_utilization{kv_fix}"
+            f"lower max_model_len or raise gpu_memory_utilization{kv_fix}; a smaller "
+            f"max_num_batched_tokens (--max-num-batched-tokens) prefills in chunks and needs "
+            f"fewer activations"
         )
     raise ModelError(
         f"the model does not fit: it {numbers}; --cpu-offload-gb {smallest:.2f} (or "

@@ -80,6 +80,7 @@ class LLM:
         enforce_eager: bool = False,
         max_logprobs: int = 20,
         max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
         tokenizer: str | Path | None = None,
         tensor_parallel_size: int = 1,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
@@ -97,6 +98,11 @@ class LLM:
             )
         self.max_logprobs = _whole("max_logprobs", max_logprobs, -1)  # -1: no limit, as vLLM
         self.max_num_seqs = _whole("max_num_seqs", max_num_seqs, 1)
+        self.max_num_batched_tokens = (
+            None
+            if max_num_batched_tokens is None
+            else _whole("max_num_batched_tokens", max_num_batched_tokens, 1)
+        )
         # Refused before anything is read or allocated.
         self.swap_space_bytes = check_swap_space(swap_space)
         self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
@@ -110,7 +116,7 @@ class LLM:
             )
         self.max_model_len = max_model_len or limit
         budget = device_budget(self.device, gpu_memory_utilization, device_memory_gb)
-        self.memory_needs = measure(empty, self.max_model_len)
+        self.memory_needs = measure(empty, self.max_model_len, self.max_num_batched_tokens)
         if self.kv_offload:  # the device holds only the slots: two layers' keys and values
             layers = empty.config.num_hidden_layers
             slots = min(KV_SLOTS, layers) * self.memory_needs.kv_cache // layers
@@ -369,6 +375,28 @@ class LLM:
             kv_dims=dims,
         )
 
+    def _prefill(self, batch: Batch, positions, cache, every_position: bool) -> torch.Tensor:
+        """The prompts through the model, `max_num_batched_tokens` at a time (chunked
+        prefill, as vLLM's: activations grow with the chunk, not the prompt); the logits
+        of the last position, or of every position for prompt logprobs."""
+        width = batch.width
+        step = width if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        step = max(1, step // len(batch.starts))  # columns per chunk, over the whole batch
+        chunks = []
+        for start in range(0, width, step):
+            end = min(start + step, width)
+            out = self.model(
+                input_ids=batch.input_ids[:, start:end],
+                attention_mask=batch.mask[:, :end],
+                position_ids=positions[:, start:end],
+                past_key_values=cache,
+                cache_position=batch.columns[start:end],
+                use_cache=True,
+                logits_to_keep=0 if every_position else 1,
+            )
+            chunks.append(out.logits)
+        return torch.cat(chunks, dim=1) if every_position else chunks[-1]
+
     def _decode_steps(
         self, sequences: list[SequenceState], batch: Batch, cache, progress: RequestProgress
     ) -> DecodeGraphs | None:
@@ -376,18 +404,10 @@ class LLM:
         warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`."""
         positions = (batch.columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
         every_position = any(s.params.prompt_logprobs is not None for s in sequences)
-        out = self.model(
-            input_ids=batch.input_ids,
-            attention_mask=batch.mask,
-            position_ids=positions,
-            past_key_values=cache,
-            cache_position=batch.columns[: batch.width],
-            use_cache=True,
-            logits_to_keep=0 if every_position else 1,
-        )
+        logits = self._prefill(batch, positions, cache, every_position)  # [batch, cols, vocab]
         if every_position:
-            self._tokens.prompt_logprobs(out.logits, sequences, batch.width)
-        logits = out.logits[:, -1, :]  # [batch, vocab]
+            self._tokens.prompt_logprobs(logits, sequences, batch.width)
+        logits = logits[:, -1, :]  # [batch, vocab]
         step = DecodeStep(self.model, cache, batch.mask, positions)
         graphs, position = None, batch.width  # where the newest token goes
         while True:
