@@ -184,3 +184,20 @@ def test_generate_without_a_chat_template_asks_the_plain_question(smollm2_path, 
     assert "tokens in" in result.stdout.splitlines()[-1]
     chat = _run("generate", "--model", str(tmp_path), "--chat", "--prompt", "Hi")
     assert chat.returncode == 2 and "no chat template" in chat.stderr.strip().splitlines()[-1]
+
+
+def test_a_state_space_model_is_inspected_and_refused_by_generate_in_one_line(tmp_path):
+    import torch
+    import zoo
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    config = MambaConfig(hidden_size=64, num_hidden_layers=3, vocab_size=zoo.VOCAB, state_size=8)
+    MambaForCausalLM(config).save_pretrained(tmp_path)
+    zoo._word_tokenizer(zoo.VOCAB).save_pretrained(tmp_path)
+    inspected = _run("inspect", str(tmp_path), "--offload-group-size", "2")
+    assert inspected.returncode == 0, inspected.stderr
+    assert "KV cache: none" in inspected.stdout and "backbone.layers.1" in inspected.stdout
+    result = _run("generate", "--model", str(tmp_path), "--no-progress")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "keeps a recurrent state" in result.stderr.strip().splitlines()[-1]

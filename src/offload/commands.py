@@ -134,11 +134,14 @@ def inspect(args: argparse.Namespace) -> str:
     dtype = next(model.parameters()).dtype
     per_position = kv_cache_bytes(model.config, 1, dtype)
     limit = getattr(model.config, "max_position_embeddings", None)
-    lines.append(
-        f"  KV cache: {_size(per_position)} per position per sequence"
-        + (f", {_size(per_position * limit)} for {limit} positions" if limit else "")
-        + " (--kv-offload / --swap-space keeps it in host memory)"
-    )
+    if per_position:
+        lines.append(
+            f"  KV cache: {_size(per_position)} per position per sequence"
+            + (f", {_size(per_position * limit)} for {limit} positions" if limit else "")
+            + " (--kv-offload / --swap-space keeps it in host memory)"
+        )
+    else:
+        lines.append("  KV cache: none (no attention heads)")
     config = OffloadConfig.from_cli_args(args)
     if config.selected_backend == "none":
         lines.append(

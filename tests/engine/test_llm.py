@@ -563,3 +563,29 @@ def test_chunked_prefill_makes_a_long_context_fit(smollm2_path):
     assert out.outputs[0].text == "The capital of France is Paris."
     with pytest.raises(ConfigError, match="max_num_batched_tokens must be an integer >= 1"):
         LLM(smollm2_path, max_num_batched_tokens=0)
+
+
+def test_alibi_attention_bloom_generates_as_transformers_does_offloaded_or_not(tmp_path):
+    """Bloom builds its ALiBi bias from the 2D attention mask, which must then cover the
+    whole static cache, in the prefill as in decode."""
+    import transformers as tf
+    import zoo
+
+    torch.manual_seed(0)
+    config = tf.BloomConfig(hidden_size=64, n_layer=4, n_head=4, vocab_size=zoo.VOCAB)
+    model = tf.BloomForCausalLM(config).eval()
+    model.save_pretrained(tmp_path)
+    zoo._word_tokenizer(zoo.VOCAB).save_pretrained(tmp_path)
+    prompts = [[5, 9, 22, 7, 31, 4, 17, 60, 3, 11], [8, 12, 99]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with torch.no_grad():
+        expected = [
+            model.generate(
+                torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False
+            )[0, len(ids) :].tolist()
+            for ids in prompts
+        ]
+    for flags in ({}, {"offload_group_size": 1, "offload_prefetch_step": 2, "kv_offload": True}):
+        llm = LLM(tmp_path, max_model_len=64, max_num_batched_tokens=8, **flags)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected

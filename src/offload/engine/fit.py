@@ -35,7 +35,10 @@ class MemoryNeeds:
 
 
 def kv_cache_bytes(hf_config, max_model_len: int, dtype: torch.dtype, batch: int = 1) -> int:
-    """Keys and values of every layer for `max_model_len` tokens."""
+    """Keys and values of every layer for `max_model_len` tokens (0 for a model without
+    attention heads, such as a state-space model: it keeps no KV cache)."""
+    if getattr(hf_config, "num_attention_heads", None) is None:
+        return 0
     layers = hf_config.num_hidden_layers
     heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     head_dim = (

@@ -40,7 +40,7 @@ from offload.engine.sequences import (
     per_prompt,
 )
 from offload.engine.tokens import TokenSteps
-from offload.errors import ConfigError
+from offload.errors import ConfigError, ModelError
 from offload.memory.device import check_device
 from offload.model.default import default_model_path
 from offload.model.loader import build_empty, load_model
@@ -109,6 +109,11 @@ class LLM:
         path = Path(model) if model is not None else default_model_path()
         self.device = check_device(device)
         empty = build_empty(path, dtype)
+        if getattr(empty, "_is_stateful", False):
+            raise ModelError(
+                f"LLM runs attention models with a KV cache; {type(empty).__name__} keeps a "
+                "recurrent state (offload.apply still offloads its layers for model.generate)"
+            )
         limit = getattr(empty.config, "max_position_embeddings", None) or 2048
         if max_model_len is not None and not 0 < max_model_len <= limit:
             raise ConfigError(
@@ -387,7 +392,7 @@ class LLM:
             end = min(start + step, width)
             out = self.model(
                 input_ids=batch.input_ids[:, start:end],
-                attention_mask=batch.mask[:, :end],
+                attention_mask=batch.mask,  # the whole cache length, as decode (ALiBi needs it)
                 position_ids=positions[:, start:end],
                 past_key_values=cache,
                 cache_position=batch.columns[start:end],
