@@ -90,3 +90,28 @@ def test_a_capped_device_runs_a_model_larger_than_it(checkpoint, eager_resident)
     finally:
         _free()
         torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_chunked_prefill_on_a_capped_device_at_full_context(checkpoint):
+    """The SmolLM2-shaped model at its longest context with the KV cache in host memory,
+    under a 0.25 GiB cap (which fits SmolLM2's 8192 positions only with the prefill in
+    chunks of 256 tokens); the tokens are those of the same chunked run, not offloaded."""
+    chunked = LLM(checkpoint, device="cuda", max_num_batched_tokens=256)
+    expected = _tokens(chunked)
+    del chunked
+    total = torch.cuda.get_device_properties(0).total_memory
+    _free()
+    torch.cuda.set_per_process_memory_fraction(0.25 * 2**30 / total)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        llm = LLM(
+            checkpoint, device="cuda", max_num_batched_tokens=256, kv_offload=True,
+            cpu_offload_gb="auto",
+        )  # fmt: skip
+        assert llm.max_model_len >= 2048 and llm.offloader.offloaded_bytes > 0
+        assert _tokens(llm) == expected
+        assert torch.cuda.max_memory_reserved() <= 0.25 * 2**30
+        del llm
+    finally:
+        _free()
+        torch.cuda.set_per_process_memory_fraction(1.0)
