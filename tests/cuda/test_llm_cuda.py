@@ -1,6 +1,7 @@
 """LLM.generate on a real GPU: CUDA-graph decode against eager, every offload setting,
 KV cache in host memory, and a device capped with set_per_process_memory_fraction."""
 
+import contextlib
 import gc
 
 import pytest
@@ -72,14 +73,25 @@ def test_enforce_eager_runs_no_graph(checkpoint, eager_resident):
     _free()
 
 
+@contextlib.contextmanager
+def _capped(gib: float):
+    """The process may allocate at most `gib` GiB on the GPU (the allocator enforces it);
+    the peak is measured from inside."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    _free()
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+    try:
+        torch.cuda.reset_peak_memory_stats()
+        yield
+    finally:
+        _free()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
 def test_a_capped_device_runs_a_model_larger_than_it(checkpoint, eager_resident):
     """With the process capped below the model's size, the fit check sees the cap, picks
     the offload itself, and the allocator (which enforces the cap) never runs out."""
-    total = torch.cuda.get_device_properties(0).total_memory
-    _free()
-    torch.cuda.set_per_process_memory_fraction(0.40 * 2**30 / total)
-    try:
-        torch.cuda.reset_peak_memory_stats()
+    with _capped(0.40):
         llm = LLM(
             checkpoint, device="cuda", max_model_len=512, cpu_offload_gb="auto", kv_offload=True
         )
@@ -87,9 +99,6 @@ def test_a_capped_device_runs_a_model_larger_than_it(checkpoint, eager_resident)
         assert _tokens(llm) == eager_resident[0]
         assert torch.cuda.max_memory_reserved() <= 0.40 * 2**30
         del llm
-    finally:
-        _free()
-        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def test_chunked_prefill_on_a_capped_device_at_full_context(checkpoint):
@@ -99,11 +108,7 @@ def test_chunked_prefill_on_a_capped_device_at_full_context(checkpoint):
     chunked = LLM(checkpoint, device="cuda", max_num_batched_tokens=256)
     expected = _tokens(chunked)
     del chunked
-    total = torch.cuda.get_device_properties(0).total_memory
-    _free()
-    torch.cuda.set_per_process_memory_fraction(0.25 * 2**30 / total)
-    try:
-        torch.cuda.reset_peak_memory_stats()
+    with _capped(0.25):
         llm = LLM(
             checkpoint, device="cuda", max_num_batched_tokens=256, kv_offload=True,
             cpu_offload_gb="auto",
@@ -112,6 +117,3 @@ def test_chunked_prefill_on_a_capped_device_at_full_context(checkpoint):
         assert _tokens(llm) == expected
         assert torch.cuda.max_memory_reserved() <= 0.25 * 2**30
         del llm
-    finally:
-        _free()
-        torch.cuda.set_per_process_memory_fraction(1.0)
