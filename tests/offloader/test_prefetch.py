@@ -436,14 +436,21 @@ class _Reversed(nn.Module):
         return x
 
 
+def _module_units_of_three(block_class, step, engine):
+    """Three seeded blocks, their resident output, then offloaded with module units."""
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[block_class() for _ in range(3)])
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        expected = blocks(x)
+    offloader = prefetch(blocks, step=step, layers=list(blocks), unit="module", engine=engine)
+    return blocks, x, expected, offloader
+
+
 @pytest.mark.parametrize("engine", [SlowEngine, ImmediateEngine])
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_module_units_stay_exact_when_modules_run_out_of_registration_order(step, engine):
-    torch.manual_seed(0)
-    blocks = nn.Sequential(*[_Reversed() for _ in range(3)])
-    x = torch.randn(3, 8)
-    expected = blocks(x)
-    offloader = prefetch(blocks, step=step, layers=list(blocks), unit="module", engine=engine())
+    blocks, x, expected, offloader = _module_units_of_three(_Reversed, step, engine())
     assert offloader.stats()["num_units"] == 15
     for _ in range(3):
         assert torch.equal(blocks(x), expected)
@@ -476,11 +483,7 @@ class _ReadsChildWeights(nn.Module):
 @pytest.mark.parametrize("step", [1, 2, 3])
 @torch.no_grad()
 def test_module_units_read_outside_their_forward_stay_exact_with_a_warning(step, engine):
-    torch.manual_seed(0)
-    blocks = nn.Sequential(*[_ReadsChildWeights() for _ in range(3)])
-    x = torch.randn(3, 8)
-    expected = blocks(x)
-    offloader = prefetch(blocks, step=step, layers=list(blocks), unit="module", engine=engine())
+    blocks, x, expected, offloader = _module_units_of_three(_ReadsChildWeights, step, engine())
     with pytest.warns(UserWarning, match=r"reads the weights of .*direct outside"):
         assert torch.equal(blocks(x), expected)
     for _ in range(4):  # past the checked calls: the layers that read so stay checked
