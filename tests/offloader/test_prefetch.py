@@ -272,13 +272,20 @@ def test_auto_selects_prefetch_and_graph_capture_context_runs_on_cpu():
 
 
 @pytest.mark.parametrize(
-    ("num_layers", "step", "unit"), [(3, 2, "layer"), (4, 1, "layer"), (2, 3, "module")]
+    ("arch", "num_layers", "step", "unit"),
+    [
+        ("llama", 3, 2, "layer"),
+        ("llama", 4, 1, "layer"),
+        ("llama", 2, 3, "module"),
+        # Its last bits changed when the waits also declared the rotary tables mutated.
+        ("qwen3_moe", 3, 2, "layer"),
+    ],
 )
-def test_torch_compile_fullgraph_matches_compiled_resident(num_layers, step, unit):
+def test_torch_compile_fullgraph_matches_compiled_resident(arch, num_layers, step, unit):
     """Inductor on the CPU: the offloaded model compiles with fullgraph=True, moves bytes,
     and gives bitwise what the same compiled model gives without offloading."""
     torch._dynamo.reset()
-    model = zoo.build("llama", num_layers=num_layers)
+    model = zoo.build(arch, num_layers=num_layers)
     ids = zoo.inputs()
     with torch.no_grad():
         expected = torch.compile(model, fullgraph=True)(input_ids=ids).logits
@@ -343,6 +350,78 @@ def test_compiled_graph_chains_waits_and_starts_through_the_activations():
         assert waits[position] in _ancestors(starts[position])
         if position + 1 in waits:
             assert starts[position] in _ancestors(waits[position + 1])
+
+
+class _TwoStreamBlock(nn.Module):
+    """Like diffusers' Flux double blocks: two streams in, returned in the other order.
+    (The weight-only `tanh` is ordered after the wait by program order only: see ops.py.)"""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.image = nn.Linear(dim, dim)
+        self.text = nn.Linear(dim, dim)
+
+    def forward(self, scale, hidden, context):
+        mixed = torch.tanh(self.text.weight * 0.5)  # reads the slot before any activation
+        return context @ mixed + scale, self.image(hidden) * scale
+
+
+class _TwoStreamModel(nn.Module):
+    def __init__(self, num_layers=3, dim=32):
+        super().__init__()
+        self.layers = nn.ModuleList(_TwoStreamBlock(dim) for _ in range(num_layers))
+
+    def forward(self, hidden, context):
+        scale = torch.full((1,), 1.01)  # the first float argument, but not a stream
+        for layer in self.layers:
+            context, hidden = layer(scale, hidden, context)
+        return hidden + context
+
+
+def test_compiled_two_stream_blocks_chain_through_every_activation():
+    """A block whose first float argument is not its stream and whose streams come back in
+    the other order: each wait follows the previous start and each start follows its wait,
+    by data dependency through both streams; outputs exact with delayed copies."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    model, inputs = _TwoStreamModel(), (torch.randn(2, 32), torch.randn(2, 32))
+    with torch.no_grad():
+        expected = model(*inputs)
+        expected_inductor = torch.compile(model, fullgraph=True)(*inputs)
+    graphs = []
+
+    def keep(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    offloader = prefetch(model, engine=SlowEngine(), layers=model.layers)
+    with torch.no_grad():
+        out = torch.compile(model, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(*inputs)
+        assert torch.equal(out, expected)
+        torch._dynamo.reset()
+        for _ in range(2):
+            assert torch.equal(torch.compile(model, fullgraph=True)(*inputs), expected_inductor)
+    torch._dynamo.reset()
+    assert offloader.stats()["bytes_copied"] > 0
+    graph = graphs[0].graph
+    waits = _step_nodes(graph, torch.ops.offload.wait_layer.default)
+    starts = _step_nodes(graph, torch.ops.offload.start_layer.default)
+    assert sorted(waits) == sorted(starts) == [0, 1, 2]
+    steps = set(waits.values()) | set(starts.values())
+    for position in range(3):
+        assert waits[position] in _ancestors(starts[position])
+        if position + 1 in waits:
+            assert starts[position] in _ancestors(waits[position + 1])
+        # Every computation that reads this layer's weights comes before its start (which
+        # lets the copy engine refill the slot).
+        node = waits[position]
+        weights = set(node.kwargs["weights"] if "weights" in node.kwargs else node.args[1])
+        readers = [n for w in weights for n in w.users if n not in steps]
+        assert readers
+        before_start = _ancestors(starts[position])
+        assert all(reader in before_start for reader in readers)
 
 
 def test_replacing_offloaded_data_is_caught_at_the_next_forward():

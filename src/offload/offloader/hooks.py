@@ -85,6 +85,9 @@ class PrefetchHook(ModuleHooks):
         self._id = offloader_id
         self._position = position
         self._weights = list(weights)
+        # The input widths its weight matrices take (a linear layer's in_features; not a
+        # norm's size, which for Qwen3's q/k norms is the head size of the rotary tables).
+        self._widths = {w.shape[-1] for w in self._weights if w.dim() >= 2}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self, module: nn.Module) -> PrefetchHook:
@@ -98,37 +101,49 @@ class PrefetchHook(ModuleHooks):
         if not torch.compiler.is_compiling():
             self._offloader.wait_for_layer(self._position)
             return
-        activation = _first_tensor((args, kwargs))
-        if activation is None:
+        activations = _streams(_float_tensors((args, kwargs)), self._widths)
+        if not activations:
             raise RuntimeError(
-                f"{type(module).__name__} got no tensor argument; under torch.compile the "
-                "prefetch wait is ordered through the layer's input activation"
+                f"{type(module).__name__} got no floating-point tensor argument; under "
+                "torch.compile the prefetch wait is ordered through the layer's inputs"
             )
-        torch.ops.offload.wait_layer(activation, self._weights, self._id, self._position)
+        torch.ops.offload.wait_layer(activations, self._weights, self._id, self._position)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.compiler.is_compiling():
             self._offloader.layer_done(self._position)
             return
-        activation = _first_tensor(output)
-        if activation is None:
+        activations = _float_tensors(output)
+        if not activations:
             raise RuntimeError(
-                f"{type(module).__name__} returned no tensor; under torch.compile the next "
-                "prefetch is ordered through the layer's output"
+                f"{type(module).__name__} returned no floating-point tensor; under "
+                "torch.compile the next prefetch is ordered through the layer's outputs"
             )
-        torch.ops.offload.start_layer(activation, self._weights, self._id, self._position)
+        torch.ops.offload.start_layer(activations, self._weights, self._id, self._position)
 
 
-def _first_tensor(value: object) -> torch.Tensor | None:
-    """The first floating-point tensor in a (nested) structure of args or outputs: the
-    hidden states for a transformer block (positions and masks are integer or later)."""
+def _streams(inputs: list[torch.Tensor], widths: set[int]) -> list[torch.Tensor]:
+    """The inputs that carry a block's streams: the first floating-point one and every
+    other whose last dimension is one its weights take (a second stream, a conditioning
+    vector), not side tables such as rotary cos/sin (head size) or masks (key length).
+    Declaring those mutated too would make inductor materialise them instead of fusing
+    them into their readers, which measurably changed the last bits of some models'
+    outputs (Falcon, Gemma 3, Qwen3-MoE) against the model compiled without offloading."""
+    return inputs[:1] + [t for t in inputs[1:] if t.dim() and t.shape[-1] in widths]
+
+
+def _float_tensors(value: object, found: dict[int, torch.Tensor] | None = None) -> list:
+    """Every floating-point tensor in a (nested) structure of args or outputs, each once:
+    the streams a block reads or returns (hidden states, rotary tables, a second stream),
+    not positions or boolean masks."""
+    found = {} if found is None else found
     if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, list | tuple):
+        if value.is_floating_point():
+            found.setdefault(id(value), value)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _float_tensors(item, found)
+    elif isinstance(value, list | tuple):
         for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
+            _float_tensors(item, found)
+    return list(found.values())

@@ -1,11 +1,14 @@
 """The prefetch backend's wait and start steps as `torch.library` custom ops.
 
 Under torch.compile a layer's body is traced into the same graph as the steps around
-it, and only data dependencies keep them in order. Both ops declare the layer's
-activation as mutated: `wait_layer` mutates the input the layer reads, so everything
-the layer computes from it comes after the wait (and after the previous layer, which
-produced it); `start_layer` mutates the layer's output, so it comes after all of the
-layer's compute and before the next layer reads that output. Neither touches the data.
+it, and only data dependencies keep them in order (inductor does move independent work:
+with only the first input declared, a two-stream block's second stream was computed after
+later layers had refilled its slot). Both ops declare the layer's streams as mutated:
+`wait_layer` mutates its input streams (the first floating-point input and the others of
+a width its weights take, see `hooks._streams`), so everything the layer computes from them comes after
+the wait (and after the previous layer, which produced them); `start_layer` mutates every
+floating-point output, so it comes after every computation that feeds them and before the
+next layer reads any of them. Neither touches the data.
 The weights are passed as read-only arguments: they are the tensors that the wait
 makes valid, and passing them lets the op check that the compiled graph hands it the
 slot's own storage, not a copy. Registered once, at import (the only import-time effect).
@@ -45,23 +48,25 @@ def register(offloader: _Steps) -> int:
     return key
 
 
-@torch.library.custom_op("offload::wait_layer", mutates_args=("activation",))
-def wait_layer(activation: Tensor, weights: list[Tensor], offloader_id: int, position: int) -> None:
+@torch.library.custom_op("offload::wait_layer", mutates_args=("activations",))
+def wait_layer(
+    activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
+) -> None:
     _offloaders[offloader_id].wait_for_layer(position, weights)
 
 
 @wait_layer.register_fake
-def _(activation: Tensor, weights: list[Tensor], offloader_id: int, position: int) -> None:
+def _(activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int) -> None:
     return None
 
 
-@torch.library.custom_op("offload::start_layer", mutates_args=("activation",))
+@torch.library.custom_op("offload::start_layer", mutates_args=("activations",))
 def start_layer(
-    activation: Tensor, weights: list[Tensor], offloader_id: int, position: int
+    activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
     _offloaders[offloader_id].layer_done(position)
 
 
 @start_layer.register_fake
-def _(activation: Tensor, weights: list[Tensor], offloader_id: int, position: int) -> None:
+def _(activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int) -> None:
     return None
