@@ -295,6 +295,9 @@ def test_torch_compile_fullgraph_matches_compiled_resident(arch, num_layers, ste
     compiled = torch.compile(model, fullgraph=True)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if unit == "module":  # module units run their read check eagerly first
+            for _ in range(2):
+                zoo.logits(model, ids)
         offloader.sync_prev_onload()
         before = offloader.stats()["bytes_copied"]
         for _ in range(2):
@@ -582,6 +585,25 @@ def test_mamba_with_module_units_gives_the_resident_tokens():
     with pytest.warns(UserWarning, match="outside that module's forward"):
         assert torch.equal(zoo.greedy(model, ids), expected)
     assert offloader.stats()["bytes_copied"] > 0
+
+
+@torch.no_grad()
+def test_compiled_module_units_run_only_layers_that_passed_the_eager_read_check():
+    """The read check cannot run inside a compiled graph: a layer not yet checked, or one
+    found reading a unit's weights outside its forward, refuses to run compiled."""
+    torch._dynamo.reset()
+    blocks, x, expected, offloader = _module_units_of_three(_ReadsChildWeights, 2, SlowEngine())
+    compiled = torch.compile(blocks, fullgraph=True)
+    with pytest.raises(ModelError, match=r"has run 0 of the 2 eager calls"):
+        compiled(x)
+    with pytest.warns(UserWarning, match="outside that module's forward"):
+        assert torch.equal(blocks(x), expected)  # eager: checked, exact
+    assert torch.equal(blocks(x), expected)
+    assert offloader.stats()["bytes_copied"] > 0
+    torch._dynamo.reset()
+    with pytest.raises(ModelError, match=r"reads module weights outside .* prefetch_unit='layer'"):
+        torch.compile(blocks, fullgraph=True)(x)
+    torch._dynamo.reset()
 
 
 def test_module_units_of_ordinary_layers_are_checked_only_on_their_first_calls():

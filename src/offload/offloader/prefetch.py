@@ -85,6 +85,7 @@ class PrefetchOffloader(BaseOffloader):
         self._slots: list[torch.Tensor] = []
         self._tickets: list[object] = []
         self._running: set[int] = set()  # positions between their wait and their release
+        self._unit_checks: dict[int, UnitReadCheck] = {}  # module units: position -> check
         self._table: SlotTable | None = None
         self._engine: CopyEngine | None = None
         self._id = ops.register(self)
@@ -182,6 +183,7 @@ class PrefetchOffloader(BaseOffloader):
             name = self.module_name(owner, positions[0])
             members = [(p, [param for _, param in self._layers[p].params]) for p in positions]
             checks.append(UnitReadCheck(self, owner, name, members))
+            self._unit_checks.update(dict.fromkeys(positions, checks[-1]))
         return checks
 
     def _move_to_host(self, layer: _Layer) -> None:
@@ -246,6 +248,10 @@ class PrefetchOffloader(BaseOffloader):
         then make compute wait until its copy has landed. (`running=False`: a read of its
         weights outside its forward, see `unit_check.py`.)"""
         layer = self._layers[position]
+        check = self._unit_checks.get(position)
+        if weights is not None and check is not None and not check.is_verified:
+            # Called from a compiled graph, where the read check cannot run.
+            raise ModelError(check.compile_error())
         if running:
             self._running.add(position)
         if weights and weights[0].data_ptr() != layer.params[0][1].data_ptr():

@@ -7,6 +7,8 @@ holds. The first calls of each offloaded layer therefore run under a torch-funct
 that sees every use of its units' weights: a use that is not inside the unit's forward
 is made safe on the spot (the unit is loaded if its slot holds another, and waited
 for), and that layer keeps the check for good (slower, but exact), with one warning.
+The check runs only eagerly: a compiled model refuses (ModelError) to run a layer that
+has not passed it (Mamba under torch.compile with module units was silently wrong).
 """
 
 from __future__ import annotations
@@ -74,6 +76,24 @@ class UnitReadCheck:
             owner.register_forward_pre_hook(self._pre_forward),
             owner.register_forward_hook(self._post_forward, always_call=True),
         ]
+
+    @property
+    def is_verified(self) -> bool:
+        """Checked over its first calls and found to read each unit inside its forward."""
+        return self._num_calls >= NUM_CHECKED_CALLS and not self.is_permanent
+
+    def compile_error(self) -> str:
+        """Why this layer cannot run compiled yet (the check itself runs only eagerly)."""
+        if self.is_permanent:
+            return (
+                f"prefetch_unit='module': {self._name} reads module weights outside their "
+                "modules, which torch.compile cannot check; use prefetch_unit='layer' to compile it"
+            )
+        return (
+            f"prefetch_unit='module' under torch.compile: {self._name} has run "
+            f"{self._num_calls} of the {NUM_CHECKED_CALLS} eager calls that check its weight "
+            "reads; call the model without torch.compile first, or use prefetch_unit='layer'"
+        )
 
     def detach(self) -> None:
         for handle in self._handles:
