@@ -99,15 +99,17 @@ def generate(args: argparse.Namespace) -> str:
 def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
     after = llm.transfer_stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    forwards = after["forwards"] - before["forwards"]
 
-    def per_token(*keys: str) -> float:
-        return sum(after.get(k, 0) - before.get(k, 0) for k in keys) / max(tokens, 1)
+    def per_forward(*keys: str) -> float:
+        return sum(after.get(k, 0) - before.get(k, 0) for k in keys) / max(forwards, 1)
 
-    weights = per_token("weight_bytes_copied")
-    kv = per_token("kv_bytes_copied", "kv_bytes_written_back")
+    weights = per_forward("weight_bytes_copied")
+    kv = per_forward("kv_bytes_copied", "kv_bytes_written_back")
     stall = after["stall_s"] - before["stall_s"]
     replays = after["graph_replays"] - before["graph_replays"]
-    moved = f"moved {_size(weights + kv)}/token"
+    # Per forward, not per token: a prefill chunk moves the weights as a decode step does.
+    moved = f"moved {_size(weights + kv)}/forward over {forwards} forwards"
     if llm.kv_offload:
         moved += f" (weights {_size(weights)}, KV cache {_size(kv)})"
     return (

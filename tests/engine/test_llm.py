@@ -536,9 +536,19 @@ def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(smollm2
     widths = _prefill_widths(offloaded)
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2, logprobs=2)
     expected = chunked.generate(PROMPTS, params)
+    before = offloaded.transfer_stats()
     got = offloaded.generate(PROMPTS, params)
+    after = offloaded.transfer_stats()
     width = max(len(o.prompt_token_ids) for o in got)
     assert widths == [3] * (width // 3) + ([width % 3] if width % 3 else [])  # 9 over 3 rows
+    # Each prefill chunk and each decode step is one forward (plus, at the first call, the
+    # one that probes the KV shapes), and each forward brings in every offloaded layer once
+    # (30 layers over 2 slots).
+    steps = max(len(o.outputs[0].token_ids) for o in got) - 1
+    forwards = after["forwards"] - before["forwards"]
+    assert forwards == 1 + len(widths) + steps
+    copied = after["weight_bytes_copied"] - before["weight_bytes_copied"]
+    assert copied == forwards * offloaded.offloader.offloaded_bytes
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
         assert mine.outputs[0].logprobs == theirs.outputs[0].logprobs

@@ -139,6 +139,7 @@ class LLM:
             path, config, device=device, dtype=dtype, load_format=load_format, progress=progress
         )
         self._moved: dict[str, int] = {}  # KV and graph-replay bytes, summed over calls
+        self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
         # Host memory of the offloaded KV cache, kept between calls (pinned once).
         self._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
         self._kv_pool = KVHostPool(self.device, disable_pin_memory=config.disable_pin_memory)
@@ -348,7 +349,8 @@ class LLM:
 
     def transfer_stats(self) -> dict[str, float]:
         """Bytes moved so far, host to device and back (weights and KV cache, CUDA graph
-        replays included), and the time compute waited for weight copies."""
+        replays included), the time compute waited for weight copies, and the number of
+        model forwards (prefill chunks and decode steps) that moved them."""
         weights = self.offloader.stats()
         return {
             "weight_bytes_copied": weights.get("bytes_copied", 0)
@@ -357,6 +359,7 @@ class LLM:
             "kv_bytes_written_back": self._moved.get("kv_bytes_written_back", 0),
             "stall_s": weights.get("stall_s", 0.0),
             "graph_replays": self._moved.get("graph_replays", 0),
+            "forwards": self._forwards,
         }
 
     def _make_cache(self, batch: int, length: int):
@@ -365,6 +368,7 @@ class LLM:
         if self.kv_offload:
             if self._kv_dims is None:  # once: what the attention layers really cache
                 self._kv_dims = (probe_kv_dims(self.model),)
+                self._forwards += 1  # the probe is a forward of the whole model too
             (dims,) = self._kv_dims
             shape = kv_shape_of(self.model.config, batch, length, dtype, dims)
             layers = self.model.config.num_hidden_layers
@@ -400,6 +404,7 @@ class LLM:
                 logits_to_keep=0 if every_position else 1,
             )
             chunks.append(out.logits)
+            self._forwards += 1
         return torch.cat(chunks, dim=1) if every_position else chunks[-1]
 
     def _decode_steps(
@@ -425,6 +430,7 @@ class LLM:
             if graphs is None and self._use_graphs and position > batch.width:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
             logits = graphs.run(position + 1) if graphs is not None else step()
+            self._forwards += 1
             position += 1
 
 
