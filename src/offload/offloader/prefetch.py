@@ -248,10 +248,11 @@ class PrefetchOffloader(BaseOffloader):
         then make compute wait until its copy has landed. (`running=False`: a read of its
         weights outside its forward, see `unit_check.py`.)"""
         layer = self._layers[position]
-        check = self._unit_checks.get(position)
-        if weights is not None and check is not None and not check.is_verified:
+        if weights is not None and position in self._unit_checks:
             # Called from a compiled graph, where the read check cannot run.
-            raise ModelError(check.compile_error())
+            check = self._unit_checks[position]
+            if not check.is_verified:
+                raise ModelError(check.compile_error())
         if running:
             self._running.add(position)
         if weights and weights[0].data_ptr() != layer.params[0][1].data_ptr():
