@@ -5,10 +5,10 @@ it, and only data dependencies keep them in order (inductor does move independen
 with only the first input declared, a two-stream block's second stream was computed after
 later layers had refilled its slot). Both ops declare the layer's streams as mutated:
 `wait_layer` mutates its input streams (the first floating-point input and the others of
-a width its weights take, see `hooks._streams`), so everything the layer computes from them comes after
-the wait (and after the previous layer, which produced them); `start_layer` mutates every
-floating-point output, so it comes after every computation that feeds them and before the
-next layer reads any of them. Neither touches the data.
+a width its weights take, see `hooks._streams`), so everything the layer computes from
+them comes after the wait (and after the previous layer, which produced them);
+`start_layer` mutates every floating-point output, so it comes after every computation
+that feeds them and before the next layer reads any of them. Neither touches the data.
 The weights are passed as read-only arguments: they are the tensors that the wait
 makes valid, and passing them lets the op check that the compiled graph hands it the
 slot's own storage, not a copy. Registered once, at import (the only import-time effect).
