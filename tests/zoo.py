@@ -141,3 +141,12 @@ def _word_tokenizer(vocab_size: int):
     return tf.PreTrainedTokenizerFast(
         tokenizer_object=words, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
     )
+
+
+def save_tiny_llm(path, num_layers: int = 24):
+    """A seeded tiny Llama checkpoint with `num_layers` layers and a word tokenizer, for
+    `LLM` tests that need many layers but little compute."""
+    model = build("llama", num_layers=num_layers)
+    model.save_pretrained(path)
+    _word_tokenizer(VOCAB).save_pretrained(path)
+    return path

@@ -79,13 +79,15 @@ def prepare(
         raise
     if not dry_run:
         _move_resident(model, offloader, device)
+        offloader.serialize_forwards(model)
     return offloader
 
 
 def finish(offloader: BaseOffloader) -> BaseOffloader:
-    """Run `post_init` and make `offloader` the process-wide one."""
+    """Run `post_init` and make `offloader` the process-wide one (weakly: the model's
+    hooks keep it alive, `get_offloader()` does not)."""
     offloader.post_init()
-    set_offloader(offloader)
+    set_offloader(offloader, weak=True)
     return offloader
 
 

@@ -291,9 +291,9 @@ class KVOffloader:
         if self._last is not None:
             self._refill_after(self._last)
         slot = slot_of(layer, self.num_slots)
-        if self._table.before_run(layer):
+        if self._table.needs_load(layer):
             # Its slot holds another layer (first forward, or a layer ran out of order).
-            self._tickets[slot] = self._load(layer, slot)
+            self._load(layer, slot)
         if self._tickets[slot] is not None:
             # Compute waits until the copy into this slot has landed.
             self._engine.wait(self._tickets[slot])
@@ -321,21 +321,27 @@ class KVOffloader:
             host[start : start + count].copy_(rows[start : start + count])
 
     def _refill_after(self, layer: int) -> None:
-        following = self._table.after_run(layer)
+        following = self._table.next_load(layer)
         if following is None:
             return
-        slot = slot_of(following, self.num_slots)
         # The copy waits until compute issued so far (the layer that read this slot) is done.
-        self._tickets[slot] = self._load(following, slot, after=self._engine.mark_released())
+        self._load(
+            following, slot_of(following, self.num_slots), after=self._engine.mark_released()
+        )
 
-    def _load(self, layer: int, slot: int, after: object = None) -> object | None:
+    def _load(self, layer: int, slot: int, after: object = None) -> None:
+        """Bring `layer`'s positions into `slot`; the table calls the slot unknown until
+        the copy is queued and its ticket kept (an interrupt in between: loaded again)."""
+        self._table.start_load(layer)
         count = self._copy_rows(layer)
-        if count == 0:
-            return None  # nothing written yet: nothing to bring
-        num_bytes = count * self.shape.row_bytes
-        src = self._host[layer].buffer[:num_bytes]
-        dst = self.slot_rows[slot].view(-1).view(torch.uint8)[:num_bytes]
-        return self._engine.copy(dst, src, after=after)
+        ticket = None  # nothing written yet: nothing to bring
+        if count:
+            num_bytes = count * self.shape.row_bytes
+            src = self._host[layer].buffer[:num_bytes]
+            dst = self.slot_rows[slot].view(-1).view(torch.uint8)[:num_bytes]
+            ticket = self._engine.copy(dst, src, after=after)
+        self._tickets[slot] = ticket
+        self._table.finish_load(layer)
 
     def _copy_rows(self, layer: int) -> int:
         """Positions to bring in: those written so far, or all of them inside a CUDA
@@ -357,6 +363,7 @@ class KVOffloader:
         self._engine.synchronize()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._engine.close()  # its thread ends now, not when the cache is collected
 
     def stats(self) -> dict[str, float | int]:
         stats = self._engine.collect_stats().as_dict()

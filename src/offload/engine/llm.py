@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 import sys
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -48,6 +50,21 @@ from offload.model.tokenizer import eos_token_ids, load_tokenizer
 from offload.offloader.base import as_config
 
 
+def _serialized(method: Callable) -> Callable:
+    """One call at a time per `LLM`: the offloaded weights' device slots, the KV cache and
+    the counters belong to one forward at a time, so a second thread's call waits for
+    the first to finish (each gets exactly the tokens it would get alone)."""
+
+    @functools.wraps(method)
+    def call(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise ConfigError("this LLM is closed; make a new LLM(...) to generate again")
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class LLM:
     """Load a model with offloading in place and generate text, as vLLM's `LLM` does.
 
@@ -61,6 +78,11 @@ class LLM:
     use, with `kv_offload=True` or `swap_space` > 0 (GiB of host memory it may take;
     unlike vLLM's preemption swap space, which this engine has no use for, it holds the
     cache itself). `device_memory_gb` emulates a smaller device.
+
+    One `LLM` may be shared by threads: their calls run one at a time, each with the
+    output it would have alone. `close()` (or a `with LLM(...) as llm:` block) ends its
+    copy threads and lets its memory go at once; otherwise that happens when the object
+    is garbage-collected.
     """
 
     def __init__(
@@ -86,6 +108,8 @@ class LLM:
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
+        self._lock = threading.Lock()
+        self._closed = False
         config = _offload_config(offload_config, offload_flags)
         if not 0 < gpu_memory_utilization <= 1:
             raise ConfigError(
@@ -156,6 +180,7 @@ class LLM:
 
     # -- public API -------------------------------------------------------------
 
+    @_serialized
     def generate(
         self,
         prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
@@ -197,6 +222,7 @@ class LLM:
                 )
         return self._generate(texts, ids, sampling_params, use_tqdm)
 
+    @_serialized
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
@@ -238,6 +264,23 @@ class LLM:
         ]
         ids = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
         return self._generate(texts, ids, sampling_params, use_tqdm)
+
+    def close(self) -> None:
+        """End the copy threads and drop the model, its offloaded weights and the host KV
+        cache (a call in progress in another thread finishes first). Later calls of
+        `generate` or `chat` raise; closing twice is fine."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.offloader.close()
+            del self.model, self.offloader, self._kv_pool
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- the decode loop ----------------------------------------------------------
 
@@ -347,6 +390,7 @@ class LLM:
         for key, value in moved.items():
             self._moved[key] = self._moved.get(key, 0) + value
 
+    @_serialized
     def transfer_stats(self) -> dict[str, float]:
         """Bytes moved so far, host to device and back (weights and KV cache, CUDA graph
         replays included), the time compute waited for weight copies, and the number of

@@ -71,6 +71,9 @@ class CopyEngine(ABC):
     def synchronize(self) -> None:
         """Make compute wait for every copy started so far."""
 
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Wait for the copies in flight and release what the engine holds (threads)."""
+
     def collect_stats(self) -> CopyStats:
         return self.stats
 
@@ -91,7 +94,7 @@ class ThreadCopyEngine(CopyEngine):
         # One worker: copies land in issue order. The executor joins it at exit.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
         self._delay_s = delay_s
-        self._last: Future | None = None
+        self._closed = False
         weakref.finalize(self, self._worker.shutdown, wait=False)
 
     def mark_released(self) -> None:
@@ -100,11 +103,11 @@ class ThreadCopyEngine(CopyEngine):
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Future:
         if dst.numel() != src.numel():
             raise ValueError(f"copy of {src.numel()} bytes into {dst.numel()} bytes")
-        self._last = self._worker.submit(self._copy, dst, src)
+        ticket = self._worker.submit(self._copy, dst, src)
         # Counted when issued, as the CUDA engine does (the time when it has run).
         self.stats.bytes_copied += dst.numel()
         self.stats.num_copies += 1
-        return self._last
+        return ticket
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._delay_s:
@@ -122,8 +125,20 @@ class ThreadCopyEngine(CopyEngine):
         ticket.result()  # re-raises a failed copy here, on the compute thread
 
     def synchronize(self) -> None:
-        if self._last is not None:
-            self.wait(self._last)  # copies run in order: the last one done means all are
+        # Copies run in issue order: an empty task done means every copy before it is.
+        # (Not a remembered last ticket: a Ctrl-C between a submit and its bookkeeping
+        # would leave that one out.)
+        if not self._closed:
+            self._worker.submit(_nothing).result()
+
+    def close(self) -> None:
+        """Wait for the copies in flight, then end the worker thread."""
+        self._closed = True
+        self._worker.shutdown(wait=True)
+
+
+def _nothing() -> None:
+    return None
 
 
 _logger = logging.getLogger("offload")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from torch import nn
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.memory.copy_engine import capture
+from offload.offloader.forward_lock import ForwardLock, ForwardLockHooks
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class BaseOffloader(ABC):
         self._hooks: list[Any] = []  # attached hooks (each has detach())
         self.deferred = False  # parameters may be on meta: a loader fills them in later
         self.dry_run = False  # plan and record the manifest only: no memory, no hooks
+        # One forward at a time through the wrapped model (see `forward_lock.py`).
+        self.forward_lock = ForwardLock(on_abandoned=self.recover)
 
     @abstractmethod
     def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
@@ -85,6 +89,20 @@ class BaseOffloader(ABC):
 
     def join_after_forward(self) -> None:  # noqa: B027
         """Join side streams back into the compute stream at the end of a forward."""
+
+    def recover(self) -> None:  # noqa: B027
+        """Drop what a forward that never finished (Ctrl-C, an ended thread) left
+        half-done, so the next forward runs as on a fresh model."""
+
+    def close(self) -> None:  # noqa: B027
+        """Wait for copies in flight and end the offloader's threads. The model still
+        runs afterwards only where no thread is needed (nothing for the no-op and UVA
+        offloaders); host memory is freed with the last reference to the model."""
+
+    def serialize_forwards(self, root: nn.Module) -> None:
+        """Let one forward of `root` (the offloaded model) run at a time: calls from
+        other threads wait for it (see `forward_lock.py`)."""
+        self._hooks.append(ForwardLockHooks(self.forward_lock).attach(root))
 
     @contextlib.contextmanager
     def graph_capture(self, graph: Any = None, **graph_kwargs: Any) -> Iterator[None]:
@@ -175,7 +193,11 @@ class NoopOffloader(BaseOffloader):
         return list(modules)
 
 
-_instance: BaseOffloader = NoopOffloader()
+_NOOP = NoopOffloader()
+# The process-wide offloader: held strongly when a caller sets one (vLLM's way), weakly
+# when `offload.apply` does, so that a model nobody references any more is freed with
+# its offloader, its threads and its host memory.
+_instance: BaseOffloader | weakref.ref[BaseOffloader] = _NOOP
 
 
 def offloaded_params(model: nn.Module) -> list[str]:
@@ -188,16 +210,20 @@ def offloaded_params(model: nn.Module) -> list[str]:
 
 
 def get_offloader() -> BaseOffloader:
-    """The process-wide offloader (what custom ops and vLLM-style callers use)."""
+    """The process-wide offloader (what custom ops and vLLM-style callers use); the
+    no-op offloader once the model `offload.apply` set it for is gone."""
+    if isinstance(_instance, weakref.ref):
+        return _instance() or _NOOP
     return _instance
 
 
-def set_offloader(instance: BaseOffloader) -> None:
-    """Replace the process-wide offloader."""
+def set_offloader(instance: BaseOffloader, *, weak: bool = False) -> None:
+    """Replace the process-wide offloader. With `weak`, it is not kept alive by being
+    the process-wide one (what `offload.apply` does)."""
     global _instance
     if not isinstance(instance, BaseOffloader):
-        raise TypeError(f"set_offloader needs a BaseOffloader, got {type(instance).__name__}")
-    _instance = instance
+        raise ConfigError(f"set_offloader needs a BaseOffloader, got {type(instance).__name__}")
+    _instance = weakref.ref(instance) if weak else instance
 
 
 def create_offloader(

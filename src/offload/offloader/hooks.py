@@ -67,9 +67,15 @@ class CopyOnForwardHook(ModuleHooks):
         self._depth -= 1
         if self._depth > 0:
             return
-        for param, host in zip(self._params, self._host_data, strict=True):
+        self.recover()
+
+    def recover(self) -> None:
+        """Put the host data back (also after a forward that a Ctrl-C abandoned, which
+        skips torch's post-forward hooks)."""
+        for param, host in zip(self._params, self._host_data, strict=False):
             param.data = host
         self._host_data = []
+        self._depth = 0
 
 
 class PrefetchHook(ModuleHooks):

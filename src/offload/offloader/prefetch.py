@@ -225,21 +225,31 @@ class PrefetchOffloader(BaseOffloader):
             self._load(position)
 
     def _load(self, position: int) -> None:
+        """Issue the copy of `position` into its slot. The table calls the slot unknown
+        until the copy is queued and its ticket kept, so an exception or Ctrl-C at any
+        point in here makes the slot's next user load it again (see `SlotTable`)."""
         layer = self._layers[position]
         num_bytes = layer.slab.num_bytes
-        slot = self._slots[slot_of(position, self._table.slots)]
+        slot_index = slot_of(position, self._table.slots)
+        slot = self._slots[slot_index]
+        self._table.start_load(position)
+        # Whoever ran in this slot no longer has its weights there.
+        self._running.difference_update(
+            [p for p in self._running if slot_of(p, self._table.slots) == slot_index]
+        )
         if torch.is_grad_enabled():
             # Autograd may have saved the slot's previous weights for a backward pass: mark
             # them overwritten, so that backward fails loudly instead of using wrong weights.
             # (Each parameter has its own version counter, not the slot's.)
             slots = self._table.slots
-            for other in self._layers[slot_of(position, slots) :: slots]:
+            for other in self._layers[slot_index::slots]:
                 for _, param in other.params:
                     torch.autograd.graph.increment_version(param)
         # The copy waits until every read issued so far (the slot's last user) is done.
         self._tickets[position] = self._engine.copy(
             slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
         )
+        self._table.finish_load(position)
 
     def wait_for_layer(
         self, position: int, weights: list[torch.Tensor] | None = None, *, running: bool = True
@@ -253,8 +263,6 @@ class PrefetchOffloader(BaseOffloader):
             check = self._unit_checks[position]
             if not check.is_verified:
                 raise ModelError(check.compile_error())
-        if running:
-            self._running.add(position)
         if weights and weights[0].data_ptr() != layer.params[0][1].data_ptr():
             raise RuntimeError(
                 "the compiled graph passed a copy of an offloaded weight, not its slot"
@@ -274,12 +282,15 @@ class PrefetchOffloader(BaseOffloader):
                 UserWarning,
                 stacklevel=4,
             )
-        if self._table.before_run(position):
+        if self._table.needs_load(position):
             self._load(position)
         self._engine.wait(self._tickets[position])
+        if running:  # only once its bytes are there (see `is_running`)
+            self._running.add(position)
 
     def is_running(self, position: int) -> bool:
-        """True between `position`'s wait and its release while its slot still holds it."""
+        """True from the end of `position`'s wait to its release, while its slot holds it
+        (a load into the slot takes it out of `_running`)."""
         slot = slot_of(position, self._table.slots)
         return position in self._running and self._table.owner[slot] == position
 
@@ -304,9 +315,20 @@ class PrefetchOffloader(BaseOffloader):
     def layer_done(self, position: int) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
         self._running.discard(position)
-        following = self._table.after_run(position)
+        following = self._table.next_load(position)
         if following is not None:
             self._load(following)
+
+    def recover(self) -> None:
+        """After an abandoned forward: nothing is running, no read check is active. The
+        slot table needs nothing: it is consistent after an interrupt at any point."""
+        self._running.clear()
+        for check in {id(c): c for c in self._unit_checks.values()}.values():
+            check.recover()
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
 
     def sync_prev_onload(self) -> None:
         if self._engine is not None:

@@ -47,40 +47,47 @@ def slot_sizes(layer_bytes: list[int], slots: int) -> list[int]:
 
 
 class SlotTable:
-    """Host-side record of which layer each slot holds (or is being filled with).
+    """Host-side record of which layer each slot holds.
 
     Every overwrite of a slot is decided here, on the host, in program order: a load is
-    issued either after the slot's current occupant has run (`after_run`) or, when a
+    issued either after the slot's current occupant has run (`next_load`) or, when a
     layer is about to run and its slot holds something else (a skipped or repeated
-    layer, the first forward), right before it (`before_run`). So a layer never reads a
+    layer, the first forward), right before it (`needs_load`). So a layer never reads a
     slot that holds another layer's weights, whatever the order layers run in.
+
+    The queries change nothing; a load is recorded in two steps around the copy it
+    issues: `start_load` marks the slot's contents unknown, `finish_load` (once the copy
+    is queued and its ticket kept) names the new occupant. An exception or Ctrl-C
+    anywhere in between leaves the slot unknown, so its next user loads it again: a
+    copy queued behind the interrupted one, never a read of bytes nobody waited for.
     """
 
     def __init__(self, num_offloaded: int, prefetch_step: int):
         self.num_offloaded = num_offloaded
         self.slots = num_slots(num_offloaded, prefetch_step)
-        self.owner: list[int | None] = [None] * self.slots
+        self.owner: list[int | None] = [None] * self.slots  # None: empty or unknown
 
     def initial_loads(self) -> list[int]:
         """Positions to load before the first forward: each slot's first occupant."""
-        for position in range(self.slots):
-            self.owner[position] = position
         return list(range(self.slots))
 
-    def before_run(self, position: int) -> bool:
-        """True if `position` must be loaded now, because its slot holds another layer."""
-        slot = slot_of(position, self.slots)
-        if self.owner[slot] == position:
-            return False
-        self.owner[slot] = position
-        return True
+    def needs_load(self, position: int) -> bool:
+        """True if `position` must be loaded before it runs: its slot holds another layer
+        (or contents nobody recorded)."""
+        return self.owner[slot_of(position, self.slots)] != position
 
-    def after_run(self, position: int) -> int | None:
+    def next_load(self, position: int) -> int | None:
         """The position to load into the slot `position` just used, or None when the
-        slot's only occupant is `position` itself (it stays loaded)."""
+        slot already holds it (a slot whose only occupant is `position` stays loaded)."""
         following = next_in_slot(position, self.num_offloaded, self.slots)
-        slot = slot_of(position, self.slots)
-        if following == position or self.owner[slot] == following:
+        if self.owner[slot_of(following, self.slots)] == following:
             return None
-        self.owner[slot] = following
         return following
+
+    def start_load(self, position: int) -> None:
+        """A copy into `position`'s slot is about to be issued: its contents are unknown."""
+        self.owner[slot_of(position, self.slots)] = None
+
+    def finish_load(self, position: int) -> None:
+        """The copy of `position` is queued (and its ticket kept): the slot is its."""
+        self.owner[slot_of(position, self.slots)] = position

@@ -14,7 +14,7 @@ has not passed it (Mamba under torch.compile with module units was silently wron
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -53,7 +53,8 @@ class _UnitReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _METADATA:
+        # A mode left on this thread's stack by an interrupted forward checks nothing.
+        if func not in _METADATA and self._check.active_mode is self:
             for value in (*args, *kwargs.values()):
                 for tensor in value if isinstance(value, list | tuple) else (value,):
                     position = self._check.positions.get(id(tensor))
@@ -71,7 +72,7 @@ class UnitReadCheck:
         self.positions = {id(p): position for position, params in units for p in params}
         self._num_calls = 0
         self.is_permanent = False
-        self._mode: _UnitReads | None = None
+        self.active_mode: _UnitReads | None = None
         self._handles = [
             owner.register_forward_pre_hook(self._pre_forward),
             owner.register_forward_hook(self._post_forward, always_call=True),
@@ -101,18 +102,25 @@ class UnitReadCheck:
         self._handles = []
 
     def _pre_forward(self, module, args) -> None:
-        if torch.compiler.is_compiling() or self._mode is not None:
+        if torch.compiler.is_compiling() or self.active_mode is not None:
             return
         if self._num_calls >= NUM_CHECKED_CALLS and not self.is_permanent:
             return
-        self._num_calls += 1
-        self._mode = _UnitReads(self)
-        self._mode.__enter__()
+        mode = _UnitReads(self)
+        mode.__enter__()
+        self.active_mode = mode  # (a Ctrl-C before this line leaves a mode that checks nothing)
 
     def _post_forward(self, module, args, output) -> None:
-        if self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
+        mode = self.active_mode
+        if mode is not None:
+            self.active_mode = None
+            _pop(mode)
+            self._num_calls += 1  # a checked call counts once it has run to its end
+
+    def recover(self) -> None:
+        """After a forward was abandoned (Ctrl-C): take its check off this thread's stack."""
+        self.active_mode = None
+        _remove_modes(lambda mode: isinstance(mode, _UnitReads) and mode._check is self)
 
     def ensure_loaded(self, position: int) -> None:
         """Before a read of unit `position`'s weights: fine inside its forward while its
@@ -130,3 +138,19 @@ class UnitReadCheck:
                 UserWarning,
                 stacklevel=2,
             )
+
+
+def _pop(mode: TorchFunctionMode) -> None:
+    """Take `mode` off this thread's torch-function mode stack, wherever it is on it."""
+    _remove_modes(lambda other: other is mode)
+
+
+def _remove_modes(matches: Callable[[TorchFunctionMode], bool]) -> None:
+    """Take every mode that `matches` off this thread's stack; the others stay, in order."""
+    kept = []
+    while torch._C._len_torch_function_stack():
+        mode = torch._C._pop_torch_function_stack()
+        if not matches(mode):
+            kept.append(mode)
+    for mode in reversed(kept):
+        torch._C._push_on_torch_function_stack(mode)

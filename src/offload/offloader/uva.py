@@ -52,7 +52,6 @@ class UVAOffloader(BaseOffloader):
         self.disable_uva = disable_uva
         self.disable_pin_memory = disable_pin_memory
         self._slabs: list[HostSlab] = []
-        self._hooks: list[CopyOnForwardHook] = []
         self._warned_moved = False
         self._eligible_bytes = 0
         self._num_wrapped = 0
@@ -156,6 +155,11 @@ class UVAOffloader(BaseOffloader):
         if not zero_copy:
             mine = [p for p in module.parameters() if id(p) in self._host_views]
             self._hooks.append(CopyOnForwardHook(mine, device, self._count_copy).attach(module))
+
+    def recover(self) -> None:
+        for hook in self._hooks:
+            if isinstance(hook, CopyOnForwardHook):
+                hook.recover()
 
     def _count_copy(self, num_bytes: int) -> None:
         self.bytes_copied += num_bytes

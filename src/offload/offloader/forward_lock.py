@@ -1,0 +1,112 @@
+"""One forward at a time through an offloaded model, whichever threads call it.
+
+Offloaded layers share device slots, and the slot table assumes one forward walks the
+layers at a time: two threads interleaving their layers would each refill slots the
+other still reads (silently wrong outputs, measured before this lock existed). So a
+model's forwards are serialized: `ForwardLockHooks` take the lock before the root
+module's forward and give it back after it.
+
+A Ctrl-C (or any BaseException) skips torch's post-forward hooks, which would leave the
+lock held for good and hang the next caller. So the lock remembers the frame of the
+forward that holds it, and a holder whose frame is no longer on its thread's stack (or
+whose thread has ended) has abandoned it: the next caller takes the lock over, after
+the offloader has dropped whatever the abandoned forward left in flight (`recover`).
+A forward that calls the root module again from inside itself (the same frame still on
+the stack) is nested, and runs on.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from collections.abc import Callable
+from types import FrameType
+
+import torch
+from torch import nn
+
+from offload.offloader.hooks import ModuleHooks
+
+_POLL_S = 0.05  # how often a waiting caller looks whether the holder abandoned the lock
+
+
+class ForwardLock:
+    """A re-entrant lock whose holder is a forward (a frame), not only a thread."""
+
+    def __init__(self, on_abandoned: Callable[[], None]):
+        self._condition = threading.Condition(threading.Lock())
+        # (thread id, frame of the holding call, depth), replaced whole, never in parts
+        self._holder: tuple[int, FrameType, int] | None = None
+        # Weakly: the offloader owns this lock, and must not be kept alive by it.
+        self._on_abandoned = weakref.WeakMethod(on_abandoned)
+
+    def acquire(self, frame: FrameType) -> None:
+        """Take the lock for the forward running in `frame` (waits while another live
+        forward holds it)."""
+        me = threading.get_ident()
+        with self._condition:
+            while self._holder is not None:
+                thread, held_frame, depth = self._holder
+                if _is_running(thread, held_frame):
+                    if thread == me:  # the root module called from inside its own forward
+                        self._holder = (thread, held_frame, depth + 1)
+                        return
+                    self._condition.wait(_POLL_S)
+                    continue
+                self._holder = None  # abandoned by a Ctrl-C or an ended thread
+                recover = self._on_abandoned()
+                if recover is not None:
+                    recover()
+            self._holder = (me, frame, 1)
+
+    def release(self) -> None:
+        with self._condition:
+            if self._holder is None or self._holder[0] != threading.get_ident():
+                return  # taken over after this forward was abandoned
+            thread, frame, depth = self._holder
+            self._holder = None if depth == 1 else (thread, frame, depth - 1)
+            self._condition.notify_all()
+
+    @property
+    def is_held(self) -> bool:
+        return self._holder is not None
+
+
+def _is_running(thread: int, frame: FrameType) -> bool:
+    """Whether `frame` is still on the stack of `thread` (False once the thread ended)."""
+    current = sys._getframe() if thread == threading.get_ident() else None
+    if current is None:
+        current = sys._current_frames().get(thread)
+    while current is not None:
+        if current is frame:
+            return True
+        current = current.f_back
+    return False
+
+
+class ForwardLockHooks(ModuleHooks):
+    """Serialize the forwards of `module` (the root of an offloaded model) on `lock`.
+    Under torch.compile they trace to nothing: compiled callers serialize themselves."""
+
+    def __init__(self, lock: ForwardLock):
+        self._lock = lock
+        self._handles = []
+
+    def attach(self, module: nn.Module) -> ForwardLockHooks:
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward),
+            module.register_forward_hook(self._post_forward, always_call=True),
+        ]
+        return self
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():
+            return
+        # The frame of torch's module call: on the stack for as long as this forward runs.
+        self._lock.acquire(sys._getframe(1))
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._lock.release()

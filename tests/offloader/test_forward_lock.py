@@ -1,0 +1,141 @@
+"""An offloaded model called from several threads, and after an abandoned forward."""
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+import zoo
+from engines import SlowEngine
+
+import offload
+from offload.api import finish, prepare
+from offload.offloader.base import NoopOffloader
+
+PREFETCH = {"offload_group_size": 1, "offload_prefetch_step": 2}
+
+
+def _offloaded(num_layers=12, config=PREFETCH, engine=None):
+    model = zoo.build("llama", num_layers=num_layers)
+    reference = zoo.build("llama", num_layers=num_layers)
+    offloader = prepare(model, config, torch.device("cpu"))
+    if engine is not None:
+        offloader._copy_engine_factory = lambda device: engine
+    return model, finish(offloader), reference
+
+
+def _copy_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("offload-copy") and t.is_alive()]
+
+
+@pytest.mark.parametrize("unit", ["layer", "module"])
+def test_forwards_from_four_threads_equal_the_resident_outputs(unit):
+    model, offloader, reference = _offloaded(
+        config={**PREFETCH, "prefetch_unit": unit}, engine=SlowEngine(delay_s=0.0005)
+    )
+    inputs = [zoo.inputs(seed) for seed in range(8)]
+    with torch.no_grad():
+        expected = [reference(input_ids=ids).logits for ids in inputs]
+    wrong, errors = [], []
+
+    def work(thread):
+        try:
+            for call in range(20):
+                index = (thread + call) % len(inputs)
+                with torch.no_grad():
+                    out = model(input_ids=inputs[index]).logits
+                if not torch.equal(out, expected[index]):
+                    wrong.append((thread, call))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and not wrong, (errors, f"{len(wrong)} of 80 forwards were wrong")
+    assert offloader.stats()["bytes_copied"] > 0
+
+
+class _InterruptOnce:
+    """A forward hook that raises KeyboardInterrupt in the forward it is armed for."""
+
+    def __init__(self):
+        self.armed = False
+
+    def __call__(self, module, args, output):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("unit", ["layer", "module"])
+def test_an_interrupted_forward_leaves_the_model_exact_for_this_and_other_threads(unit):
+    model, _, reference = _offloaded(config={**PREFETCH, "prefetch_unit": unit})
+    interrupt = _InterruptOnce()
+    model.model.layers[5].mlp.register_forward_hook(interrupt)
+    ids = zoo.inputs()
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        interrupt.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids)
+        # Another thread is not locked out by the abandoned forward, and is exact.
+        other = {}
+        thread = threading.Thread(
+            target=lambda: other.update(out=model(input_ids=ids).logits), daemon=True
+        )
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the abandoned forward's lock was never given back"
+        assert torch.equal(other["out"], expected)
+        interrupt.armed = True
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids)
+        assert torch.equal(model(input_ids=ids).logits, expected)  # this thread too
+    assert torch._C._len_torch_function_stack() == 0  # no read check left behind
+
+
+def test_a_thread_waits_for_a_forward_in_progress():
+    model, _, _ = _offloaded()
+    held = threading.Event()
+    release = threading.Event()
+
+    def slow_layer(module, args):
+        held.set()
+        release.wait(10)
+
+    handle = model.model.layers[3].register_forward_pre_hook(slow_layer)
+    first = threading.Thread(target=lambda: zoo.logits(model, zoo.inputs()), daemon=True)
+    first.start()
+    held.wait(10)
+    handle.remove()
+    finished = []
+    second = threading.Thread(
+        target=lambda: finished.append(zoo.logits(model, zoo.inputs())), daemon=True
+    )
+    second.start()
+    time.sleep(0.3)
+    assert not finished, "a second forward ran while the first was inside the model"
+    release.set()
+    first.join(10)
+    second.join(10)
+    assert finished
+
+
+def test_an_unreferenced_model_frees_its_offloader_and_copy_thread():
+    model, offloader, _ = _offloaded()
+    zoo.logits(model, zoo.inputs())
+    assert offload.get_offloader() is offloader and _copy_threads()
+    gone = weakref.ref(offloader)
+    del model, offloader
+    gc.collect()
+    assert gone() is None, "something still holds the offloader"
+    assert isinstance(offload.get_offloader(), NoopOffloader)
+    deadline = time.monotonic() + 5
+    while _copy_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _copy_threads()
