@@ -620,3 +620,33 @@ def test_module_units_of_ordinary_layers_are_checked_only_on_their_first_calls()
             zoo.logits(model, x)
     assert not any(check.is_permanent for check in checks)
     assert all(check._num_calls == NUM_CHECKED_CALLS for check in checks)
+
+
+@pytest.mark.parametrize("unit", ["layer", "module"])
+def test_a_copy_that_never_queued_is_loaded_again_not_read_stale(unit):
+    """The red team's case: a Ctrl-C in the refill of layer 0 (the load that brings it
+    back for the next forward) on its third call, before the copy is queued. The slot
+    must not be recorded as holding layer 0: the next forward would run it on the
+    weights of the layer that used the slot last."""
+    model, reference = zoo.build("llama", num_layers=5), zoo.build("llama", num_layers=5)
+    engine = SlowEngine(delay_s=0.001)
+    offloader = prefetch(model, step=2, engine=engine, unit=unit)
+    first = offloader._layers[0].slab.buffer.data_ptr()
+    real_copy, loads_of_first = engine.copy, []
+
+    def copy(dst, src, after=None):
+        if src.data_ptr() == first:
+            loads_of_first.append(True)
+            if len(loads_of_first) == 3:
+                raise KeyboardInterrupt
+        return real_copy(dst, src, after)
+
+    engine.copy = copy
+    ids = zoo.inputs()
+    expected = zoo.logits(reference, ids)
+    with pytest.raises(KeyboardInterrupt):  # loaded at start, then at the end of each forward
+        for _ in range(3):
+            assert torch.equal(zoo.logits(model, ids), expected)
+    assert len(loads_of_first) == 3
+    assert torch.equal(zoo.logits(model, ids), expected)
+    assert torch.equal(zoo.logits(model, ids), expected)

@@ -1,0 +1,72 @@
+"""An LLM nobody references, or one closed, leaves no thread and no offloader behind."""
+
+import gc
+import threading
+import time
+import weakref
+
+import pytest
+import zoo
+
+import offload
+from offload import ConfigError, SamplingParams
+from offload.engine.llm import LLM
+from offload.offloader.base import NoopOffloader
+
+FLAGS = {"offload_group_size": 1, "offload_prefetch_step": 2, "kv_offload": True}
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+
+
+def _copy_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("offload-copy")]
+
+
+def _no_copy_threads_within(seconds):
+    deadline = time.monotonic() + seconds
+    while _copy_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return not _copy_threads()
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return zoo.save_tiny_llm(tmp_path_factory.mktemp("tiny"), num_layers=6)
+
+
+def test_an_unreferenced_llm_frees_its_offloader_and_threads(path):
+    assert _no_copy_threads_within(5)
+    llm = LLM(path, **FLAGS)
+    llm.generate(["t5 t6"], GREEDY, use_tqdm=False)
+    assert _copy_threads() and offload.get_offloader() is llm.offloader
+    offloader, model = weakref.ref(llm.offloader), weakref.ref(llm.model)
+    del llm
+    gc.collect()
+    assert offloader() is None and model() is None, "something still holds the model"
+    assert isinstance(offload.get_offloader(), NoopOffloader)
+    assert _no_copy_threads_within(5)
+
+
+def test_close_ends_the_threads_at_once_and_later_calls_are_clear_errors(path):
+    with LLM(path, **FLAGS) as llm:
+        first = llm.generate(["t5 t6"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        offloader = weakref.ref(llm.offloader)
+    assert not _copy_threads()  # joined by close(), not later by the collector
+    with pytest.raises(ConfigError, match="closed"):
+        llm.generate(["t5 t6"], GREEDY, use_tqdm=False)
+    llm.close()  # twice is fine
+    gc.collect()
+    assert offloader() is None
+    again = LLM(path, **FLAGS).generate(["t5 t6"], GREEDY, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == first
+
+
+def test_two_llms_with_different_configs_in_one_process_stay_independent(path):
+    prefetched = LLM(path, **FLAGS)
+    uva = LLM(path, cpu_offload_gb=0.001, kv_offload=True)
+    resident = LLM(path)
+    expected = resident.generate(["t9 t4 t7"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    for _ in range(2):
+        for llm in (prefetched, uva):
+            out = llm.generate(["t9 t4 t7"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            assert out == expected
+    assert prefetched.transfer_stats()["weight_bytes_copied"] > 0
