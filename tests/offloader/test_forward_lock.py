@@ -139,3 +139,43 @@ def test_an_unreferenced_model_frees_its_offloader_and_copy_thread():
     while _copy_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not _copy_threads()
+
+
+class _GatedEngine(SlowEngine):
+    """Holds the first compute-side wait until `gate` opens."""
+
+    def __init__(self):
+        super().__init__(delay_s=0.0)
+        self.waiting, self.gate = threading.Event(), threading.Event()
+
+    def wait(self, ticket):
+        if not self.gate.is_set():
+            self.waiting.set()
+            self.gate.wait(10)
+        super().wait(ticket)
+
+
+def test_a_compiled_model_called_from_two_threads_at_once_is_refused_never_wrong():
+    torch._dynamo.reset()
+    engine = _GatedEngine()
+    model, offloader, reference = _offloaded(num_layers=4, engine=engine)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    ids = zoo.inputs()
+    expected = zoo.logits(reference, ids)
+    engine.gate.set()
+    assert torch.equal(zoo.logits(compiled, ids), expected)  # compiles, alone: exact
+    engine.gate.clear()
+    first = {}
+    thread = threading.Thread(
+        target=lambda: first.update(out=zoo.logits(compiled, ids)), daemon=True
+    )
+    thread.start()
+    assert engine.waiting.wait(10)  # the first call is inside a layer's wait
+    with pytest.raises(offload.ModelError, match="two threads at once"):
+        zoo.logits(compiled, ids)
+    engine.gate.set()
+    thread.join(10)
+    assert torch.equal(first["out"], expected)
+    assert torch.equal(zoo.logits(compiled, ids), expected)  # and alone again: exact
+    assert offloader.stats()["bytes_copied"] > 0
+    torch._dynamo.reset()

@@ -34,7 +34,7 @@ from torch import Tensor
 class _Steps(Protocol):
     def wait_for_layer(self, position: int, weights: list[Tensor] | None = None) -> None: ...
 
-    def layer_done(self, position: int) -> None: ...
+    def layer_done(self, position: int, *, compiled: bool = False) -> None: ...
 
 
 _offloaders: weakref.WeakValueDictionary[int, _Steps] = weakref.WeakValueDictionary()
@@ -64,7 +64,7 @@ def _(activations: list[Tensor], weights: list[Tensor], offloader_id: int, posit
 def start_layer(
     activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
-    _offloaders[offloader_id].layer_done(position)
+    _offloaders[offloader_id].layer_done(position, compiled=True)
 
 
 @start_layer.register_fake

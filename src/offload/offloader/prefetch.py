@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ class PrefetchOffloader(BaseOffloader):
         self._unit_checks: dict[int, UnitReadCheck] = {}  # module units: position -> check
         self._table: SlotTable | None = None
         self._engine: CopyEngine | None = None
+        # Compiled calls: thread -> the layer it is inside (see `_claim_for_compiled`).
+        self._compiled_running: dict[int, int] = {}
+        self._compiled_lock = threading.Lock()
         self._id = ops.register(self)
 
     # -- planning ------------------------------------------------------------
@@ -258,6 +262,8 @@ class PrefetchOffloader(BaseOffloader):
         then make compute wait until its copy has landed. (`running=False`: a read of its
         weights outside its forward, see `unit_check.py`.)"""
         layer = self._layers[position]
+        if weights is not None:
+            self._claim_for_compiled(position)
         if weights is not None and position in self._unit_checks:
             # Called from a compiled graph, where the read check cannot run.
             check = self._unit_checks[position]
@@ -312,12 +318,38 @@ class PrefetchOffloader(BaseOffloader):
         self._tickets = [None] * len(self._layers)
         self._running.clear()
 
-    def layer_done(self, position: int) -> None:
+    def layer_done(self, position: int, *, compiled: bool = False) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
         self._running.discard(position)
+        if compiled:
+            self._release_for_compiled()
         following = self._table.next_load(position)
         if following is not None:
             self._load(following)
+
+    def _claim_for_compiled(self, position: int) -> None:
+        """A compiled graph bypasses the forward lock (torch.compile cannot trace it), so
+        two threads could interleave their layers on shared slots: refuse, never compute
+        on another layer's weights. Eager calls wait for each other instead."""
+        me = threading.get_ident()
+        with self._compiled_lock:
+            self._check_alone_in_compiled(me)
+            self._compiled_running[me] = position
+
+    def _release_for_compiled(self) -> None:
+        me = threading.get_ident()
+        with self._compiled_lock:
+            self._compiled_running.pop(me, None)
+            self._check_alone_in_compiled(me)  # before a refill that another layer may need
+
+    def _check_alone_in_compiled(self, me: int) -> None:
+        others = [t for t in self._compiled_running if t != me]
+        if others and {t.ident for t in threading.enumerate()} & set(others):
+            raise ModelError(
+                "a torch.compile'd offloaded model was called from two threads at once; its "
+                "layers share device slots: serialize the calls (a threading.Lock around the "
+                "compiled model), or call the model uncompiled, whose calls wait for each other"
+            )
 
     def recover(self) -> None:
         """After an abandoned forward: nothing is running, no read check is active. The
