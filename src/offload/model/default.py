@@ -64,9 +64,12 @@ def _convert(source: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    # The GGUF holds tensors and settings only: no code of its package ever runs.
+    tokenizer = AutoTokenizer.from_pretrained(
+        source.parent, gguf_file=source.name, trust_remote_code=False
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
+        source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
     )
     # The de-quantized weights are ordinary float tensors: drop the GGUF marker so the
     # model saves (and later loads) as a plain checkpoint.
