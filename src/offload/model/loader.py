@@ -24,6 +24,7 @@ from offload.errors import ModelError
 from offload.memory.disk import CheckpointError, StoredTensor, json_type, read_header, read_into
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.model.configs import resolve
+from offload.model.limits import check_parameters, check_sizes
 from offload.model.merges import Assembled, Converted, assemble, transformers_renaming
 from offload.offloader.base import BaseOffloader
 
@@ -114,6 +115,7 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
     if not config_file.is_file():
         raise ModelError(f"{path} is not a model directory (no config.json)")
     settings = _read_config(config_file)
+    check_sizes(settings, config_file)  # before transformers builds lists of that length
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as error:  # transformers raises many types for bad settings
@@ -125,6 +127,7 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
         else:
             problem = f"invalid {model_type} settings ({_describe(error)})"
         raise ModelError(f"{config_file}: {problem}") from None
+    check_parameters(hf_config, config_file)
     heads = getattr(hf_config, "num_attention_heads", None)
     kv_heads = getattr(hf_config, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
