@@ -11,7 +11,7 @@ import pytest
 import zoo
 from transformers import PreTrainedTokenizerFast
 
-from offload import LLM, ConfigError, ModelError, SamplingParams
+from offload import LLM, ModelError, SamplingParams
 from offload.model.loader import build_empty, load_model
 from offload.model.tokenizer import load_tokenizer
 
@@ -130,11 +130,6 @@ def test_known_type_loads_the_built_in_classes(known_type):
     [out] = llm.generate("t5 t6 t7", SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out.outputs[0].token_ids) == 3
     assert not _marker(known_type).exists()
-
-
-def test_trust_remote_code_must_be_a_bool(known_type):
-    with pytest.raises(ConfigError, match="trust_remote_code must be True or False, got 'yes'"):
-        LLM(known_type, trust_remote_code="yes")
 
 
 def _cli(*argv, modules_cache: Path, stdin: str = "y\n"):
