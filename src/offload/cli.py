@@ -108,6 +108,11 @@ def _device_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16")
     )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python code a checkpoint ships (its auto_map); off: never run it",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -35,9 +35,9 @@ def _size(num_bytes: float) -> str:
     return f"{num_bytes:.0f} B"
 
 
-def whole_stack_config(path: Path, dtype: str) -> OffloadConfig:
+def whole_stack_config(path: Path, dtype: str, trust_remote_code: bool = False) -> OffloadConfig:
     """UVA offloading of every layer of the stack (what `generate` does with no flags)."""
-    model = build_empty(path, dtype)
+    model = build_empty(path, dtype, trust_remote_code)
     layer_bytes = sum(_bytes(stack) for _, stack in find_layer_stacks(model))
     return OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=layer_bytes / _GIB))
 
@@ -64,7 +64,7 @@ def generate(args: argparse.Namespace) -> str:
     path = Path(args.model) if args.model else default_model_path()
     config = OffloadConfig.from_cli_args(args)
     if config.selected_backend == "none" and not args.no_offload:
-        config = whole_stack_config(path, args.dtype)
+        config = whole_stack_config(path, args.dtype, args.trust_remote_code)
     llm = LLM(
         path,
         dtype=args.dtype,
@@ -76,6 +76,7 @@ def generate(args: argparse.Namespace) -> str:
         swap_space=args.swap_space,
         kv_offload=args.kv_offload,
         enforce_eager=args.enforce_eager,
+        trust_remote_code=args.trust_remote_code,
         progress=show_progress,
         offload_config=config,
     )
@@ -112,17 +113,19 @@ def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
     moved = f"moved {_size(weights + kv)}/forward over {forwards} forwards"
     if llm.kv_offload:
         moved += f" (weights {_size(weights)}, KV cache {_size(kv)})"
+    # Said on the figures line: this run executed Python code shipped with the checkpoint.
+    trusted = "; trust_remote_code=True" if llm.trust_remote_code else ""
     return (
         f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s; "
         f"offloaded {_size(llm.offloader.offloaded_bytes)} ({type(llm.offloader).__name__}); "
         f"{moved}; stall {stall * 1e3:.0f} ms; "
-        f"decode {f'in CUDA graphs ({replays} replays)' if replays else 'eager'}]"
+        f"decode {f'in CUDA graphs ({replays} replays)' if replays else 'eager'}{trusted}]"
     )
 
 
 def inspect(args: argparse.Namespace) -> str:
     path = resolve(args.path)
-    model = build_empty(path, args.dtype)
+    model = build_empty(path, args.dtype, args.trust_remote_code)
     total = _bytes(model)
     lines = [
         f"{path}: {type(model).__name__}, {_size(total)} of parameters ({next(model.parameters()).dtype})"

@@ -13,6 +13,7 @@ from offload.config import OffloadConfig, UVAOffloadConfig
 from offload.errors import OffloadError
 from offload.model.default import default_model_path
 from offload.model.layers import find_layers
+from offload.model.loader import build_empty
 from offload.offloader.base import BaseOffloader
 
 _GIB = 1024**3
@@ -25,8 +26,12 @@ def load_pretrained(path: str | Path | None):
     path = Path(path) if path is not None else default_model_path()
     if not (path / "config.json").is_file():
         raise OffloadError(f"{path} is not a model directory (no config.json)")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    build_empty(path, torch.float32)  # one-line errors for custom code or absurd sizes
+    # A checkpoint's own code (auto_map) never runs: transformers' built-in classes only.
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, trust_remote_code=False
+    ).eval()
     return model, tokenizer
 
 

@@ -83,6 +83,9 @@ class LLM:
     output it would have alone. `close()` (or a `with LLM(...) as llm:` block) ends its
     copy threads and lets its memory go at once; otherwise that happens when the object
     is garbage-collected.
+
+    As in vLLM, the checkpoint's own Python code (an `auto_map` in its config.json or
+    tokenizer_config.json) runs only with `trust_remote_code=True`.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         tokenizer: str | Path | None = None,
         tensor_parallel_size: int = 1,
+        trust_remote_code: bool = False,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
@@ -127,12 +131,15 @@ class LLM:
             if max_num_batched_tokens is None
             else _whole("max_num_batched_tokens", max_num_batched_tokens, 1)
         )
+        if not isinstance(trust_remote_code, bool):
+            raise ConfigError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
+        self.trust_remote_code = trust_remote_code
         # Refused before anything is read or allocated.
         self.swap_space_bytes = check_swap_space(swap_space)
         self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
         path = Path(model) if model is not None else default_model_path()
         self.device = check_device(device)
-        empty = build_empty(path, dtype)
+        empty = build_empty(path, dtype, trust_remote_code)
         if getattr(empty, "_is_stateful", False):
             raise ModelError(
                 f"LLM runs attention models with a KV cache; {type(empty).__name__} keeps a "
@@ -155,12 +162,20 @@ class LLM:
         )
         check_host_room(self.swap_space_bytes, offloaded)
         # Before the weights: its errors come first.
-        self.tokenizer = load_tokenizer(Path(tokenizer) if tokenizer is not None else path)
+        self.tokenizer = load_tokenizer(
+            Path(tokenizer) if tokenizer is not None else path, trust_remote_code
+        )
         self._tokens = TokenSteps(self.tokenizer, eos_token_ids(path, self.tokenizer, empty.config))
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
         self.model, self.offloader = load_model(
-            path, config, device=device, dtype=dtype, load_format=load_format, progress=progress
+            path,
+            config,
+            device=device,
+            dtype=dtype,
+            load_format=load_format,
+            progress=progress,
+            trust_remote_code=trust_remote_code,
         )
         self._moved: dict[str, int] = {}  # KV and graph-replay bytes, summed over calls
         self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls

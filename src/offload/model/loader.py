@@ -24,6 +24,7 @@ from offload.errors import ModelError
 from offload.memory.disk import CheckpointError, StoredTensor, json_type, read_header, read_into
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.model.configs import resolve
+from offload.model.limits import check_parameters, check_sizes
 from offload.model.merges import Assembled, Converted, assemble, transformers_renaming
 from offload.offloader.base import BaseOffloader
 
@@ -99,8 +100,12 @@ def _shard_files(index: Path) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
-def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
-    """The model from `config.json`, parameters on the meta device, buffers real."""
+def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+    """The model from `config.json`, parameters on the meta device, buffers real.
+
+    A checkpoint's own Python code (`auto_map` in config.json) runs only with
+    `trust_remote_code=True`; else transformers' built-in class of the `model_type` is used,
+    or, without one, the load fails (transformers would otherwise ask on stdin)."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -110,15 +115,19 @@ def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
     if not config_file.is_file():
         raise ModelError(f"{path} is not a model directory (no config.json)")
     settings = _read_config(config_file)
+    check_sizes(settings, config_file)  # before transformers builds lists of that length
     try:
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as error:  # transformers raises many types for bad settings
         model_type = settings.get("model_type")
+        if not trust_remote_code and "auto_map" in settings:
+            raise ModelError(_needs_own_code(config_file, model_type)) from None
         if not isinstance(model_type, str) or model_type not in _known_model_types():
             problem = f"unknown or unsupported architecture ({_describe(error)})"
         else:
             problem = f"invalid {model_type} settings ({_describe(error)})"
         raise ModelError(f"{config_file}: {problem}") from None
+    check_parameters(hf_config, config_file)
     heads = getattr(hf_config, "num_attention_heads", None)
     kv_heads = getattr(hf_config, "num_key_value_heads", None)
     if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
@@ -130,8 +139,12 @@ def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_config(
+                hf_config, dtype=torch_dtype, trust_remote_code=trust_remote_code
+            )
         except ValueError as error:
+            if not trust_remote_code and "auto_map" in settings:
+                raise ModelError(_needs_own_code(config_file, settings.get("model_type"))) from None
             raise ModelError(
                 f"{path}: not a causal language model transformers can build ({_describe(error)})"
             ) from None
@@ -142,6 +155,14 @@ def build_empty(path: Path, dtype: str | torch.dtype) -> nn.Module:
             ) from None
     model.tie_weights()  # tied names become one parameter before anything is placed
     return model.eval()
+
+
+def _needs_own_code(config_file: Path, model_type: object) -> str:
+    return (
+        f"{config_file}: model_type {json.dumps(model_type)} needs the checkpoint's own Python "
+        "code (its auto_map), which offload does not run; trust_remote_code=True "
+        "(--trust-remote-code) would run it"
+    )
 
 
 def _read_config(config_file: Path) -> dict[str, Any]:
@@ -184,18 +205,20 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     load_format: str = "auto",
     progress: bool = False,
+    trust_remote_code: bool = False,
 ) -> tuple[nn.Module, BaseOffloader]:
     """Load a causal LM from a safetensors directory with `config`'s offloading already in
     place. `load_format="dummy"` (vLLM's name) fills random weights of the right shapes
     instead, for benchmarks of large shapes without a checkpoint (only `config.json` is read;
-    `path` may also name a shipped config, e.g. "llama-3-8b": see `offload.model.configs`)."""
+    `path` may also name a shipped config, e.g. "llama-3-8b": see `offload.model.configs`).
+    The checkpoint's own code runs only with `trust_remote_code=True` (see `build_empty`)."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
     path = resolve(path) if load_format == "dummy" else Path(path)
     device = torch.device(device)
-    model = build_empty(path, dtype)
+    model = build_empty(path, dtype, trust_remote_code)
     stored = {} if load_format == "dummy" else checkpoint_tensors(path)
     targets = _targets(model, stored, dummy=load_format == "dummy")
     offloader = prepare(model, config, device, deferred=True)

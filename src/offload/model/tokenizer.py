@@ -9,18 +9,37 @@ from pathlib import Path
 from offload.errors import ModelError
 
 
-def load_tokenizer(path: Path):
-    """The model folder's tokenizer, or one clear error (before any weight is read)."""
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The model folder's tokenizer, or one clear error (before any weight is read). The
+    folder's own tokenizer code (`auto_map`) runs only with `trust_remote_code=True`."""
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, KeyError) as error:
+        if not trust_remote_code and _names_own_tokenizer(path):
+            raise ModelError(
+                f"{path}: the tokenizer needs the checkpoint's own Python code (auto_map's "
+                "AutoTokenizer), which offload does not run; "
+                "trust_remote_code=True (--trust-remote-code) would run it"
+            ) from None
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelError(
             f"{path} has no usable tokenizer (tokenizer.json or tokenizer_config.json with "
             f"its vocabulary files): {reason}"
         ) from None
+
+
+def _names_own_tokenizer(path: Path) -> bool:
+    """Whether the folder names a tokenizer class of its own code, where transformers looks
+    for one: `auto_map.AutoTokenizer` of tokenizer_config.json, then of config.json."""
+    for name in ("tokenizer_config.json", "config.json"):
+        # An unreadable file names nothing; the caller reports the load's own error.
+        with contextlib.suppress(OSError, ValueError, RecursionError, AttributeError):
+            auto_map = json.loads((Path(path) / name).read_text()).get("auto_map")
+            if isinstance(auto_map, dict) and "AutoTokenizer" in auto_map:
+                return True
+    return False
 
 
 def eos_token_ids(path: Path, tokenizer, config) -> frozenset[int]:
