@@ -17,15 +17,18 @@ FLAGS = {"offload_group_size": 1, "offload_prefetch_step": 2, "kv_offload": True
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
 
-def _copy_threads():
-    return [t for t in threading.enumerate() if t.name.startswith("offload-copy")]
+def _copy_threads(besides=()):
+    """Copy threads alive now, other than those in `besides` (other tests' objects)."""
+    return [
+        t for t in threading.enumerate() if t.name.startswith("offload-copy") and t not in besides
+    ]
 
 
-def _no_copy_threads_within(seconds):
+def _no_copy_threads_within(seconds, besides):
     deadline = time.monotonic() + seconds
-    while _copy_threads() and time.monotonic() < deadline:
+    while _copy_threads(besides) and time.monotonic() < deadline:
         time.sleep(0.01)
-    return not _copy_threads()
+    return not _copy_threads(besides)
 
 
 @pytest.fixture(scope="module")
@@ -34,23 +37,25 @@ def path(tmp_path_factory):
 
 
 def test_an_unreferenced_llm_frees_its_offloader_and_threads(path):
-    assert _no_copy_threads_within(5)
+    gc.collect()
+    before = set(_copy_threads())
     llm = LLM(path, **FLAGS)
     llm.generate(["t5 t6"], GREEDY, use_tqdm=False)
-    assert _copy_threads() and offload.get_offloader() is llm.offloader
+    assert _copy_threads(before) and offload.get_offloader() is llm.offloader
     offloader, model = weakref.ref(llm.offloader), weakref.ref(llm.model)
     del llm
     gc.collect()
     assert offloader() is None and model() is None, "something still holds the model"
     assert isinstance(offload.get_offloader(), NoopOffloader)
-    assert _no_copy_threads_within(5)
+    assert _no_copy_threads_within(5, before)
 
 
 def test_close_ends_the_threads_at_once_and_later_calls_are_clear_errors(path):
+    before = set(_copy_threads())
     with LLM(path, **FLAGS) as llm:
         first = llm.generate(["t5 t6"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         offloader = weakref.ref(llm.offloader)
-    assert not _copy_threads()  # joined by close(), not later by the collector
+    assert not _copy_threads(before)  # joined by close(), not later by the collector
     with pytest.raises(ConfigError, match="closed"):
         llm.generate(["t5 t6"], GREEDY, use_tqdm=False)
     llm.close()  # twice is fine
