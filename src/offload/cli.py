@@ -128,6 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"offload: error: {error}", file=sys.stderr)
     except OSError as error:  # unreadable files, a tokenizer missing from the model folder
         print(f"offload: error: {error.strerror or error}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("offload: interrupted", file=sys.stderr)
+        return 130  # the shell's status for SIGINT
     return 2
 
 
