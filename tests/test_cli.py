@@ -148,7 +148,7 @@ def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
     [
         (["generate", "--model", "/nonexistent"], "does not exist"),
         (["generate", "--temperature", "-1"], "temperature must be in"),
-        (["generate", "--repetition-penalty", "0"], "repetition_penalty must be in (0.0, inf]"),
+        (["generate", "--repetition-penalty", "0"], "repetition_penalty must be in (0.0, inf)"),
         (["generate", "--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0]"),
         (["generate", "--frequency-penalty", "x"], "invalid float value: 'x'"),
         (["generate", "--min-p", "1.5"], "min_p must be in [0.0, 1.0]"),
