@@ -148,7 +148,7 @@ def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
     [
         (["generate", "--model", "/nonexistent"], "does not exist"),
         (["generate", "--temperature", "-1"], "temperature must be in"),
-        (["generate", "--repetition-penalty", "0"], "repetition_penalty must be in (0.0, inf]"),
+        (["generate", "--repetition-penalty", "0"], "repetition_penalty must be in (0.0, inf)"),
         (["generate", "--presence-penalty", "3"], "presence_penalty must be in [-2.0, 2.0]"),
         (["generate", "--frequency-penalty", "x"], "invalid float value: 'x'"),
         (["generate", "--min-p", "1.5"], "min_p must be in [0.0, 1.0]"),
@@ -201,3 +201,52 @@ def test_a_state_space_model_is_inspected_and_refused_by_generate_in_one_line(tm
     result = _run("generate", "--model", str(tmp_path), "--no-progress")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "keeps a recurrent state" in result.stderr.strip().splitlines()[-1]
+
+
+def _main(argv, capsys):
+    """`offload argv` in this process: its exit status and the last line on stderr."""
+    try:
+        status = main(argv)
+    except SystemExit as done:  # argparse's own errors
+        status = done.code
+    lines = capsys.readouterr().err.strip().splitlines()
+    return status, lines[-1] if lines else ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["generate", "--temperature", "inf"], "temperature must be in [0.0, 2.0], got inf"),
+        (["generate", "--temperature", "nan"], "temperature must be a number, got nan"),
+        (["generate", "--top-p", "nan"], "top_p must be a number"),
+        (["generate", "--max-tokens", "1e400"], "argument --max-tokens: invalid int value"),
+        (["generate", "--seed", "x"], "argument --seed: invalid int value: 'x'"),
+        (["generate", "--top-k", "1.5"], "argument --top-k: invalid int value: '1.5'"),
+        (["generate", "--cpu-offload-gb", "inf"], "uva.cpu_offload_gb must be a finite number"),
+        (["generate", "--cpu-offload-gb", "1e400"], "uva.cpu_offload_gb must be a finite number"),
+        (["generate", "--offload-group-size", "1e400"], "invalid int value: '1e400'"),
+        (["generate", "--swap-space", "inf"], "swap_space must be a number of GiB (finite"),
+        (["generate", "--gpu-memory-utilization", "nan"], "gpu_memory_utilization must be"),
+        (["generate", "--device-memory-gb", "inf"], "device_memory_gb must be a positive"),
+        (["generate", "--max-model-len", "0"], "max_model_len must be an integer >= 1"),
+        (["generate", "--repetition-penalty", "inf"], "repetition_penalty must be in (0.0, inf)"),
+        (["demo", "--cpu-offload-gb", "inf"], "uva.cpu_offload_gb must be a finite number"),
+        (["inspect", "llama-3-8b", "--cpu-offload-gb", "nan"], "uva.cpu_offload_gb must be"),
+    ],
+)
+def test_numbers_from_flags_are_one_line_and_exit_2(argv, needle, capsys):
+    status, last = _main(argv, capsys)
+    assert status == 2 and last.startswith("offload: error: ") and needle in last, last
+
+
+def test_a_tokenizer_larger_than_the_model_is_one_line_not_a_traceback(tmp_path):
+    """The prompt's ids beyond the model's embedding were a 67-line IndexError traceback."""
+    import zoo
+
+    zoo.build("llama").save_pretrained(tmp_path)
+    zoo._word_tokenizer(2 * zoo.VOCAB).save_pretrained(tmp_path)
+    result = _run("generate", "--model", str(tmp_path), "--prompt", "t5 t200", "--no-progress")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith("offload: error: prompt 0 holds a token id the model cannot embed")
+    assert "token ids in [0, 128), got 200" in line

@@ -4,9 +4,18 @@ import json
 import warnings
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from junk import JUNK
 
-from offload import ConfigError, OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
-from offload.config import add_cli_args
+from offload import (
+    ConfigError,
+    OffloadConfig,
+    OffloadError,
+    PrefetchOffloadConfig,
+    UVAOffloadConfig,
+)
+from offload.config import OFFLOAD_KEYS, add_cli_args
 
 # vLLM's vllm/config/offload.py: field names and defaults a config must keep to move unchanged.
 VLLM_FIELDS = {
@@ -299,3 +308,72 @@ def test_prefetch_unit_is_ours_off_by_default_and_checked():
         ConfigError, match="prefetch_unit must be one of layer, module, got 'block'"
     ):
         OffloadConfig(prefetch_unit="block")
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"uva": 5}, "uva must be a UVAOffloadConfig or a mapping"),
+        ({"uva": []}, "uva must be a UVAOffloadConfig or a mapping"),
+        ({"prefetch": [1]}, "prefetch must be a PrefetchOffloadConfig or a mapping"),
+        ({"uva": {"cpu_offload_gb": [1]}}, "uva.cpu_offload_gb must be a number"),
+        ({"uva": {"zzz": 1}}, "unknown key 'zzz' in uva"),
+        ({"prefetch": {5: 1, "a": 2}}, "unknown key 5 in prefetch"),
+        ({"cpu_offload_gb": 1e400}, "uva.cpu_offload_gb must be a finite number"),
+        ({"cpu_offload_gb": float("inf")}, "uva.cpu_offload_gb must be a finite number"),
+        ({"cpu_offload_gb": 10**400}, "uva.cpu_offload_gb must be a finite number"),
+        ({"cpu_offload_gb": "nan"}, "uva.cpu_offload_gb must be a finite number"),
+        ({"offload_group_size": 10**400}, "prefetch.offload_group_size must be a finite"),
+        ({"offload_group_size": "1e400"}, "prefetch.offload_group_size must be a finite"),
+        ({"cpu_offload_params": b"mlp"}, "uva.cpu_offload_params must be a set of name"),
+        ({"offload_params": {"mlp": 1}}, "prefetch.offload_params must be a set of name"),
+        ({"offload_backend": [1]}, "offload_backend must be one of"),
+    ],
+)
+def test_from_dict_junk_is_one_line_naming_the_field(data, needle):
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig.from_dict(data)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_parts_may_be_instances_or_null_and_are_checked_again_by_validate():
+    part = UVAOffloadConfig(cpu_offload_gb=1)
+    assert OffloadConfig.from_dict({"uva": part, "prefetch": None}).uva == part
+    config = OffloadConfig()
+    config.uva = 5
+    with pytest.raises(ConfigError, match="uva must be a UVAOffloadConfig"):
+        config.validate()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--cpu-offload-gb", "inf"], ["--cpu-offload-gb", "1e400"], ["--offload-group-size", "1e400"]],
+)
+def test_from_cli_numbers_beyond_range_are_config_errors(argv):
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig.from_cli(argv)
+    assert "\n" not in str(info.value)
+
+
+_PARTS = {
+    "uva": [f.name for f in dataclasses.fields(UVAOffloadConfig)],
+    "prefetch": [f.name for f in dataclasses.fields(PrefetchOffloadConfig)],
+}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    key=st.sampled_from([*OFFLOAD_KEYS, "zzz"]),
+    value=JUNK,
+    nested=st.booleans(),
+)
+def test_from_dict_junk_builds_or_raises_an_offload_error(key, value, nested):
+    """Any value under any key (flat, or inside its part): a config or OffloadError."""
+    part = next((p for p, fields in _PARTS.items() if key in fields), None)
+    data = {part: {key: value}} if nested and part else {key: value}
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            OffloadConfig.from_dict(data)
+    except OffloadError as error:
+        assert "\n" not in str(error)

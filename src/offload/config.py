@@ -25,34 +25,48 @@ OffloadBackend = Literal["auto", "uva", "prefetch"]
 BACKENDS: tuple[str, ...] = ("auto", "uva", "prefetch")
 
 
+def _shown(value: Any) -> str:
+    """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"
+
+
 def _as_number(owner: str, name: str, value: Any, minimum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {_shown(value)}")
     try:
         number = float(value)
+    except OverflowError:  # an int beyond float's range (10**400) is not finite
+        number = math.inf
     except ValueError:
-        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {value!r}") from None
+        raise ConfigError(
+            f"{owner}.{name} must be a number >= {minimum}, got {_shown(value)}"
+        ) from None
     if not math.isfinite(number) or number < minimum:
-        raise ConfigError(f"{owner}.{name} must be a finite number >= {minimum}, got {value!r}")
+        raise ConfigError(
+            f"{owner}.{name} must be a finite number >= {minimum}, got {_shown(value)}"
+        )
     return number
 
 
 def _as_int(owner: str, name: str, value: Any, minimum: int) -> int:
     number = _as_number(owner, name, value, minimum)
+    if isinstance(value, int):  # exact, not through float
+        return value
     if number != int(number):
-        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {_shown(value)}")
     return int(number)
 
 
 def _as_segments(owner: str, name: str, value: Any) -> set[str]:
     """A set of dot-separated name segments; a string may hold several, comma-separated."""
     items = [value] if isinstance(value, str) else value
-    if not isinstance(items, Iterable):
-        raise ConfigError(f"{owner}.{name} must be a set of name segments, got {value!r}")
+    if not isinstance(items, Iterable) or isinstance(items, bytes | bytearray | Mapping):
+        raise ConfigError(f"{owner}.{name} must be a set of name segments, got {_shown(value)}")
     segments: set[str] = set()
     for item in items:
         if not isinstance(item, str):
-            raise ConfigError(f"{owner}.{name} must hold strings, got {item!r}")
+            raise ConfigError(f"{owner}.{name} must hold strings, got {_shown(item)}")
         if not item.strip(" ,"):
             raise ConfigError(
                 f"{owner}.{name} entries must be name segments such as 'experts', got {item!r}"
@@ -71,7 +85,7 @@ def _as_segments(owner: str, name: str, value: Any) -> set[str]:
 
 def _as_bool(owner: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name} must be true or false, got {value!r}")
+        raise ConfigError(f"{owner}.{name} must be true or false, got {_shown(value)}")
     return value
 
 
@@ -150,7 +164,8 @@ class OffloadConfig:
         self.disable_pin_memory = _as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
         if self.prefetch_unit not in PREFETCH_UNITS:
             raise ConfigError(
-                f"prefetch_unit must be one of {', '.join(PREFETCH_UNITS)}, got {self.prefetch_unit!r}"
+                f"prefetch_unit must be one of {', '.join(PREFETCH_UNITS)}, "
+                f"got {_shown(self.prefetch_unit)}"
             )
         self.validate()
         self._warn_about_ignored_fields()
@@ -160,8 +175,11 @@ class OffloadConfig:
         if self.offload_backend not in BACKENDS:
             raise ConfigError(
                 f"offload_backend must be one of {', '.join(BACKENDS)}, "
-                f"got {self.offload_backend!r}"
+                f"got {_shown(self.offload_backend)}"
             )
+        # The parts may have been replaced since construction, by anything.
+        self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
+        self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
         self.uva.__post_init__()
         self.prefetch.__post_init__()
         pre = self.prefetch
@@ -237,8 +255,8 @@ class OffloadConfig:
         if not isinstance(data, Mapping):
             raise ConfigError(f"an offload config must be a mapping, got {type(data).__name__}")
         nested: dict[str, Any] = {}
-        uva: dict[str, Any] = dict(data.get("uva") or {})
-        prefetch: dict[str, Any] = dict(data.get("prefetch") or {})
+        uva = _part_dict(UVAOffloadConfig, "uva", data.get("uva"))
+        prefetch = _part_dict(PrefetchOffloadConfig, "prefetch", data.get("prefetch"))
         for key, value in data.items():
             if key in ("uva", "prefetch"):
                 continue
@@ -249,7 +267,9 @@ class OffloadConfig:
             elif key in _PREFETCH_FIELDS:
                 prefetch[key] = value
             else:
-                raise ConfigError(f"unknown offload config key {key!r}; allowed: {_allowed_keys()}")
+                raise ConfigError(
+                    f"unknown offload config key {_shown(key)}; allowed: {_allowed_keys()}"
+                )
         return cls(uva=uva, prefetch=prefetch, **nested)
 
     @classmethod
@@ -290,13 +310,28 @@ def _plain(part: UVAOffloadConfig | PrefetchOffloadConfig) -> dict[str, Any]:
 def _sub_config(kind: type, name: str, value: Any) -> Any:
     if isinstance(value, kind):
         return value
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{name} must be a {kind.__name__} or a mapping, got {value!r}")
+    return kind(**_part_dict(kind, name, value))
+
+
+def _part_dict(kind: type, name: str, value: Any) -> dict[str, Any]:
+    """The fields of a `uva` or `prefetch` part given as a mapping, an instance or None
+    (JSON's null: the defaults); unknown keys are refused, whatever their type."""
+    if value is None:
+        return {}
+    if isinstance(value, kind):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(kind)}
     allowed = tuple(f.name for f in dataclasses.fields(kind))
-    unknown = sorted(set(value) - set(allowed))
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{name} must be a {kind.__name__} or a mapping of {', '.join(allowed)}, "
+            f"got {_shown(value)}"
+        )
+    unknown = [key for key in value if key not in allowed]
     if unknown:
-        raise ConfigError(f"unknown key {unknown[0]!r} in {name}; allowed: {', '.join(allowed)}")
-    return kind(**value)
+        raise ConfigError(
+            f"unknown key {_shown(unknown[0])} in {name}; allowed: {', '.join(allowed)}"
+        )
+    return dict(value)
 
 
 class _RaisingParser(argparse.ArgumentParser):

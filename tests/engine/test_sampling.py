@@ -1,11 +1,14 @@
+import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from junk import JUNK
 
-from offload import ConfigError
+from offload import ConfigError, ModelError, OffloadError
 from offload.engine.logprobs import prompt_logprobs, token_logprobs
 from offload.engine.sampling import (
     SamplingParams,
@@ -33,7 +36,7 @@ def test_defaults_are_vllms():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        ({"temperature": -0.1}, "temperature must be in [0.0, inf]"),
+        ({"temperature": -0.1}, "temperature must be in [0.0, 2.0]"),
         ({"top_p": 0.0}, "top_p must be in (0.0, 1.0]"),
         ({"top_p": 1.5}, "top_p must be in (0.0, 1.0]"),
         ({"top_k": -2}, "top_k must be an integer >= -1"),
@@ -41,7 +44,7 @@ def test_defaults_are_vllms():
         ({"min_p": 2}, "min_p must be in [0.0, 1.0]"),
         ({"max_tokens": 0}, "max_tokens must be an integer >= 1"),
         ({"max_tokens": 4, "min_tokens": 5}, "min_tokens must be an integer in [0, 4]"),
-        ({"n": 0}, "n must be an integer >= 1"),
+        ({"n": 0}, "n must be an integer in [1, 16384]"),
         ({"stop": [""]}, "stop must be a non-empty string"),
         ({"stop": 3}, "stop must be a non-empty string"),
         ({"stop_token_ids": [-1]}, "stop_token_ids[] must be an integer >= 0"),
@@ -49,7 +52,7 @@ def test_defaults_are_vllms():
         ({"seed": "7"}, "seed must be an integer"),
         ({"presence_penalty": 2.5}, "presence_penalty must be in [-2.0, 2.0]"),
         ({"frequency_penalty": -3}, "frequency_penalty must be in [-2.0, 2.0]"),
-        ({"repetition_penalty": 0}, "repetition_penalty must be in (0.0, inf]"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in (0.0, inf)"),
         ({"repetition_penalty": "1.2"}, "repetition_penalty must be a number"),
         ({"logit_bias": [1, 2]}, "logit_bias must be a dict"),
         ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
@@ -273,3 +276,97 @@ def test_a_bad_word_loses_its_last_token_only_after_the_others():
     assert banned_tokens(bad, [1, 3, 4]) == [7, 5]
     assert banned_tokens(bad, [3, 4, 1]) == [7]
     assert banned_tokens([[3, 4, 5]], [4]) == []  # shorter than the head: no wrap-around
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"temperature": float("inf")}, "temperature must be in [0.0, 2.0]"),
+        ({"temperature": 10**400}, "temperature must be in [0.0, 2.0], got 1000"),
+        ({"temperature": 2.5}, "temperature must be in [0.0, 2.0]"),
+        ({"top_p": float("nan")}, "top_p must be a number"),
+        ({"top_k": 1.5}, "top_k must be an integer"),
+        ({"min_p": float("nan")}, "min_p must be a number"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias[] must be a number"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be in (0.0, inf)"),
+        ({"repetition_penalty": float("nan")}, "repetition_penalty must be a number"),
+        ({"presence_penalty": float("inf")}, "presence_penalty must be in [-2.0, 2.0]"),
+        ({"max_tokens": 1.5}, "max_tokens must be an integer"),
+        ({"max_tokens": "a"}, "max_tokens must be an integer"),
+        ({"n": 10**6}, "n must be an integer in [1, 16384]"),
+        ({"seed": "a"}, "seed must be an integer"),
+        ({"seed": 2**64}, "seed must be an integer"),
+        ({"stop": [5]}, "stop must be a non-empty string"),
+        ({"stop": 0}, "stop must be a non-empty string"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of token ids"),
+        ({"stop_token_ids": {1: 2}}, "stop_token_ids must be a list of token ids"),
+        ({"ignore_eos": "x"}, "ignore_eos must be True or False"),
+        ({"skip_special_tokens": 1}, "skip_special_tokens must be True or False"),
+        ({"include_stop_str_in_output": None}, "include_stop_str_in_output must be True"),
+        ({"logprobs": -2}, "logprobs must be an integer >= -1"),
+    ],
+)
+def test_junk_values_are_one_line_errors_naming_the_field(kwargs, needle):
+    with pytest.raises(ConfigError) as info:
+        SamplingParams(**kwargs)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_huge_or_infinite_logit_bias_is_clamped_as_vllm_does():
+    bias = SamplingParams(logit_bias={1: float("inf"), 2: -(10**400), 3: 1e400}).logit_bias
+    assert bias == {1: 100.0, 2: -100.0, 3: 100.0}
+
+
+@pytest.mark.parametrize("tiny", [1e-300, 1e-45, 1e-6, 0.005])
+def test_a_tiny_temperature_is_raised_to_vllms_floor_and_samples_finitely(tiny):
+    with pytest.warns(UserWarning, match="raised to 0.01"):
+        params = SamplingParams(temperature=tiny, seed=3)
+    assert params.temperature == 0.01 and not params.is_greedy
+    logits = torch.tensor([[30.0, 29.99, -50.0, 0.0]])
+    token = sample(logits, [params], [make_generator(params, logits.device)])
+    assert token.item() in (0, 1)
+
+
+def _one_row(params, logits, counts=None):
+    return sample(logits[None], [params], [make_generator(params, logits.device)], [counts], [4])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_no_token_left_to_pick_is_an_error_naming_the_settings(temperature):
+    """allowed_token_ids whose every id is banned: torch.multinomial's RuntimeError
+    when sampling, a silent token 0 when greedy; now one line naming the settings."""
+    params = SamplingParams(temperature=temperature, allowed_token_ids=[2], bad_words=["x"])
+    logits = torch.tensor([1.0, 2.0, -float("inf"), 0.5])  # token 2 banned (a bad word)
+    with pytest.raises(
+        ConfigError, match="no token is left to pick for prompt 4: allowed_token_ids"
+    ):
+        _one_row(params, logits)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_penalty_that_overflows_the_logits_is_an_error_naming_it(temperature):
+    params = SamplingParams(temperature=temperature, repetition_penalty=1e-40)
+    counts = TokenCounts([0, 1], 4, torch.device("cpu"))
+    with pytest.raises(
+        ConfigError, match=r"repetition_penalty=1e-40 made the logits of prompt 4 inf or nan"
+    ):
+        _one_row(params, torch.tensor([5.0, 4.0, 1.0, 0.0]), counts)
+
+
+def test_nan_logits_from_the_model_are_a_model_error():
+    with pytest.raises(ModelError, match="model's logits for prompt 4 hold nan or inf"):
+        _one_row(SamplingParams(temperature=1.0), torch.tensor([1.0, float("nan"), 0.0, 0.0]))
+
+
+_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if f.init]
+
+
+@settings(max_examples=200, deadline=None)
+@given(field=st.sampled_from(_FIELDS), value=JUNK)
+def test_junk_in_any_field_builds_or_raises_an_offload_error(field, value):
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            SamplingParams(**{field: value})
+    except OffloadError as error:
+        assert "\n" not in str(error)

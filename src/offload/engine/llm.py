@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import operator
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +13,16 @@ from typing import Any
 import torch
 
 from offload.config import OFFLOAD_KEYS, OffloadConfig
+from offload.engine.checks import (
+    check_chat_args,
+    check_llm_args,
+    check_token_ids,
+    check_use_tqdm,
+    conversations_of,
+    parse_prompts,
+    render_chat,
+    vocab_limit,
+)
 from offload.engine.fit import device_budget, measure, plan_fit
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import (
@@ -114,11 +123,21 @@ class LLM:
     ):
         self._lock = threading.Lock()
         self._closed = False
+        check_llm_args(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            device_memory_gb=device_memory_gb,
+            swap_space=swap_space,
+            seed=seed,
+            load_format=load_format,
+            kv_offload=kv_offload,
+            enforce_eager=enforce_eager,
+            progress=progress,
+        )
         config = _offload_config(offload_config, offload_flags)
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ConfigError(
-                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}"
-            )
         if tensor_parallel_size != 1:
             raise ConfigError(
                 f"tensor_parallel_size must be 1 (offload runs a model on one device), "
@@ -203,38 +222,12 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = True,
     ) -> list[RequestOutput]:
         """Complete each prompt; one `RequestOutput` per prompt, in order. A prompt is a
-        string or, as in vLLM, {"prompt": str} or {"prompt_token_ids": [int, ...]}.
+        string or, as in vLLM, {"prompt": str} or {"prompt_token_ids": [int, ...]};
+        `prompts` is one prompt or any iterable of them (a list, a tuple, a generator).
         `use_tqdm` shows a bar of processed prompts (or names the tqdm class to use)."""
-        if isinstance(prompts, str | Mapping):
-            prompts = [prompts]
-        vocab = self.model.config.vocab_size
-        texts, ids = [], []
-        for prompt in prompts:
-            if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-                texts.append(prompt.get("prompt"))
-                try:
-                    tokens = [operator.index(token) for token in prompt["prompt_token_ids"]]
-                except TypeError:
-                    raise ConfigError(
-                        "prompt_token_ids must be a list of integer token ids"
-                    ) from None
-                if any(not 0 <= token < vocab for token in tokens):
-                    raise ConfigError(
-                        f"prompt_token_ids must be token ids in [0, {vocab}), got "
-                        f"{next(t for t in tokens if not 0 <= t < vocab)}"
-                    )
-                ids.append(tokens)
-            elif isinstance(prompt, Mapping) and isinstance(prompt.get("prompt"), str):
-                texts.append(prompt["prompt"])
-                ids.append(self.tokenizer(prompt["prompt"]).input_ids)
-            elif isinstance(prompt, str):
-                texts.append(prompt)
-                ids.append(self.tokenizer(prompt).input_ids)
-            else:
-                raise ConfigError(
-                    "a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]}, "
-                    f"got {type(prompt).__name__}"
-                )
+        check_use_tqdm(use_tqdm)
+        texts, ids, encoded = parse_prompts(prompts, lambda text: self.tokenizer(text).input_ids)
+        check_token_ids(ids, vocab_limit(self.model), encoded)
         return self._generate(texts, ids, sampling_params, use_tqdm)
 
     @_serialized
@@ -252,9 +245,15 @@ class LLM:
         """Answer one conversation (a list of {"role", "content"} messages) or several,
         with the model's chat template or `chat_template`; the other arguments are
         vLLM's and go to the template (`chat_template_kwargs`, e.g. enable_thinking)."""
-        conversations = (
-            [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        conversations = conversations_of(messages)
+        check_chat_args(
+            chat_template,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            chat_template_kwargs,
         )
+        check_use_tqdm(use_tqdm)
         if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
                 "this model's tokenizer has no chat template; pass chat_template= or use "
@@ -265,19 +264,17 @@ class LLM:
                 "continue_final_message=True needs add_generation_prompt=False: the reply "
                 "either continues the last message or starts a new one"
             )
-        texts = [
-            self.tokenizer.apply_chat_template(
-                list(c),
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message,
-                tools=tools,
-                tokenize=False,
-                **(chat_template_kwargs or {}),
-            )
-            for c in conversations
-        ]
+        texts = render_chat(
+            self.tokenizer,
+            conversations,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            **(chat_template_kwargs or {}),
+        )
         ids = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        check_token_ids(ids, vocab_limit(self.model), [True] * len(ids))
         return self._generate(texts, ids, sampling_params, use_tqdm)
 
     def close(self) -> None:

@@ -3,31 +3,76 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, ModelError
 
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below this is greedy decoding
+# vLLM's bounds: a temperature in (0, MIN_TEMPERATURE) is raised to it (logits divided
+# by less overflow float32), and above MAX_TEMPERATURE it is refused.
+MIN_TEMPERATURE = 1e-2
+MAX_TEMPERATURE = 2.0
+MAX_N = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES
 
 
-def _number(name: str, value: object, low: float, high: float, *, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
-        raise ConfigError(f"{name} must be a number, got {value!r}")
-    if value < low or (low_open and value == low) or value > high:
-        bracket = "(" if low_open else "["
-        raise ConfigError(f"{name} must be in {bracket}{low}, {high}], got {value!r}")
-    return float(value)
+def _shown(value: object) -> str:
+    """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"
+
+
+def _number(
+    name: str,
+    value: object,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(f"{name} must be a number, got {_shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range (10**400) counts as infinite
+        number = math.inf if value > 0 else -math.inf
+    if math.isnan(number):
+        raise ConfigError(f"{name} must be a number, got {_shown(value)}")
+    if (
+        number < low
+        or number > high
+        or (low_open and number == low)
+        or (high_open and number == high)
+    ):
+        bracket, close = "(" if low_open else "[", ")" if high_open else "]"
+        raise ConfigError(f"{name} must be in {bracket}{low}, {high}{close}, got {_shown(value)}")
+    return number
 
 
 def _integer(name: str, value: object, low: int, high: float = math.inf) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         allowed = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise ConfigError(f"{name} must be an integer {allowed}, got {value!r}")
+        raise ConfigError(f"{name} must be an integer {allowed}, got {_shown(value)}")
     return value
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name} must be True or False, got {_shown(value)}")
+    return value
+
+
+def _items(name: str, value: object, what: str) -> list:
+    """A list of the items of `value`: a list, tuple or set (not a string or a dict)."""
+    if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        raise ConfigError(f"{name} must be a list of {what}, got {_shown(value)}")
+    return list(value)
 
 
 @dataclass
@@ -78,8 +123,8 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.n = _integer("n", self.n, 1)
-        self.temperature = _number("temperature", self.temperature, 0.0, math.inf)
+        self.n = _integer("n", self.n, 1, MAX_N)
+        self._check_temperature()
         self.top_p = _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
         self.top_k = _integer("top_k", self.top_k, -1)
         self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
@@ -87,14 +132,19 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed, -(2**63), 2**64 - 1)
         self.max_tokens = _integer("max_tokens", self.max_tokens, 1)
         self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is None:
+            stops = []
         if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
             raise ConfigError(
-                f"stop must be a non-empty string or a list of them, got {self.stop!r}"
+                f"stop must be a non-empty string or a list of them, got {_shown(self.stop)}"
             )
         self.stop_strings = tuple(stops)
-        ids = list(self.stop_token_ids or [])
+        ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        ids = _items("stop_token_ids", ids, "token ids")
         self.stop_token_ids = [_integer("stop_token_ids[]", i, 0) for i in ids]
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            setattr(self, name, _flag(name, getattr(self, name)))
         self._check_logit_rules()
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
@@ -103,7 +153,7 @@ class SamplingParams:
             keep = self.truncate_prompt_tokens
             if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
                 raise ConfigError(
-                    f"truncate_prompt_tokens must be an integer >= 1 or -1, got {keep!r}"
+                    f"truncate_prompt_tokens must be an integer >= 1 or -1, got {_shown(keep)}"
                 )
         words = self.bad_words
         if words is not None and (
@@ -111,20 +161,39 @@ class SamplingParams:
             or not isinstance(words, list | tuple)
             or not all(isinstance(w, str) and w.strip() for w in words)
         ):
-            raise ConfigError(f"bad_words must be a list of non-blank strings, got {words!r}")
+            raise ConfigError(f"bad_words must be a list of non-blank strings, got {_shown(words)}")
         if self.is_greedy:  # as vLLM: the filters mean nothing for greedy decoding
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _check_temperature(self) -> None:
+        """vLLM's range; a tiny temperature is raised (with a warning, as vLLM does) so
+        the logits divided by it stay finite in float32."""
+        temperature = _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            warnings.warn(
+                f"temperature {temperature:g} is below {MIN_TEMPERATURE}, which may make the "
+                f"probabilities inf or nan; it is raised to {MIN_TEMPERATURE}",
+                UserWarning,
+                stacklevel=4,
+            )
+            temperature = MIN_TEMPERATURE
+        self.temperature = temperature
 
     def _check_logit_rules(self) -> None:
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         self.repetition_penalty = _number(
-            "repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True
+            "repetition_penalty",
+            self.repetition_penalty,
+            0.0,
+            math.inf,
+            low_open=True,
+            high_open=True,
         )
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise ConfigError(
-                    f"logit_bias must be a dict of token id to bias, got {self.logit_bias!r}"
+                    f"logit_bias must be a dict of token id to bias, got {_shown(self.logit_bias)}"
                 )
             # Keys may be strings, as JSON has them; biases clamped as OpenAI's API does.
             self.logit_bias = {
@@ -137,7 +206,7 @@ class SamplingParams:
             ids = self.allowed_token_ids
             if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or not ids:
                 raise ConfigError(
-                    f"allowed_token_ids must be a non-empty list of token ids, got {ids!r}"
+                    f"allowed_token_ids must be a non-empty list of token ids, got {_shown(ids)}"
                 )
             self.allowed_token_ids = [_integer("allowed_token_ids[]", i, 0) for i in ids]
 
@@ -192,7 +261,7 @@ def _token_id(name: str, token: object) -> int:
     except (TypeError, ValueError):
         value = -1
     if isinstance(token, bool) or value < 0:
-        raise ConfigError(f"{name} keys must be token ids (integers >= 0), got {token!r}")
+        raise ConfigError(f"{name} keys must be token ids (integers >= 0), got {_shown(token)}")
     return value
 
 
@@ -272,6 +341,7 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     counts: Sequence[TokenCounts | None] | None = None,
+    prompts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """The next token of each request: logits [batch, vocab] -> token ids [batch].
 
@@ -279,17 +349,85 @@ def sample(
     offloading picks) after `adjust_logits`; the others draw from their filtered
     distribution with their own generator, so a seeded request gives the same tokens
     alone or in any batch. `counts` (one per row) feed the penalties.
+
+    A row with nothing to pick from (every token excluded, or inf/nan where the
+    settings or the model overflowed) raises one line naming the cause and the prompt
+    (`prompts`: each row's index in the call), never a wrong token or torch's error.
     """
     counts = counts if counts is not None else [None] * len(params)
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [batch]
+    unusable = []  # per row, on the device: checked once for the batch (one sync)
     for row, (request, generator) in enumerate(zip(params, generators, strict=True)):
         row_logits = adjust_logits(logits[row], request, counts[row])
         if request.is_greedy:
+            unusable.append(_unusable(row_logits))
             tokens[row] = torch.argmax(row_logits)
             continue
         probs = torch.softmax(filter_logits(row_logits, request), dim=-1)
+        bad = _unusable(probs)
+        unusable.append(bad)
+        # A bad row draws from a stand-in, so multinomial (a device assert on a GPU) never
+        # sees it; the error below is raised instead.
+        probs = torch.where(bad, torch.ones_like(probs), probs)
         tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
+    if unusable:
+        flags = torch.stack(unusable)  # [batch]
+        if bool(flags.any()):
+            row = int(flags.nonzero()[0])
+            prompt = row if prompts is None else prompts[row]
+            raise _why_unusable(logits[row], params[row], counts[row], prompt)
     return tokens
+
+
+def _unusable(values: torch.Tensor) -> torch.Tensor:
+    """True (a 0-d tensor) when nothing can be picked from logits or probabilities."""
+    return torch.isnan(values).any() | torch.isposinf(values).any() | torch.isneginf(values).all()
+
+
+def _why_unusable(
+    raw: torch.Tensor, request: SamplingParams, counts: TokenCounts | None, prompt: int
+) -> ConfigError | ModelError:
+    """The error for a row `sample` could not pick from: which setting (or the model)
+    left no finite choice. Runs only on that path, so it may recompute."""
+    if bool(torch.isnan(raw).any() | torch.isposinf(raw).any()):
+        return ModelError(
+            f"the model's logits for prompt {prompt} hold nan or inf (its weights or "
+            "dtype overflowed); try dtype='float32'"
+        )
+    adjusted = adjust_logits(raw, request, counts)
+    if bool(torch.isneginf(adjusted).all()):
+        rules = [
+            name
+            for name, value in (
+                ("allowed_token_ids", request.allowed_token_ids),
+                ("bad_words", request.bad_words),
+                ("min_tokens (bans the end and stop tokens)", request.min_tokens),
+            )
+            if value
+        ]
+        return ConfigError(
+            f"no token is left to pick for prompt {prompt}: "
+            f"{', '.join(rules) or 'the bans'} exclude every token"
+        )
+    if bool(_unusable(adjusted)):  # only the penalties can overflow (the bias is clamped)
+        penalties = ", ".join(
+            f"{name}={value:g}"
+            for name, value, off in (
+                ("repetition_penalty", request.repetition_penalty, 1.0),
+                ("frequency_penalty", request.frequency_penalty, 0.0),
+                ("presence_penalty", request.presence_penalty, 0.0),
+            )
+            if value != off
+        )
+        return ConfigError(
+            f"{penalties} made the logits of prompt {prompt} inf or nan; "
+            "use a repetition_penalty nearer 1"
+        )
+    return ConfigError(
+        f"temperature={request.temperature:g} (with top_p={request.top_p:g}, "
+        f"top_k={request.top_k}, min_p={request.min_p:g}) made the probabilities of prompt "
+        f"{prompt} inf or nan"
+    )
 
 
 def find_stop(text: str, stops: Sequence[str], include: bool = False) -> tuple[str, str] | None:

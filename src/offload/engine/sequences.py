@@ -3,7 +3,7 @@ returns (vLLM's `RequestOutput` and `CompletionOutput`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -135,7 +135,15 @@ def per_prompt(sampling_params, count: int) -> list[SamplingParams]:
         return [SamplingParams()] * count
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
+    allowed = f"sampling_params must be one SamplingParams or one per prompt ({count})"
+    if isinstance(sampling_params, str | bytes | Mapping) or not isinstance(
+        sampling_params, Iterable
+    ):
+        raise ConfigError(f"{allowed}, got {type(sampling_params).__name__}")
     params = list(sampling_params)
-    if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
-        raise ConfigError(f"sampling_params must be one SamplingParams or one per prompt ({count})")
+    wrong = next((p for p in params if not isinstance(p, SamplingParams)), None)
+    if wrong is not None:
+        raise ConfigError(f"{allowed}, got a list holding a {type(wrong).__name__}")
+    if len(params) != count:
+        raise ConfigError(f"{allowed}, got {len(params)}")
     return params

@@ -32,6 +32,7 @@ class TokenSteps:
             [s.params for s in sequences],
             [s.generator for s in sequences],
             [s.counts for s in sequences],
+            [s.request for s in sequences],
         )
         for row, (sequence, token) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
             if sequence.finish_reason is None:
