@@ -19,32 +19,26 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, shown
 
 OffloadBackend = Literal["auto", "uva", "prefetch"]
 BACKENDS: tuple[str, ...] = ("auto", "uva", "prefetch")
 
 
-def _shown(value: Any) -> str:
-    """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"
-
-
 def _as_number(owner: str, name: str, value: Any, minimum: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {_shown(value)}")
+        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}")
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range (10**400) is not finite
         number = math.inf
     except ValueError:
         raise ConfigError(
-            f"{owner}.{name} must be a number >= {minimum}, got {_shown(value)}"
+            f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}"
         ) from None
     if not math.isfinite(number) or number < minimum:
         raise ConfigError(
-            f"{owner}.{name} must be a finite number >= {minimum}, got {_shown(value)}"
+            f"{owner}.{name} must be a finite number >= {minimum}, got {shown(value)}"
         )
     return number
 
@@ -54,7 +48,7 @@ def _as_int(owner: str, name: str, value: Any, minimum: int) -> int:
     if isinstance(value, int):  # exact, not through float
         return value
     if number != int(number):
-        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {_shown(value)}")
+        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {shown(value)}")
     return int(number)
 
 
@@ -62,11 +56,11 @@ def _as_segments(owner: str, name: str, value: Any) -> set[str]:
     """A set of dot-separated name segments; a string may hold several, comma-separated."""
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, Iterable) or isinstance(items, bytes | bytearray | Mapping):
-        raise ConfigError(f"{owner}.{name} must be a set of name segments, got {_shown(value)}")
+        raise ConfigError(f"{owner}.{name} must be a set of name segments, got {shown(value)}")
     segments: set[str] = set()
     for item in items:
         if not isinstance(item, str):
-            raise ConfigError(f"{owner}.{name} must hold strings, got {_shown(item)}")
+            raise ConfigError(f"{owner}.{name} must hold strings, got {shown(item)}")
         if not item.strip(" ,"):
             raise ConfigError(
                 f"{owner}.{name} entries must be name segments such as 'experts', got {item!r}"
@@ -85,7 +79,7 @@ def _as_segments(owner: str, name: str, value: Any) -> set[str]:
 
 def _as_bool(owner: str, name: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name} must be true or false, got {_shown(value)}")
+        raise ConfigError(f"{owner}.{name} must be true or false, got {shown(value)}")
     return value
 
 
@@ -165,7 +159,7 @@ class OffloadConfig:
         if self.prefetch_unit not in PREFETCH_UNITS:
             raise ConfigError(
                 f"prefetch_unit must be one of {', '.join(PREFETCH_UNITS)}, "
-                f"got {_shown(self.prefetch_unit)}"
+                f"got {shown(self.prefetch_unit)}"
             )
         self.validate()
         self._warn_about_ignored_fields()
@@ -175,7 +169,7 @@ class OffloadConfig:
         if self.offload_backend not in BACKENDS:
             raise ConfigError(
                 f"offload_backend must be one of {', '.join(BACKENDS)}, "
-                f"got {_shown(self.offload_backend)}"
+                f"got {shown(self.offload_backend)}"
             )
         # The parts may have been replaced since construction, by anything.
         self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
@@ -268,7 +262,7 @@ class OffloadConfig:
                 prefetch[key] = value
             else:
                 raise ConfigError(
-                    f"unknown offload config key {_shown(key)}; allowed: {_allowed_keys()}"
+                    f"unknown offload config key {shown(key)}; allowed: {_allowed_keys()}"
                 )
         return cls(uva=uva, prefetch=prefetch, **nested)
 
@@ -324,12 +318,12 @@ def _part_dict(kind: type, name: str, value: Any) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(
             f"{name} must be a {kind.__name__} or a mapping of {', '.join(allowed)}, "
-            f"got {_shown(value)}"
+            f"got {shown(value)}"
         )
     unknown = [key for key in value if key not in allowed]
     if unknown:
         raise ConfigError(
-            f"unknown key {_shown(unknown[0])} in {name}; allowed: {', '.join(allowed)}"
+            f"unknown key {shown(unknown[0])} in {name}; allowed: {', '.join(allowed)}"
         )
     return dict(value)
 

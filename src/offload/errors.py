@@ -11,3 +11,9 @@ class ConfigError(OffloadError, ValueError):
 
 class ModelError(OffloadError, ValueError):
     """The model cannot be offloaded as given (no layer stack, meta tensors, ...)."""
+
+
+def shown(value: object) -> str:
+    """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.errors import ConfigError, ModelError
+from offload.errors import ConfigError, ModelError, shown
 from offload.model.loader import DTYPES, LOAD_FORMATS
 
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
@@ -41,12 +41,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes
-
-
-def shown(value: object) -> str:
-    """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"
 
 
 # -- LLM(...) ---------------------------------------------------------------------

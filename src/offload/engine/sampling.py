@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.errors import ConfigError, ModelError
+from offload.errors import ConfigError, ModelError, shown
 
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below this is greedy decoding
 # vLLM's bounds: a temperature in (0, MIN_TEMPERATURE) is raised to it (logits divided
@@ -19,12 +19,6 @@ GREEDY_EPS = 1e-5  # vLLM's: a temperature below this is greedy decoding
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
 MAX_N = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES
-
-
-def _shown(value: object) -> str:
-    """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
-    text = repr(value)
-    return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"
 
 
 def _number(
@@ -37,13 +31,13 @@ def _number(
     high_open: bool = False,
 ) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{name} must be a number, got {_shown(value)}")
+        raise ConfigError(f"{name} must be a number, got {shown(value)}")
     try:
         number = float(value)
     except OverflowError:  # an int beyond float's range (10**400) counts as infinite
         number = math.inf if value > 0 else -math.inf
     if math.isnan(number):
-        raise ConfigError(f"{name} must be a number, got {_shown(value)}")
+        raise ConfigError(f"{name} must be a number, got {shown(value)}")
     if (
         number < low
         or number > high
@@ -51,27 +45,27 @@ def _number(
         or (high_open and number == high)
     ):
         bracket, close = "(" if low_open else "[", ")" if high_open else "]"
-        raise ConfigError(f"{name} must be in {bracket}{low}, {high}{close}, got {_shown(value)}")
+        raise ConfigError(f"{name} must be in {bracket}{low}, {high}{close}, got {shown(value)}")
     return number
 
 
 def _integer(name: str, value: object, low: int, high: float = math.inf) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         allowed = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise ConfigError(f"{name} must be an integer {allowed}, got {_shown(value)}")
+        raise ConfigError(f"{name} must be an integer {allowed}, got {shown(value)}")
     return value
 
 
 def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {_shown(value)}")
+        raise ConfigError(f"{name} must be True or False, got {shown(value)}")
     return value
 
 
 def _items(name: str, value: object, what: str) -> list:
     """A list of the items of `value`: a list, tuple or set (not a string or a dict)."""
     if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
-        raise ConfigError(f"{name} must be a list of {what}, got {_shown(value)}")
+        raise ConfigError(f"{name} must be a list of {what}, got {shown(value)}")
     return list(value)
 
 
@@ -137,7 +131,7 @@ class SamplingParams:
             stops = []
         if not isinstance(stops, list | tuple) or not all(isinstance(s, str) and s for s in stops):
             raise ConfigError(
-                f"stop must be a non-empty string or a list of them, got {_shown(self.stop)}"
+                f"stop must be a non-empty string or a list of them, got {shown(self.stop)}"
             )
         self.stop_strings = tuple(stops)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
@@ -153,7 +147,7 @@ class SamplingParams:
             keep = self.truncate_prompt_tokens
             if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
                 raise ConfigError(
-                    f"truncate_prompt_tokens must be an integer >= 1 or -1, got {_shown(keep)}"
+                    f"truncate_prompt_tokens must be an integer >= 1 or -1, got {shown(keep)}"
                 )
         words = self.bad_words
         if words is not None and (
@@ -161,7 +155,7 @@ class SamplingParams:
             or not isinstance(words, list | tuple)
             or not all(isinstance(w, str) and w.strip() for w in words)
         ):
-            raise ConfigError(f"bad_words must be a list of non-blank strings, got {_shown(words)}")
+            raise ConfigError(f"bad_words must be a list of non-blank strings, got {shown(words)}")
         if self.is_greedy:  # as vLLM: the filters mean nothing for greedy decoding
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -193,7 +187,7 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise ConfigError(
-                    f"logit_bias must be a dict of token id to bias, got {_shown(self.logit_bias)}"
+                    f"logit_bias must be a dict of token id to bias, got {shown(self.logit_bias)}"
                 )
             # Keys may be strings, as JSON has them; biases clamped as OpenAI's API does.
             self.logit_bias = {
@@ -206,7 +200,7 @@ class SamplingParams:
             ids = self.allowed_token_ids
             if isinstance(ids, str | bytes) or not isinstance(ids, Sequence) or not ids:
                 raise ConfigError(
-                    f"allowed_token_ids must be a non-empty list of token ids, got {_shown(ids)}"
+                    f"allowed_token_ids must be a non-empty list of token ids, got {shown(ids)}"
                 )
             self.allowed_token_ids = [_integer("allowed_token_ids[]", i, 0) for i in ids]
 
@@ -261,7 +255,7 @@ def _token_id(name: str, token: object) -> int:
     except (TypeError, ValueError):
         value = -1
     if isinstance(token, bool) or value < 0:
-        raise ConfigError(f"{name} keys must be token ids (integers >= 0), got {_shown(token)}")
+        raise ConfigError(f"{name} keys must be token ids (integers >= 0), got {shown(token)}")
     return value
 
 
