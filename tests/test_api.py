@@ -149,3 +149,17 @@ def test_a_submodule_also_used_outside_the_stack_stays_resident(config):
     names = {entry.name for entry in offloader.manifest()}
     assert names and not any(name.startswith("blocks.1.") for name in names)
     assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_offloading_to_the_cpu_it_computes_on_warns_only_when_a_gpu_is_usable(gpu, monkeypatch):
+    import warnings
+
+    monkeypatch.setattr(offload.api, "cuda_usable", lambda: gpu)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        offload.apply(zoo.build("llama"), {"offload_group_size": 1, "offload_num_in_group": 1})
+        offload.apply(zoo.build("llama"), None)  # nothing offloaded: nothing to say
+    said = [str(w.message) for w in caught if "a GPU is usable" in str(w.message)]
+    assert len(said) == (1 if gpu else 0)
+    assert all("device='cuda'" in message for message in said)

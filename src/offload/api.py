@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -10,7 +11,7 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.errors import ModelError
-from offload.memory.device import check_device
+from offload.memory.device import check_device, cuda_usable
 from offload.model.layers import find_layers, resolve_layers
 from offload.offloader.base import (
     BaseOffloader,
@@ -32,7 +33,8 @@ def apply(
 
     Finds the model's repeated layer stack (or takes `layers`: a module name, a
     ModuleList, or modules), wraps it with the configured backend, puts every other
-    parameter and buffer on `device` (default: where the model is), runs `post_init`
+    parameter and buffer on `device` (default: where the model is, not "auto": a model
+    on the CPU computes on the CPU, with a warning if a GPU is usable), runs `post_init`
     and makes the offloader the process-wide one (`get_offloader()`). Offloaded
     weights go straight from where they are to host memory, layer by layer, so the
     device never holds more than the resident part of the model.
@@ -42,6 +44,13 @@ def apply(
     _check_no_meta(model)
     device = check_device(device if device is not None else _model_device(model))
     offloader = prepare(model, config, device, layers)
+    if device.type == "cpu" and offloader.offloaded_bytes and cuda_usable():
+        warnings.warn(
+            "offload.apply: the model computes on the CPU, the same memory its weights are "
+            "offloaded to, while a GPU is usable; pass device='cuda' to compute there",
+            UserWarning,
+            stacklevel=2,
+        )
     return finish(offloader)
 
 

@@ -38,7 +38,7 @@ def _size(num_bytes: float) -> str:
 def whole_stack_config(path: Path, dtype: str, trust_remote_code: bool = False) -> OffloadConfig:
     """UVA offloading of every layer of the stack (what `generate` does with no flags)."""
     model = build_empty(path, dtype, trust_remote_code)
-    layer_bytes = sum(_bytes(stack) for _, stack in find_layer_stacks(model))
+    layer_bytes = sum(_bytes(b) for _, blocks in find_layer_stacks(model) for b in blocks)
     return OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=layer_bytes / _GIB))
 
 

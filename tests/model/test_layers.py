@@ -81,3 +81,47 @@ def test_layers_with_no_parameters_are_not_a_stack():
     model.proj = nn.Linear(2, 2)
     assert find_layer_stacks(model) == []
     assert torch.is_tensor(model.proj.weight)
+
+
+class Stem(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(3, 4)
+
+    def forward(self, x):
+        return self.proj(x).relu()
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return x + self.mix(self.norm(x))
+
+
+def test_the_blocks_between_a_stem_and_a_head_of_a_sequential_are_a_stack():
+    model = nn.Sequential(Stem(), Block(), Block(), Block(), nn.Linear(4, 4), nn.Linear(4, 2))
+    assert [name for name, _ in find_layer_stacks(model)] == ["[1:4]"]
+    assert find_layers(model) == list(model)[1:4]
+    # Consecutive children of one type but different shapes are not repeated blocks.
+    mlp = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 8), nn.Linear(8, 4))
+    assert find_layer_stacks(mlp) == []
+
+
+def test_apply_offloads_a_sequential_with_a_stem_and_a_head():
+    import offload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Stem(), *[Residual() for _ in range(4)], nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        expected = model(x)
+        offloader = offload.apply(model, {"offload_group_size": 1, "offload_num_in_group": 1})
+        assert offloader.offloaded_bytes == sum(
+            p.numel() * p.element_size() for b in list(model)[1:5] for p in b.parameters()
+        )
+        assert torch.equal(model(x), expected)
+    assert offloader.stats()["bytes_copied"] > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -51,6 +52,7 @@ from offload.engine.sequences import (
     per_prompt,
 )
 from offload.engine.tokens import TokenSteps
+from offload.engine.vllm_args import IGNORED, check_ignored
 from offload.errors import ConfigError, ModelError
 from offload.memory.device import check_device
 from offload.model.default import default_model_path
@@ -102,7 +104,7 @@ class LLM:
         model: str | Path | None = None,
         *,
         dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "auto",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         device_memory_gb: float | None = None,
@@ -190,7 +192,7 @@ class LLM:
         self.model, self.offloader = load_model(
             path,
             config,
-            device=device,
+            device=self.device,
             dtype=dtype,
             load_format=load_format,
             progress=progress,
@@ -288,6 +290,15 @@ class LLM:
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer that prompts and chats go through (vLLM's name)."""
+        return self.tokenizer
+
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Use `tokenizer` for later calls (vLLM's name); it must fit the model's vocabulary."""
+        self.tokenizer = tokenizer
+        self._tokens = TokenSteps(tokenizer, self._tokens.eos_ids)
+
     def __enter__(self) -> LLM:
         return self
 
@@ -305,7 +316,8 @@ class LLM:
         sequences = []
         for index, (prompt_ids, request) in enumerate(zip(ids, params, strict=True)):
             generator = make_generator(request, self.device)
-            limit = min(request.max_tokens, self.max_model_len - len(prompt_ids))
+            room = self.max_model_len - len(prompt_ids)
+            limit = room if request.max_tokens is None else min(request.max_tokens, room)
             bad_ids = bad_words_token_ids(request.bad_words or [], self._tokens.encode)
             for number in range(request.n):
                 counts = (
@@ -493,14 +505,22 @@ class LLM:
 def _offload_config(
     offload_config: OffloadConfig | Mapping[str, Any] | None, flags: dict[str, Any]
 ) -> OffloadConfig:
-    if offload_config is not None and flags:
-        raise ConfigError("pass offload settings either as offload_config or as flags, not both")
+    ignored = {key: flags.pop(key) for key in list(flags) if key in IGNORED}
     unknown = [key for key in flags if key not in OFFLOAD_KEYS]
     if unknown:
+        own = [
+            n
+            for n in inspect.signature(LLM.__init__).parameters
+            if n not in ("self", "offload_flags")
+        ]
         raise ConfigError(
-            f"LLM() got an unexpected argument {unknown[0]!r}; besides its own arguments it "
-            f"takes the offload flags {', '.join(OFFLOAD_KEYS)}"
+            f"LLM() got an unexpected argument {unknown[0]!r}; it takes {', '.join(own)}; "
+            f"the offload flags {', '.join(OFFLOAD_KEYS)}; and, at values that change "
+            f"nothing here, vLLM's {', '.join(IGNORED)}"
         )
+    check_ignored(ignored)
+    if offload_config is not None and flags:
+        raise ConfigError("pass offload settings either as offload_config or as flags, not both")
     return as_config(offload_config if offload_config is not None else flags)
 
 

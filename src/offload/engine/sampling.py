@@ -76,7 +76,8 @@ class SamplingParams:
     `temperature=0` is greedy decoding; `top_k` of 0 or -1 and `top_p=1` switch those
     filters off; `seed` makes a request's sampling reproducible on its own, whatever
     else is in the batch; `stop` strings end the text (not included in it unless
-    `include_stop_str_in_output`); generation also ends at `max_tokens`, at the model's
+    `include_stop_str_in_output`); generation also ends at `max_tokens` (None: when the
+    prompt and output fill `max_model_len`, as in vLLM), at the model's
     end-of-sequence token (unless `ignore_eos`) and at any of `stop_token_ids`.
 
     Before any token is picked (greedy too), as vLLM does: only `allowed_token_ids` may
@@ -101,7 +102,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: until max_model_len, as in vLLM
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -124,8 +125,10 @@ class SamplingParams:
         self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
             self.seed = _integer("seed", self.seed, -(2**63), 2**64 - 1)
-        self.max_tokens = _integer("max_tokens", self.max_tokens, 1)
-        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.max_tokens is not None:
+            self.max_tokens = _integer("max_tokens", self.max_tokens, 1)
+        most = math.inf if self.max_tokens is None else self.max_tokens
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, most)
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is None:
             stops = []

@@ -9,32 +9,53 @@ from torch import nn
 from offload.errors import ModelError
 
 
-def _is_block_stack(module: nn.Module) -> bool:
-    """A ModuleList (of any blocks) or a Sequential of one block type, with at least two
-    children that all hold parameters."""
+def _block_runs(module: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The block stacks directly inside `module`, as (suffix, blocks): a ModuleList (of
+    any blocks) or a Sequential of one block type, with at least two children that all
+    hold parameters; or, in a Sequential that mixes types (`stem, block, ..., head`),
+    each run of two or more consecutive children of one type with the same parameter
+    shapes."""
     children = list(module.children())
-    if len(children) < 2 or not all(_has_params(child) for child in children):
-        return False
-    if isinstance(module, nn.ModuleList):
-        return True
-    return isinstance(module, nn.Sequential) and len({type(c) for c in children}) == 1
+    whole = isinstance(module, nn.ModuleList) or (
+        isinstance(module, nn.Sequential) and len({type(c) for c in children}) == 1
+    )
+    if whole and len(children) >= 2 and all(_has_params(child) for child in children):
+        return [("", children)]
+    if not isinstance(module, nn.Sequential):
+        return []
+    runs, start = [], 0
+    for end in range(1, len(children) + 1):
+        if end == len(children) or _signature(children[end]) != _signature(children[start]):
+            if end - start >= 2 and _has_params(children[start]):
+                runs.append((f"[{start}:{end}]", children[start:end]))
+            start = end
+    return runs
+
+
+def _signature(module: nn.Module) -> tuple:
+    return type(module), tuple((n, p.shape) for n, p in module.named_parameters())
 
 
 def _has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def find_layer_stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost block stacks of `model` as (qualified name, container), in
+def find_layer_stacks(model: nn.Module) -> list[tuple[str, list[nn.Module]]]:
+    """The outermost block stacks of `model` as (qualified name, blocks), in
     registration order: `model.layers` for a Llama, `encoder.block` and
-    `decoder.block` for a T5. Stacks nested inside another stack's blocks (the
-    experts of an MoE layer, say) belong to their block and are not listed."""
-    stacks = [(name, m) for name, m in model.named_modules() if _is_block_stack(m)]
+    `decoder.block` for a T5, `[1:9]` for the blocks of a `Sequential(stem, blocks...,
+    head)`. Stacks nested inside another stack's blocks (the experts of an MoE layer,
+    say) belong to their block and are not listed."""
+    stacks = [
+        (name + suffix, blocks)
+        for name, module in model.named_modules()
+        for suffix, blocks in _block_runs(module)
+    ]
     nested: set[int] = set()
-    for _, stack in stacks:
-        for block in stack.children():
-            nested.update(id(m) for m in block.modules())
-    return [(name, stack) for name, stack in stacks if id(stack) not in nested]
+    for _, blocks in stacks:
+        for block in blocks:
+            nested.update(id(m) for m in block.modules() if m is not block)
+    return [(name, blocks) for name, blocks in stacks if id(blocks[0]) not in nested]
 
 
 def find_layers(model: nn.Module) -> list[nn.Module]:
@@ -45,7 +66,7 @@ def find_layers(model: nn.Module) -> list[nn.Module]:
             f"found no repeated layer stack in {type(model).__name__} (no nn.ModuleList or "
             "nn.Sequential of two or more blocks with parameters); pass layers= explicitly"
         )
-    return [block for _, stack in stacks for block in stack.children()]
+    return [block for _, blocks in stacks for block in blocks]
 
 
 def resolve_layers(
