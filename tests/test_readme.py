@@ -1,0 +1,90 @@
+"""The README runs as written: every shell command and every Python block, each a fresh
+process with exit status 0. The only substitutions are its two placeholders for a model
+of your own (`MODEL`, `path/to/model`), which become the default model's folder."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+PLACEHOLDERS = (r"\bMODEL\b", r"path/to/model")
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README, flags=re.M | re.S)
+
+
+def commands() -> list[str]:
+    """Each shell line of the README, its comment cut off."""
+    lines = [
+        line.split("  #")[0].strip() for block in code_blocks("bash") for line in block.splitlines()
+    ]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def _runnable(command: str) -> str | None:
+    """What this test runs of a README line: the set-up script is CI's own first step and
+    the test command is this very run, so a line `scripts/setup.sh && X` runs X, and the
+    test command itself is checked by CI."""
+    command = command.removeprefix("scripts/setup.sh && ")
+    if "pytest" in command:
+        return None
+    return command.replace(".venv/bin/", "")
+
+
+def _environment(model: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    # `offload` and `pip` are this environment's, as they are after `scripts/setup.sh`.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["HF_HUB_OFFLINE"] = "1"  # nothing here may need the network
+    env["OMP_WAIT_POLICY"] = env.get("OMP_WAIT_POLICY", "PASSIVE")  # the test's neighbours
+    return env
+
+
+def _substitute(text: str, model: Path) -> str:
+    for placeholder in PLACEHOLDERS:
+        text = re.sub(placeholder, str(model), text)
+    return text
+
+
+def _run(args: list[str], model: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args, cwd=ROOT, env=_environment(model), capture_output=True, text=True, timeout=600
+    )
+
+
+def test_the_first_block_is_the_setup_and_then_ci_s_test_command():
+    first = code_blocks("bash")[0].splitlines()
+    assert first[0].startswith("scripts/setup.sh && .venv/bin/offload generate")
+    assert first[1].startswith("scripts/setup.sh && .venv/bin/python -m pytest")
+    assert os.access(ROOT / "scripts" / "setup.sh", os.X_OK)
+
+
+def test_the_readme_has_commands_and_python_blocks():
+    assert len(commands()) >= 6 and len(code_blocks("python")) >= 2
+
+
+@pytest.mark.parametrize("command", [c for c in commands() if _runnable(c)])
+def test_each_command_runs_as_written(command, smollm2_path):
+    if command.startswith("pip ") and sys.prefix == sys.base_prefix:
+        pytest.skip("pip would install into the system Python; this runs only in a venv")
+    result = _run(["bash", "-c", _substitute(_runnable(command), smollm2_path)], smollm2_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    if command.endswith("offload generate"):  # the first thing a user runs
+        assert "The capital of France is Paris." in result.stdout
+
+
+@pytest.mark.parametrize("index", range(len(code_blocks("python"))))
+def test_each_python_block_runs_as_written(index, smollm2_path, tmp_path):
+    script = tmp_path / f"block{index}.py"
+    script.write_text(_substitute(code_blocks("python")[index], smollm2_path))
+    result = _run([sys.executable, str(script)], smollm2_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip()  # every block prints what it shows
