@@ -1,5 +1,11 @@
 import pytest
 import torch
+from hypothesis import settings
+
+# No per-example deadline: on a loaded 2-core machine a fast example can take a second, and
+# a deadline would then fail (or call "flaky") a test that found nothing wrong.
+settings.register_profile("offload", deadline=None)
+settings.load_profile("offload")
 
 from offload.offloader.base import NoopOffloader, set_offloader
 
