@@ -1,13 +1,20 @@
+import os
+
+# Before torch starts OpenMP: its idle workers then sleep instead of spinning, so a test
+# run beside another CPU-heavy process (or a test's own copy thread) is not slowed 10-100x
+# on a 2-core machine. Outputs do not depend on it; a user's own setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import torch
 from hypothesis import settings
+
+from offload.offloader.base import NoopOffloader, set_offloader
 
 # No per-example deadline: on a loaded 2-core machine a fast example can take a second, and
 # a deadline would then fail (or call "flaky") a test that found nothing wrong.
 settings.register_profile("offload", deadline=None)
 settings.load_profile("offload")
-
-from offload.offloader.base import NoopOffloader, set_offloader
 
 
 def pytest_collection_modifyitems(config, items):
