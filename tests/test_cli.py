@@ -100,6 +100,8 @@ def test_inspect_reports_the_plan(capsys, smollm2_path):
                 "8",
                 "--offload-num-in-group",
                 "2",
+                "--offload-prefetch-unit",
+                "layer",
             ]
         )
         == 0
@@ -112,6 +114,14 @@ def test_inspect_reports_the_plan(capsys, smollm2_path):
         "prefetch would offload 81.0 MiB (54 parameters of 6 modules: model.layers.6, model.layers.7"
         in out
     )
+    assert "device staging: 1 slot(s) of layer units, 13.5 MiB in all" in out
+
+
+def test_inspect_on_the_cpu_plans_module_units_by_default(capsys, smollm2_path):
+    assert main(["inspect", str(smollm2_path), "--device", "cpu", "--offload-group-size", "1"]) == 0
+    out = capsys.readouterr().out
+    # Three modules ahead; the largest (gate, up, down) are 576 x 1536 float32: 3.4 MiB.
+    assert "device staging: 3 slot(s) of module units, 10.1 MiB in all" in out
 
 
 def _damaged(tmp_path, smollm2_path, damage):

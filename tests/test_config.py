@@ -293,8 +293,8 @@ def test_cpu_offload_gb_auto_is_kept_for_the_engine_to_resolve():
     assert OffloadConfig.from_dict(config.to_dict()) == config
 
 
-def test_prefetch_unit_is_ours_off_by_default_and_checked():
-    assert OffloadConfig().prefetch_unit == "layer"
+def test_prefetch_unit_is_ours_auto_by_default_and_checked():
+    assert OffloadConfig().prefetch_unit == "auto"
     config = OffloadConfig.from_cli(
         ["--offload-group-size", "1", "--offload-prefetch-unit", "module"]
     )
@@ -305,7 +305,7 @@ def test_prefetch_unit_is_ours_off_by_default_and_checked():
         config.compute_hash() != OffloadConfig.from_dict({"offload_group_size": 1}).compute_hash()
     )
     with pytest.raises(
-        ConfigError, match="prefetch_unit must be one of layer, module, got 'block'"
+        ConfigError, match="prefetch_unit must be one of auto, layer, module, got 'block'"
     ):
         OffloadConfig(prefetch_unit="block")
 

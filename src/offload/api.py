@@ -15,11 +15,11 @@ from offload.memory.device import check_device, cuda_usable
 from offload.model.layers import find_layers, resolve_layers
 from offload.offloader.base import (
     BaseOffloader,
-    create_offloader,
     offloaded_params,
     set_offloader,
     set_param_data,
 )
+from offload.offloader.factory import create_offloader
 
 
 def apply(

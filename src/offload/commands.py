@@ -162,9 +162,10 @@ def inspect(args: argparse.Namespace) -> str:
         f"{_size(total - offloader.offloaded_bytes)} stays on {args.device}"
     )
     if config.selected_backend == "prefetch":
-        per_layer = {m: sum(e.num_bytes for e in manifest if e.module == m) for m in modules}
-        slots = min(config.prefetch.offload_prefetch_step, len(modules))
-        lines.append(f"device staging: {slots} slot(s) of up to {_size(max(per_layer.values()))}")
+        lines.append(
+            f"device staging: {offloader.prefetch_step} slot(s) of {offloader.unit} units, "
+            f"{_size(offloader.planned_staging_bytes)} in all"
+        )
     return "\n".join(lines)
 
 

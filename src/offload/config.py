@@ -2,7 +2,7 @@
 
 A config written for vLLM (`OffloadConfig`, its `uva` and `prefetch` parts, the
 `--cpu-offload-gb`-style flags, or a JSON dict of either) means the same thing here.
-Three fields exist beyond vLLM's, all vLLM's behaviour by default: `disable_uva` and
+Three fields exist beyond vLLM's, all vLLM's behaviour by default on a GPU: `disable_uva` and
 `disable_pin_memory` (vLLM reads these only from environment variables, which are
 honoured here too; see `offload.memory.host`), and `prefetch_unit`.
 """
@@ -130,7 +130,7 @@ class PrefetchOffloadConfig:
 
 _VLLM_TOP_FIELDS = ("offload_backend", "uva", "prefetch")
 _EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit")
-PREFETCH_UNITS = ("layer", "module")
+PREFETCH_UNITS = ("auto", "layer", "module")
 
 
 @dataclass
@@ -148,8 +148,9 @@ class OffloadConfig:
     disable_pin_memory: bool = False
     # Ours, not vLLM's: what one prefetch copy brings in. "layer" (vLLM's) copies whole
     # layers; "module" copies each weight-holding module of an offloaded layer on its own,
-    # so `offload_prefetch_step` counts modules (see PrefetchOffloader).
-    prefetch_unit: str = "layer"
+    # so `offload_prefetch_step` counts modules; "auto" is layers on a GPU and modules on
+    # a CPU (see offloader/units.py).
+    prefetch_unit: str = "auto"
 
     def __post_init__(self) -> None:
         self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)

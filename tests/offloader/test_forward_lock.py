@@ -160,7 +160,7 @@ class _GatedEngine(SlowEngine):
 def test_a_compiled_model_called_from_two_threads_at_once_is_refused_never_wrong():
     torch._dynamo.reset()
     engine = _GatedEngine()
-    model, offloader, reference = _offloaded(num_layers=4, engine=engine)
+    model, offloader, reference = _offloaded(4, {**PREFETCH, "prefetch_unit": "layer"}, engine)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     ids = zoo.inputs()
     expected = zoo.logits(reference, ids)

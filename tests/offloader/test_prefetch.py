@@ -353,7 +353,8 @@ def test_compiled_graph_chains_waits_and_starts_through_the_activations():
 
     torch._dynamo.reset()
     model = zoo.build("llama", num_layers=3)
-    offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": 2})
+    config = {"offload_group_size": 1, "offload_prefetch_step": 2, "prefetch_unit": "layer"}
+    offload.apply(model, config)
     with torch.no_grad():
         torch.compile(model, backend=aot_autograd(fw_compiler=keep), fullgraph=True)(
             input_ids=zoo.inputs()

@@ -165,11 +165,7 @@ def plan_fit(
         prepare(empty, config, device, dry_run=True) if config.selected_backend != "none" else None
     )
     resident = needs.weights - (planned.offloaded_bytes if planned else 0)
-    if config.selected_backend == "prefetch" and planned.manifest():
-        per_layer: dict[str, int] = {}
-        for entry in planned.manifest():
-            per_layer[entry.module] = per_layer.get(entry.module, 0) + entry.num_bytes
-        slots = min(config.prefetch.offload_prefetch_step, len(per_layer))
-        resident += slots * max(per_layer.values())  # the device staging slots
+    if config.selected_backend == "prefetch":
+        resident += planned.planned_staging_bytes  # the device staging slots
     check_fit(needs, budget, resident, not kv_offload)
     return config, planned.offloaded_bytes if planned else 0

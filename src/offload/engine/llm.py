@@ -58,7 +58,7 @@ from offload.memory.device import check_device
 from offload.model.default import default_model_path
 from offload.model.loader import build_empty, load_model
 from offload.model.tokenizer import eos_token_ids, load_tokenizer
-from offload.offloader.base import as_config
+from offload.offloader.factory import as_config
 
 
 def _serialized(method: Callable) -> Callable:

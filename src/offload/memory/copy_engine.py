@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
-import os
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -24,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from offload.memory.threads import advise_passive_wait_policy
 
 
 @dataclass
@@ -51,8 +51,12 @@ class CopyStats:
 class CopyEngine(ABC):
     """Moves whole byte ranges from host to the compute device, off the compute path."""
 
+    # Whether copies run on a CPU core that compute would otherwise use.
+    shares_compute_cores = False
+
     def __init__(self) -> None:
         self.stats = CopyStats()
+        self.compute_busy = False  # set by the offloader around forwards
 
     @abstractmethod
     def mark_released(self) -> Any:
@@ -88,9 +92,17 @@ class ThreadCopyEngine(CopyEngine):
     shake out ordering bugs.
     """
 
+    shares_compute_cores = True
+    # Copies timed during forwards before the spin check (see memory/threads.py).
+    _CHECK_AFTER_COPIES = 64
+
     def __init__(self, delay_s: float = 0.0):
         super().__init__()
-        _advise_omp_wait_policy()
+        # [bytes, seconds] of copies run while compute was idle / busy
+        self._idle = [0, 0.0]
+        self._busy = [0, 0.0]
+        self._busy_copies = 0
+        self._spin_checked = False
         # One worker: copies land in issue order. The executor joins it at exit.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-copy")
         self._delay_s = delay_s
@@ -112,9 +124,15 @@ class ThreadCopyEngine(CopyEngine):
     def _copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self._delay_s:
             time.sleep(self._delay_s)
+        busy = self.compute_busy
         started = time.perf_counter()
         ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel())
-        self.stats.copy_s += time.perf_counter() - started
+        seconds = time.perf_counter() - started
+        self.stats.copy_s += seconds
+        timed = self._busy if busy else self._idle
+        timed[0] += dst.numel()
+        timed[1] += seconds
+        self._busy_copies += busy
 
     def wait(self, ticket: Future) -> None:
         if not ticket.done():
@@ -123,6 +141,9 @@ class ThreadCopyEngine(CopyEngine):
             self.stats.stall_s += time.perf_counter() - started
             self.stats.num_stalls += 1
         ticket.result()  # re-raises a failed copy here, on the compute thread
+        if not self._spin_checked and self._busy_copies >= self._CHECK_AFTER_COPIES:
+            self._spin_checked = True  # once: on the compute thread, with its thread count
+            advise_passive_wait_policy(_rate(*self._idle), _rate(*self._busy))
 
     def synchronize(self) -> None:
         # Copies run in issue order: an empty task done means every copy before it is.
@@ -141,22 +162,8 @@ def _nothing() -> None:
     return None
 
 
-_logger = logging.getLogger("offload")
-_advised = False
-
-
-def _advise_omp_wait_policy() -> None:
-    """Once per process: OpenMP workers that spin between parallel regions (the default)
-    take the core the copy thread needs; measured on 2 cores, SmolLM2 decode with every
-    layer prefetched ran at 0.60x resident spinning and 0.83-0.85x with PASSIVE."""
-    global _advised
-    if _advised or os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
-        return
-    _advised = True
-    _logger.warning(
-        "offloading with a copy thread on the CPU: start Python with OMP_WAIT_POLICY=PASSIVE so that "
-        "OpenMP threads do not spin on the cores the copy thread needs"
-    )
+def _rate(num_bytes: int, seconds: float) -> float:
+    return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
 class CudaCopyEngine(CopyEngine):

@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from offload.config import OffloadConfig
 from offload.errors import ConfigError
 from offload.memory.copy_engine import capture
 from offload.offloader.forward_lock import ForwardLock, ForwardLockHooks
@@ -102,7 +101,16 @@ class BaseOffloader(ABC):
     def serialize_forwards(self, root: nn.Module) -> None:
         """Let one forward of `root` (the offloaded model) run at a time: calls from
         other threads wait for it (see `forward_lock.py`)."""
-        self._hooks.append(ForwardLockHooks(self.forward_lock).attach(root))
+        hooks = ForwardLockHooks(self.forward_lock, self.forward_started, self.forward_finished)
+        self._hooks.append(hooks.attach(root))
+
+    def forward_started(self) -> None:  # noqa: B027
+        """Called as a forward of the offloaded model begins (not a nested one), under
+        the forward lock."""
+
+    def forward_finished(self) -> None:  # noqa: B027
+        """Called as that forward ends, still under the lock (a Ctrl-C may skip it:
+        `recover` then undoes what `forward_started` did)."""
 
     @contextlib.contextmanager
     def graph_capture(self, graph: Any = None, **graph_kwargs: Any) -> Iterator[None]:
@@ -224,56 +232,3 @@ def set_offloader(instance: BaseOffloader, *, weak: bool = False) -> None:
     if not isinstance(instance, BaseOffloader):
         raise ConfigError(f"set_offloader needs a BaseOffloader, got {type(instance).__name__}")
     _instance = weakref.ref(instance) if weak else instance
-
-
-def create_offloader(
-    config: OffloadConfig | Mapping[str, Any] | None,
-    device: torch.device | str | None = None,
-) -> BaseOffloader:
-    """Build the offloader `config` selects (vLLM's rule for `offload_backend="auto"`).
-
-    `device` is the compute device; when None, each wrapped module's own device is used.
-    """
-    config = as_config(config)
-    device = torch.device(device) if device is not None else None
-    backend = config.selected_backend
-    if backend == "uva":
-        from offload.offloader.uva import UVAOffloader
-
-        if config.uva.cpu_offload_gb == "auto":
-            raise ConfigError(
-                "cpu_offload_gb='auto' needs the model's size and the device budget: "
-                "use LLM(...) or 'offload generate', or give a number of GiB"
-            )
-        return UVAOffloader(
-            cpu_offload_max_bytes=int(config.uva.cpu_offload_gb * 1024**3),
-            cpu_offload_params=config.uva.cpu_offload_params,
-            device=device,
-            disable_uva=config.disable_uva,
-            disable_pin_memory=config.disable_pin_memory,
-        )
-    if backend == "prefetch":
-        from offload.offloader.prefetch import PrefetchOffloader
-
-        return PrefetchOffloader(
-            group_size=config.prefetch.offload_group_size,
-            num_in_group=config.prefetch.offload_num_in_group,
-            prefetch_step=config.prefetch.offload_prefetch_step,
-            offload_params=config.prefetch.offload_params,
-            device=device,
-            disable_pin_memory=config.disable_pin_memory,
-            unit=config.prefetch_unit,
-        )
-    return NoopOffloader()
-
-
-def as_config(config: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
-    """Accept a config, a dict in vLLM's shape, or None (no offloading)."""
-    if config is None:
-        return OffloadConfig()
-    if isinstance(config, OffloadConfig):
-        config.validate()
-        return config
-    if isinstance(config, Mapping):
-        return OffloadConfig.from_dict(config)
-    raise ConfigError(f"config must be an OffloadConfig or a dict, got {type(config).__name__}")

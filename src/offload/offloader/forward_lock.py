@@ -41,9 +41,9 @@ class ForwardLock:
         # Weakly: the offloader owns this lock, and must not be kept alive by it.
         self._on_abandoned = weakref.WeakMethod(on_abandoned)
 
-    def acquire(self, frame: FrameType) -> None:
+    def acquire(self, frame: FrameType) -> bool:
         """Take the lock for the forward running in `frame` (waits while another live
-        forward holds it)."""
+        forward holds it); True unless the forward is nested in one that holds it."""
         me = threading.get_ident()
         with self._condition:
             while self._holder is not None:
@@ -51,7 +51,7 @@ class ForwardLock:
                 if _is_running(thread, held_frame):
                     if thread == me:  # the root module called from inside its own forward
                         self._holder = (thread, held_frame, depth + 1)
-                        return
+                        return False
                     self._condition.wait(_POLL_S)
                     continue
                 self._holder = None  # abandoned by a Ctrl-C or an ended thread
@@ -59,6 +59,7 @@ class ForwardLock:
                 if recover is not None:
                     recover()
             self._holder = (me, frame, 1)
+            return True
 
     def release(self) -> None:
         with self._condition:
@@ -67,6 +68,12 @@ class ForwardLock:
             thread, frame, depth = self._holder
             self._holder = None if depth == 1 else (thread, frame, depth - 1)
             self._condition.notify_all()
+
+    @property
+    def is_outermost(self) -> bool:
+        """Whether the calling thread holds the lock once (not nested)."""
+        holder = self._holder
+        return holder is not None and holder[0] == threading.get_ident() and holder[2] == 1
 
     @property
     def is_held(self) -> bool:
@@ -86,11 +93,20 @@ def _is_running(thread: int, frame: FrameType) -> bool:
 
 
 class ForwardLockHooks(ModuleHooks):
-    """Serialize the forwards of `module` (the root of an offloaded model) on `lock`.
-    Under torch.compile they trace to nothing: compiled callers serialize themselves."""
+    """Serialize the forwards of `module` (the root of an offloaded model) on `lock`, and
+    call `on_start` / `on_end` around each outermost one, under the lock. Under
+    torch.compile they trace to nothing: compiled callers serialize themselves."""
 
-    def __init__(self, lock: ForwardLock):
+    def __init__(
+        self,
+        lock: ForwardLock,
+        on_start: Callable[[], None] | None = None,
+        on_end: Callable[[], None] | None = None,
+    ):
         self._lock = lock
+        # Weakly, as the lock holds its offloader: the hooks must not keep it alive.
+        self._on_start = weakref.WeakMethod(on_start) if on_start else None
+        self._on_end = weakref.WeakMethod(on_end) if on_end else None
         self._handles = []
 
     def attach(self, module: nn.Module) -> ForwardLockHooks:
@@ -104,9 +120,20 @@ class ForwardLockHooks(ModuleHooks):
         if torch.compiler.is_compiling():
             return
         # The frame of torch's module call: on the stack for as long as this forward runs.
-        self._lock.acquire(sys._getframe(1))
+        if self._lock.acquire(sys._getframe(1)):
+            _call(self._on_start)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if torch.compiler.is_compiling():
             return
-        self._lock.release()
+        try:
+            if self._lock.is_outermost:
+                _call(self._on_end)
+        finally:
+            self._lock.release()
+
+
+def _call(method: weakref.WeakMethod | None) -> None:
+    function = method() if method is not None else None
+    if function is not None:
+        function()

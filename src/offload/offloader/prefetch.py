@@ -13,12 +13,14 @@ from torch import nn
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.threads import SpareCore
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import ModuleHooks, PrefetchHook
 from offload.offloader.selection import matches_segments, unmatched_segments
 from offload.offloader.slots import SlotTable, offloaded_layer_indices, slot_of, slot_sizes
 from offload.offloader.unit_check import UnitReadCheck
+from offload.offloader.units import UNITS, resolve_unit, slab_bytes, units_ahead
 
 
 @dataclass
@@ -61,12 +63,12 @@ class PrefetchOffloader(BaseOffloader):
         device: torch.device | None = None,
         disable_pin_memory: bool = False,
         copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
-        unit: str = "layer",
+        unit: str = "auto",
     ):
         super().__init__()
-        if unit not in ("layer", "module"):
-            raise ModelError(f"prefetch unit must be 'layer' or 'module', got {unit!r}")
-        self.unit = unit
+        if unit not in UNITS:
+            raise ModelError(f"prefetch unit must be one of {', '.join(UNITS)}, got {unit!r}")
+        self.unit = unit  # "auto" until `wrap_modules` knows the device (see units.py)
         if mode != "cpu":
             raise ModelError(f"PrefetchOffloader mode must be 'cpu' (host memory), got {mode!r}")
         if group_size < 1 or not 1 <= num_in_group <= group_size or prefetch_step < 1:
@@ -92,6 +94,7 @@ class PrefetchOffloader(BaseOffloader):
         # Compiled calls: thread -> the layer it is inside (see `_claim_for_compiled`).
         self._compiled_running: dict[int, int] = {}
         self._compiled_lock = threading.Lock()
+        self._spare_core = SpareCore()
         self._id = ops.register(self)
 
     # -- planning ------------------------------------------------------------
@@ -132,8 +135,7 @@ class PrefetchOffloader(BaseOffloader):
                 name = self.module_name(module, index)
                 specs = [TensorSpec.of(p) for _, p in params]
                 layers.append(_Layer(module, name, params, specs, owner=module))
-        if self.unit == "module":
-            layers = [unit for layer in layers for unit in _split_into_modules(layer)]
+        layers = self._into_units(layers, modules)
         if not layers and self.offload_params:
             raise ModelError(self._nothing_to_offload(len(modules)))
         if not layers:
@@ -144,6 +146,26 @@ class PrefetchOffloader(BaseOffloader):
                 stacklevel=4,
             )
         return layers
+
+    def _into_units(self, layers: list[_Layer], modules: list[nn.Module]) -> list[_Layer]:
+        """Resolve the unit for the compute device, split the layers into it, and set how
+        many units ahead copies run."""
+        params = (p for m in modules for p in m.parameters())
+        device = self.device or next(params, torch.empty(0)).device
+        unit = resolve_unit(self.unit, device)
+        largest_layer = max((_bytes_of(layer) for layer in layers), default=0)
+        if unit == "module":
+            layers = [part for layer in layers for part in _split_into_modules(layer)]
+        sizes = [_bytes_of(layer) for layer in layers]
+        self.prefetch_step = units_ahead(self.unit, self.prefetch_step, sizes, largest_layer)
+        self.unit = unit
+        return layers
+
+    @property
+    def planned_staging_bytes(self) -> int:
+        """The device memory the slots take (known from the plan, before `post_init`)."""
+        slots = min(self.prefetch_step, len(self._layers))
+        return sum(slot_sizes([_bytes_of(layer) for layer in self._layers], slots)) if slots else 0
 
     def _nothing_to_offload(self, num_layers: int) -> str:
         if self.offload_params:
@@ -357,6 +379,18 @@ class PrefetchOffloader(BaseOffloader):
         self._running.clear()
         for check in {id(c): c for c in self._unit_checks.values()}.values():
             check.recover()
+        self.forward_finished()
+
+    def forward_started(self) -> None:
+        """With a CPU copy thread: compute leaves it a core (see memory/threads.py)."""
+        if self._engine is not None and self._engine.shares_compute_cores:
+            self._spare_core.enter()
+            self._engine.compute_busy = True
+
+    def forward_finished(self) -> None:
+        if self._engine is not None and self._engine.shares_compute_cores:
+            self._engine.compute_busy = False
+            self._spare_core.exit()
 
     def close(self) -> None:
         if self._engine is not None:
@@ -411,6 +445,10 @@ class PrefetchOffloader(BaseOffloader):
 # With prefetch_unit="module", a module whose weights are less than this share of its
 # layer's stays resident: a norm's few KiB are not worth a copy and a wait.
 _SMALL_UNIT_SHARE = 1 / 64
+
+
+def _bytes_of(layer: _Layer) -> int:
+    return slab_bytes([spec.num_bytes for spec in layer.specs])
 
 
 def _split_into_modules(layer: _Layer) -> list[_Layer]:

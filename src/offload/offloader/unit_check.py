@@ -87,11 +87,12 @@ class UnitReadCheck:
         """Why this layer cannot run compiled yet (the check itself runs only eagerly)."""
         if self.is_permanent:
             return (
-                f"prefetch_unit='module': {self._name} reads module weights outside their "
+                f"module units (prefetch_unit 'module', or 'auto' on a CPU): {self._name} reads module weights outside their "
                 "modules, which torch.compile cannot check; use prefetch_unit='layer' to compile it"
             )
         return (
-            f"prefetch_unit='module' under torch.compile: {self._name} has run "
+            f"module units (prefetch_unit 'module', or 'auto' on a CPU) under torch.compile: "
+            f"{self._name} has run "
             f"{self._num_calls} of the {NUM_CHECKED_CALLS} eager calls that check its weight "
             "reads; call the model without torch.compile first, or use prefetch_unit='layer'"
         )
@@ -131,7 +132,7 @@ class UnitReadCheck:
         if not self.is_permanent:
             self.is_permanent = True
             warnings.warn(
-                f"prefetch_unit='module': {self._name} reads the weights of "
+                f"module units (prefetch_unit 'module', or 'auto' on a CPU): {self._name} reads the weights of "
                 f"{self._offloader.unit_name(position)} outside that module's forward; its "
                 "weight reads are checked from now on (exact, but slower): use "
                 "prefetch_unit='layer' for this model",

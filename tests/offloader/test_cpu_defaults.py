@@ -1,0 +1,196 @@
+"""CPU defaults: the prefetch unit "auto", a core left to the copy thread during forwards
+(and the caller's thread count given back, even after an interrupted forward), and the
+OpenMP advice only when spinning is measured to slow the copies."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import zoo
+
+import offload
+from offload.memory import threads
+from offload.memory.copy_engine import ThreadCopyEngine
+from offload.offloader.units import AUTO_MODULES_AHEAD, resolve_unit, units_ahead
+
+DEFAULTS = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}
+
+
+def test_auto_is_modules_on_a_cpu_and_layers_on_a_gpu():
+    assert resolve_unit("auto", torch.device("cpu")) == "module"
+    assert resolve_unit("auto", torch.device("cuda", 0)) == "layer"
+    assert resolve_unit("layer", torch.device("cpu")) == "layer"
+    assert resolve_unit("module", torch.device("cuda")) == "module"
+
+
+@pytest.mark.parametrize(
+    ("unit", "step", "unit_bytes", "layer_bytes", "ahead"),
+    [
+        ("layer", 2, [10, 10], 10, 2),  # a chosen unit: the step, in that unit
+        ("module", 5, [1, 2, 3], 6, 5),
+        ("auto", 2, [1, 3, 3], 7, AUTO_MODULES_AHEAD),  # modules within 2 layers' memory
+        ("auto", 1, [1, 3, 3], 7, 2),  # one layer holds only two of the largest module
+        ("auto", 1, [7], 7, 1),  # a layer of one module: never below one slot
+    ],
+)
+def test_units_ahead_keeps_auto_within_the_memory_of_the_layer_step(
+    unit, step, unit_bytes, layer_bytes, ahead
+):
+    assert units_ahead(unit, step, unit_bytes, layer_bytes) == ahead
+
+
+def test_default_prefetch_on_a_cpu_copies_modules_exactly():
+    model, reference = zoo.build("llama", num_layers=4), zoo.build("llama", num_layers=4)
+    ids = zoo.inputs()
+    offloader = offload.apply(model, DEFAULTS, device="cpu")
+    stats = offloader.stats()
+    assert stats["unit"] == "module" and stats["num_slots"] == AUTO_MODULES_AHEAD
+    # The staging memory stays within vLLM's meaning of the step: two layers.
+    largest_layer = max(
+        sum(p.numel() * p.element_size() for p in layer.parameters())
+        for layer in reference.model.layers
+    )
+    assert offloader.device_staging_bytes <= 2 * largest_layer
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
+    assert offloader.stats()["bytes_copied"] > stats["bytes_copied"]
+
+
+class _Probe:
+    """Records torch's thread count inside every forward of the model's first layer."""
+
+    def __init__(self, model, interrupt_once=None):
+        self.seen = []
+        self.interrupt_once = interrupt_once
+        model.model.layers[0].register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.seen.append(torch.get_num_threads())
+        if self.interrupt_once is not None:
+            error, self.interrupt_once = self.interrupt_once, None
+            raise error
+
+
+@pytest.fixture
+def two_threads(monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _offloaded(config=DEFAULTS):
+    model, reference = zoo.build("llama", num_layers=3), zoo.build("llama", num_layers=3)
+    offload.apply(model, config, device="cpu")
+    return model, reference
+
+
+def test_a_forward_leaves_the_copy_thread_a_core_and_gives_the_threads_back(two_threads):
+    model, reference = _offloaded()
+    probe = _Probe(model)
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
+    assert probe.seen == [1] and torch.get_num_threads() == 2
+
+
+def test_fewer_threads_than_cores_are_the_users_and_left_alone(two_threads, monkeypatch):
+    monkeypatch.setattr(threads, "available_cores", lambda: 4)
+    model, _ = _offloaded()
+    probe = _Probe(model)
+    zoo.logits(model, zoo.inputs())
+    assert probe.seen == [2] and torch.get_num_threads() == 2
+
+
+def test_a_resident_model_keeps_every_thread(two_threads):
+    model, _ = _offloaded({"cpu_offload_gb": 1})  # UVA: no copy thread
+    probe = _Probe(model)
+    zoo.logits(model, zoo.inputs())
+    assert probe.seen == [2]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_the_threads_come_back_after_an_interrupted_forward(two_threads, error):
+    model, reference = _offloaded()
+    probe = _Probe(model, interrupt_once=error)
+    ids = zoo.inputs()
+    with pytest.raises(type(error)):
+        zoo.logits(model, ids)
+    if isinstance(error, Exception):  # torch's always-called hook ran: given back at once
+        assert torch.get_num_threads() == 2
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
+    # A KeyboardInterrupt skips torch's hooks: the next forward takes the abandoned lock
+    # over, recovers (threads back), then leaves a core again for itself.
+    assert probe.seen == [1, 1] and torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize(
+    ("idle", "busy", "policy", "compute_threads", "hurts"),
+    [
+        (20.0, 6.0, "", 4, True),  # copies at 30% of their idle rate while OpenMP spins
+        (20.0, 6.0, "active", 4, True),
+        (20.0, 6.0, "PASSIVE", 4, False),  # workers sleep: not the spin
+        (20.0, 6.0, " passive ", 4, False),
+        (20.0, 6.0, "", 1, False),  # one compute thread: no OpenMP workers to spin
+        (20.0, 12.0, "", 4, False),  # 60% of idle: compute's own memory traffic, not spin
+        (0.0, 6.0, "", 4, False),  # no idle measurement: no claim
+    ],
+)
+def test_spin_hurts_only_when_measured(idle, busy, policy, compute_threads, hurts):
+    assert threads.spin_hurts(idle, busy, policy, compute_threads) is hurts
+
+
+def test_the_advice_is_logged_once_when_copies_slow_down_in_forwards(monkeypatch, caplog):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
+    engine = ThreadCopyEngine()
+    engine._idle, engine._busy = [20_000_000_000, 1.0], [5_000_000_000, 1.0]
+    engine._busy_copies = engine._CHECK_AFTER_COPIES
+    src, dst = torch.zeros(8, dtype=torch.uint8), torch.ones(8, dtype=torch.uint8)
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        engine.wait(engine.copy(dst, src))
+        engine.wait(engine.copy(dst, src))
+    advice = [r for r in caplog.records if "OMP_WAIT_POLICY=PASSIVE" in r.getMessage()]
+    assert len(advice) == 1 and "5.0 GB/s during forwards, 20.0 GB/s" in advice[0].getMessage()
+    engine.close()
+
+
+def test_no_advice_for_the_default_prefetch_on_this_machine(caplog):
+    model, _ = _offloaded()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        for _ in range(30):  # 3 layers x 7 modules x 30 forwards: well past the check
+            zoo.logits(model, zoo.inputs())
+    assert not [r for r in caplog.records if "OMP_WAIT_POLICY" in r.getMessage()]
+
+
+def test_the_offloader_package_exports_vllms_names():
+    import offload.offloader as package
+
+    vllm_names = {
+        "BaseOffloader",
+        "NoopOffloader",
+        "UVAOffloader",
+        "PrefetchOffloader",
+        "create_offloader",
+        "get_offloader",
+        "set_offloader",
+    }  # vllm.model_executor.offloader.__all__
+    assert vllm_names <= set(package.__all__)
+    from offload.offloader import PrefetchOffloader
+
+    assert isinstance(package.create_offloader(DEFAULTS), PrefetchOffloader)
+    assert offload.PrefetchOffloader is PrefetchOffloader
+
+
+def test_base_imports_no_backend():
+    import ast
+    from pathlib import Path
+
+    source = Path(offload.offloader.base.__file__).read_text()
+    imported = {
+        node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not imported & {"offload.offloader.prefetch", "offload.offloader.uva"}
