@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from offload.offloader.units import last_level_cache_bytes
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -46,10 +48,23 @@ def machine(device: torch.device) -> dict[str, object]:
         "cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "cpu_model": _cpu_model(),
+        # Decides the CPU's prefetch unit; two hosts of this VM differed 15x.
+        "last_level_cache_bytes": last_level_cache_bytes(),
     }
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 def save(name: str, device: torch.device, payload: dict[str, object]) -> Path:

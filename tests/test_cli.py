@@ -117,10 +117,17 @@ def test_inspect_reports_the_plan(capsys, smollm2_path):
     assert "device staging: 1 slot(s) of layer units, 13.5 MiB in all" in out
 
 
-def test_inspect_on_the_cpu_plans_module_units_by_default(capsys, smollm2_path):
-    assert main(["inspect", str(smollm2_path), "--device", "cpu", "--offload-group-size", "1"]) == 0
+def test_inspect_on_a_small_cache_cpu_plans_module_units_by_default(
+    capsys, smollm2_path, monkeypatch
+):
+    from offload.offloader import units
+
+    monkeypatch.setattr(units, "last_level_cache_bytes", lambda: 32 * 2**20)
+    flags = ["--device", "cpu", "--offload-group-size", "1", "--offload-prefetch-step", "2"]
+    assert main(["inspect", str(smollm2_path), *flags]) == 0
     out = capsys.readouterr().out
-    # Three modules ahead; the largest (gate, up, down) are 576 x 1536 float32: 3.4 MiB.
+    # 3 x 13.5 MiB layers overflow 32 MiB: three modules ahead; the largest (gate, up,
+    # down) are 576 x 1536 float32, 3.4 MiB.
     assert "device staging: 3 slot(s) of module units, 10.1 MiB in all" in out
 
 

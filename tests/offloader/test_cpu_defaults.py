@@ -13,35 +13,61 @@ import zoo
 import offload
 from offload.memory import threads
 from offload.memory.copy_engine import ThreadCopyEngine
+from offload.offloader import units
 from offload.offloader.units import AUTO_MODULES_AHEAD, resolve_unit, units_ahead
 
 DEFAULTS = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}
 
 
-def test_auto_is_modules_on_a_cpu_and_layers_on_a_gpu():
-    assert resolve_unit("auto", torch.device("cpu")) == "module"
-    assert resolve_unit("auto", torch.device("cuda", 0)) == "layer"
-    assert resolve_unit("layer", torch.device("cpu")) == "layer"
-    assert resolve_unit("module", torch.device("cuda")) == "module"
+@pytest.fixture
+def small_cache(monkeypatch):
+    """A 32 MiB last-level cache, as on the machine where module units were measured."""
+    monkeypatch.setattr(units, "last_level_cache_bytes", lambda: 32 * 2**20)
+
+
+def test_auto_is_layers_on_a_gpu_and_on_a_cpu_modules_where_layers_overflow_the_cache(
+    small_cache,
+):
+    cpu, gpu, mib = torch.device("cpu"), torch.device("cuda", 0), 2**20
+    assert resolve_unit("auto", cpu, 14 * mib, 2) == "module"  # 3 x 14 MiB > 32 MiB
+    assert resolve_unit("auto", cpu, 10 * mib, 2) == "layer"  # 3 x 10 MiB fit
+    assert resolve_unit("auto", cpu, 14 * mib, 1) == "layer"  # 2 x 14 MiB fit
+    assert resolve_unit("auto", gpu, 14 * mib, 2) == "layer"
+    assert resolve_unit("layer", cpu, 14 * mib, 2) == "layer"
+    assert resolve_unit("module", gpu) == "module"
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path, monkeypatch):
+    for index, size in enumerate(["48K", "2048K", "491520K"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(units, "_CACHE_SIZES", str(tmp_path))
+    units.last_level_cache_bytes.cache_clear()
+    try:
+        assert units.last_level_cache_bytes() == 480 * 2**30 // 1024
+    finally:
+        units.last_level_cache_bytes.cache_clear()
 
 
 @pytest.mark.parametrize(
-    ("unit", "step", "unit_bytes", "layer_bytes", "ahead"),
+    ("unit", "resolved", "step", "unit_bytes", "layer_bytes", "ahead"),
     [
-        ("layer", 2, [10, 10], 10, 2),  # a chosen unit: the step, in that unit
-        ("module", 5, [1, 2, 3], 6, 5),
-        ("auto", 2, [1, 3, 3], 7, AUTO_MODULES_AHEAD),  # modules within 2 layers' memory
-        ("auto", 1, [1, 3, 3], 7, 2),  # one layer holds only two of the largest module
-        ("auto", 1, [7], 7, 1),  # a layer of one module: never below one slot
+        ("layer", "layer", 2, [10, 10], 10, 2),  # a chosen unit: the step, in that unit
+        ("module", "module", 5, [1, 2, 3], 6, 5),
+        ("auto", "layer", 2, [7, 7], 7, 2),
+        ("auto", "module", 2, [1, 3, 3], 7, AUTO_MODULES_AHEAD),  # within 2 layers' memory
+        ("auto", "module", 1, [1, 3, 3], 7, 2),  # one layer holds only two of the largest
+        ("auto", "module", 1, [7], 7, 1),  # a layer of one module: never below one slot
     ],
 )
 def test_units_ahead_keeps_auto_within_the_memory_of_the_layer_step(
-    unit, step, unit_bytes, layer_bytes, ahead
+    unit, resolved, step, unit_bytes, layer_bytes, ahead
 ):
-    assert units_ahead(unit, step, unit_bytes, layer_bytes) == ahead
+    assert units_ahead(unit, resolved, step, unit_bytes, layer_bytes) == ahead
 
 
-def test_default_prefetch_on_a_cpu_copies_modules_exactly():
+def test_default_prefetch_on_a_small_cache_cpu_copies_modules_exactly(small_cache, monkeypatch):
+    monkeypatch.setattr(units, "last_level_cache_bytes", lambda: 0)  # any layer overflows
     model, reference = zoo.build("llama", num_layers=4), zoo.build("llama", num_layers=4)
     ids = zoo.inputs()
     offloader = offload.apply(model, DEFAULTS, device="cpu")

@@ -152,12 +152,12 @@ class PrefetchOffloader(BaseOffloader):
         many units ahead copies run."""
         params = (p for m in modules for p in m.parameters())
         device = self.device or next(params, torch.empty(0)).device
-        unit = resolve_unit(self.unit, device)
         largest_layer = max((_bytes_of(layer) for layer in layers), default=0)
+        unit = resolve_unit(self.unit, device, largest_layer, self.prefetch_step)
         if unit == "module":
             layers = [part for layer in layers for part in _split_into_modules(layer)]
         sizes = [_bytes_of(layer) for layer in layers]
-        self.prefetch_step = units_ahead(self.unit, self.prefetch_step, sizes, largest_layer)
+        self.prefetch_step = units_ahead(self.unit, unit, self.prefetch_step, sizes, largest_layer)
         self.unit = unit
         return layers
 

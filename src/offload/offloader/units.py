@@ -2,16 +2,21 @@
 the compute device and the unit sizes.
 
 `prefetch_unit="auto"` (the default) copies whole layers on a GPU, as vLLM does: fewer,
-larger copies suit a copy engine. On a CPU the device and the host are the same DRAM and a
-whole layer copied a layer ahead has left the cache by the time it is read, so it copies
-one weight module at a time, `AUTO_MODULES_AHEAD` modules ahead, each landing just before
-it runs (measured on 2 cores, SmolLM2 decode with every layer offloaded: whole layers
-0.79-0.88x resident, modules 2 / 3 / 4 ahead 0.95 / 1.06 / 1.05x; docs/benchmarks.md).
+larger copies suit a copy engine. On a CPU the device and the host are the same DRAM.
+Where the slots plus the layer streaming in do not fit in the last-level cache, a whole
+layer copied ahead has left the cache by the time it is read, so "auto" copies one weight
+module at a time, `AUTO_MODULES_AHEAD` modules ahead, each landing just before it runs
+(2 cores, 32 MiB L3, SmolLM2 with every layer offloaded: whole layers 0.79-0.88x
+resident, modules 2 / 3 / 4 ahead 0.95 / 1.06 / 1.05x). Where they fit, whole layers win:
+seven times fewer hand-offs to the copy thread (2 cores, 480 MiB L3: layers 0.55x,
+modules 0.41x). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -21,21 +26,46 @@ UNITS = ("auto", "layer", "module")
 AUTO_MODULES_AHEAD = 3
 
 
-def resolve_unit(unit: str, device: torch.device) -> str:
-    """The unit `unit` means on `device`: "auto" is modules on a CPU, layers elsewhere."""
+def resolve_unit(
+    unit: str, device: torch.device, largest_layer: int = 0, prefetch_step: int = 1
+) -> str:
+    """The unit `unit` means on `device`: "auto" is layers on a GPU; on a CPU, modules
+    when `prefetch_step` slots of the largest layer plus one more streaming in exceed
+    the last-level cache, else layers."""
     if unit != "auto":
         return unit
-    return "module" if device.type == "cpu" else "layer"
+    if device.type != "cpu":
+        return "layer"
+    return "module" if (prefetch_step + 1) * largest_layer > last_level_cache_bytes() else "layer"
 
 
-def units_ahead(unit: str, prefetch_step: int, unit_bytes: Sequence[int], layer_bytes: int) -> int:
+_CACHE_SIZES = "/sys/devices/system/cpu/cpu0/cache"
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache (Linux sysfs); 0 where unknown, which means modules."""
+    sizes = [0]
+    for size in Path(_CACHE_SIZES).glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+            scale = {"K": 1024, "M": 1024**2, "G": 1024**3}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return max(sizes)
+
+
+def units_ahead(
+    unit: str, resolved: str, prefetch_step: int, unit_bytes: Sequence[int], layer_bytes: int
+) -> int:
     """How many units ahead copies run (the number of device slots).
 
-    With a unit chosen by the user it is `prefetch_step`, counted in that unit, as vLLM
-    counts layers. With "auto" resolved to modules, `prefetch_step` (in layers, vLLM's
+    With a unit chosen by the user, or "auto" resolved to layers, it is `prefetch_step`,
+    counted in that unit, as vLLM counts layers. With "auto" resolved to modules, `prefetch_step` (in layers, vLLM's
     meaning) bounds the staging memory, `prefetch_step` x the largest layer, and copies
     run `AUTO_MODULES_AHEAD` modules ahead within that bound."""
-    if unit != "auto" or not unit_bytes:
+    if unit != "auto" or resolved != "module" or not unit_bytes:
         return prefetch_step
     largest = max(unit_bytes)
     fits = max(1, prefetch_step * layer_bytes // largest) if largest else AUTO_MODULES_AHEAD
