@@ -64,7 +64,8 @@ def test_generate_prefetch_batch_and_stop(capsys, smollm2_path):
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == " 4, 5" and "PrefetchOffloader" in out[-1]
+    assert out[:2] == ["--- prompt 1: 1, 2, 3,", " 4, 5"] and "PrefetchOffloader" in out[-1]
+    assert out[2] == "--- prompt 2: a, b, c,"
 
 
 def test_generate_passes_the_penalties_on(capsys, smollm2_path):

@@ -6,6 +6,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from importlib import metadata
 
 from offload.config import OffloadConfig, add_cli_args
 from offload.errors import OffloadError
@@ -14,12 +15,41 @@ _QUESTION = "What is the capital of France?"
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _ShowDefaults)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> None:  # one line, exit status 2, as argparse does
         self.exit(2, f"offload: error: {message}\n")
 
 
+class _ShowDefaults(argparse.HelpFormatter):
+    """Each flag's help ends with its default, where it has one (not None or off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "%(default)" in text or default in (None, False, argparse.SUPPRESS):
+            return text
+        if not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _version() -> str:
+    try:
+        return metadata.version("offload")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="offload", description="Offload model weights to host memory.")
+    parser = _Parser(
+        prog="offload",
+        description="Run models larger than the GPU: weights (and the KV cache) in host memory, "
+        "brought in as each layer runs. Flags are vLLM's.",
+    )
+    parser.add_argument("--version", action="version", version=f"offload {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     demo = commands.add_parser(
         "demo",
@@ -32,22 +62,37 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt", default=_QUESTION, help="the user message (chat template applied)"
     )
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
-    demo.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda")
+    demo.add_argument("--device", default="auto", help=_DEVICE_HELP)
     add_cli_args(demo)
 
     generate = commands.add_parser(
         "generate", help="generate text with offloading (default: SmolLM2)"
     )
-    generate.add_argument("--model", help="a model directory with safetensors weights")
-    generate.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    generate.add_argument(
+        "--model",
+        help="a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a "
+        "Hugging Face id (default: SmolLM2-135M-Instruct)",
+    )
+    generate.add_argument(
+        "--prompt",
+        action="append",
+        help="a prompt (repeat for a batch; several answers are written whole, each "
+        "labelled; default: 'What is the capital of France?' as a chat)",
+    )
     generate.add_argument(
         "--chat", action="store_true", help="apply the chat template to the prompts"
     )
-    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--max-tokens", type=int, default=64, help="new tokens at most")
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    generate.add_argument("--top-p", type=float, default=1.0)
-    generate.add_argument("--top-k", type=int, default=0)
-    generate.add_argument("--min-p", type=float, default=0.0)
+    generate.add_argument(
+        "--top-p", type=float, default=1.0, help="sample from this much probability mass"
+    )
+    generate.add_argument(
+        "--top-k", type=int, default=0, help="sample from this many tokens (0: all)"
+    )
+    generate.add_argument(
+        "--min-p", type=float, default=0.0, help="drop tokens below this share of the best"
+    )
     generate.add_argument(
         "--repetition-penalty",
         type=float,
@@ -63,19 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="in [-2, 2], times how often a token was generated",
     )
-    generate.add_argument("--seed", type=int)
+    generate.add_argument("--seed", type=int, help="make sampling reproducible")
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    generate.add_argument("--max-model-len", type=int)
+    generate.add_argument(
+        "--max-model-len", type=int, help="prompt plus output at most (default: the model's)"
+    )
     generate.add_argument(
         "--max-num-batched-tokens", type=int, help="prefill prompts in chunks of this many tokens"
     )
     generate.add_argument(
         "--no-offload", action="store_true", help="keep every weight on the device"
     )
-    generate.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    generate.add_argument(
-        "--device-memory-gb", type=float, help="pretend the device has this much memory"
-    )
+    _budget_flags(generate)
     generate.add_argument(
         "--swap-space",
         type=float,
@@ -91,22 +135,56 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--enforce-eager", action="store_true", help="decode without CUDA graphs (GPU)"
     )
+    generate.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="write the answer when it is complete, not as it is generated",
+    )
     _device_flags(generate)
     add_cli_args(generate)
 
     inspect = commands.add_parser(
         "inspect", help="a model's layers and sizes, and what a config offloads"
     )
-    inspect.add_argument("path", help="a model directory (config.json is enough)")
+    inspect.add_argument(
+        "path",
+        nargs="?",
+        help="a model folder (config.json is enough) or a shipped shape such as llama-3-8b "
+        "(default: SmolLM2-135M-Instruct)",
+    )
+    inspect.add_argument(
+        "--max-model-len", type=int, help="positions the KV cache holds (default: the model's)"
+    )
+    _budget_flags(inspect)
     _device_flags(inspect)
     add_cli_args(inspect)
     return parser
 
 
-def _device_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda")
+_DEVICE_HELP = "compute device: auto (a GPU if one is usable, else the CPU), cpu, cuda, cuda:N"
+
+
+def _budget_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16")
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of the device's memory that weights, KV cache and activations may use",
+    )
+    parser.add_argument(
+        "--device-memory-gb",
+        type=float,
+        help="pretend the device has this many GiB (to plan for a smaller GPU)",
+    )
+
+
+def _device_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help=_DEVICE_HELP)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights' dtype (auto: the checkpoint's)",
     )
     parser.add_argument(
         "--trust-remote-code",
@@ -122,7 +200,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         from offload import commands as run
 
-        print(run.generate(args) if args.command == "generate" else run.inspect(args))
+        if args.command == "generate":
+            run.generate(args)
+        else:
+            print(run.inspect(args))
         return 0
     except OffloadError as error:
         print(f"offload: error: {error}", file=sys.stderr)
@@ -139,9 +220,12 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.max_tokens < 1:
         raise OffloadError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    from offload.memory.device import check_device
+
     config = OffloadConfig.from_cli_args(args)
     started = time.perf_counter()
-    report = run_demo(args.model, args.prompt, args.max_tokens, args.device, config)
+    device = check_device(args.device)
+    report = run_demo(args.model, args.prompt, args.max_tokens, device, config)
     print(report)
     print(f"({time.perf_counter() - started:.1f} s)")
     return 0

@@ -6,19 +6,22 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import torch
 
 from offload.api import prepare
 from offload.config import OffloadConfig, UVAOffloadConfig
-from offload.engine.fit import kv_cache_bytes
+from offload.engine.fit import device_budget, kv_cache_bytes, measure, plan_fit
 from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
+from offload.errors import ModelError
 from offload.memory.device import check_device
 from offload.model.configs import resolve
 from offload.model.default import default_model_path
 from offload.model.layers import find_layer_stacks
 from offload.model.loader import build_empty
+from offload.streaming import TextStream
 
 QUESTION = "What is the capital of France?"
 _GIB = 1024**3
@@ -57,7 +60,10 @@ _SAMPLING_FLAGS = (
 )
 
 
-def generate(args: argparse.Namespace) -> str:
+def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
+    """Load, generate and write the answers (streamed when there is one) and a line of
+    figures to `out` (default: stdout)."""
+    out = out or sys.stdout
     # Checked before the model loads: a bad flag costs nothing.
     params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     show_progress = not args.no_progress and sys.stderr.isatty()
@@ -83,18 +89,38 @@ def generate(args: argparse.Namespace) -> str:
     # With no prompt, the default question goes through the chat template, if there is one.
     chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))
     prompts = args.prompt or [QUESTION]
+    # One answer streams as it is generated; several are written whole, each labelled.
+    stream = TextStream(_writer(out), params.stop_strings)
+    streaming = not args.no_stream and len(prompts) == 1
     before = llm.transfer_stats()
     started = time.perf_counter()
-    if chat:
-        outputs = llm.chat(
-            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=show_progress
-        )
-    else:
-        outputs = llm.generate(prompts, params, use_tqdm=show_progress)
+    with llm._streaming(lambda sequences: stream.update(sequences[0].text) if streaming else None):
+        if chat:
+            messages = [[{"role": "user", "content": p}] for p in prompts]
+            outputs = llm.chat(messages, params, use_tqdm=show_progress and not streaming)
+        else:
+            outputs = llm.generate(prompts, params, use_tqdm=show_progress and not streaming)
     seconds = time.perf_counter() - started
-    return "\n".join(
-        [*(o.outputs[0].text for o in outputs), _figures(llm, outputs, before, seconds)]
-    )
+    if len(prompts) == 1:
+        stream.finish(outputs[0].outputs[0].text)
+        out.write("\n")
+    else:
+        for number, (prompt, output) in enumerate(zip(prompts, outputs, strict=True), 1):
+            out.write(f"--- prompt {number}: {_short(prompt)}\n{output.outputs[0].text}\n")
+    out.write(_figures(llm, outputs, before, seconds) + "\n")
+
+
+def _writer(out: TextIO):
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    return write
+
+
+def _short(prompt: str, limit: int = 60) -> str:
+    line = " ".join(prompt.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
@@ -116,7 +142,7 @@ def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
     # Said on the figures line: this run executed Python code shipped with the checkpoint.
     trusted = "; trust_remote_code=True" if llm.trust_remote_code else ""
     return (
-        f"[{tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s; "
+        f"[{tokens} tokens in {seconds:.2f} s on {llm.device}: {tokens / seconds:.1f} tok/s; "
         f"offloaded {_size(llm.offloader.offloaded_bytes)} ({type(llm.offloader).__name__}); "
         f"{moved}; stall {stall * 1e3:.0f} ms; "
         f"decode {f'in CUDA graphs ({replays} replays)' if replays else 'eager'}{trusted}]"
@@ -124,7 +150,7 @@ def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
 
 
 def inspect(args: argparse.Namespace) -> str:
-    path = resolve(args.path)
+    path = resolve(args.path) if args.path else default_model_path()
     model = build_empty(path, args.dtype, args.trust_remote_code)
     total = _bytes(model)
     lines = [
@@ -148,12 +174,15 @@ def inspect(args: argparse.Namespace) -> str:
     else:
         lines.append("  KV cache: none (no attention heads)")
     config = OffloadConfig.from_cli_args(args)
+    device = check_device(args.device)
+    fits, config = _what_fits(model, config, device, args)
+    lines.append(fits)
     if config.selected_backend == "none":
         lines.append(
             "no offloading configured (add e.g. --cpu-offload-gb 4 or --offload-group-size 8)"
         )
         return "\n".join(lines)
-    offloader = prepare(model, config, check_device(args.device), dry_run=True)
+    offloader = prepare(model, config, device, dry_run=True)
     manifest = offloader.manifest()
     modules = list(dict.fromkeys(e.module for e in manifest))
     lines.append(
@@ -167,6 +196,27 @@ def inspect(args: argparse.Namespace) -> str:
             f"{_size(offloader.planned_staging_bytes)} in all"
         )
     return "\n".join(lines)
+
+
+def _what_fits(
+    model, config: OffloadConfig, device: torch.device, args
+) -> tuple[str, OffloadConfig]:
+    """Whether `config` fits the device budget, and if not what would (no weights read);
+    and the config with cpu_offload_gb='auto' resolved."""
+    limit = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048
+    budget = device_budget(device, args.gpu_memory_utilization, args.device_memory_gb)
+    needs = measure(model, limit)
+    where = f"{device} budget {_size(budget)} (max_model_len {limit})"
+    try:
+        resolved, _ = plan_fit(model, config, needs, budget, device, kv_offload=False)
+    except ModelError as error:
+        if config.uva.cpu_offload_gb == "auto":
+            raise
+        return f"does not fit the {where}: {error}", config
+    if resolved.selected_backend == "none":
+        return f"fits the {where} without offloading: {_size(needs.total)} needed", resolved
+    offloaded = f" (cpu_offload_gb={resolved.uva.cpu_offload_gb:g})" if config != resolved else ""
+    return f"fits the {where} with this offloading{offloaded}", resolved
 
 
 def _ranges(modules: list[str]) -> str:

@@ -347,20 +347,90 @@ def _gib_or_auto(text: str) -> float | str:
 
 # (flag, dest, argparse keywords): vLLM's names, plus the two switches vLLM keeps in env vars.
 _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    ("--offload-backend", "offload_backend", {"choices": BACKENDS}),
-    ("--cpu-offload-gb", "cpu_offload_gb", {"type": _gib_or_auto, "metavar": "GIB|auto"}),
-    ("--cpu-offload-params", "cpu_offload_params", {"nargs": "+", "metavar": "SEG"}),
-    ("--offload-group-size", "offload_group_size", {"type": int, "metavar": "N"}),
-    ("--offload-num-in-group", "offload_num_in_group", {"type": int, "metavar": "N"}),
-    ("--offload-prefetch-step", "offload_prefetch_step", {"type": int, "metavar": "N"}),
-    ("--offload-params", "offload_params", {"nargs": "+", "metavar": "SEG"}),
-    ("--offload-disable-uva", "disable_uva", {"action": "store_const", "const": True}),
+    (
+        "--offload-backend",
+        "offload_backend",
+        {
+            "choices": BACKENDS,
+            "help": "auto: prefetch if --offload-group-size > 0, else UVA if --cpu-offload-gb > 0",
+        },
+    ),
+    (
+        "--cpu-offload-gb",
+        "cpu_offload_gb",
+        {
+            "type": _gib_or_auto,
+            "metavar": "GIB|auto",
+            "help": "UVA: GiB of weights kept in host memory and read in place (auto: just enough to fit; vLLM default 0)",
+        },
+    ),
+    (
+        "--cpu-offload-params",
+        "cpu_offload_params",
+        {
+            "nargs": "+",
+            "metavar": "SEG",
+            "help": "UVA: only parameters whose names contain these dot-separated segments",
+        },
+    ),
+    (
+        "--offload-group-size",
+        "offload_group_size",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "prefetch: of every N layers, the last --offload-num-in-group are offloaded (vLLM default 0: off)",
+        },
+    ),
+    (
+        "--offload-num-in-group",
+        "offload_num_in_group",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "prefetch: layers offloaded per group (vLLM default 1)",
+        },
+    ),
+    (
+        "--offload-prefetch-step",
+        "offload_prefetch_step",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "prefetch: how many layers ahead copies run; device slots (vLLM default 1)",
+        },
+    ),
+    (
+        "--offload-params",
+        "offload_params",
+        {
+            "nargs": "+",
+            "metavar": "SEG",
+            "help": "prefetch: only parameters whose names contain these segments",
+        },
+    ),
+    (
+        "--offload-disable-uva",
+        "disable_uva",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "UVA: copy each layer to the device before it runs instead of reading host memory in place",
+        },
+    ),
     (
         "--offload-disable-pin-memory",
         "disable_pin_memory",
-        {"action": "store_const", "const": True},
+        {"action": "store_const", "const": True, "help": "keep host memory pageable (not pinned)"},
     ),
-    ("--offload-prefetch-unit", "prefetch_unit", {"choices": PREFETCH_UNITS}),
+    (
+        "--offload-prefetch-unit",
+        "prefetch_unit",
+        {
+            "choices": PREFETCH_UNITS,
+            "help": "prefetch: what one copy brings in (ours; auto: layers on a GPU, on a CPU modules when layers overflow its cache)",
+        },
+    ),
 )
 _FLAG_DESTS = tuple(dest for _, dest, _ in _FLAGS)
 

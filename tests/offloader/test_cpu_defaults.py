@@ -11,8 +11,8 @@ import torch
 import zoo
 
 import offload
-from offload.memory import threads
-from offload.memory.copy_engine import ThreadCopyEngine
+from offload.memory import copy_engine, threads
+from offload.memory.copy_engine import SyncCopyEngine, ThreadCopyEngine
 from offload.offloader import units
 from offload.offloader.units import AUTO_MODULES_AHEAD, resolve_unit, units_ahead
 
@@ -26,9 +26,12 @@ def small_cache(monkeypatch):
 
 
 def test_auto_is_layers_on_a_gpu_and_on_a_cpu_modules_where_layers_overflow_the_cache(
-    small_cache,
+    small_cache, monkeypatch
 ):
     cpu, gpu, mib = torch.device("cpu"), torch.device("cuda", 0), 2**20
+    monkeypatch.setattr(units, "available_cores", lambda: torch.get_num_threads())
+    assert resolve_unit("auto", cpu, 14 * mib, 2) == "layer"  # no free core: copies inline
+    monkeypatch.setattr(units, "available_cores", lambda: torch.get_num_threads() + 1)
     assert resolve_unit("auto", cpu, 14 * mib, 2) == "module"  # 3 x 14 MiB > 32 MiB
     assert resolve_unit("auto", cpu, 10 * mib, 2) == "layer"  # 3 x 10 MiB fit
     assert resolve_unit("auto", cpu, 14 * mib, 1) == "layer"  # 2 x 14 MiB fit
@@ -68,6 +71,7 @@ def test_units_ahead_keeps_auto_within_the_memory_of_the_layer_step(
 
 def test_default_prefetch_on_a_small_cache_cpu_copies_modules_exactly(small_cache, monkeypatch):
     monkeypatch.setattr(units, "last_level_cache_bytes", lambda: 0)  # any layer overflows
+    monkeypatch.setattr(units, "available_cores", lambda: torch.get_num_threads() + 1)
     model, reference = zoo.build("llama", num_layers=4), zoo.build("llama", num_layers=4)
     ids = zoo.inputs()
     offloader = offload.apply(model, DEFAULTS, device="cpu")
@@ -102,53 +106,54 @@ class _Probe:
 def two_threads(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    monkeypatch.setattr(threads, "available_cores", lambda: 2)
     yield
     torch.set_num_threads(before)
 
 
 def _offloaded(config=DEFAULTS):
     model, reference = zoo.build("llama", num_layers=3), zoo.build("llama", num_layers=3)
-    offload.apply(model, config, device="cpu")
-    return model, reference
+    offloader = offload.apply(model, config, device="cpu")
+    return model, reference, offloader
 
 
-def test_a_forward_leaves_the_copy_thread_a_core_and_gives_the_threads_back(two_threads):
-    model, reference = _offloaded()
+@pytest.mark.parametrize("cores", [2, 3])
+def test_compute_keeps_the_users_threads_and_the_copies_use_a_free_core_if_any(
+    two_threads, monkeypatch, cores
+):
+    """Fewer compute threads would change float results, so the thread count is never
+    touched: with every core computing, copies run on the compute thread; with a core
+    free, on a copy thread there."""
+    monkeypatch.setattr(copy_engine, "available_cores", lambda: cores)
+    model, reference, offloader = _offloaded()
     probe = _Probe(model)
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
-    assert probe.seen == [1] and torch.get_num_threads() == 2
-
-
-def test_fewer_threads_than_cores_are_the_users_and_left_alone(two_threads, monkeypatch):
-    monkeypatch.setattr(threads, "available_cores", lambda: 4)
-    model, _ = _offloaded()
-    probe = _Probe(model)
-    zoo.logits(model, zoo.inputs())
     assert probe.seen == [2] and torch.get_num_threads() == 2
-
-
-def test_a_resident_model_keeps_every_thread(two_threads):
-    model, _ = _offloaded({"cpu_offload_gb": 1})  # UVA: no copy thread
-    probe = _Probe(model)
-    zoo.logits(model, zoo.inputs())
-    assert probe.seen == [2]
+    engine = type(offloader._engine)
+    assert engine is (SyncCopyEngine if cores == 2 else ThreadCopyEngine)
+    assert offloader.stats()["bytes_copied"] > 0
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
-def test_the_threads_come_back_after_an_interrupted_forward(two_threads, error):
-    model, reference = _offloaded()
+def test_an_interrupted_forward_changes_no_thread_count_and_the_next_is_exact(two_threads, error):
+    model, reference, _ = _offloaded()
     probe = _Probe(model, interrupt_once=error)
     ids = zoo.inputs()
     with pytest.raises(type(error)):
         zoo.logits(model, ids)
-    if isinstance(error, Exception):  # torch's always-called hook ran: given back at once
-        assert torch.get_num_threads() == 2
+    assert torch.get_num_threads() == 2
     assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
-    # A KeyboardInterrupt skips torch's hooks: the next forward takes the abandoned lock
-    # over, recovers (threads back), then leaves a core again for itself.
-    assert probe.seen == [1, 1] and torch.get_num_threads() == 2
+    assert probe.seen == [2, 2]
+
+
+def test_copies_on_the_compute_thread_are_exact_for_both_units(small_cache):
+    for unit in ("layer", "module"):
+        model, reference, offloader = _offloaded({**DEFAULTS, "prefetch_unit": unit})
+        offloader._engine = SyncCopyEngine()  # whatever this machine's cores
+        offloader.reload()
+        ids = zoo.inputs()
+        assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
+        assert offloader._engine.stats.bytes_copied > 0
 
 
 @pytest.mark.parametrize(
@@ -183,7 +188,7 @@ def test_the_advice_is_logged_once_when_copies_slow_down_in_forwards(monkeypatch
 
 
 def test_no_advice_for_the_default_prefetch_on_this_machine(caplog):
-    model, _ = _offloaded()
+    model, _, _ = _offloaded()
     with caplog.at_level(logging.WARNING, logger="offload"):
         for _ in range(30):  # 3 layers x 7 modules x 30 forwards: well past the check
             zoo.logits(model, zoo.inputs())

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from offload.engine.kv_cache import KVOffloader
+from offload.engine.kv_cache import KVOffloader, cache_argument
 from offload.errors import OffloadError
 from offload.offloader.base import BaseOffloader
 
@@ -56,7 +56,7 @@ class DecodeStep:
             input_ids=self.input_ids,
             attention_mask=self.mask,
             position_ids=self.position_ids,
-            past_key_values=self._cache,
+            **cache_argument(self._model, self._cache),
             cache_position=self.cache_position,
             use_cache=True,
             logits_to_keep=1,

@@ -13,6 +13,7 @@ is one contiguous byte range on both sides (one copy).
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from collections.abc import Callable
@@ -106,7 +107,7 @@ def probe_kv_dims(model) -> tuple[int, int, int] | None:
     with torch.inference_mode():
         model(
             input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
-            past_key_values=cache,
+            **cache_argument(model, cache),
             use_cache=True,
             logits_to_keep=1,
         )
@@ -476,3 +477,16 @@ def _layer_class() -> type:
             return self.offloader.lengths[self.position]
 
     return OffloadedStaticLayer
+
+
+def cache_argument(model: torch.nn.Module, cache: object) -> dict[str, object]:
+    """`cache` as the keyword the model's forward takes: `cache` from transformers 5.23
+    (where `past_key_values` is deprecated, with a warning at every call), else
+    `past_key_values`."""
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_type: type) -> str:
+    parameters = inspect.signature(model_type.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import (
     KV_SLOTS,
     KVHostPool,
+    cache_argument,
     check_host_kv,
     check_host_room,
     check_swap_space,
@@ -125,6 +127,7 @@ class LLM:
     ):
         self._lock = threading.Lock()
         self._closed = False
+        self._on_step: Callable[[list[SequenceState]], None] | None = None  # see _streaming
         check_llm_args(
             model=model,
             tokenizer=tokenizer,
@@ -289,6 +292,16 @@ class LLM:
             self._closed = True
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool
+
+    @contextlib.contextmanager
+    def _streaming(self, on_step: Callable[[list[SequenceState]], None]) -> Iterator[None]:
+        """Call `on_step(sequences)` after each token of the calls made inside (the
+        `offload` command shows text as it is generated with it)."""
+        self._on_step = on_step
+        try:
+            yield
+        finally:
+            self._on_step = None
 
     def get_tokenizer(self) -> Any:
         """The tokenizer that prompts and chats go through (vLLM's name)."""
@@ -466,7 +479,7 @@ class LLM:
                 input_ids=batch.input_ids[:, start:end],
                 attention_mask=batch.mask,  # the whole cache length, as decode (ALiBi needs it)
                 position_ids=positions[:, start:end],
-                past_key_values=cache,
+                **cache_argument(self.model, cache),
                 cache_position=batch.columns[start:end],
                 use_cache=True,
                 logits_to_keep=0 if every_position else 1,
@@ -491,6 +504,8 @@ class LLM:
         while True:
             tokens = self._tokens.pick(logits, sequences)
             progress.update()
+            if self._on_step is not None:
+                self._on_step(sequences)
             # The text so far is position + 1 long.
             if all(s.finish_reason is not None for s in sequences) or position + 1 >= batch.length:
                 return graphs

@@ -1,11 +1,10 @@
-"""CPU threads when the CPU both computes and copies: a core for the copy thread, and
-advice about OpenMP's spinning workers only when they are measured to slow the copies.
+"""CPU threads when the CPU both computes and copies: how many cores there are (a copy
+thread runs only where compute leaves one free; see `make_copy_engine`), and advice about
+OpenMP's spinning workers only when they are measured to slow the copies.
 
-Measured on 2 cores, SmolLM2 decode with every layer prefetched (docs/benchmarks.md):
-compute on every core leaves the copy thread to fight for one, and OpenMP workers that
-spin between parallel regions (its default wait policy) take that core outright: 0.60x
-resident spinning, 0.83-0.85x with `OMP_WAIT_POLICY=PASSIVE`, and 0.95-1.07x with module
-units and one compute thread fewer than the cores.
+The library never changes torch's thread count itself: a matrix product on fewer threads
+sums in another order, so its float results differ (measured: log-probabilities moved in
+the sixth digit), and offloading must not change a bit of the output.
 """
 
 from __future__ import annotations
@@ -24,27 +23,6 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         return os.cpu_count() or 1
-
-
-class SpareCore:
-    """During a forward, compute on one thread fewer than the cores, so the copy thread
-    has one of its own; the caller's thread count is restored after it. A count the user
-    already set below the cores is theirs and is left alone, as is a single core."""
-
-    def __init__(self) -> None:
-        self._saved: int | None = None
-
-    def enter(self) -> None:
-        threads = torch.get_num_threads()
-        if self._saved is None and threads > 1 and threads >= available_cores():
-            self._saved = threads
-            torch.set_num_threads(threads - 1)
-
-    def exit(self) -> None:
-        """Give the caller its thread count back (also after an interrupted forward)."""
-        if self._saved is not None:
-            saved, self._saved = self._saved, None
-            torch.set_num_threads(saved)
 
 
 # The copy thread's rate during forwards below this share of its rate with compute idle

@@ -13,7 +13,6 @@ from torch import nn
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
-from offload.memory.threads import SpareCore
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import ModuleHooks, PrefetchHook
@@ -94,7 +93,6 @@ class PrefetchOffloader(BaseOffloader):
         # Compiled calls: thread -> the layer it is inside (see `_claim_for_compiled`).
         self._compiled_running: dict[int, int] = {}
         self._compiled_lock = threading.Lock()
-        self._spare_core = SpareCore()
         self._id = ops.register(self)
 
     # -- planning ------------------------------------------------------------
@@ -382,15 +380,13 @@ class PrefetchOffloader(BaseOffloader):
         self.forward_finished()
 
     def forward_started(self) -> None:
-        """With a CPU copy thread: compute leaves it a core (see memory/threads.py)."""
-        if self._engine is not None and self._engine.shares_compute_cores:
-            self._spare_core.enter()
+        """Copies from now on run beside compute (the copy thread's spin check)."""
+        if self._engine is not None:
             self._engine.compute_busy = True
 
     def forward_finished(self) -> None:
-        if self._engine is not None and self._engine.shares_compute_cores:
+        if self._engine is not None:
             self._engine.compute_busy = False
-            self._spare_core.exit()
 
     def close(self) -> None:
         if self._engine is not None:

@@ -7,9 +7,10 @@ Where the slots plus the layer streaming in do not fit in the last-level cache, 
 layer copied ahead has left the cache by the time it is read, so "auto" copies one weight
 module at a time, `AUTO_MODULES_AHEAD` modules ahead, each landing just before it runs
 (2 cores, 32 MiB L3, SmolLM2 with every layer offloaded: whole layers 0.79-0.88x
-resident, modules 2 / 3 / 4 ahead 0.95 / 1.06 / 1.05x). Where they fit, whole layers win:
-seven times fewer hand-offs to the copy thread (2 cores, 480 MiB L3: layers 0.55x,
-modules 0.41x). See docs/benchmarks.md.
+resident, modules 2 / 3 / 4 ahead 0.95 / 1.06 / 1.05x, one compute thread and a copy
+thread). Where they fit, or where compute takes every core and copies run on the compute
+thread, whole layers win: seven times fewer hand-offs (2 cores, 480 MiB L3, copies on
+the compute threads: layers 0.65x, modules 0.56x). See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from offload.memory.host import pack_offsets
+from offload.memory.threads import available_cores
 
 UNITS = ("auto", "layer", "module")
 AUTO_MODULES_AHEAD = 3
@@ -30,11 +32,12 @@ def resolve_unit(
     unit: str, device: torch.device, largest_layer: int = 0, prefetch_step: int = 1
 ) -> str:
     """The unit `unit` means on `device`: "auto" is layers on a GPU; on a CPU, modules
-    when `prefetch_step` slots of the largest layer plus one more streaming in exceed
-    the last-level cache, else layers."""
+    when a copy thread runs beside compute (torch leaves a core free) and
+    `prefetch_step` slots of the largest layer plus one more streaming in exceed the
+    last-level cache, else layers (copies on the compute thread: fewer is faster)."""
     if unit != "auto":
         return unit
-    if device.type != "cpu":
+    if device.type != "cpu" or torch.get_num_threads() >= available_cores():
         return "layer"
     return "module" if (prefetch_step + 1) * largest_layer > last_level_cache_bytes() else "layer"
 

@@ -1,0 +1,166 @@
+"""What a new user meets in the `offload` command: --version, help for every flag with its
+default, labelled answers, text streamed as it is generated, and `inspect` of the
+default model against a device budget."""
+
+from __future__ import annotations
+
+import argparse
+import io
+from importlib import metadata
+
+import pytest
+import zoo
+from hypothesis import given
+from hypothesis import strategies as st
+
+from offload import commands
+from offload.cli import build_parser, main
+from offload.engine.sampling import find_stop
+from offload.streaming import TextStream, settled
+
+
+def _subparsers(parser):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            yield from action.choices.items()
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"offload {metadata.version('offload')}"
+
+
+def test_every_flag_has_help_and_its_default_is_shown():
+    parser = build_parser()
+    for name, sub in _subparsers(parser):
+        text = sub.format_help()
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+            if action.option_strings and action.default not in (None, False):
+                assert f"(default: {action.default})" in " ".join(text.split()), (
+                    f"{name} {action.option_strings[0]}: default not shown"
+                )
+    generate = dict(_subparsers(parser))["generate"].format_help()
+    assert "(default: auto)" in generate and "--no-stream" in generate
+
+
+class _Recorder(io.StringIO):
+    """An output that remembers each write (a stream writes the answer in pieces)."""
+
+    def __init__(self):
+        super().__init__()
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return super().write(text)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return zoo.save_tiny_llm(tmp_path_factory.mktemp("tiny"), num_layers=2)
+
+
+def _generate(*argv):
+    out = _Recorder()
+    commands.generate(build_parser().parse_args(["generate", *argv]), out)
+    return out
+
+
+def test_one_answer_streams_and_equals_the_unstreamed_answer(tiny):
+    argv = [
+        "--model",
+        str(tiny),
+        "--prompt",
+        "t5 t6 t7 t8",
+        "--max-tokens",
+        "12",
+        "--device",
+        "cpu",
+    ]
+    streamed, whole = _generate(*argv), _generate(*argv, "--no-stream")
+    answer = whole.getvalue().split("\n[")[0]
+    assert streamed.getvalue().split("\n[")[0] == answer and answer.strip()
+    # Written piece by piece as tokens came, not once at the end.
+    assert len([w for w in streamed.writes if w.strip()]) > 2
+    assert len([w for w in whole.writes if w.strip()]) == 2  # the answer, then the figures
+    assert " on cpu: " in streamed.getvalue().splitlines()[-1]
+
+
+def test_a_stop_string_is_never_streamed(tiny):
+    argv = [
+        "--model",
+        str(tiny),
+        "--prompt",
+        "t5 t6 t7 t8",
+        "--max-tokens",
+        "12",
+        "--device",
+        "cpu",
+    ]
+    free = _generate(*argv, "--no-stream").getvalue().split("\n[")[0]
+    words = free.split()
+    assert len(words) > 3
+    stop = " ".join(words[2:4])  # two words the free answer has
+    streamed = _generate(*argv, "--stop", stop).getvalue().split("\n[")[0]
+    assert streamed == free[: free.index(stop)]
+    assert stop not in streamed
+
+
+def test_several_answers_are_labelled(tiny):
+    argv = ["--model", str(tiny), "--prompt", "t5 t6", "--prompt", "t7 t8", "--max-tokens", "4"]
+    lines = _generate(*argv).getvalue().splitlines()
+    assert lines[0] == "--- prompt 1: t5 t6"
+    assert "--- prompt 2: t7 t8" in lines
+    assert lines[-1].startswith("[") and lines[-1].endswith("]")
+
+
+@given(
+    st.text(alphabet="ab \ufffd", max_size=24),
+    st.lists(st.text(alphabet="ab ", min_size=1, max_size=3), max_size=2),
+)
+def test_streamed_text_is_always_a_prefix_of_the_final_text(raw, stops):
+    """Replay a generation: at each step the engine's text is the raw text so far, cut
+    at the first stop string; the stream must never show what the final text lacks."""
+    shown = []
+    stream = TextStream(shown.append, stops)
+    final = raw
+    for end in range(len(raw) + 1):
+        found = find_stop(raw[:end], stops)
+        if found is not None:
+            final = found[0]
+            break
+        if "\ufffd" in raw[:end].rstrip("\ufffd"):
+            continue  # an earlier replacement character stays; only a trailing one heals
+        stream.update(raw[:end])
+    if "\ufffd" in final:
+        return
+    stream.finish(final)
+    assert "".join(shown) == final
+
+
+def test_settled_holds_back_what_may_still_change():
+    assert settled("Paris is", ["is the"]) == "Paris"  # "is" may begin the stop string
+    assert settled("caf\ufffd", []) == "caf"  # an incomplete UTF-8 character
+    assert settled("Hello ", []) == "Hello"  # a space a clean-up may merge
+    assert settled("Hello world", ["xyz"]) == "Hello world"
+
+
+def test_inspect_without_a_path_is_the_default_model_against_a_budget(capsys, smollm2_path):
+    assert (
+        main(["inspect", "--device", "cpu", "--device-memory-gb", "0.3", "--max-model-len", "512"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert out.startswith(f"{smollm2_path}: LlamaForCausalLM")
+    assert "does not fit the cpu budget 276.5 MiB (max_model_len 512)" in out
+    assert "--cpu-offload-gb 0.33" in out
+    argv = ["inspect", "--device", "cpu", "--device-memory-gb", "0.3", "--max-model-len", "512"]
+    assert main([*argv, "--cpu-offload-gb", "0.33"]) == 0
+    assert "fits the cpu budget 276.5 MiB (max_model_len 512) with this offloading" in (
+        capsys.readouterr().out
+    )
