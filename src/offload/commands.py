@@ -21,6 +21,7 @@ from offload.model.configs import resolve
 from offload.model.default import default_model_path
 from offload.model.layers import find_layer_stacks
 from offload.model.loader import build_empty
+from offload.model.sources import resolve_model
 from offload.streaming import TextStream
 
 QUESTION = "What is the capital of France?"
@@ -67,7 +68,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     # Checked before the model loads: a bad flag costs nothing.
     params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     show_progress = not args.no_progress and sys.stderr.isatty()
-    path = Path(args.model) if args.model else default_model_path()
+    path = resolve_model(args.model)
     config = OffloadConfig.from_cli_args(args)
     if config.selected_backend == "none" and not args.no_offload:
         config = whole_stack_config(path, args.dtype, args.trust_remote_code)
@@ -151,6 +152,7 @@ def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
 
 def inspect(args: argparse.Namespace) -> str:
     path = resolve(args.path) if args.path else default_model_path()
+    path = resolve_model(path)
     model = build_empty(path, args.dtype, args.trust_remote_code)
     total = _bytes(model)
     lines = [

@@ -57,9 +57,10 @@ from offload.engine.tokens import TokenSteps
 from offload.engine.vllm_args import IGNORED, check_ignored
 from offload.errors import ConfigError, ModelError
 from offload.memory.device import check_device
-from offload.model.default import default_model_path
+from offload.model.configs import resolve as shipped
 from offload.model.loader import build_empty, load_model
-from offload.model.tokenizer import eos_token_ids, load_tokenizer
+from offload.model.sources import resolve_model
+from offload.model.tokenizer import NoTokenizer, eos_token_ids, load_tokenizer
 from offload.offloader.factory import as_config
 
 
@@ -161,7 +162,8 @@ class LLM:
         # Refused before anything is read or allocated.
         self.swap_space_bytes = check_swap_space(swap_space)
         self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
-        path = Path(model) if model is not None else default_model_path()
+        # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
+        path = resolve_model(shipped(model) if load_format == "dummy" and model else model)
         self.device = check_device(device)
         empty = build_empty(path, dtype, trust_remote_code)
         if getattr(empty, "_is_stateful", False):
@@ -186,9 +188,7 @@ class LLM:
         )
         check_host_room(self.swap_space_bytes, offloaded)
         # Before the weights: its errors come first.
-        self.tokenizer = load_tokenizer(
-            Path(tokenizer) if tokenizer is not None else path, trust_remote_code
-        )
+        self.tokenizer = _tokenizer(path, tokenizer, load_format, trust_remote_code)
         self._tokens = TokenSteps(self.tokenizer, eos_token_ids(path, self.tokenizer, empty.config))
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
@@ -515,6 +515,17 @@ class LLM:
             logits = graphs.run(position + 1) if graphs is not None else step()
             self._forwards += 1
             position += 1
+
+
+def _tokenizer(path: Path, tokenizer, load_format: str, trust_remote_code: bool):
+    """The tokenizer; a dummy model from a bare config.json (a shipped shape) has none."""
+    folder = Path(tokenizer) if tokenizer is not None else path
+    bare = not any(
+        (folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    )
+    if load_format == "dummy" and tokenizer is None and bare:
+        return NoTokenizer()
+    return load_tokenizer(folder, trust_remote_code)
 
 
 def _offload_config(

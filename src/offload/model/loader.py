@@ -115,6 +115,13 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
     if not config_file.is_file():
         raise ModelError(f"{path} is not a model directory (no config.json)")
     settings = _read_config(config_file)
+    quantized = settings.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "?"
+        raise ModelError(
+            f"quantized checkpoints are not supported yet (quant_method {method} in "
+            f"{config_file}); use the unquantized model"
+        )
     check_sizes(settings, config_file)  # before transformers builds lists of that length
     try:
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -63,3 +63,32 @@ def _as_ids(value) -> set[int]:
     if isinstance(value, list | tuple):
         return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
     return set()
+
+
+class NoTokenizer:
+    """The stand-in for a model loaded without one (`load_format="dummy"` from a bare
+    config.json, as vLLM's `skip_tokenizer_init`): prompts must be token ids, and outputs
+    carry token ids with empty text."""
+
+    pad_token_id = 0
+    eos_token_id = None
+    chat_template = None
+    _MESSAGE = (
+        "this model has no tokenizer (load_format='dummy' from a config.json alone): "
+        "pass prompts as {'prompt_token_ids': [...]}"
+    )
+
+    def __call__(self, *args, **kwargs):
+        raise ModelError(self._MESSAGE)
+
+    def apply_chat_template(self, *args, **kwargs):
+        raise ModelError(self._MESSAGE)
+
+    def decode(self, *args, **kwargs) -> str:
+        return ""
+
+    def convert_ids_to_tokens(self, ids):
+        return [""] * len(ids) if isinstance(ids, list) else ""
+
+    def __len__(self) -> int:
+        return 0

@@ -1,0 +1,204 @@
+"""What `model=` may name, resolved to a folder of safetensors that the loader reads.
+
+- None: the default model (SmolLM2-135M-Instruct, see `default.py`);
+- a folder with safetensors weights: itself;
+- a folder with only `pytorch_model*.bin` weights, or a `.gguf` file: converted once into
+  safetensors in the offload cache, keyed by the source files' names, sizes and mtimes
+  (a changed source converts again), then loaded the fast way;
+- a Hugging Face id (`org/name`): its snapshot in the local Hugging Face cache, as
+  transformers finds it (`HF_HUB_OFFLINE=1` keeps it to the cache; online, a missing one
+  is downloaded with the hub's progress bars).
+
+A conversion writes into a staging folder renamed into place when complete, under an
+exclusive `flock`, so a killed conversion leaves no half model and two processes convert
+once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from offload.errors import ModelError
+from offload.model.default import cache_dir, default_model_path
+
+ACCEPTED = (
+    "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "
+    "Face id such as HuggingFaceTB/SmolLM2-135M-Instruct"
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_EXTRA_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")  # config, tokenizer
+_CONVERTED = "converted"
+_VERSION = "1"  # part of the key: a change in how we convert converts again
+
+
+def resolve_model(model: str | Path | None) -> Path:
+    """The local folder `model` names (see the module's docstring)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _converted(path.stem, [path], lambda out: _from_gguf(path, out))
+    if path.is_dir():
+        return _local_folder(path)
+    if path.exists():
+        raise ModelError(f"{path} is not a model: give {ACCEPTED}")
+    if _HUB_ID.match(str(model)) and not str(model).startswith("."):
+        return _local_folder(_hub_snapshot(str(model)))
+    return path  # the loader says what is missing
+
+
+def _local_folder(path: Path) -> Path:
+    if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
+        return path
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        sources = bins + sorted(p for p in path.iterdir() if p.is_file() and p not in bins)
+        return _converted(path.name, sources, lambda out: _from_bin(path, bins, out))
+    return path  # config only (dummy weights, inspect), or the loader's error
+
+
+# -- the Hugging Face cache ------------------------------------------------------
+
+
+def _hub_snapshot(repo: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+    cache = _hub_cache()
+    try:
+        for weights in (["*.safetensors"], ["pytorch_model*.bin"]):
+            folder = Path(
+                snapshot_download(
+                    repo,
+                    allow_patterns=[*weights, *_EXTRA_FILES],
+                    cache_dir=cache,
+                    local_files_only=offline,
+                )
+            )
+            if any(folder.glob(weights[0])):
+                return folder
+    except LocalEntryNotFoundError:
+        raise ModelError(
+            f"{repo} is not in the local Hugging Face cache ({cache}) and HF_HUB_OFFLINE is "
+            "set: download it once with the network on, or give a local folder"
+        ) from None
+    except RepositoryNotFoundError:
+        raise ModelError(
+            f"{repo}: no such model on the Hugging Face hub (or it is private: set HF_TOKEN)"
+        ) from None
+    except (OSError, ValueError) as error:  # no network, HTTP errors, a bad id
+        raise ModelError(f"could not get {repo} from the Hugging Face hub: {error}") from None
+    return folder  # no weights in it: the loader says so
+
+
+def _hub_cache() -> str:
+    """transformers' cache folder, read now (the hub library reads it at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "huggingface"
+    )
+    return os.path.join(home, "hub")
+
+
+# -- conversions, once -----------------------------------------------------------
+
+
+def _key(sources: list[Path]) -> str:
+    digest = hashlib.sha256(_VERSION.encode())
+    for source in sources:
+        stat = source.stat()
+        digest.update(f"{source.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def _converted(name: str, sources: list[Path], convert: Callable[[Path], None]) -> Path:
+    """`convert(staging)` once per version of `sources`, into the offload cache."""
+    folder = cache_dir() / _CONVERTED
+    target = folder / f"{name}-{_key(sources)}"
+    if (target / "config.json").is_file():
+        return target
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = os.open(folder / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise ModelError(f"cannot write to the offload cache {folder}: {error.strerror}") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process converts
+        if not (target / "config.json").is_file():
+            staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=folder))
+            try:
+                convert(staging)
+                staging.rename(target)
+            except (OSError, ValueError, RuntimeError, ImportError) as error:
+                raise ModelError(
+                    f"converting {sources[0]} to safetensors failed: {error}"
+                ) from None
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        os.close(lock)
+    return target
+
+
+def _from_bin(folder: Path, bins: list[Path], out: Path) -> None:
+    """One safetensors file per .bin shard (peak memory: one shard), plus the index."""
+    import torch
+    from safetensors.torch import save_file
+
+    index: dict[str, str] = {}
+    for number, source in enumerate(bins, 1):
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        tensors, seen = {}, {}
+        for name, tensor in state.items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
+            if key in seen:  # a tied weight saved twice: safetensors stores it once
+                continue
+            seen[key] = name
+            tensors[name] = tensor.contiguous()
+        shard = f"model-{number:05d}-of-{len(bins):05d}.safetensors"
+        save_file(_unshared(tensors), out / shard, metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, shard))
+        del state, tensors
+    import json
+
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index}, indent=1)
+    )
+    for extra in folder.iterdir():
+        if (
+            extra.is_file()
+            and extra.suffix != ".bin"
+            and not extra.name.endswith(".bin.index.json")
+        ):
+            shutil.copy2(extra, out / extra.name)
+
+
+def _unshared(tensors: dict) -> dict:
+    """Tensors that share storage (views of one buffer) get their own copies."""
+    pointers: dict[int, int] = {}
+    result = {}
+    for name, tensor in tensors.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        pointers[pointer] = pointers.get(pointer, 0) + 1
+        result[name] = tensor
+    return {
+        name: (t.clone() if pointers[t.untyped_storage().data_ptr()] > 1 else t)
+        for name, t in result.items()
+    }
+
+
+def _from_gguf(source: Path, out: Path) -> None:
+    from offload.model.default import _convert
+
+    _convert(source, out)

@@ -1,0 +1,163 @@
+"""What `model=` may name besides a safetensors folder: a Hugging Face id in the local
+cache, a folder of `pytorch_model*.bin` files, a `.gguf` file; each must give the greedy
+tokens transformers' `from_pretrained` gives for the same source. Quantized checkpoints
+and unknown names are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers as tf
+import zoo
+
+from offload import LLM, SamplingParams
+from offload.cli import main
+from offload.errors import ModelError
+from offload.model import sources
+from offload.model.default import gguf_path
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPT = "t5 t6 t7 t8"
+
+
+@pytest.fixture(autouse=True)
+def own_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "offload-cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def _transformers_tokens(folder, prompt=PROMPT, **kwargs):
+    tokenizer = tf.AutoTokenizer.from_pretrained(folder, **kwargs)
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    return ids[0].tolist(), out[0, ids.shape[1] :].tolist()
+
+
+def _ours(model, prompt_ids):
+    llm = LLM(model, device="cpu", dtype="float32")
+    [output] = llm.generate({"prompt_token_ids": prompt_ids}, GREEDY)
+    return output.outputs[0].token_ids
+
+
+def _hub_layout(cache, repo, files_from):
+    """`files_from`'s files as the hub cache holds a snapshot of `repo`."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    root = cache / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(files_from, root / "snapshots" / revision)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(revision)
+    return root / "snapshots" / revision
+
+
+def test_a_hub_id_in_the_local_cache_gives_transformers_tokens(tmp_path):
+    snapshot = _hub_layout(
+        tmp_path / "hf-cache", "tiny-org/tiny-llama", zoo.save_tiny_llm(tmp_path / "t", 2)
+    )
+    prompt_ids, expected = _transformers_tokens(snapshot)
+    assert sources.resolve_model("tiny-org/tiny-llama") == snapshot
+    assert _ours("tiny-org/tiny-llama", prompt_ids) == expected
+
+
+def test_a_hub_id_not_in_the_cache_offline_is_one_line(capsys):
+    with pytest.raises(ModelError, match=r"^nobody/nothing is not in the local Hugging Face"):
+        sources.resolve_model("nobody/nothing")
+    assert main(["generate", "--model", "nobody/nothing"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("offload: error: nobody/nothing is not in the local")
+        and err.count("\n") == 1
+    )
+
+
+def _bin_folder(tmp_path, shards):
+    """A tiny Llama saved the old way: pytorch_model.bin, or shards with an index."""
+    source = zoo.save_tiny_llm(tmp_path / "source", 2)
+    folder = tmp_path / "bin-model"
+    folder.mkdir()
+    for name in os.listdir(source):
+        if not name.startswith("model"):
+            shutil.copy2(source / name, folder / name)
+    state = tf.AutoModelForCausalLM.from_pretrained(source).state_dict()
+    names = sorted(state)
+    if shards == 1:
+        torch.save(state, folder / "pytorch_model.bin")
+        return folder
+    weight_map = {}
+    for number in range(shards):
+        part = names[number::shards]
+        shard = f"pytorch_model-{number + 1:05d}-of-{shards:05d}.bin"
+        torch.save({n: state[n] for n in part}, folder / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    return folder
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_a_bin_folder_is_converted_once_and_gives_transformers_tokens(
+    tmp_path, shards, monkeypatch
+):
+    folder = _bin_folder(tmp_path, shards)
+    prompt_ids, expected = _transformers_tokens(folder)
+    assert _ours(folder, prompt_ids) == expected
+    converted = sources.resolve_model(folder)
+    assert converted.parent.parent == tmp_path / "offload-cache"
+    assert len(list(converted.glob("*.safetensors"))) == shards
+    calls = []
+    monkeypatch.setattr(sources, "_from_bin", lambda *args: calls.append(args))
+    assert sources.resolve_model(folder) == converted and calls == []  # once
+    source = next(folder.glob("pytorch_model*.bin"))
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 10**9))
+    assert sources.resolve_model(folder) != converted  # a changed source converts again
+    assert len(calls) == 1
+
+
+def test_a_gguf_file_gives_transformers_tokens(tmp_path):
+    gguf = gguf_path()
+    prompt_ids, expected = _transformers_tokens(
+        gguf.parent, "The capital of France is", gguf_file=gguf.name
+    )
+    assert _ours(gguf, prompt_ids) == expected
+    assert sources.resolve_model(gguf).parent.name == "converted"
+
+
+def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path, capsys):
+    folder = zoo.save_tiny_llm(tmp_path / "gptq", 2)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ModelError, match=r"quantized checkpoints are not supported yet \(quant_method gptq"
+    ):
+        LLM(folder)
+    assert main(["inspect", str(folder)]) == 2
+    assert "quant_method gptq" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_model_says_what_is_accepted(tmp_path):
+    path = tmp_path / "notes.txt"
+    path.write_text("hello")
+    with pytest.raises(ModelError, match="is not a model: give a folder with safetensors"):
+        LLM(path)
+
+
+def test_a_dummy_shipped_shape_runs_from_token_ids_without_a_tokenizer(tmp_path, monkeypatch):
+    from offload.model import configs
+
+    shapes = tmp_path / "shapes"
+    zoo.save_tiny_llm(tmp_path / "tiny", 2)
+    (shapes / "tiny-shape").mkdir(parents=True)
+    shutil.copy2(tmp_path / "tiny" / "config.json", shapes / "tiny-shape" / "config.json")
+    monkeypatch.setattr(configs, "CONFIGS", shapes)
+    llm = LLM("tiny-shape", load_format="dummy", device="cpu")
+    [output] = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    assert len(output.outputs[0].token_ids) == 8 and output.outputs[0].text == ""
+    with pytest.raises(ModelError, match="has no tokenizer"):
+        llm.generate("t5 t6", GREEDY)
