@@ -37,3 +37,15 @@ def smollm2_path():
     from offload.model.default import default_model_path
 
     return default_model_path()
+
+
+@pytest.fixture(autouse=True)
+def _copy_thread_protocol(monkeypatch):
+    """Tests run the CPU copies on a copy thread, as if torch left a core free: the thread
+    protocol (issue order, waits, late copies, interrupts) is the subtle one, and this
+    2-core machine would otherwise copy on the compute thread, where ordering is trivial.
+    tests/offloader/test_cpu_defaults.py and the command-line tests (subprocesses) cover
+    the default engine choice."""
+    from offload.memory import copy_engine
+
+    monkeypatch.setattr(copy_engine, "available_cores", lambda: torch.get_num_threads() + 1)

@@ -124,6 +124,7 @@ def test_inspect_on_a_small_cache_cpu_plans_module_units_by_default(
     from offload.offloader import units
 
     monkeypatch.setattr(units, "last_level_cache_bytes", lambda: 32 * 2**20)
+    monkeypatch.setattr(units, "available_cores", lambda: 99)  # a core free for a copy thread
     flags = ["--device", "cpu", "--offload-group-size", "1", "--offload-prefetch-step", "2"]
     assert main(["inspect", str(smollm2_path), *flags]) == 0
     out = capsys.readouterr().out

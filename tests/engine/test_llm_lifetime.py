@@ -6,6 +6,7 @@ import time
 import weakref
 
 import pytest
+import torch
 import zoo
 
 import offload
@@ -34,6 +35,15 @@ def _no_copy_threads_within(seconds, besides):
 @pytest.fixture(scope="module")
 def path(tmp_path_factory):
     return zoo.save_tiny_llm(tmp_path_factory.mktemp("tiny"), num_layers=6)
+
+
+@pytest.fixture(autouse=True)
+def copy_threads(monkeypatch):
+    """A free core, so the CPU copies run on copy threads, whose lifetime is tested here
+    (with every core computing, they run on the compute thread: no thread at all)."""
+    from offload.memory import copy_engine
+
+    monkeypatch.setattr(copy_engine, "available_cores", lambda: torch.get_num_threads() + 1)
 
 
 def test_an_unreferenced_llm_frees_its_offloader_and_threads(path):
