@@ -428,7 +428,7 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "prefetch_unit",
         {
             "choices": PREFETCH_UNITS,
-            "help": "prefetch: what one copy brings in (ours; auto: layers on a GPU, on a CPU modules when layers overflow its cache)",
+            "help": "prefetch: what one copy brings in (ours; auto: layers, or on a CPU with a core free for the copy thread, modules when layers overflow its cache)",
         },
     ),
 )
