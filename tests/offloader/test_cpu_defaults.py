@@ -225,3 +225,28 @@ def test_base_imports_no_backend():
         if isinstance(node, ast.ImportFrom) and node.module
     }
     assert not imported & {"offload.offloader.prefetch", "offload.offloader.uva"}
+
+
+def test_the_default_cpu_engine_keeps_llm_outputs_exact_with_the_kv_cache_in_host_memory(
+    tmp_path, monkeypatch
+):
+    """Every core computing: weight and KV copies on the compute thread, logprobs and
+    tokens bitwise those of the resident engine."""
+    from offload import LLM, SamplingParams
+
+    monkeypatch.setattr(copy_engine, "available_cores", lambda: torch.get_num_threads())
+    path = zoo.save_tiny_llm(tmp_path / "tiny", 4)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+
+    def run(**flags):
+        llm = LLM(path, device="cpu", max_model_len=32, **flags)
+        [out] = llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params)
+        return llm, out.outputs[0]
+
+    _, resident = run()
+    llm, offloaded = run(kv_offload=True, **DEFAULTS)
+    assert isinstance(llm.offloader._engine, SyncCopyEngine)
+    assert offloaded.token_ids == resident.token_ids
+    assert offloaded.logprobs == resident.logprobs
+    stats = llm.transfer_stats()
+    assert stats["weight_bytes_copied"] > 0 and stats["kv_bytes_copied"] > 0
