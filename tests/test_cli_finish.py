@@ -71,10 +71,10 @@ def _generate(*argv):
     return out
 
 
-def test_one_answer_streams_and_equals_the_unstreamed_answer(tiny):
-    argv = [
+def _one_prompt(model):
+    return [
         "--model",
-        str(tiny),
+        str(model),
         "--prompt",
         "t5 t6 t7 t8",
         "--max-tokens",
@@ -82,6 +82,10 @@ def test_one_answer_streams_and_equals_the_unstreamed_answer(tiny):
         "--device",
         "cpu",
     ]
+
+
+def test_one_answer_streams_and_equals_the_unstreamed_answer(tiny):
+    argv = _one_prompt(tiny)
     streamed, whole = _generate(*argv), _generate(*argv, "--no-stream")
     answer = whole.getvalue().split("\n[")[0]
     assert streamed.getvalue().split("\n[")[0] == answer and answer.strip()
@@ -92,16 +96,7 @@ def test_one_answer_streams_and_equals_the_unstreamed_answer(tiny):
 
 
 def test_a_stop_string_is_never_streamed(tiny):
-    argv = [
-        "--model",
-        str(tiny),
-        "--prompt",
-        "t5 t6 t7 t8",
-        "--max-tokens",
-        "12",
-        "--device",
-        "cpu",
-    ]
+    argv = _one_prompt(tiny)
     free = _generate(*argv, "--no-stream").getvalue().split("\n[")[0]
     words = free.split()
     assert len(words) > 3
