@@ -1,0 +1,359 @@
+"""Byte ranges of checkpoint files read into host buffers on I/O threads, beside compute.
+
+A layer kept on disk is a list of `Extent`s: runs of bytes in files and where each lands
+in the layer's buffer. `plan_layout` places them so that every read can bypass the page
+cache (`O_DIRECT` needs the buffer address, the file offset and the length aligned to
+the block size): a tensor sits in the buffer at the same offset modulo `ALIGN` as in its
+file, so a safetensors file whose tensors are aligned to their dtype gives aligned views.
+
+`DiskReader` runs the reads on its own threads (`os.preadv` releases the GIL) and hands
+back a ticket to wait on, as a copy engine does. Every file is checked against the size,
+modification time and inode it had when the model was loaded, by descriptor and by path,
+after each read: a file replaced, truncated, rewritten or removed while the model runs,
+or a failing read, is a `DiskReadError` naming the file, raised where the ticket is
+waited for. The first fault ends the reader's threads; every later read raises it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.errors import ModelError
+
+ALIGN = 4096  # O_DIRECT alignment that every Linux block device accepts
+CHUNK_BYTES = 4 * 2**20  # one read request: large enough to stream, small enough to spread
+IO_MODES = ("direct", "page-cache")
+
+
+class DiskReadError(ModelError):
+    """A file that weights stream from changed, vanished or failed to read."""
+
+
+@dataclass(frozen=True)
+class FileStamp:
+    """What a file was when the model was loaded: a read from anything else is refused."""
+
+    path: Path
+    size: int
+    mtime_ns: int
+    inode: int
+
+    @classmethod
+    def of(cls, path: Path) -> FileStamp:
+        try:
+            st = os.stat(path)
+        except OSError as error:
+            raise DiskReadError(f"cannot read {path}: {error.strerror or error}") from None
+        return cls(Path(path), st.st_size, st.st_mtime_ns, st.st_ino)
+
+    def differs(self, st: os.stat_result) -> str | None:
+        """How `st` differs from the stamp, or None."""
+        if st.st_ino != self.inode:
+            return "was replaced"
+        if st.st_size != self.size:
+            return f"changed size ({self.size} -> {st.st_size} bytes)"
+        if st.st_mtime_ns != self.mtime_ns:
+            return "was modified"
+        return None
+
+
+@dataclass(frozen=True)
+class TensorRange:
+    """One tensor's bytes in a file."""
+
+    path: Path
+    offset: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
+class Extent:
+    """One aligned read: `num_bytes` of `path` from `file_offset` into the buffer at
+    `buffer_offset` (the last block may run past the end of the file: the read is short)."""
+
+    path: Path
+    file_offset: int
+    num_bytes: int
+    buffer_offset: int
+
+
+@dataclass(frozen=True)
+class DiskLayout:
+    """Where a layer's tensors land in its buffer, and the reads that put them there."""
+
+    extents: tuple[Extent, ...]
+    tensor_offsets: tuple[int, ...]  # per input range, its first byte in the buffer
+    num_bytes: int  # the buffer size the layout needs
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(extent.num_bytes for extent in self.extents)
+
+
+def plan_layout(ranges: Sequence[TensorRange], align: int = ALIGN) -> DiskLayout:
+    """Aligned reads covering `ranges`: ranges of one file whose aligned covers touch are
+    read as one run; runs follow each other in the buffer, each at an aligned offset."""
+    order = sorted(range(len(ranges)), key=lambda i: (str(ranges[i].path), ranges[i].offset))
+    runs: list[list[int]] = []  # [first aligned byte, end aligned byte] per run
+    run_paths: list[Path] = []
+    run_of = [0] * len(ranges)
+    for i in order:
+        piece = ranges[i]
+        start = piece.offset // align * align
+        end = -(-(piece.offset + piece.num_bytes) // align) * align
+        if runs and run_paths[-1] == piece.path and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([start, end])
+            run_paths.append(piece.path)
+        run_of[i] = len(runs) - 1
+    extents, placed = [], 0
+    for (start, end), path in zip(runs, run_paths, strict=True):
+        extents.append(Extent(path, start, end - start, placed))
+        placed += end - start
+    offsets = tuple(
+        extents[run_of[i]].buffer_offset + ranges[i].offset - extents[run_of[i]].file_offset
+        for i in range(len(ranges))
+    )
+    return DiskLayout(tuple(extents), offsets, placed)
+
+
+def aligned_empty(num_bytes: int, align: int = ALIGN, pin: bool = False) -> torch.Tensor:
+    """A uint8 host buffer of `num_bytes` whose first byte is `align`-aligned."""
+    raw = torch.empty(num_bytes + align, dtype=torch.uint8, pin_memory=pin)
+    skip = -raw.data_ptr() % align
+    return raw[skip : skip + num_bytes]
+
+
+@dataclass
+class ReadStats:
+    """Counters kept by a reader."""
+
+    bytes_read: int = 0
+    num_reads: int = 0
+    busy_s: float = 0.0  # wall time with at least one read in flight
+    stall_s: float = 0.0  # time compute waited for a read that had not landed
+    num_stalls: int = 0
+
+    @property
+    def read_gb_per_s(self) -> float:
+        return self.bytes_read / self.busy_s / 1e9 if self.busy_s > 0 else 0.0
+
+
+class ReadTicket:
+    """The reads of one layer: done when all its chunks are."""
+
+    def __init__(self, futures: list[Future]):
+        self.futures = futures
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
+class DiskReader:
+    """Reads extents into host buffers on `num_threads` I/O threads.
+
+    `io="direct"` opens files with `O_DIRECT` (falling back to buffered reads where the
+    file system refuses it) and, for buffered reads, drops the pages it read from the
+    page cache, so streamed weights do not pile up there; `io="page-cache"` reads
+    through the page cache and leaves the pages (a warm cache serves the next pass).
+    `delay_s` (tests only) sleeps before each read."""
+
+    def __init__(
+        self,
+        stamps: Sequence[FileStamp],
+        *,
+        num_threads: int = 2,
+        io: str = "direct",
+        chunk_bytes: int = CHUNK_BYTES,
+        delay_s: float = 0.0,
+    ):
+        if io not in IO_MODES:
+            raise ModelError(f"disk io must be one of {', '.join(IO_MODES)}, got {io!r}")
+        self.io = io
+        self.stats = ReadStats()
+        self._stamps = {stamp.path: stamp for stamp in stamps}
+        self._chunk_bytes = chunk_bytes
+        self._delay_s = delay_s
+        self._fds: dict[Path, tuple[int, bool]] = {}  # path -> (descriptor, is direct)
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._busy_since = 0.0
+        self._fault: DiskReadError | None = None
+        # buffer storage address -> its last read: a read into a buffer waits for the one
+        # before it (after a Ctrl-C, an abandoned read may still be writing there)
+        self._last: dict[int, ReadTicket] = {}
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="offload-io")
+
+    def read(
+        self,
+        buffer: torch.Tensor,
+        extents: Sequence[Extent],
+        after: Callable[[], None] | None = None,
+    ) -> ReadTicket:
+        """Start reading `extents` into `buffer` (contiguous uint8 host memory); `after`
+        runs on the I/O thread before each read (e.g. waits until the buffer is free)."""
+        self._raise_fault()
+        key = buffer.untyped_storage().data_ptr()
+        before = self._last.get(key)
+        futures = []
+        for extent in extents:
+            if extent.buffer_offset + extent.num_bytes > buffer.numel():
+                raise ValueError(
+                    f"extent of {extent.path} runs past its {buffer.numel()}-byte buffer"
+                )
+            for done in range(0, extent.num_bytes, self._chunk_bytes):
+                size = min(self._chunk_bytes, extent.num_bytes - done)
+                target = buffer[extent.buffer_offset + done : extent.buffer_offset + done + size]
+                job = (extent.path, extent.file_offset + done, target, before, after)
+                futures.append(self._pool.submit(self._read_chunk, *job))
+        self._last[key] = ticket = ReadTicket(futures)
+        return ticket
+
+    def wait(self, ticket: ReadTicket) -> None:
+        """Block until `ticket`'s reads have landed; raise the fault of any of them."""
+        if not ticket.done():
+            started = time.perf_counter()
+            wait_all(ticket.futures)
+            self.stats.stall_s += time.perf_counter() - started
+            self.stats.num_stalls += 1
+        for future in ticket.futures:
+            try:
+                error = future.exception()
+            except CancelledError:  # cancelled as the first fault ended the threads
+                error = self._fault or DiskReadError("a read was cancelled")
+            if error is not None:
+                raise error if isinstance(error, DiskReadError) else self._fail(error)
+
+    def close(self) -> None:
+        """Wait for reads in flight, end the threads and close the files."""
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def _raise_fault(self) -> None:
+        if self._fault is not None:
+            raise DiskReadError(str(self._fault))
+
+    def _fail(self, error: BaseException) -> DiskReadError:
+        fault = error if isinstance(error, DiskReadError) else DiskReadError(str(error))
+        with self._lock:
+            if self._fault is None:
+                self._fault = fault
+        self._pool.shutdown(wait=False, cancel_futures=True)  # the I/O threads end
+        return fault
+
+    def _read_chunk(
+        self,
+        path: Path,
+        offset: int,
+        target: torch.Tensor,
+        before: ReadTicket | None,
+        after: Callable[[], None] | None,
+    ) -> None:
+        try:
+            if self._fault is not None:
+                raise DiskReadError(str(self._fault))
+            if before is not None:  # submitted earlier, so running or done: no deadlock
+                wait_all(before.futures)
+            if after is not None:
+                after()
+            if self._delay_s:
+                time.sleep(self._delay_s)
+            self._begin()
+            try:
+                self._pread(path, offset, target)
+            finally:
+                self._end(target.numel())
+        except DiskReadError as error:
+            raise self._fail(error) from None
+        except OSError as error:
+            reason = error.strerror or str(error)
+            raise self._fail(DiskReadError(f"reading {path} failed: {reason}")) from None
+
+    def _pread(self, path: Path, offset: int, target: torch.Tensor) -> None:
+        stamp = self._stamps[path]
+        fd, direct = self._descriptor(path)
+        direct = direct and target.data_ptr() % ALIGN == 0 and target.numel() % ALIGN == 0
+        expected = max(0, min(target.numel(), stamp.size - offset))
+        view = memoryview(target.numpy()).cast("B")
+        # An unaligned piece of a file opened for O_DIRECT needs a buffered descriptor.
+        source = fd if direct or not self._fds[path][1] else self._buffered(path)
+        # O_DIRECT asks for whole blocks and gets a short read at the end of the file.
+        limit = target.numel() if source == fd and direct else expected
+        done = 0
+        while done < expected:
+            count = os.preadv(source, [view[done:limit]], offset + done)
+            if count == 0:
+                break
+            done += count
+        self._check(path, fd)
+        if done < expected:
+            raise DiskReadError(
+                f"{path} is truncated: a read at byte {offset + done} came back short"
+            )
+        if self.io == "direct" and not direct:  # keep streamed pages out of the page cache
+            os.posix_fadvise(source, offset, expected, os.POSIX_FADV_DONTNEED)
+
+    def _check(self, path: Path, fd: int) -> None:
+        """The file, by descriptor and by name, is still the one loaded."""
+        stamp = self._stamps[path]
+        problem = stamp.differs(os.fstat(fd))
+        if problem is None:
+            try:
+                problem = stamp.differs(os.stat(path))
+            except FileNotFoundError:
+                problem = "was removed"
+        if problem is not None:
+            raise DiskReadError(
+                f"{path} {problem} while the model was running; weights stream from it: "
+                "reload the model after changing its files"
+            )
+
+    def _descriptor(self, path: Path) -> tuple[int, bool]:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = self._open(path)
+            return self._fds[path]
+
+    def _buffered(self, path: Path) -> int:
+        key = Path(f"{path}\0buffered")  # a second, buffered descriptor of the same file
+        with self._lock:
+            if key not in self._fds:
+                self._fds[key] = (os.open(path, os.O_RDONLY), False)
+            return self._fds[key][0]
+
+    def _open(self, path: Path) -> tuple[int, bool]:
+        if self.io == "direct" and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT), True
+            except OSError as error:
+                if error.errno != errno.EINVAL:  # EINVAL: no O_DIRECT on this file system
+                    raise
+        return os.open(path, os.O_RDONLY), False
+
+    def _begin(self) -> None:
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = time.perf_counter()
+            self._in_flight += 1
+
+    def _end(self, num_bytes: int) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            self.stats.bytes_read += num_bytes
+            self.stats.num_reads += 1
+            if self._in_flight == 0:
+                self.stats.busy_s += time.perf_counter() - self._busy_since

@@ -1,0 +1,207 @@
+"""The disk reader: aligned layouts, exact bytes, ordering per buffer, and every fault
+as one error naming the file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.memory import disk_reader
+from offload.memory.disk_reader import (
+    ALIGN,
+    DiskReader,
+    DiskReadError,
+    FileStamp,
+    TensorRange,
+    aligned_empty,
+    plan_layout,
+)
+
+
+def _file(path: Path, num_bytes: int, seed: int = 0) -> bytes:
+    data = torch.randint(0, 256, (num_bytes,), generator=torch.Generator().manual_seed(seed))
+    raw = bytes(data.to(torch.uint8).numpy())
+    path.write_bytes(raw)
+    return raw
+
+
+def _read(reader: DiskReader, ranges: list[TensorRange]) -> list[bytes]:
+    layout = plan_layout(ranges)
+    buffer = aligned_empty(layout.num_bytes)
+    reader.wait(reader.read(buffer, layout.extents))
+    raw = bytes(buffer.numpy())
+    return [raw[o : o + r.num_bytes] for o, r in zip(layout.tensor_offsets, ranges, strict=True)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(
+        st.tuples(st.integers(0, 1), st.integers(0, 30000), st.integers(0, 9000)),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_layout_is_aligned_and_places_each_range_at_its_offset_modulo_align(pieces):
+    ranges = [TensorRange(Path(f"f{f}"), offset, size) for f, offset, size in pieces]
+    layout = plan_layout(ranges)
+    ends = []
+    for extent in layout.extents:
+        assert extent.file_offset % ALIGN == 0 and extent.num_bytes % ALIGN == 0
+        assert extent.buffer_offset % ALIGN == 0
+        ends.append((extent.buffer_offset, extent.buffer_offset + extent.num_bytes))
+    assert all(a[1] <= b[0] for a, b in zip(sorted(ends), sorted(ends)[1:], strict=False))
+    assert layout.num_bytes == sum(e.num_bytes for e in layout.extents)
+    for piece, offset in zip(ranges, layout.tensor_offsets, strict=True):
+        assert offset % ALIGN == piece.offset % ALIGN
+        covering = [
+            e
+            for e in layout.extents
+            if e.path == piece.path
+            and e.file_offset <= piece.offset
+            and piece.offset + piece.num_bytes <= e.file_offset + e.num_bytes
+        ]
+        assert (
+            covering
+            and offset == covering[0].buffer_offset + piece.offset - covering[0].file_offset
+        )
+
+
+@pytest.mark.parametrize("io", ["direct", "page-cache"])
+@pytest.mark.parametrize("chunk_bytes", [ALIGN, 3 * ALIGN, 2**20])
+def test_reads_give_the_files_bytes(tmp_path, io, chunk_bytes):
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    raw_a, raw_b = _file(a, 50_001, seed=1), _file(b, 12_345, seed=2)
+    ranges = [
+        TensorRange(a, 8, 4000),
+        TensorRange(b, 5000, 7345),  # runs to the end of the file
+        TensorRange(a, 40_000, 10_001),
+        TensorRange(a, 4008, 100),  # in the same run as the first
+    ]
+    reader = DiskReader(
+        [FileStamp.of(a), FileStamp.of(b)], io=io, chunk_bytes=chunk_bytes, num_threads=3
+    )
+    got = _read(reader, ranges)
+    want = [(raw_a if r.path == a else raw_b)[r.offset : r.offset + r.num_bytes] for r in ranges]
+    assert got == want
+    assert reader.stats.bytes_read > 0 and reader.stats.num_reads >= 3
+    reader.close()
+
+
+def test_a_read_into_a_buffer_lands_after_the_read_before_it(tmp_path):
+    """Two reads into one buffer: the second must win even when the first is slow (a
+    read abandoned by a Ctrl-C may still be running when the slot is loaded again)."""
+    a, b = tmp_path / "a.bin", tmp_path / "b.bin"
+    _file(a, ALIGN, seed=3)
+    raw_b = _file(b, ALIGN, seed=4)
+    reader = DiskReader([FileStamp.of(a), FileStamp.of(b)], num_threads=2)
+    buffer = aligned_empty(ALIGN)
+    first = reader.read(buffer, plan_layout([TensorRange(a, 0, ALIGN)]).extents, after=_sleep)
+    second = reader.read(buffer, plan_layout([TensorRange(b, 0, ALIGN)]).extents)
+    reader.wait(second)
+    reader.wait(first)
+    assert bytes(buffer.numpy()) == raw_b
+    reader.close()
+
+
+def _sleep() -> None:
+    time.sleep(0.2)
+
+
+def _fault_cases():
+    def truncate(path):
+        os.truncate(path, 5000)
+
+    def modify(path):
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+    def replace(path):
+        other = path.with_suffix(".new")
+        other.write_bytes(path.read_bytes())
+        os.replace(other, path)
+
+    def remove(path):
+        path.unlink()
+
+    return {"truncated": truncate, "modified": modify, "replaced": replace, "removed": remove}
+
+
+@pytest.mark.parametrize("fault", sorted(_fault_cases()))
+def test_a_file_changed_after_loading_is_one_error_naming_it(tmp_path, fault):
+    path = tmp_path / "model.safetensors"
+    _file(path, 20_000)
+    reader = DiskReader([FileStamp.of(path)])
+    assert _read(reader, [TensorRange(path, 0, 10_000)])  # fine before the change
+    _fault_cases()[fault](path)
+    with pytest.raises(DiskReadError, match=re.escape(str(path))):
+        _read(reader, [TensorRange(path, 0, 10_000)])
+    with pytest.raises(DiskReadError, match=re.escape(str(path))):  # and every read after it
+        reader.read(aligned_empty(ALIGN), [])
+    _assert_threads_end(reader)
+
+
+def test_a_missing_file_at_load_time_names_it(tmp_path):
+    with pytest.raises(DiskReadError, match=r"nothing\.safetensors"):
+        FileStamp.of(tmp_path / "nothing.safetensors")
+
+
+def test_an_io_error_is_one_error_naming_the_file_and_the_threads_end(tmp_path, monkeypatch):
+    path = tmp_path / "model.safetensors"
+    _file(path, 20_000)
+    reader = DiskReader([FileStamp.of(path)], num_threads=2)
+
+    def failing(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(disk_reader.os, "preadv", failing)
+    with pytest.raises(DiskReadError, match=rf"reading {path} failed: Input/output error"):
+        _read(reader, [TensorRange(path, 0, 20_000)])
+    _assert_threads_end(reader)
+
+
+def _assert_threads_end(reader: DiskReader) -> None:
+    threads = list(reader._pool._threads)
+    assert threads
+    for thread in threads:
+        thread.join(timeout=5)
+    assert not any(t.is_alive() for t in threads)
+
+
+def test_direct_reads_leave_the_page_cache_alone(tmp_path):
+    """O_DIRECT (or a dropped range) reads do not add the file to the page cache."""
+    path = tmp_path / "big.bin"
+    _file(path, 8 * 2**20)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    before = _cached_bytes(path)
+    reader = DiskReader([FileStamp.of(path)], io="direct")
+    _read(reader, [TensorRange(path, 0, 8 * 2**20)])
+    reader.close()
+    assert _cached_bytes(path) <= before + 2**20
+
+
+def _cached_bytes(path: Path) -> int:
+    """Bytes of `path` in the page cache (mincore over a mapping of the file)."""
+    import ctypes
+    import mmap
+
+    size = path.stat().st_size
+    with path.open("rb") as file, mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+        vec = (ctypes.c_ubyte * pages)()
+        buf = (ctypes.c_char * size).from_buffer(mapped)
+        result = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
+        del buf
+        assert result == 0, ctypes.get_errno()
+        return sum(v & 1 for v in vec) * mmap.PAGESIZE
