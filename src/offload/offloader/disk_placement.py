@@ -1,0 +1,60 @@
+"""Which offloaded units stay in host memory and which stream from disk: a pure function
+of their sizes and the host budget.
+
+Every offloaded unit is brought in once per forward, from RAM or from disk, so the bytes
+read from disk per forward are the bytes of the units not kept in RAM: keeping the set of
+units whose sizes fill the budget best makes them the fewest (a subset sum, solved
+exactly on sizes rounded up to `GRAIN` bytes, so the budget always holds). Among units of
+one size, those kept in RAM are spread evenly over the forward, so that every disk read
+has the compute of RAM units before it to hide behind.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+GRAIN = 2**20  # sizes and budget in MiB for the subset sum (rounding sizes up keeps the budget)
+
+
+def place_on_disk(sizes: Sequence[int], budget_bytes: int) -> list[bool]:
+    """For units of `sizes` bytes (in forward order), whether each streams from disk;
+    the others stay in host memory, and their sizes add up to at most `budget_bytes`."""
+    if budget_bytes <= 0 or not sizes:
+        return [True] * len(sizes)
+    if sum(sizes) <= budget_bytes:
+        return [False] * len(sizes)
+    grains = [-(-size // GRAIN) for size in sizes]
+    kept = _best_subset(grains, budget_bytes // GRAIN)
+    counts: dict[int, int] = {}
+    for index in kept:
+        counts[sizes[index]] = counts.get(sizes[index], 0) + 1
+    on_disk = [True] * len(sizes)
+    for size, count in counts.items():
+        members = [i for i, s in enumerate(sizes) if s == size]
+        for index in _spread(len(members), count):
+            on_disk[members[index]] = False
+    return on_disk
+
+
+def _best_subset(weights: Sequence[int], capacity: int) -> list[int]:
+    """Indices of a subset of `weights` with the largest sum not above `capacity`
+    (reachable sums as the bits of an integer, one shift per item)."""
+    mask = (1 << (capacity + 1)) - 1
+    reachable = [1]  # after i items: bit s set <=> some subset of the first i sums to s
+    for weight in weights:
+        reachable.append((reachable[-1] | (reachable[-1] << weight)) & mask)
+    total = reachable[-1].bit_length() - 1
+    chosen = []
+    for i in range(len(weights), 0, -1):  # walk back: was item i-1 needed to reach total?
+        if not (reachable[i - 1] >> total) & 1:
+            chosen.append(i - 1)
+            total -= weights[i - 1]
+    return sorted(chosen)
+
+
+def _spread(num_items: int, count: int) -> list[int]:
+    """`count` of `num_items` positions, evenly spaced (the last one always included,
+    so that a single RAM unit gives the first disk read of the next forward time)."""
+    if count <= 0:
+        return []
+    return sorted({num_items - 1 - (k * num_items) // count for k in range(count)})
