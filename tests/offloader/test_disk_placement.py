@@ -31,6 +31,10 @@ def test_the_budget_holds_and_the_streamed_bytes_are_the_fewest(sizes, budget):
         assert not any(on_disk)
 
 
+def test_a_better_fill_beats_taking_the_largest_first():
+    assert place_on_disk([6 * GRAIN, 5 * GRAIN, 5 * GRAIN], 10 * GRAIN) == [True, False, False]
+
+
 def test_edges_and_even_spreading():
     layer = 13 * GRAIN
     assert place_on_disk([layer] * 4, 0) == [True] * 4
