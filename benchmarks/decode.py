@@ -31,7 +31,7 @@ import offload
 from offload.demo import load_pretrained
 from offload.memory.copy_engine import SyncCopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
-from offload.model.layers import find_layers
+from offload.offloader.layers import find_layers
 
 PROMPT = "Write a short story about a dragon who learns to fly."
 DEFAULTS = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}

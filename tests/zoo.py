@@ -102,7 +102,7 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, num_tokens: int = 6) -> to
 
 
 def layer_param_bytes(model: torch.nn.Module) -> int:
-    from offload.model.layers import find_layers
+    from offload.offloader.layers import find_layers
 
     return sum(p.numel() * p.element_size() for m in find_layers(model) for p in m.parameters())
 

@@ -12,7 +12,6 @@ from torch import nn
 from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.device import check_device, cuda_usable
-from offload.model.layers import find_layers, resolve_layers
 from offload.offloader.base import (
     BaseOffloader,
     offloaded_params,
@@ -20,6 +19,7 @@ from offload.offloader.base import (
     set_param_data,
 )
 from offload.offloader.factory import create_offloader
+from offload.offloader.layers import find_layers, resolve_layers
 
 
 def apply(

@@ -19,9 +19,9 @@ from offload.errors import ModelError
 from offload.memory.device import check_device
 from offload.model.configs import resolve
 from offload.model.default import default_model_path
-from offload.model.layers import find_layer_stacks
 from offload.model.loader import build_empty
 from offload.model.sources import resolve_model
+from offload.offloader.layers import find_layer_stacks
 from offload.streaming import TextStream
 
 QUESTION = "What is the capital of France?"

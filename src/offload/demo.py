@@ -12,9 +12,9 @@ from offload.api import apply
 from offload.config import OffloadConfig, UVAOffloadConfig
 from offload.errors import OffloadError
 from offload.model.default import default_model_path
-from offload.model.layers import find_layers
 from offload.model.loader import build_empty
 from offload.offloader.base import BaseOffloader
+from offload.offloader.layers import find_layers
 
 _GIB = 1024**3
 

@@ -403,7 +403,7 @@ PEAK_SCRIPT = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from offload.model.loader import build_empty, load_model
-    from offload.model.layers import find_layers
+    from offload.offloader.layers import find_layers
 
     path, config = sys.argv[1], json.loads(sys.argv[2])
     def status(field):  # this process's own accounting, in bytes

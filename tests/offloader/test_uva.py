@@ -9,7 +9,7 @@ from torch import nn
 
 import offload
 from offload import OffloadConfig, UVAOffloader, create_offloader, get_offloader
-from offload.model.layers import find_layers
+from offload.offloader.layers import find_layers
 
 SETTINGS = {
     "half-budget": lambda model: {"cpu_offload_gb": zoo.layer_param_bytes(model) / 2 / 1024**3},

@@ -13,7 +13,7 @@ from offload.api import prepare
 from offload.config import OffloadConfig
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import meminfo_bytes
-from offload.model.layers import find_layer_stacks
+from offload.offloader.layers import find_layer_stacks
 
 _GIB = 1024**3
 _MARGIN_BYTES = 64 * 2**20  # allocator slack, small kernels' workspaces

@@ -4,7 +4,7 @@ import zoo
 from torch import nn
 
 from offload import ModelError
-from offload.model.layers import find_layer_stacks, find_layers, resolve_layers
+from offload.offloader.layers import find_layer_stacks, find_layers, resolve_layers
 
 EXPECTED_STACKS = {
     "llama": ["model.layers"],
