@@ -31,8 +31,8 @@ from offload import SamplingParams
 from offload.api import finish, prepare
 from offload.engine import kv_cache
 from offload.engine.llm import LLM
-from offload.memory import copy_engine
-from offload.offloader import forward_lock, hooks, prefetch, slots, unit_check
+from offload.memory import copy_engine, slots
+from offload.offloader import forward_lock, hooks, prefetch, unit_check
 
 
 class Injected(KeyboardInterrupt):

@@ -13,7 +13,7 @@ from torch import nn
 import offload
 from offload import ModelError
 from offload.offloader.prefetch import PrefetchOffloader
-from offload.offloader.slots import offloaded_layer_indices
+from offload.offloader.selection import offloaded_layer_indices
 
 
 def prefetch(

@@ -2,7 +2,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload.offloader.selection import matches_segments, select_within_budget, unmatched_segments
+from offload.offloader.selection import (
+    matches_segments,
+    offloaded_layer_indices,
+    select_within_budget,
+    unmatched_segments,
+)
 
 
 @pytest.mark.parametrize(
@@ -67,3 +72,18 @@ def test_budget_counts_bytes_already_used():
 def test_unmatched_segments():
     names = ["self_attn.q_proj.weight", "mlp.up_proj.weight"]
     assert unmatched_segments(names, {"mlp", "experts", "q_pro"}) == {"experts", "q_pro"}
+
+
+@pytest.mark.parametrize(
+    ("num_layers", "group", "num_in_group", "expected"),
+    [
+        (24, 8, 2, [6, 7, 14, 15, 22, 23]),  # vLLM's documented example
+        (10, 8, 2, [6, 7]),
+        (5, 1, 1, [0, 1, 2, 3, 4]),
+        (5, 2, 1, [1, 3]),
+        (7, 3, 3, [0, 1, 2, 3, 4, 5, 6]),
+        (3, 8, 2, []),
+    ],
+)
+def test_offloaded_layer_indices(num_layers, group, num_in_group, expected):
+    assert offloaded_layer_indices(num_layers, group, num_in_group) == expected

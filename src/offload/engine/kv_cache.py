@@ -30,7 +30,7 @@ from offload.memory.host import (
     meminfo_bytes,
     should_pin_memory,
 )
-from offload.offloader.slots import SlotTable, slot_of
+from offload.memory.slots import SlotTable, slot_of
 
 _GIB = 1024**3
 _logger = logging.getLogger("offload")

@@ -13,11 +13,15 @@ from torch import nn
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import ModuleHooks, PrefetchHook
-from offload.offloader.selection import matches_segments, unmatched_segments
-from offload.offloader.slots import SlotTable, offloaded_layer_indices, slot_of, slot_sizes
+from offload.offloader.selection import (
+    matches_segments,
+    offloaded_layer_indices,
+    unmatched_segments,
+)
 from offload.offloader.unit_check import UnitReadCheck
 from offload.offloader.units import UNITS, resolve_unit, slab_bytes, units_ahead
 
@@ -45,7 +49,7 @@ class PrefetchOffloader(BaseOffloader):
     layer it serves; every offloaded parameter is a permanent view into its slot, so its
     address never changes (torch.compile and CUDA graphs keep working). After a layer
     runs, its slot is refilled with the next layer that uses it, on a copy stream (a
-    worker thread with the CPU as compute device); see `slots.py` for the schedule.
+    worker thread with the CPU as compute device); see `memory/slots.py` for the schedule.
 
     Reading an offloaded parameter outside its layer's forward gives whatever layer its
     slot holds at that moment; the host copy (`manifest`, `host_tensor`) is the truth.

@@ -1,4 +1,4 @@
-"""Which parameters to offload: pure functions over names and sizes."""
+"""Which layers and parameters to offload: pure functions over indices, names and sizes."""
 
 from __future__ import annotations
 
@@ -44,3 +44,10 @@ def unmatched_segments(names: Iterable[str], segments: Iterable[str]) -> set[str
     """The segments that match none of `names` (to warn about likely typos)."""
     names = tuple(names)
     return {seg for seg in segments if not any(matches_segments(n, (seg,)) for n in names)}
+
+
+def offloaded_layer_indices(num_layers: int, group_size: int, num_in_group: int) -> list[int]:
+    """vLLM's pattern: the last `num_in_group` layers of every `group_size` layers
+    (8 and 2 give 6, 7, 14, 15, ...). A trailing partial group offloads only the
+    indices that fall in its last `num_in_group` places."""
+    return [i for i in range(num_layers) if i % group_size >= group_size - num_in_group]

@@ -1,30 +1,7 @@
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload.offloader.slots import (
-    SlotTable,
-    next_in_slot,
-    num_slots,
-    offloaded_layer_indices,
-    slot_of,
-    slot_sizes,
-)
-
-
-@pytest.mark.parametrize(
-    ("num_layers", "group", "num_in_group", "expected"),
-    [
-        (24, 8, 2, [6, 7, 14, 15, 22, 23]),  # vLLM's documented example
-        (10, 8, 2, [6, 7]),
-        (5, 1, 1, [0, 1, 2, 3, 4]),
-        (5, 2, 1, [1, 3]),
-        (7, 3, 3, [0, 1, 2, 3, 4, 5, 6]),
-        (3, 8, 2, []),
-    ],
-)
-def test_offloaded_layer_indices(num_layers, group, num_in_group, expected):
-    assert offloaded_layer_indices(num_layers, group, num_in_group) == expected
+from offload.memory.slots import SlotTable, next_in_slot, num_slots, slot_of, slot_sizes
 
 
 def test_slots_and_sizes():

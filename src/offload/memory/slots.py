@@ -1,10 +1,11 @@
-"""Which layers are offloaded, which device slot each uses, and when each is loaded.
+"""Which device slot each offloaded position uses, and when each is loaded.
 
-Pure functions and a small host-side state machine, no tensors: the prefetch backend's
-correctness lives here, and the tests drive it through every shape of model.
+Pure functions and a small host-side state machine, no tensors: the weight offloader
+(positions are offloaded layers) and the KV cache (positions are cache layers) share this
+schedule, and the tests drive it through every shape of model.
 
-Offloaded layers are numbered by *position* 0..n-1 in execution order. With k slots,
-position p always uses slot p % k (so its parameters can be permanent views of that
+Offloaded positions are numbered 0..n-1 in execution order. With k slots,
+position p always uses slot p % k (so its tensors can be permanent views of that
 slot). Once position p has run, its slot is refilled with the *next occupant of the same
 slot* in circular order: p + k, or, past the end, the slot's first occupant for the
 next forward. That is vLLM's "prefetch k ahead" in the steady state, and stays correct
@@ -13,13 +14,6 @@ A slot with a single occupant is filled once and never again.
 """
 
 from __future__ import annotations
-
-
-def offloaded_layer_indices(num_layers: int, group_size: int, num_in_group: int) -> list[int]:
-    """vLLM's pattern: the last `num_in_group` layers of every `group_size` layers
-    (8 and 2 give 6, 7, 14, 15, ...). A trailing partial group offloads only the
-    indices that fall in its last `num_in_group` places."""
-    return [i for i in range(num_layers) if i % group_size >= group_size - num_in_group]
 
 
 def num_slots(num_offloaded: int, prefetch_step: int) -> int:
