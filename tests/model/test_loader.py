@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from offload import ModelError
 from offload.demo import load_pretrained as hf_load
-from offload.memory.disk import CheckpointError
 from offload.model.loader import load_model
+from offload.model.safetensors import CheckpointError
 
 QUESTION = "What is the capital of France?"
 SETTINGS = {

@@ -21,11 +21,17 @@ from torch import nn
 from offload.api import finish, prepare
 from offload.config import OffloadConfig
 from offload.errors import ModelError
-from offload.memory.disk import CheckpointError, StoredTensor, json_type, read_header, read_into
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.model.configs import resolve
 from offload.model.limits import check_parameters, check_sizes
 from offload.model.merges import Assembled, Converted, assemble, transformers_renaming
+from offload.model.safetensors import (
+    CheckpointError,
+    StoredTensor,
+    json_type,
+    read_header,
+    read_into,
+)
 from offload.offloader.base import BaseOffloader
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from offload.errors import ModelError
-from offload.memory.disk import StoredTensor
+from offload.model.safetensors import StoredTensor
 
 
 @dataclass(frozen=True)
