@@ -9,9 +9,8 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from offload.config import OffloadConfig, add_cli_args
+from offload.defaults import QUESTION
 from offload.errors import OffloadError
-
-_QUESTION = "What is the capital of France?"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -58,9 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--model", help="a Hugging Face model directory (default: SmolLM2-135M-Instruct)"
     )
-    demo.add_argument(
-        "--prompt", default=_QUESTION, help="the user message (chat template applied)"
-    )
+    demo.add_argument("--prompt", default=QUESTION, help="the user message (chat template applied)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
     demo.add_argument("--device", default="auto", help=_DEVICE_HELP)
     add_cli_args(demo)
@@ -77,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt",
         action="append",
         help="a prompt (repeat for a batch; several answers are written whole, each "
-        "labelled; default: 'What is the capital of France?' as a chat)",
+        f"labelled; default: {QUESTION!r} as a chat)",
     )
     generate.add_argument(
         "--chat", action="store_true", help="apply the chat template to the prompts"

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import TextIO
 
 import torch
 
 from offload.api import prepare
-from offload.config import OffloadConfig, UVAOffloadConfig
+from offload.config import OffloadConfig
+from offload.defaults import QUESTION, whole_stack_config
 from offload.engine.fit import device_budget, kv_cache_bytes, measure, plan_fit
 from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
@@ -22,29 +22,8 @@ from offload.model.default import default_model_path
 from offload.model.loader import build_empty
 from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layer_stacks
+from offload.sizes import format_bytes, parameter_bytes
 from offload.streaming import TextStream
-
-QUESTION = "What is the capital of France?"
-_GIB = 1024**3
-
-
-def _bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def _size(num_bytes: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if num_bytes >= scale:
-            return f"{num_bytes / scale:.1f} {unit}"
-    return f"{num_bytes:.0f} B"
-
-
-def whole_stack_config(path: Path, dtype: str, trust_remote_code: bool = False) -> OffloadConfig:
-    """UVA offloading of every layer of the stack (what `generate` does with no flags)."""
-    model = build_empty(path, dtype, trust_remote_code)
-    layer_bytes = sum(_bytes(b) for _, blocks in find_layer_stacks(model) for b in blocks)
-    return OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=layer_bytes / _GIB))
-
 
 # The `generate` flags that are SamplingParams fields of the same name.
 _SAMPLING_FLAGS = (
@@ -71,7 +50,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     path = resolve_model(args.model)
     config = OffloadConfig.from_cli_args(args)
     if config.selected_backend == "none" and not args.no_offload:
-        config = whole_stack_config(path, args.dtype, args.trust_remote_code)
+        config = whole_stack_config(build_empty(path, args.dtype, args.trust_remote_code))
     llm = LLM(
         path,
         dtype=args.dtype,
@@ -137,14 +116,15 @@ def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
     stall = after["stall_s"] - before["stall_s"]
     replays = after["graph_replays"] - before["graph_replays"]
     # Per forward, not per token: a prefill chunk moves the weights as a decode step does.
-    moved = f"moved {_size(weights + kv)}/forward over {forwards} forwards"
+    moved = f"moved {format_bytes(weights + kv)}/forward over {forwards} forwards"
     if llm.kv_offload:
-        moved += f" (weights {_size(weights)}, KV cache {_size(kv)})"
+        moved += f" (weights {format_bytes(weights)}, KV cache {format_bytes(kv)})"
     # Said on the figures line: this run executed Python code shipped with the checkpoint.
     trusted = "; trust_remote_code=True" if llm.trust_remote_code else ""
     return (
         f"[{tokens} tokens in {seconds:.2f} s on {llm.device}: {tokens / seconds:.1f} tok/s; "
-        f"offloaded {_size(llm.offloader.offloaded_bytes)} ({type(llm.offloader).__name__}); "
+        f"offloaded {format_bytes(llm.offloader.offloaded_bytes)} "
+        f"({type(llm.offloader).__name__}); "
         f"{moved}; stall {stall * 1e3:.0f} ms; "
         f"decode {f'in CUDA graphs ({replays} replays)' if replays else 'eager'}{trusted}]"
     )
@@ -154,23 +134,21 @@ def inspect(args: argparse.Namespace) -> str:
     path = resolve(args.path) if args.path else default_model_path()
     path = resolve_model(path)
     model = build_empty(path, args.dtype, args.trust_remote_code)
-    total = _bytes(model)
-    lines = [
-        f"{path}: {type(model).__name__}, {_size(total)} of parameters ({next(model.parameters()).dtype})"
-    ]
-    for name, stack in find_layer_stacks(model):
-        sizes = [_bytes(block) for block in stack]
-        lines.append(
-            f"  {name}: {len(sizes)} x {type(stack[0]).__name__}, {_size(sum(sizes))} "
-            f"(largest layer {_size(max(sizes))})"
-        )
+    total = parameter_bytes(model)
     dtype = next(model.parameters()).dtype
+    lines = [f"{path}: {type(model).__name__}, {format_bytes(total)} of parameters ({dtype})"]
+    for name, stack in find_layer_stacks(model):
+        sizes = [parameter_bytes(block) for block in stack]
+        lines.append(
+            f"  {name}: {len(sizes)} x {type(stack[0]).__name__}, {format_bytes(sum(sizes))} "
+            f"(largest layer {format_bytes(max(sizes))})"
+        )
     per_position = kv_cache_bytes(model.config, 1, dtype)
     limit = getattr(model.config, "max_position_embeddings", None)
     if per_position:
         lines.append(
-            f"  KV cache: {_size(per_position)} per position per sequence"
-            + (f", {_size(per_position * limit)} for {limit} positions" if limit else "")
+            f"  KV cache: {format_bytes(per_position)} per position per sequence"
+            + (f", {format_bytes(per_position * limit)} for {limit} positions" if limit else "")
             + " (--kv-offload / --swap-space keeps it in host memory)"
         )
     else:
@@ -188,14 +166,14 @@ def inspect(args: argparse.Namespace) -> str:
     manifest = offloader.manifest()
     modules = list(dict.fromkeys(e.module for e in manifest))
     lines.append(
-        f"{config.selected_backend} would offload {_size(offloader.offloaded_bytes)} "
+        f"{config.selected_backend} would offload {format_bytes(offloader.offloaded_bytes)} "
         f"({len(manifest)} parameters of {len(modules)} modules: {_ranges(modules)}); "
-        f"{_size(total - offloader.offloaded_bytes)} stays on {args.device}"
+        f"{format_bytes(total - offloader.offloaded_bytes)} stays on {args.device}"
     )
     if config.selected_backend == "prefetch":
         lines.append(
             f"device staging: {offloader.prefetch_step} slot(s) of {offloader.unit} units, "
-            f"{_size(offloader.planned_staging_bytes)} in all"
+            f"{format_bytes(offloader.planned_staging_bytes)} in all"
         )
     return "\n".join(lines)
 
@@ -208,7 +186,7 @@ def _what_fits(
     limit = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048
     budget = device_budget(device, args.gpu_memory_utilization, args.device_memory_gb)
     needs = measure(model, limit)
-    where = f"{device} budget {_size(budget)} (max_model_len {limit})"
+    where = f"{device} budget {format_bytes(budget)} (max_model_len {limit})"
     try:
         resolved, _ = plan_fit(model, config, needs, budget, device, kv_offload=False)
     except ModelError as error:
@@ -216,7 +194,7 @@ def _what_fits(
             raise
         return f"does not fit the {where}: {error}", config
     if resolved.selected_backend == "none":
-        return f"fits the {where} without offloading: {_size(needs.total)} needed", resolved
+        return f"fits the {where} without offloading: {format_bytes(needs.total)} needed", resolved
     offloaded = f" (cpu_offload_gb={resolved.uva.cpu_offload_gb:g})" if config != resolved else ""
     return f"fits the {where} with this offloading{offloaded}", resolved
 

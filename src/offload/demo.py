@@ -9,14 +9,13 @@ from pathlib import Path
 import torch
 
 from offload.api import apply
-from offload.config import OffloadConfig, UVAOffloadConfig
+from offload.config import OffloadConfig
+from offload.defaults import whole_stack_config
 from offload.errors import OffloadError
 from offload.model.default import default_model_path
 from offload.model.loader import build_empty
 from offload.offloader.base import BaseOffloader
-from offload.offloader.layers import find_layers
-
-_GIB = 1024**3
+from offload.sizes import MIB, parameter_bytes
 
 
 def load_pretrained(path: str | Path | None):
@@ -50,13 +49,6 @@ def greedy(model, tokenizer, prompt: str, max_tokens: int) -> tuple[torch.Tensor
     return new_tokens, len(new_tokens) / (time.perf_counter() - started)
 
 
-def _whole_stack(model) -> OffloadConfig:
-    layer_bytes = sum(
-        p.numel() * p.element_size() for m in find_layers(model) for p in m.parameters()
-    )
-    return OffloadConfig(uva=UVAOffloadConfig(cpu_offload_gb=layer_bytes / _GIB))
-
-
 def run_demo(
     model_path: str | None, prompt: str, max_tokens: int, device: str, config: OffloadConfig
 ) -> str:
@@ -64,7 +56,7 @@ def run_demo(
     model.to(device)
     resident_ids, resident_rate = greedy(model, tokenizer, prompt, max_tokens)
     if config.selected_backend == "none":
-        config = _whole_stack(model)  # no flags: offload every layer
+        config = whole_stack_config(model)  # no flags: offload every layer
     offloader = apply(model, config)
     offloaded_ids, offloaded_rate = greedy(model, tokenizer, prompt, max_tokens)
     answer = tokenizer.decode(offloaded_ids, skip_special_tokens=True)
@@ -82,22 +74,22 @@ def run_demo(
 
 def _summary(model, offloader: BaseOffloader) -> str:
     manifest = offloader.manifest()
-    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    model_bytes = parameter_bytes(model)
     kinds = Counter(f"{e.location}, {e.access}" for e in manifest)
     modules = {e.module for e in manifest}
     stats = offloader.stats()
     lines = [
-        f"offloaded {len(manifest)} parameters, {offloader.offloaded_bytes / 2**20:.1f} MiB "
-        f"of {model_bytes / 2**20:.1f} MiB, from {len(modules)} modules "
+        f"offloaded {len(manifest)} parameters, {offloader.offloaded_bytes / MIB:.1f} MiB "
+        f"of {model_bytes / MIB:.1f} MiB, from {len(modules)} modules "
         f"({type(offloader).__name__}): " + "; ".join(f"{n} {k}" for k, n in kinds.items()),
-        f"host memory held: {stats.get('host_bytes', 0) / 2**20:.1f} MiB "
-        f"(pinned {stats.get('pinned_bytes', 0) / 2**20:.1f} MiB)",
+        f"host memory held: {stats.get('host_bytes', 0) / MIB:.1f} MiB "
+        f"(pinned {stats.get('pinned_bytes', 0) / MIB:.1f} MiB)",
     ]
     if manifest:
         first, last = manifest[0], manifest[-1]
         lines.append(f"first moved: {first.name} ({first.num_bytes} bytes), last: {last.name}")
     if stats.get("bytes_copied"):
         lines.append(
-            f"copied to the compute device on demand: {stats['bytes_copied'] / 2**20:.1f} MiB"
+            f"copied to the compute device on demand: {stats['bytes_copied'] / MIB:.1f} MiB"
         )
     return "\n".join(lines)

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 import offload
+from offload.defaults import QUESTION
 from offload.demo import greedy, load_pretrained
 from offload.errors import OffloadError
 from offload.model import default
 
 ANSWER = "The capital of France is Paris."
-QUESTION = "What is the capital of France?"
 
 
 @pytest.fixture(scope="module")

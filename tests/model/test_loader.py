@@ -17,11 +17,11 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from offload import ModelError
+from offload.defaults import QUESTION
 from offload.demo import load_pretrained as hf_load
 from offload.model.loader import load_model
 from offload.model.safetensors import CheckpointError
 
-QUESTION = "What is the capital of France?"
 SETTINGS = {
     "resident": None,
     "uva-partial": {"cpu_offload_gb": 0.2},
