@@ -5,6 +5,9 @@ A config written for vLLM (`OffloadConfig`, its `uva` and `prefetch` parts, the
 Three fields exist beyond vLLM's, all vLLM's behaviour by default on a GPU: `disable_uva` and
 `disable_pin_memory` (vLLM reads these only from environment variables, which are
 honoured here too; see `offload.memory.host`), and `prefetch_unit`.
+
+The parts and their field checks are in `config_parts.py`, the flags in `config_flags.py`;
+this module exports all of them.
 """
 
 from __future__ import annotations
@@ -13,124 +16,35 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from offload.config_flags import add_cli_args, flag_values, parse_flags
+from offload.config_parts import (
+    BACKENDS,
+    PREFETCH_UNITS,
+    OffloadBackend,
+    PrefetchOffloadConfig,
+    UVAOffloadConfig,
+    as_bool,
+)
 from offload.errors import ConfigError, shown
 
-OffloadBackend = Literal["auto", "uva", "prefetch"]
-BACKENDS: tuple[str, ...] = ("auto", "uva", "prefetch")
-
-
-def _as_number(owner: str, name: str, value: Any, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range (10**400) is not finite
-        number = math.inf
-    except ValueError:
-        raise ConfigError(
-            f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}"
-        ) from None
-    if not math.isfinite(number) or number < minimum:
-        raise ConfigError(
-            f"{owner}.{name} must be a finite number >= {minimum}, got {shown(value)}"
-        )
-    return number
-
-
-def _as_int(owner: str, name: str, value: Any, minimum: int) -> int:
-    number = _as_number(owner, name, value, minimum)
-    if isinstance(value, int):  # exact, not through float
-        return value
-    if number != int(number):
-        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {shown(value)}")
-    return int(number)
-
-
-def _as_segments(owner: str, name: str, value: Any) -> set[str]:
-    """A set of dot-separated name segments; a string may hold several, comma-separated."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, Iterable) or isinstance(items, bytes | bytearray | Mapping):
-        raise ConfigError(f"{owner}.{name} must be a set of name segments, got {shown(value)}")
-    segments: set[str] = set()
-    for item in items:
-        if not isinstance(item, str):
-            raise ConfigError(f"{owner}.{name} must hold strings, got {shown(item)}")
-        if not item.strip(" ,"):
-            raise ConfigError(
-                f"{owner}.{name} entries must be name segments such as 'experts', got {item!r}"
-            )
-        for part in item.split(","):
-            part = part.strip()
-            if part.startswith(".") or part.endswith(".") or ".." in part:
-                raise ConfigError(
-                    f"{owner}.{name} entries are dot-separated name segments "
-                    f"such as 'experts' or 'mlp.down_proj', got {part!r}"
-                )
-            if part:
-                segments.add(part)
-    return segments
-
-
-def _as_bool(owner: str, name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name} must be true or false, got {shown(value)}")
-    return value
-
-
-@dataclass
-class UVAOffloadConfig:
-    """UVA (zero-copy) offloading: parameters live in pinned host memory.
-
-    `cpu_offload_gb`: GiB of parameters to move to host memory, filled parameter by
-    parameter in module order (0 = none). `cpu_offload_params`: name segments that
-    select which parameters may be offloaded (empty = any); matching is by whole
-    dot-separated segments, so "experts" matches "mlp.experts.w2_weight" and "w2"
-    does not.
-    """
-
-    cpu_offload_gb: float | Literal["auto"] = 0
-    cpu_offload_params: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        if self.cpu_offload_gb != "auto":  # "auto": the smallest amount that fits (see LLM)
-            self.cpu_offload_gb = _as_number("uva", "cpu_offload_gb", self.cpu_offload_gb, 0)
-        self.cpu_offload_params = _as_segments("uva", "cpu_offload_params", self.cpu_offload_params)
-
-
-@dataclass
-class PrefetchOffloadConfig:
-    """Prefetch offloading: the last `offload_num_in_group` layers of every group of
-    `offload_group_size` layers live in host memory and are copied to the device
-    `offload_prefetch_step` layers ahead of use. `offload_params` narrows which
-    parameters of an offloaded layer move (empty = all), by segment matching.
-    """
-
-    offload_group_size: int = 0
-    offload_num_in_group: int = 1
-    offload_prefetch_step: int = 1
-    offload_params: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        owner = "prefetch"
-        self.offload_group_size = _as_int(owner, "offload_group_size", self.offload_group_size, 0)
-        self.offload_num_in_group = _as_int(
-            owner, "offload_num_in_group", self.offload_num_in_group, 1
-        )
-        self.offload_prefetch_step = _as_int(
-            owner, "offload_prefetch_step", self.offload_prefetch_step, 0
-        )
-        self.offload_params = _as_segments(owner, "offload_params", self.offload_params)
-
+__all__ = [
+    "BACKENDS",
+    "OFFLOAD_KEYS",
+    "PREFETCH_UNITS",
+    "OffloadBackend",
+    "OffloadConfig",
+    "PrefetchOffloadConfig",
+    "UVAOffloadConfig",
+    "add_cli_args",
+]
 
 _VLLM_TOP_FIELDS = ("offload_backend", "uva", "prefetch")
 _EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit")
-PREFETCH_UNITS = ("auto", "layer", "module")
 
 
 @dataclass
@@ -155,8 +69,8 @@ class OffloadConfig:
     def __post_init__(self) -> None:
         self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
         self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
-        self.disable_uva = _as_bool("offload", "disable_uva", self.disable_uva)
-        self.disable_pin_memory = _as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
+        self.disable_uva = as_bool("offload", "disable_uva", self.disable_uva)
+        self.disable_pin_memory = as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
         if self.prefetch_unit not in PREFETCH_UNITS:
             raise ConfigError(
                 f"prefetch_unit must be one of {', '.join(PREFETCH_UNITS)}, "
@@ -270,19 +184,12 @@ class OffloadConfig:
     @classmethod
     def from_cli(cls, argv: Sequence[str]) -> OffloadConfig:
         """Parse vLLM's offload flags (`--cpu-offload-gb 4 --offload-backend uva ...`)."""
-        parser = _RaisingParser(prog="offload", add_help=False)
-        add_cli_args(parser)
-        return cls.from_cli_args(parser.parse_args(list(argv)))
+        return cls.from_cli_args(parse_flags(argv))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> OffloadConfig:
         """Build from a namespace parsed by a parser that `add_cli_args` extended."""
-        data = {
-            dest: getattr(args, dest)
-            for dest in _FLAG_DESTS
-            if getattr(args, dest, None) is not None
-        }
-        return cls.from_dict(data)
+        return cls.from_dict(flag_values(args))
 
 
 _UVA_FIELDS = tuple(f.name for f in dataclasses.fields(UVAOffloadConfig))
@@ -327,117 +234,3 @@ def _part_dict(kind: type, name: str, value: Any) -> dict[str, Any]:
             f"unknown key {shown(unknown[0])} in {name}; allowed: {', '.join(allowed)}"
         )
     return dict(value)
-
-
-class _RaisingParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse would print usage and exit
-        raise ConfigError(message)
-
-
-def _gib_or_auto(text: str) -> float | str:
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of GiB or 'auto', got {text!r}"
-        ) from None
-
-
-# (flag, dest, argparse keywords): vLLM's names, plus the two switches vLLM keeps in env vars.
-_FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
-    (
-        "--offload-backend",
-        "offload_backend",
-        {
-            "choices": BACKENDS,
-            "help": "auto: prefetch if --offload-group-size > 0, else UVA if --cpu-offload-gb > 0",
-        },
-    ),
-    (
-        "--cpu-offload-gb",
-        "cpu_offload_gb",
-        {
-            "type": _gib_or_auto,
-            "metavar": "GIB|auto",
-            "help": "UVA: GiB of weights kept in host memory and read in place (auto: just enough to fit; vLLM default 0)",
-        },
-    ),
-    (
-        "--cpu-offload-params",
-        "cpu_offload_params",
-        {
-            "nargs": "+",
-            "metavar": "SEG",
-            "help": "UVA: only parameters whose names contain these dot-separated segments",
-        },
-    ),
-    (
-        "--offload-group-size",
-        "offload_group_size",
-        {
-            "type": int,
-            "metavar": "N",
-            "help": "prefetch: of every N layers, the last --offload-num-in-group are offloaded (vLLM default 0: off)",
-        },
-    ),
-    (
-        "--offload-num-in-group",
-        "offload_num_in_group",
-        {
-            "type": int,
-            "metavar": "N",
-            "help": "prefetch: layers offloaded per group (vLLM default 1)",
-        },
-    ),
-    (
-        "--offload-prefetch-step",
-        "offload_prefetch_step",
-        {
-            "type": int,
-            "metavar": "N",
-            "help": "prefetch: how many layers ahead copies run; device slots (vLLM default 1)",
-        },
-    ),
-    (
-        "--offload-params",
-        "offload_params",
-        {
-            "nargs": "+",
-            "metavar": "SEG",
-            "help": "prefetch: only parameters whose names contain these segments",
-        },
-    ),
-    (
-        "--offload-disable-uva",
-        "disable_uva",
-        {
-            "action": "store_const",
-            "const": True,
-            "help": "UVA: copy each layer to the device before it runs instead of reading host memory in place",
-        },
-    ),
-    (
-        "--offload-disable-pin-memory",
-        "disable_pin_memory",
-        {"action": "store_const", "const": True, "help": "keep host memory pageable (not pinned)"},
-    ),
-    (
-        "--offload-prefetch-unit",
-        "prefetch_unit",
-        {
-            "choices": PREFETCH_UNITS,
-            "help": "prefetch: what one copy brings in (ours; auto: layers, or on a CPU with a core free for the copy thread, modules when layers overflow its cache)",
-        },
-    ),
-)
-_FLAG_DESTS = tuple(dest for _, dest, _ in _FLAGS)
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add vLLM's weight-offloading flags to `parser` (every default is "not given")."""
-    group = parser.add_argument_group("weight offloading (vLLM-compatible)")
-    for flag, dest, keywords in _FLAGS:
-        group.add_argument(flag, dest=dest, default=None, **keywords)
-    return parser

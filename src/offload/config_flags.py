@@ -1,0 +1,140 @@
+"""vLLM's weight-offloading flags (`--cpu-offload-gb`, `--offload-group-size`, ...):
+adding them to a parser, and reading them back as the keys of an offload config."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from offload.config_parts import BACKENDS, PREFETCH_UNITS
+from offload.errors import ConfigError
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse would print usage and exit
+        raise ConfigError(message)
+
+
+def _gib_or_auto(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of GiB or 'auto', got {text!r}"
+        ) from None
+
+
+# (flag, dest, argparse keywords): vLLM's names, plus the two switches vLLM keeps in env vars.
+_FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    (
+        "--offload-backend",
+        "offload_backend",
+        {
+            "choices": BACKENDS,
+            "help": "auto: prefetch if --offload-group-size > 0, else UVA if --cpu-offload-gb > 0",
+        },
+    ),
+    (
+        "--cpu-offload-gb",
+        "cpu_offload_gb",
+        {
+            "type": _gib_or_auto,
+            "metavar": "GIB|auto",
+            "help": "UVA: GiB of weights kept in host memory and read in place (auto: just enough to fit; vLLM default 0)",
+        },
+    ),
+    (
+        "--cpu-offload-params",
+        "cpu_offload_params",
+        {
+            "nargs": "+",
+            "metavar": "SEG",
+            "help": "UVA: only parameters whose names contain these dot-separated segments",
+        },
+    ),
+    (
+        "--offload-group-size",
+        "offload_group_size",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "prefetch: of every N layers, the last --offload-num-in-group are offloaded (vLLM default 0: off)",
+        },
+    ),
+    (
+        "--offload-num-in-group",
+        "offload_num_in_group",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "prefetch: layers offloaded per group (vLLM default 1)",
+        },
+    ),
+    (
+        "--offload-prefetch-step",
+        "offload_prefetch_step",
+        {
+            "type": int,
+            "metavar": "N",
+            "help": "prefetch: how many layers ahead copies run; device slots (vLLM default 1)",
+        },
+    ),
+    (
+        "--offload-params",
+        "offload_params",
+        {
+            "nargs": "+",
+            "metavar": "SEG",
+            "help": "prefetch: only parameters whose names contain these segments",
+        },
+    ),
+    (
+        "--offload-disable-uva",
+        "disable_uva",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "UVA: copy each layer to the device before it runs instead of reading host memory in place",
+        },
+    ),
+    (
+        "--offload-disable-pin-memory",
+        "disable_pin_memory",
+        {"action": "store_const", "const": True, "help": "keep host memory pageable (not pinned)"},
+    ),
+    (
+        "--offload-prefetch-unit",
+        "prefetch_unit",
+        {
+            "choices": PREFETCH_UNITS,
+            "help": "prefetch: what one copy brings in (ours; auto: layers, or on a CPU with a core free for the copy thread, modules when layers overflow its cache)",
+        },
+    ),
+)
+FLAG_DESTS = tuple(dest for _, dest, _ in _FLAGS)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add vLLM's weight-offloading flags to `parser` (every default is "not given")."""
+    group = parser.add_argument_group("weight offloading (vLLM-compatible)")
+    for flag, dest, keywords in _FLAGS:
+        group.add_argument(flag, dest=dest, default=None, **keywords)
+    return parser
+
+
+def parse_flags(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse the offload flags alone; a bad flag raises `ConfigError`."""
+    parser = _RaisingParser(prog="offload", add_help=False)
+    add_cli_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The offload flags given in `args` (parsed by a parser `add_cli_args` extended),
+    as flat config keys."""
+    return {
+        dest: getattr(args, dest) for dest in FLAG_DESTS if getattr(args, dest, None) is not None
+    }

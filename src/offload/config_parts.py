@@ -1,0 +1,119 @@
+"""The parts of an offload config (vLLM's `UVAOffloadConfig`, `PrefetchOffloadConfig`)
+and the checks every field goes through: a bad value raises `ConfigError` naming the
+field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from offload.errors import ConfigError, shown
+
+OffloadBackend = Literal["auto", "uva", "prefetch"]
+BACKENDS: tuple[str, ...] = ("auto", "uva", "prefetch")
+PREFETCH_UNITS = ("auto", "layer", "module")
+
+
+def _as_number(owner: str, name: str, value: Any, minimum: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range (10**400) is not finite
+        number = math.inf
+    except ValueError:
+        raise ConfigError(
+            f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}"
+        ) from None
+    if not math.isfinite(number) or number < minimum:
+        raise ConfigError(
+            f"{owner}.{name} must be a finite number >= {minimum}, got {shown(value)}"
+        )
+    return number
+
+
+def _as_int(owner: str, name: str, value: Any, minimum: int) -> int:
+    number = _as_number(owner, name, value, minimum)
+    if isinstance(value, int):  # exact, not through float
+        return value
+    if number != int(number):
+        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {shown(value)}")
+    return int(number)
+
+
+def _as_segments(owner: str, name: str, value: Any) -> set[str]:
+    """A set of dot-separated name segments; a string may hold several, comma-separated."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, Iterable) or isinstance(items, bytes | bytearray | Mapping):
+        raise ConfigError(f"{owner}.{name} must be a set of name segments, got {shown(value)}")
+    segments: set[str] = set()
+    for item in items:
+        if not isinstance(item, str):
+            raise ConfigError(f"{owner}.{name} must hold strings, got {shown(item)}")
+        if not item.strip(" ,"):
+            raise ConfigError(
+                f"{owner}.{name} entries must be name segments such as 'experts', got {item!r}"
+            )
+        for part in item.split(","):
+            part = part.strip()
+            if part.startswith(".") or part.endswith(".") or ".." in part:
+                raise ConfigError(
+                    f"{owner}.{name} entries are dot-separated name segments "
+                    f"such as 'experts' or 'mlp.down_proj', got {part!r}"
+                )
+            if part:
+                segments.add(part)
+    return segments
+
+
+def as_bool(owner: str, name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{owner}.{name} must be true or false, got {shown(value)}")
+    return value
+
+
+@dataclass
+class UVAOffloadConfig:
+    """UVA (zero-copy) offloading: parameters live in pinned host memory.
+
+    `cpu_offload_gb`: GiB of parameters to move to host memory, filled parameter by
+    parameter in module order (0 = none). `cpu_offload_params`: name segments that
+    select which parameters may be offloaded (empty = any); matching is by whole
+    dot-separated segments, so "experts" matches "mlp.experts.w2_weight" and "w2"
+    does not.
+    """
+
+    cpu_offload_gb: float | Literal["auto"] = 0
+    cpu_offload_params: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.cpu_offload_gb != "auto":  # "auto": the smallest amount that fits (see LLM)
+            self.cpu_offload_gb = _as_number("uva", "cpu_offload_gb", self.cpu_offload_gb, 0)
+        self.cpu_offload_params = _as_segments("uva", "cpu_offload_params", self.cpu_offload_params)
+
+
+@dataclass
+class PrefetchOffloadConfig:
+    """Prefetch offloading: the last `offload_num_in_group` layers of every group of
+    `offload_group_size` layers live in host memory and are copied to the device
+    `offload_prefetch_step` layers ahead of use. `offload_params` narrows which
+    parameters of an offloaded layer move (empty = all), by segment matching.
+    """
+
+    offload_group_size: int = 0
+    offload_num_in_group: int = 1
+    offload_prefetch_step: int = 1
+    offload_params: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        owner = "prefetch"
+        self.offload_group_size = _as_int(owner, "offload_group_size", self.offload_group_size, 0)
+        self.offload_num_in_group = _as_int(
+            owner, "offload_num_in_group", self.offload_num_in_group, 1
+        )
+        self.offload_prefetch_step = _as_int(
+            owner, "offload_prefetch_step", self.offload_prefetch_step, 0
+        )
+        self.offload_params = _as_segments(owner, "offload_params", self.offload_params)
