@@ -17,9 +17,9 @@ from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
 from offload.errors import ModelError
 from offload.memory.device import check_device
+from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.default import default_model_path
-from offload.model.loader import build_empty
 from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layer_stacks
 from offload.sizes import format_bytes, parameter_bytes

@@ -12,8 +12,8 @@ from offload.api import apply
 from offload.config import OffloadConfig
 from offload.defaults import whole_stack_config
 from offload.errors import OffloadError
+from offload.model.build import build_empty
 from offload.model.default import default_model_path
-from offload.model.loader import build_empty
 from offload.offloader.base import BaseOffloader
 from offload.sizes import MIB, parameter_bytes
 

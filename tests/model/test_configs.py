@@ -1,8 +1,9 @@
 import pytest
 
 from offload.cli import main
+from offload.model.build import build_empty
 from offload.model.configs import resolve, shipped
-from offload.model.loader import build_empty, load_model
+from offload.model.loader import load_model
 
 # Parameter counts published for these models.
 PUBLISHED = {

@@ -10,7 +10,7 @@ import pytest
 
 from offload import LLM, ModelError
 from offload.model import limits
-from offload.model.loader import build_empty
+from offload.model.build import build_empty
 
 TINY = {
     "model_type": "llama",

@@ -402,7 +402,8 @@ PEAK_SCRIPT = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
-    from offload.model.loader import build_empty, load_model
+    from offload.model.build import build_empty
+    from offload.model.loader import load_model
     from offload.offloader.layers import find_layers
 
     path, config = sys.argv[1], json.loads(sys.argv[2])

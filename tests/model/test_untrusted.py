@@ -12,7 +12,8 @@ import zoo
 from transformers import PreTrainedTokenizerFast
 
 from offload import LLM, ModelError, SamplingParams
-from offload.model.loader import build_empty, load_model
+from offload.model.build import build_empty
+from offload.model.loader import load_model
 from offload.model.tokenizer import load_tokenizer
 
 # Each module of the checkpoint's code leaves a marker file when it is imported.

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from offload.errors import ConfigError, ModelError, shown
-from offload.model.loader import DTYPES, LOAD_FORMATS
+from offload.model.build import DTYPES
+from offload.model.loader import LOAD_FORMATS
 
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
 PROMPT_KEYS = ("prompt", "prompt_token_ids")

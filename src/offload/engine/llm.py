@@ -57,8 +57,9 @@ from offload.engine.tokens import TokenSteps
 from offload.engine.vllm_args import IGNORED, check_ignored
 from offload.errors import ConfigError, ModelError
 from offload.memory.device import check_device
+from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
-from offload.model.loader import build_empty, load_model
+from offload.model.loader import load_model
 from offload.model.sources import resolve_model
 from offload.model.tokenizer import NoTokenizer, eos_token_ids, load_tokenizer
 from offload.offloader.factory import as_config
