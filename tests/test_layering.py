@@ -1,0 +1,84 @@
+"""No module imports one of a higher layer: the packages follow the data path, lowest first.
+
+Every import counts, including those inside functions (a lazy import that goes upward is
+the same dependency, only hidden), so the layers stay readable from the bottom up.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import offload
+
+SRC = Path(offload.__file__).parent
+
+# Lowest first; a module is in the layer of the longest prefix that names it. Modules of
+# one layer may import each other.
+LAYERS = (
+    ("offload.errors", "offload.sizes"),
+    ("offload.memory",),
+    ("offload.config", "offload.config_parts", "offload.config_flags"),
+    ("offload.offloader",),
+    ("offload.api",),
+    ("offload.model",),
+    ("offload.engine",),
+    ("offload", "offload.demo", "offload.streaming", "offload.commands", "offload.defaults"),
+    ("offload.cli",),
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(SRC.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    matches = [
+        (len(prefix), index)
+        for index, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    if not matches:
+        raise AssertionError(f"{module} is in no layer: add it to LAYERS")
+    return max(matches)[1]
+
+
+def imported_modules(module: str, source: str) -> set[str]:
+    """The `offload` modules that `source` (of `module`) imports, anywhere in it; `from
+    package import name` counts as the submodule `package.name` where there is one."""
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([node.module] if node.module else [])])
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in MODULES else base)
+    return {name for name in found if name == "offload" or name.startswith("offload.")}
+
+
+def upward_imports(module: str, source: str) -> list[str]:
+    own = layer_of(module)
+    return sorted(name for name in imported_modules(module, source) if layer_of(name) > own)
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_a_higher_layer(module):
+    assert upward_imports(module, MODULES[module].read_text()) == []
+
+
+def test_the_check_sees_imports_inside_functions():
+    source = "def late():\n    from offload.engine.llm import LLM\n    from . import api\n"
+    assert upward_imports("offload.memory.host", source) == ["offload.engine.llm"]
+    assert upward_imports("offload.config", source) == ["offload.api", "offload.engine.llm"]
+    assert upward_imports("offload.cli", source) == []
