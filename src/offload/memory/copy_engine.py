@@ -274,12 +274,12 @@ class SyncCopyEngine(CopyEngine):
     """With the CPU as the compute device and every core computing: each copy runs when
     it is issued, on the compute thread, spread over torch's threads.
 
-    A copy thread would need a core that compute uses: measured on 2 cores (SmolLM2,
-    every layer offloaded), a copy thread beside two compute threads gave 0.41x resident
-    and these copies 0.65x, the most the cores allow (compute plus copy time, nothing
-    overlapped). Taking a core from compute instead (0.56x) changes float results: a
-    matrix product on fewer threads sums in another order, and offloading must not
-    change a bit. Copies land in issue order, so the protocol holds trivially."""
+    A copy thread would need a core that compute uses, and only fight compute for it:
+    with every core computing, compute plus copy time (nothing overlapped) is the most
+    the cores allow, and copies on the compute threads reach it. Taking a core from
+    compute instead changes float results: a matrix product on fewer threads sums in
+    another order, and offloading must not change a bit. Copies land in issue order, so
+    the protocol holds trivially. The figures are in docs/benchmarks.md ("The CPU")."""
 
     def mark_released(self) -> None:
         return None

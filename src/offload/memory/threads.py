@@ -3,8 +3,8 @@ thread runs only where compute leaves one free; see `make_copy_engine`), and adv
 OpenMP's spinning workers only when they are measured to slow the copies.
 
 The library never changes torch's thread count itself: a matrix product on fewer threads
-sums in another order, so its float results differ (measured: log-probabilities moved in
-the sixth digit), and offloading must not change a bit of the output.
+sums in another order, so its float results differ (docs/benchmarks.md), and offloading
+must not change a bit of the output.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ def gguf_path() -> Path:
 
 
 def default_model_path() -> Path:
-    """A safetensors directory of the default model, converted on first use (~20 s)."""
+    """A safetensors directory of the default model, converted on first use only."""
     folder = cache_dir()
     target = folder / DEFAULT_MODEL_NAME
     if _converted(target):

@@ -1,7 +1,7 @@
 """The sizes a model config may ask for, checked before transformers builds anything.
 
-Building even an empty (meta) model takes time per layer (about 3 ms for a small Llama
-layer), and some configs build lists as long as their layer count, so a config.json
+Building even an empty (meta) model takes time per layer (docs/benchmarks.md, "Loading"),
+and some configs build lists as long as their layer count, so a config.json
 with `num_hidden_layers: 1000000000` would hang the process, or exhaust its memory, long
 before any weight is read. Each limit is far above the published models (the deepest have
 about 130 layers, the widest a hidden size of about 25k, the largest vocabularies about
@@ -17,7 +17,7 @@ from typing import Any
 
 from offload.errors import ModelError
 
-MAX_LAYERS = 4096  # an empty model of 4096 small layers builds in about 10 s
+MAX_LAYERS = 4096  # an empty model this deep still builds in seconds, not minutes
 MAX_HIDDEN = 1 << 20
 MAX_INTERMEDIATE = 1 << 22
 MAX_VOCAB = 1 << 24
