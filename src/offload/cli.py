@@ -80,31 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="apply the chat template to the prompts"
     )
     generate.add_argument("--max-tokens", type=int, default=64, help="new tokens at most")
-    generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    generate.add_argument(
-        "--top-p", type=float, default=1.0, help="sample from this much probability mass"
-    )
-    generate.add_argument(
-        "--top-k", type=int, default=0, help="sample from this many tokens (0: all)"
-    )
-    generate.add_argument(
-        "--min-p", type=float, default=0.0, help="drop tokens below this share of the best"
-    )
-    generate.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="> 1 discourages tokens seen in the prompt or output",
-    )
-    generate.add_argument(
-        "--presence-penalty", type=float, default=0.0, help="in [-2, 2], once per generated token"
-    )
-    generate.add_argument(
-        "--frequency-penalty",
-        type=float,
-        default=0.0,
-        help="in [-2, 2], times how often a token was generated",
-    )
+    for flag, kind, default, text in _SAMPLING_FLAGS:
+        generate.add_argument(flag, type=kind, default=default, help=text)
     generate.add_argument("--seed", type=int, help="make sampling reproducible")
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument(
@@ -158,6 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The sampling flags of `generate` with a default: (flag, type, default, help).
+_SAMPLING_FLAGS = (
+    ("--temperature", float, 0.0, "0: greedy"),
+    ("--top-p", float, 1.0, "sample from this much probability mass"),
+    ("--top-k", int, 0, "sample from this many tokens (0: all)"),
+    ("--min-p", float, 0.0, "drop tokens below this share of the best"),
+    ("--repetition-penalty", float, 1.0, "> 1 discourages tokens seen in the prompt or output"),
+    ("--presence-penalty", float, 0.0, "in [-2, 2], once per generated token"),
+    ("--frequency-penalty", float, 0.0, "in [-2, 2], times how often a token was generated"),
+)
 _DEVICE_HELP = "compute device: auto (a GPU if one is usable, else the CPU), cpu, cuda, cuda:N"
 
 
