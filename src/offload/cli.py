@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"offload {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_demo(commands)
+    _add_generate(commands)
+    _add_inspect(commands)
+    return parser
+
+
+def _add_demo(commands: argparse._SubParsersAction) -> None:
+    """`offload demo`: the default model offloaded, resident and offloaded answers compared."""
     demo = commands.add_parser(
         "demo",
         help="offload the default model (SmolLM2-135M-Instruct), answer a question, show what moved",
@@ -62,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default="auto", help=_DEVICE_HELP)
     add_cli_args(demo)
 
+
+def _add_generate(commands: argparse._SubParsersAction) -> None:
+    """`offload generate`: vLLM's generation flags, budgets, devices and offload flags."""
     generate = commands.add_parser(
         "generate", help="generate text with offloading (default: SmolLM2)"
     )
@@ -90,33 +101,39 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument(
         "--max-num-batched-tokens", type=int, help="prefill prompts in chunks of this many tokens"
     )
-    generate.add_argument(
-        "--no-offload", action="store_true", help="keep every weight on the device"
-    )
-    _budget_flags(generate)
-    generate.add_argument(
+    _run_flags(generate)
+    _device_flags(generate)
+    add_cli_args(generate)
+
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    """How `generate` runs: offloading off, memory budgets, the KV cache's place, output."""
+    parser.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
+    _budget_flags(parser)
+    parser.add_argument(
         "--swap-space",
         type=float,
         default=0,
         help="GiB of host memory for the KV cache (> 0 keeps the KV cache in host memory)",
     )
-    generate.add_argument(
+    parser.add_argument(
         "--kv-offload", action="store_true", help="keep the KV cache in host memory"
     )
-    generate.add_argument(
+    parser.add_argument(
         "--no-progress", action="store_true", help="no progress bars (loading, prompts)"
     )
-    generate.add_argument(
+    parser.add_argument(
         "--enforce-eager", action="store_true", help="decode without CUDA graphs (GPU)"
     )
-    generate.add_argument(
+    parser.add_argument(
         "--no-stream",
         action="store_true",
         help="write the answer when it is complete, not as it is generated",
     )
-    _device_flags(generate)
-    add_cli_args(generate)
 
+
+def _add_inspect(commands: argparse._SubParsersAction) -> None:
+    """`offload inspect`: a model's layers and sizes, and what a config would offload."""
     inspect = commands.add_parser(
         "inspect", help="a model's layers and sizes, and what a config offloads"
     )
@@ -132,7 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     _budget_flags(inspect)
     _device_flags(inspect)
     add_cli_args(inspect)
-    return parser
 
 
 # The sampling flags of `generate` with a default: (flag, type, default, help).
