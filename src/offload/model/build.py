@@ -50,41 +50,10 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
     `trust_remote_code=True`; else transformers' built-in class of the `model_type` is used,
     or, without one, the load fails (transformers would otherwise ask on stdin)."""
     from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    if not path.is_dir():
-        raise ModelError(f"model path {path} does not exist or is not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelError(f"{path} is not a model directory (no config.json)")
-    settings = _read_config(config_file)
-    quantized = settings.get("quantization_config")
-    if quantized is not None:
-        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "?"
-        raise ModelError(
-            f"quantized checkpoints are not supported yet (quant_method {method} in "
-            f"{config_file}); use the unquantized model"
-        )
-    check_sizes(settings, config_file)  # before transformers builds lists of that length
-    try:
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as error:  # transformers raises many types for bad settings
-        model_type = settings.get("model_type")
-        if not trust_remote_code and "auto_map" in settings:
-            raise ModelError(_needs_own_code(config_file, model_type)) from None
-        if not isinstance(model_type, str) or model_type not in _known_model_types():
-            problem = f"unknown or unsupported architecture ({_describe(error)})"
-        else:
-            problem = f"invalid {model_type} settings ({_describe(error)})"
-        raise ModelError(f"{config_file}: {problem}") from None
-    check_parameters(hf_config, config_file)
-    heads = getattr(hf_config, "num_attention_heads", None)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None)
-    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
-        raise ModelError(
-            f"{config_file}: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
-            f"({heads}): each key/value head serves a whole group of query heads"
-        )
+    config_file, settings = _checked_settings(path)
+    hf_config = _hf_config(path, config_file, settings, trust_remote_code)
     torch_dtype = resolve_dtype(dtype, hf_config)
     with init_empty_weights(include_buffers=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -105,6 +74,51 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
             ) from None
     model.tie_weights()  # tied names become one parameter before anything is placed
     return model.eval()
+
+
+def _checked_settings(path: Path) -> tuple[Path, dict[str, Any]]:
+    """`path`'s config.json and its settings, checked before transformers reads them."""
+    if not path.is_dir():
+        raise ModelError(f"model path {path} does not exist or is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(f"{path} is not a model directory (no config.json)")
+    settings = _read_config(config_file)
+    quantized = settings.get("quantization_config")
+    if quantized is not None:
+        method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "?"
+        raise ModelError(
+            f"quantized checkpoints are not supported yet (quant_method {method} in "
+            f"{config_file}); use the unquantized model"
+        )
+    check_sizes(settings, config_file)  # before transformers builds lists of that length
+    return config_file, settings
+
+
+def _hf_config(path: Path, config_file: Path, settings: dict[str, Any], trust_remote_code: bool):
+    """transformers' config of the model, its errors as one line naming the file."""
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as error:  # transformers raises many types for bad settings
+        model_type = settings.get("model_type")
+        if not trust_remote_code and "auto_map" in settings:
+            raise ModelError(_needs_own_code(config_file, model_type)) from None
+        if not isinstance(model_type, str) or model_type not in _known_model_types():
+            problem = f"unknown or unsupported architecture ({_describe(error)})"
+        else:
+            problem = f"invalid {model_type} settings ({_describe(error)})"
+        raise ModelError(f"{config_file}: {problem}") from None
+    check_parameters(hf_config, config_file)
+    heads = getattr(hf_config, "num_attention_heads", None)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and (kv_heads < 1 or heads % kv_heads):
+        raise ModelError(
+            f"{config_file}: num_key_value_heads ({kv_heads}) must divide num_attention_heads "
+            f"({heads}): each key/value head serves a whole group of query heads"
+        )
+    return hf_config
 
 
 def _needs_own_code(config_file: Path, model_type: object) -> str:
