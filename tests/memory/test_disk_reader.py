@@ -15,15 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload.memory import disk_reader
-from offload.memory.disk_reader import (
-    ALIGN,
-    DiskReader,
-    DiskReadError,
-    FileStamp,
-    TensorRange,
-    aligned_empty,
-    plan_layout,
-)
+from offload.memory.disk_layout import ALIGN, TensorRange, aligned_empty, plan_layout
+from offload.memory.disk_reader import DiskReader, DiskReadError, FileStamp
 
 
 def _file(path: Path, num_bytes: int, seed: int = 0) -> bytes:

@@ -72,6 +72,12 @@ class CopyEngine(ABC):
     def synchronize(self) -> None:
         """Make compute wait for every copy started so far."""
 
+    def host_wait(self, ticket: Any) -> None:
+        """Block the calling thread (any thread) until the copy of `ticket` is done, so
+        that its source may be overwritten."""
+        if ticket is not None:
+            ticket.result()
+
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         """Wait for the copies in flight and release what the engine holds (threads)."""
 
@@ -212,6 +218,9 @@ class CudaCopyEngine(CopyEngine):
         compute.wait_event(ticket.event)
         if before is not None:
             self._timed.append(("stall", before, _timing_event(compute)))
+
+    def host_wait(self, ticket: _CudaTicket) -> None:
+        ticket.event.synchronize()
 
     def synchronize(self) -> None:
         if torch.cuda.is_current_stream_capturing():

@@ -1,12 +1,6 @@
 """Byte ranges of checkpoint files read into host buffers on I/O threads, beside compute.
 
-A layer kept on disk is a list of `Extent`s: runs of bytes in files and where each lands
-in the layer's buffer. `plan_layout` places them so that every read can bypass the page
-cache (`O_DIRECT` needs the buffer address, the file offset and the length aligned to
-the block size): a tensor sits in the buffer at the same offset modulo `ALIGN` as in its
-file, so a safetensors file whose tensors are aligned to their dtype gives aligned views.
-
-`DiskReader` runs the reads on its own threads (`os.preadv` releases the GIL) and hands
+A layer kept on disk is a list of `Extent`s (see `disk_layout.py`). `DiskReader` runs the reads on its own threads (`os.preadv` releases the GIL) and hands
 back a ticket to wait on, as a copy engine does. Every file is checked against the size,
 modification time and inode it had when the model was loaded, by descriptor and by path,
 after each read: a file replaced, truncated, rewritten or removed while the model runs,
@@ -29,8 +23,8 @@ from pathlib import Path
 import torch
 
 from offload.errors import ModelError
+from offload.memory.disk_layout import ALIGN, Extent
 
-ALIGN = 4096  # O_DIRECT alignment that every Linux block device accepts
 CHUNK_BYTES = 4 * 2**20  # one read request: large enough to stream, small enough to spread
 IO_MODES = ("direct", "page-cache")
 
@@ -65,74 +59,6 @@ class FileStamp:
         if st.st_mtime_ns != self.mtime_ns:
             return "was modified"
         return None
-
-
-@dataclass(frozen=True)
-class TensorRange:
-    """One tensor's bytes in a file."""
-
-    path: Path
-    offset: int
-    num_bytes: int
-
-
-@dataclass(frozen=True)
-class Extent:
-    """One aligned read: `num_bytes` of `path` from `file_offset` into the buffer at
-    `buffer_offset` (the last block may run past the end of the file: the read is short)."""
-
-    path: Path
-    file_offset: int
-    num_bytes: int
-    buffer_offset: int
-
-
-@dataclass(frozen=True)
-class DiskLayout:
-    """Where a layer's tensors land in its buffer, and the reads that put them there."""
-
-    extents: tuple[Extent, ...]
-    tensor_offsets: tuple[int, ...]  # per input range, its first byte in the buffer
-    num_bytes: int  # the buffer size the layout needs
-
-    @property
-    def read_bytes(self) -> int:
-        return sum(extent.num_bytes for extent in self.extents)
-
-
-def plan_layout(ranges: Sequence[TensorRange], align: int = ALIGN) -> DiskLayout:
-    """Aligned reads covering `ranges`: ranges of one file whose aligned covers touch are
-    read as one run; runs follow each other in the buffer, each at an aligned offset."""
-    order = sorted(range(len(ranges)), key=lambda i: (str(ranges[i].path), ranges[i].offset))
-    runs: list[list[int]] = []  # [first aligned byte, end aligned byte] per run
-    run_paths: list[Path] = []
-    run_of = [0] * len(ranges)
-    for i in order:
-        piece = ranges[i]
-        start = piece.offset // align * align
-        end = -(-(piece.offset + piece.num_bytes) // align) * align
-        if runs and run_paths[-1] == piece.path and start <= runs[-1][1]:
-            runs[-1][1] = max(runs[-1][1], end)
-        else:
-            runs.append([start, end])
-            run_paths.append(piece.path)
-        run_of[i] = len(runs) - 1
-    extents, placed = [], 0
-    for (start, end), path in zip(runs, run_paths, strict=True):
-        extents.append(Extent(path, start, end - start, placed))
-        placed += end - start
-    offsets = tuple(
-        extents[run_of[i]].buffer_offset + ranges[i].offset - extents[run_of[i]].file_offset
-        for i in range(len(ranges))
-    )
-    return DiskLayout(tuple(extents), offsets, placed)
-
-
-def aligned_empty(num_bytes: int, align: int = ALIGN, pin: bool = False) -> torch.Tensor:
-    """A uint8 host buffer of `num_bytes` whose first byte is `align`-aligned."""
-    raw = torch.empty(num_bytes + align, dtype=torch.uint8, pin_memory=pin)
-    skip = -raw.data_ptr() % align
-    return raw[skip : skip + num_bytes]
 
 
 @dataclass
@@ -234,6 +160,12 @@ class DiskReader:
                 error = self._fault or DiskReadError("a read was cancelled")
             if error is not None:
                 raise error if isinstance(error, DiskReadError) else self._fail(error)
+
+    def drain(self) -> None:
+        """Wait until no read is in flight (a read waits for the one before it into the
+        same buffer, so the last read of each buffer is the last to land there)."""
+        for ticket in list(self._last.values()):
+            wait_all(ticket.futures)
 
     def close(self) -> None:
         """Wait for reads in flight, end the threads and close the files."""
