@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 from decode import copy_bandwidth
 
-from offload.engine.kv_cache import kv_shape_of
+from offload.engine.kv_shape import kv_shape_of
 from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
 

@@ -191,10 +191,10 @@ def test_the_load_shows_progress_in_bytes(smollm2_path, capsys):
 def test_swap_space_must_leave_room_for_the_offloaded_weights(smollm2_path, monkeypatch):
     """swap_space alone fits in RAM, but not with the 0.39 GiB of weights offloading puts
     there too: refused before loading (the RAM figure is pinned, so the test is stable)."""
-    import offload.engine.kv_cache as kv_module
+    import offload.engine.fit as fit_module
     import offload.engine.llm as llm_module
 
-    monkeypatch.setattr(kv_module, "available_ram_bytes", lambda: 2 * 2**30)
+    monkeypatch.setattr(fit_module, "available_ram_bytes", lambda: 2 * 2**30)
     monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(
         ConfigError, match=r"swap_space=1\.8 GiB plus the 0\.39 GiB of offloaded weights"

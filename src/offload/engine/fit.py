@@ -1,9 +1,11 @@
 """Does the model fit? Device memory needed for weights, KV cache and activations,
-against the budget, before anything is loaded; and the smallest offload that fits."""
+against the budget, before anything is loaded; the smallest offload that fits; and the
+host memory that `swap_space` and the KV cache in host memory may take."""
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -11,6 +13,7 @@ from torch import nn
 
 from offload.api import prepare
 from offload.config import OffloadConfig
+from offload.engine.kv_shape import KVShape, kv_shape_of
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import meminfo_bytes
 from offload.offloader.layers import find_layer_stacks
@@ -39,13 +42,8 @@ def kv_cache_bytes(hf_config, max_model_len: int, dtype: torch.dtype, batch: int
     attention heads, such as a state-space model: it keeps no KV cache)."""
     if getattr(hf_config, "num_attention_heads", None) is None:
         return 0
-    layers = hf_config.num_hidden_layers
-    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = (
-        getattr(hf_config, "head_dim", None)
-        or hf_config.hidden_size // hf_config.num_attention_heads
-    )
-    return 2 * layers * heads * head_dim * max_model_len * batch * dtype.itemsize
+    shape = kv_shape_of(hf_config, batch, max_model_len, dtype)
+    return hf_config.num_hidden_layers * shape.layer_bytes
 
 
 def activation_bytes(
@@ -169,3 +167,57 @@ def plan_fit(
         resident += planned.planned_staging_bytes  # the device staging slots
     check_fit(needs, budget, resident, not kv_offload)
     return config, planned.offloaded_bytes if planned else 0
+
+
+def available_ram_bytes() -> int:
+    """Host memory that can be had now without swapping (the kernel's MemAvailable)."""
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        return available
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_swap_space(swap_space: float) -> int:
+    """`swap_space` GiB as bytes, refused (before anything is allocated) when negative
+    or larger than the RAM available now."""
+    if isinstance(swap_space, bool) or not isinstance(swap_space, int | float):
+        raise ConfigError(f"swap_space must be a number of GiB, got {swap_space!r}")
+    available = available_ram_bytes()
+    if not 0 <= swap_space * _GIB <= available:
+        raise ConfigError(
+            f"swap_space={swap_space:g} GiB is not possible: it must be between 0 and the "
+            f"{available / _GIB:.2f} GiB of RAM available now"
+        )
+    return int(swap_space * _GIB)
+
+
+def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
+    """Refuse, before loading, a `swap_space` that fits in RAM only without the weights
+    that offloading will put there too."""
+    available = available_ram_bytes()
+    if swap_space_bytes and swap_space_bytes + offloaded_weight_bytes > available:
+        raise ConfigError(
+            f"swap_space={swap_space_bytes / _GIB:g} GiB plus the "
+            f"{offloaded_weight_bytes / _GIB:.2f} GiB of offloaded weights is more than the "
+            f"{available / _GIB:.2f} GiB of RAM available now; lower swap_space or offload less"
+        )
+
+
+def check_host_kv(
+    shape: KVShape, num_layers: int, swap_space_bytes: int, held_bytes: int = 0
+) -> None:
+    """Refuse, before allocating, a host KV cache larger than `swap_space` (when set) or
+    than the RAM available (counting the `held_bytes` a `KVHostPool` would give back)."""
+    need = shape.layer_bytes * num_layers
+    limit = swap_space_bytes or available_ram_bytes() + held_bytes
+    if need > limit:
+        what = "swap_space" if swap_space_bytes else "the RAM available"
+        raise ConfigError(
+            f"the KV cache for {shape.batch} sequence(s) of {shape.max_cache_len} positions "
+            f"needs {_size(need)} of host memory, more than {what} ({_size(limit)}); "
+            "lower max_tokens, max_model_len or the batch, or raise swap_space"
+        )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from offload.engine.kv_cache import KVOffloader, cache_argument
+from offload.engine.kv_cache import KVOffloader
+from offload.engine.transformers_cache import cache_argument
 from offload.errors import OffloadError
 from offload.offloader.base import BaseOffloader
 

@@ -25,19 +25,17 @@ from offload.engine.checks import (
     render_chat,
     vocab_limit,
 )
-from offload.engine.fit import device_budget, measure, plan_fit
-from offload.engine.graphs import DecodeGraphs, DecodeStep
-from offload.engine.kv_cache import (
-    KV_SLOTS,
-    KVHostPool,
-    cache_argument,
+from offload.engine.fit import (
     check_host_kv,
     check_host_room,
     check_swap_space,
-    kv_shape_of,
-    probe_kv_dims,
-    static_cache,
+    device_budget,
+    measure,
+    plan_fit,
 )
+from offload.engine.graphs import DecodeGraphs, DecodeStep
+from offload.engine.kv_cache import KV_SLOTS, KVHostPool
+from offload.engine.kv_shape import kv_shape_of
 from offload.engine.sampling import (
     SamplingParams,
     TokenCounts,
@@ -54,6 +52,7 @@ from offload.engine.sequences import (
     per_prompt,
 )
 from offload.engine.tokens import TokenSteps
+from offload.engine.transformers_cache import cache_argument, probe_kv_dims, static_cache
 from offload.engine.vllm_args import IGNORED, check_ignored
 from offload.errors import ConfigError, ModelError
 from offload.memory.device import check_device
