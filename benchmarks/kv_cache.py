@@ -59,7 +59,10 @@ def kv_moved(llm: LLM) -> dict[str, int]:
     """The engine's running totals of KV bytes brought to the device and written back
     (summed over generate calls, CUDA graph replays included)."""
     stats = llm.transfer_stats()
-    return {key: stats[f"kv_{key}"] for key in KV_KEYS}
+    return {
+        "bytes_copied": stats.kv_copied_bytes,
+        "bytes_written_back": stats.kv_written_back_bytes,
+    }
 
 
 def prompt_ids(tokenizer, batch: int, length: int) -> list[list[int]]:

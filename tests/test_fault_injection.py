@@ -206,4 +206,4 @@ def test_an_interrupt_at_any_step_of_generate_leaves_the_next_generate_exact(tmp
 
     # One LLM throughout: its state after each interrupted call is what the next one meets.
     assert _sweep(lambda: (run, check), every=False) > 100
-    assert llm.transfer_stats()["kv_bytes_copied"] > 0
+    assert llm.transfer_stats().kv_copied_bytes > 0

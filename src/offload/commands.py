@@ -15,6 +15,7 @@ from offload.defaults import QUESTION, whole_stack_config
 from offload.engine.fit import device_budget, kv_cache_bytes, measure, plan_fit
 from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
+from offload.engine.transfer_stats import TransferStats
 from offload.errors import ModelError
 from offload.memory.device import check_device
 from offload.model.build import build_empty
@@ -103,18 +104,14 @@ def _short(prompt: str, limit: int = 60) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _figures(llm: LLM, outputs, before: dict, seconds: float) -> str:
-    after = llm.transfer_stats()
+def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
+    this_call = llm.transfer_stats() - before
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    forwards = after["forwards"] - before["forwards"]
-
-    def per_forward(*keys: str) -> float:
-        return sum(after.get(k, 0) - before.get(k, 0) for k in keys) / max(forwards, 1)
-
-    weights = per_forward("weight_bytes_copied")
-    kv = per_forward("kv_bytes_copied", "kv_bytes_written_back")
-    stall = after["stall_s"] - before["stall_s"]
-    replays = after["graph_replays"] - before["graph_replays"]
+    forwards = this_call.num_forwards
+    weights = this_call.weight_copied_bytes / max(forwards, 1)
+    kv = this_call.kv_moved_bytes / max(forwards, 1)
+    stall = this_call.stall_s
+    replays = this_call.num_graph_replays
     # Per forward, not per token: a prefill chunk moves the weights as a decode step does.
     moved = f"moved {format_bytes(weights + kv)}/forward over {forwards} forwards"
     if llm.kv_offload:

@@ -56,11 +56,11 @@ def test_graph_decode_is_exact(checkpoint, eager_resident, setting):
     assert _tokens(llm) == batched
     assert _tokens(llm, PROMPTS[1:2]) == alone
     moved = llm.transfer_stats()
-    assert moved["graph_replays"] > 0  # the decode really ran as graph replays
+    assert moved.num_graph_replays > 0  # the decode really ran as graph replays
     if "kv" in setting:
-        assert moved["kv_bytes_copied"] > 0 and moved["kv_bytes_written_back"] > 0
+        assert moved.kv_copied_bytes > 0 and moved.kv_written_back_bytes > 0
     if setting.startswith("prefetch"):
-        assert moved["weight_bytes_copied"] > 0
+        assert moved.weight_copied_bytes > 0
     del llm
     _free()
 
@@ -68,7 +68,7 @@ def test_graph_decode_is_exact(checkpoint, eager_resident, setting):
 def test_enforce_eager_runs_no_graph(checkpoint, eager_resident):
     llm = LLM(checkpoint, device="cuda", enforce_eager=True, kv_offload=True)
     assert _tokens(llm) == eager_resident[0]
-    assert llm.transfer_stats()["graph_replays"] == 0
+    assert llm.transfer_stats().num_graph_replays == 0
     del llm
     _free()
 

@@ -70,7 +70,7 @@ def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, resid
     )
     if "kv" in setting:  # the cache went through host memory
         moved = llm.transfer_stats()
-        assert moved["kv_bytes_copied"] > 0 and moved["kv_bytes_written_back"] > 0
+        assert moved.kv_copied_bytes > 0 and moved.kv_written_back_bytes > 0
 
 
 def test_seeded_sampling_is_reproducible(resident):
@@ -485,7 +485,7 @@ def test_a_mixture_of_experts_checkpoint_generates_as_transformers_does(tmp_path
         [out] = llm.generate({"prompt_token_ids": ids}, params)
         assert out.outputs[0].token_ids == expected, flags
     assert llm.offloader.stats()["bytes_copied"] > 0
-    assert llm.transfer_stats()["kv_bytes_copied"] > 0
+    assert llm.transfer_stats().kv_copied_bytes > 0
 
 
 def test_chat_needs_a_chat_template(smollm2_path, tmp_path):
@@ -546,15 +546,15 @@ def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(smollm2
     # one that probes the KV shapes), and each forward brings in every offloaded layer once
     # (30 layers over 2 slots).
     steps = max(len(o.outputs[0].token_ids) for o in got) - 1
-    forwards = after["forwards"] - before["forwards"]
+    forwards = after.num_forwards - before.num_forwards
     assert forwards == 1 + len(widths) + steps
-    copied = after["weight_bytes_copied"] - before["weight_bytes_copied"]
+    copied = after.weight_copied_bytes - before.weight_copied_bytes
     assert copied == forwards * offloaded.offloader.offloaded_bytes
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
         assert mine.outputs[0].logprobs == theirs.outputs[0].logprobs
         assert mine.prompt_logprobs == theirs.prompt_logprobs
-    assert offloaded.transfer_stats()["kv_bytes_copied"] > 0
+    assert offloaded.transfer_stats().kv_copied_bytes > 0
     whole = resident.generate(PROMPTS, GREEDY)  # chunks change the arithmetic, not the answer
     assert [o.outputs[0].token_ids for o in whole] == [
         o.outputs[0].token_ids for o in chunked.generate(PROMPTS, GREEDY)

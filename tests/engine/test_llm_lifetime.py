@@ -84,4 +84,4 @@ def test_two_llms_with_different_configs_in_one_process_stay_independent(path):
         for llm in (prefetched, uva):
             out = llm.generate(["t9 t4 t7"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
             assert out == expected
-    assert prefetched.transfer_stats()["weight_bytes_copied"] > 0
+    assert prefetched.transfer_stats().weight_copied_bytes > 0

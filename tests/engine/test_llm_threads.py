@@ -64,8 +64,8 @@ def test_threads_sharing_one_llm_get_the_sequential_outputs(tmp_path, setting):
     assert len(results) == 80
     wrong = [key for key, (index, tokens) in results.items() if tokens != reference[index]]
     assert not wrong, f"{len(wrong)} of {len(results)} outputs differ from the sequential run"
-    assert llm.transfer_stats()["weight_bytes_copied"] > 0 or setting == "kv"
-    assert llm.transfer_stats()["kv_bytes_copied"] > 0
+    assert llm.transfer_stats().weight_copied_bytes > 0 or setting == "kv"
+    assert llm.transfer_stats().kv_copied_bytes > 0
 
 
 def test_threads_on_the_default_model_with_prefetch_and_kv_offload(smollm2_path):

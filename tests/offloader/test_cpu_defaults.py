@@ -249,4 +249,4 @@ def test_the_default_cpu_engine_keeps_llm_outputs_exact_with_the_kv_cache_in_hos
     assert offloaded.token_ids == resident.token_ids
     assert offloaded.logprobs == resident.logprobs
     stats = llm.transfer_stats()
-    assert stats["weight_bytes_copied"] > 0 and stats["kv_bytes_copied"] > 0
+    assert stats.weight_copied_bytes > 0 and stats.kv_copied_bytes > 0

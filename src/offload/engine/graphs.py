@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from offload.engine.kv_cache import KVOffloader
+from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import OffloadError
 from offload.offloader.base import BaseOffloader
@@ -70,7 +72,7 @@ class DecodeGraphs:
     one decode forward and returns its (static) logits.
 
     Bytes the offloaders move inside a graph are counted once, at capture, by their
-    own counters; `replayed_bytes` adds what the replays moved, so figures stay true.
+    own counters; `replayed` adds what the replays moved, so figures stay true.
     """
 
     def __init__(
@@ -82,10 +84,9 @@ class DecodeGraphs:
         self._step = step
         self._offloader = offloader
         self._kv = kv
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, dict[str, int]]] = {}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, TransferStats]] = {}
         self._pool = None
-        self.num_replays = 0
-        self.replayed_bytes = {"weights": 0, "kv_copied": 0, "kv_written_back": 0}
+        self.replayed = TransferStats()  # what the replays moved, and how many there were
 
     def run(self, num_positions: int) -> torch.Tensor:
         """One decode step reading `num_positions` cache positions: replay (capturing
@@ -96,9 +97,7 @@ class DecodeGraphs:
         graph, logits, moved = self._graphs[rows]
         with self._around():
             graph.replay()
-        self.num_replays += 1
-        for key, value in moved.items():
-            self.replayed_bytes[key] += value
+        self.replayed += moved
         return logits
 
     @contextlib.contextmanager
@@ -128,15 +127,9 @@ class DecodeGraphs:
                 "pass enforce_eager=True (--enforce-eager) to decode without graphs"
             ) from error
         self._pool = graph.pool()
-        after = self._counters()
-        moved = {key: after[key] - before[key] for key in after}
+        moved = replace(self._counters() - before, num_graph_replays=1)
         return graph, logits, moved
 
-    def _counters(self) -> dict[str, int]:
-        weights = self._offloader.stats().get("bytes_copied", 0)
-        kv = self._kv.stats() if self._kv is not None else {}
-        return {
-            "weights": weights,
-            "kv_copied": kv.get("bytes_copied", 0),
-            "kv_written_back": kv.get("bytes_written_back", 0),
-        }
+    def _counters(self) -> TransferStats:
+        kv = self._kv.stats() if self._kv is not None else None
+        return TransferStats.of_counters(self._offloader.stats(), kv)

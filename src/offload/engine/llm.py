@@ -34,7 +34,7 @@ from offload.engine.fit import (
     plan_fit,
 )
 from offload.engine.graphs import DecodeGraphs, DecodeStep
-from offload.engine.kv_cache import KV_SLOTS, KVHostPool
+from offload.engine.kv_cache import KV_SLOTS, KVHostPool, KVOffloader
 from offload.engine.kv_shape import kv_shape_of
 from offload.engine.sampling import (
     SamplingParams,
@@ -52,6 +52,7 @@ from offload.engine.sequences import (
     per_prompt,
 )
 from offload.engine.tokens import TokenSteps
+from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import cache_argument, probe_kv_dims, static_cache
 from offload.engine.vllm_args import IGNORED, check_ignored
 from offload.errors import ConfigError, ModelError
@@ -201,7 +202,7 @@ class LLM:
             progress=progress,
             trust_remote_code=trust_remote_code,
         )
-        self._moved: dict[str, int] = {}  # KV and graph-replay bytes, summed over calls
+        self._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
         self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
         # Host memory of the offloaded KV cache, kept between calls (pinned once).
         self._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
@@ -408,40 +409,24 @@ class LLM:
             if sequence.finish_reason is None:
                 sequence.finish_reason = "length"
 
-    def _count_moved(self, kv, graphs: DecodeGraphs | None) -> None:
+    def _count_moved(self, kv: KVOffloader | None, graphs: DecodeGraphs | None) -> None:
         """Add what this call moved to the running totals (graph replays included)."""
-        moved = {}
         if kv is not None:
             kv.close()
-            stats = kv.stats()
-            moved = {"kv_bytes_copied": stats["bytes_copied"]}
-            moved["kv_bytes_written_back"] = stats["bytes_written_back"]
+            self._moved += TransferStats.of_counters(kv=kv.stats())
         if graphs is not None:
-            replayed = graphs.replayed_bytes
-            moved["kv_bytes_copied"] = moved.get("kv_bytes_copied", 0) + replayed["kv_copied"]
-            moved["kv_bytes_written_back"] = (
-                moved.get("kv_bytes_written_back", 0) + replayed["kv_written_back"]
-            )
-            moved["graph_weight_bytes"] = replayed["weights"]
-            moved["graph_replays"] = graphs.num_replays
-        for key, value in moved.items():
-            self._moved[key] = self._moved.get(key, 0) + value
+            self._moved += graphs.replayed
 
     @_serialized
-    def transfer_stats(self) -> dict[str, float]:
+    def transfer_stats(self) -> TransferStats:
         """Bytes moved so far, host to device and back (weights and KV cache, CUDA graph
         replays included), the time compute waited for weight copies, and the number of
         model forwards (prefill chunks and decode steps) that moved them."""
         weights = self.offloader.stats()
-        return {
-            "weight_bytes_copied": weights.get("bytes_copied", 0)
-            + self._moved.get("graph_weight_bytes", 0),
-            "kv_bytes_copied": self._moved.get("kv_bytes_copied", 0),
-            "kv_bytes_written_back": self._moved.get("kv_bytes_written_back", 0),
-            "stall_s": weights.get("stall_s", 0.0),
-            "graph_replays": self._moved.get("graph_replays", 0),
-            "forwards": self._forwards,
-        }
+        now = TransferStats.of_counters(weights)
+        return self._moved + replace(
+            now, stall_s=weights.get("stall_s", 0.0), num_forwards=self._forwards
+        )
 
     def _make_cache(self, batch: int, length: int):
         dtype = next(self.model.parameters()).dtype

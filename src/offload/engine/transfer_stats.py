@@ -1,0 +1,67 @@
+"""`TransferStats`: what an `LLM` moved between host and device memory, with units."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """Bytes moved host to device and back (weights and KV cache, CUDA graph replays
+    included), the time compute waited for weight copies, the CUDA graph replays and the
+    model forwards (prefill chunks and decode steps) that moved them. Running totals add
+    (`+`); the figures of one call are `after - before`."""
+
+    weight_copied_bytes: int = 0
+    kv_copied_bytes: int = 0
+    kv_written_back_bytes: int = 0
+    stall_s: float = 0.0
+    num_graph_replays: int = 0
+    num_forwards: int = 0
+
+    @classmethod
+    def of_counters(
+        cls,
+        weights: Mapping[str, float] | None = None,
+        kv: Mapping[str, float] | None = None,
+    ) -> TransferStats:
+        """The bytes counted so far by a weight offloader's and a KV offloader's `stats()`."""
+        weights, kv = weights or {}, kv or {}
+        return cls(
+            weight_copied_bytes=weights.get("bytes_copied", 0),
+            kv_copied_bytes=kv.get("bytes_copied", 0),
+            kv_written_back_bytes=kv.get("bytes_written_back", 0),
+        )
+
+    @property
+    def kv_moved_bytes(self) -> int:
+        """KV cache bytes moved both ways."""
+        return self.kv_copied_bytes + self.kv_written_back_bytes
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def __add__(self, other: TransferStats) -> TransferStats:
+        return self._combine(other, operator.add)
+
+    def __sub__(self, other: TransferStats) -> TransferStats:
+        return self._combine(other, operator.sub)
+
+    def _combine(self, other: TransferStats, op: Callable[[float, float], float]) -> TransferStats:
+        return TransferStats(
+            *(op(getattr(self, f.name), getattr(other, f.name)) for f in fields(self))
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"TransferStats(weights copied {_mib(self.weight_copied_bytes)}, KV cache copied "
+            f"{_mib(self.kv_copied_bytes)} and written back {_mib(self.kv_written_back_bytes)}, "
+            f"stall {self.stall_s * 1e3:.0f} ms, {self.num_graph_replays} graph replays, "
+            f"{self.num_forwards} forwards)"
+        )
+
+
+def _mib(num_bytes: float) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
