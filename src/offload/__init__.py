@@ -9,7 +9,7 @@ from offload.api import apply
 from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
 from offload.engine.llm import LLM, CompletionOutput, RequestOutput
 from offload.engine.logprobs import Logprob
-from offload.engine.sampling import SamplingParams
+from offload.engine.sampling_params import SamplingParams
 from offload.errors import ConfigError, ModelError, OffloadError
 from offload.offloader import (
     BaseOffloader,

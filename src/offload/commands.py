@@ -14,7 +14,7 @@ from offload.config import OffloadConfig
 from offload.defaults import QUESTION, whole_stack_config
 from offload.engine.fit import device_budget, kv_cache_bytes, measure, plan_fit
 from offload.engine.llm import LLM
-from offload.engine.sampling import SamplingParams
+from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ModelError
 from offload.memory.device import check_device

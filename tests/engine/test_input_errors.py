@@ -64,9 +64,14 @@ def test_bad_llm_arguments_are_refused_before_anything_loads(
     smollm2_path, monkeypatch, kwargs, needle
 ):
     import offload.engine.llm as llm_module
+    import offload.engine.llm_args as llm_args_module
 
-    for step in ("build_empty", "load_tokenizer", "load_model"):
-        monkeypatch.setattr(llm_module, step, lambda *a, _s=step, **k: pytest.fail(_s))
+    for module, step in (
+        (llm_module, "build_empty"),
+        (llm_args_module, "load_tokenizer"),
+        (llm_module, "load_model"),
+    ):
+        monkeypatch.setattr(module, step, lambda *a, _s=step, **k: pytest.fail(_s))
     kwargs = dict(kwargs)
     model = kwargs.pop("model", smollm2_path)
     with pytest.raises(OffloadError) as info:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from offload.api import prepare
 from offload.config import OffloadConfig
+from offload.engine.kv_cache import KV_SLOTS
 from offload.engine.kv_shape import KVShape, kv_shape_of
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import meminfo_bytes
@@ -167,6 +169,46 @@ def plan_fit(
         resident += planned.planned_staging_bytes  # the device staging slots
     check_fit(needs, budget, resident, not kv_offload)
     return config, planned.offloaded_bytes if planned else 0
+
+
+class MemoryPlan(NamedTuple):
+    """What `plan_memory` settled: the context length, the device bytes it needs and
+    the config (cpu_offload_gb='auto' resolved)."""
+
+    max_model_len: int
+    needs: MemoryNeeds
+    config: OffloadConfig
+
+
+def plan_memory(
+    empty: nn.Module,
+    config: OffloadConfig,
+    device: torch.device,
+    *,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    device_memory_gb: float | None,
+    max_num_batched_tokens: int | None,
+    kv_offload: bool,
+    swap_space_bytes: int,
+) -> MemoryPlan:
+    """Check, with the model built on the meta device (no weights read), that the plan
+    fits the device budget (see `device_budget`) and the host's RAM; `max_model_len`
+    None is the model's own limit."""
+    limit = getattr(empty.config, "max_position_embeddings", None) or 2048
+    if max_model_len is not None and not 0 < max_model_len <= limit:
+        raise ConfigError(
+            f"max_model_len must be in [1, {limit}] for this model, got {max_model_len}"
+        )
+    max_model_len = max_model_len or limit
+    budget_bytes = device_budget(device, gpu_memory_utilization, device_memory_gb)
+    needs = measure(empty, max_model_len, max_num_batched_tokens)
+    if kv_offload:  # the device holds only the slots: two layers' keys and values
+        layers = empty.config.num_hidden_layers
+        needs = replace(needs, kv_cache=min(KV_SLOTS, layers) * needs.kv_cache // layers)
+    config, offloaded = plan_fit(empty, config, needs, budget_bytes, device, kv_offload)
+    check_host_room(swap_space_bytes, offloaded)
+    return MemoryPlan(max_model_len, needs, config)
 
 
 def available_ram_bytes() -> int:

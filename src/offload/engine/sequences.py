@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.engine.logprobs import Logprob
-from offload.engine.sampling import SamplingParams, TokenCounts
+from offload.engine.sampling import TokenCounts
+from offload.engine.sampling_params import SamplingParams
 from offload.errors import ConfigError
 
 

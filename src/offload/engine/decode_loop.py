@@ -1,0 +1,231 @@
+"""The decode loop of `LLM`: prompts into sequences, batches of them through a static KV
+cache (prefill in chunks, then one token per step, eagerly or as CUDA graph replays),
+and the bytes each call moved added to the running totals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from offload.engine.fit import check_host_kv
+from offload.engine.graphs import DecodeGraphs, DecodeStep
+from offload.engine.kv_cache import KVHostPool, KVOffloader
+from offload.engine.kv_shape import kv_shape_of
+from offload.engine.sampling import TokenCounts, bad_words_token_ids, make_generator
+from offload.engine.sampling_params import SamplingParams
+from offload.engine.sequences import (
+    Batch,
+    RequestOutput,
+    RequestProgress,
+    SequenceState,
+    completion_of,
+    per_prompt,
+)
+from offload.engine.tokens import TokenSteps
+from offload.engine.transfer_stats import TransferStats
+from offload.engine.transformers_cache import cache_argument, probe_kv_dims, static_cache
+from offload.errors import ConfigError
+from offload.offloader.base import BaseOffloader
+
+
+class DecodeLoop:
+    """What `LLM` runs for `generate` and `chat`, once their arguments are checked. It
+    reads the state `LLM.__init__` sets up: the model, its offloader and device, the
+    tokens, the limits, the KV cache settings and the running totals."""
+
+    model: torch.nn.Module
+    offloader: BaseOffloader
+    tokenizer: Any
+    device: torch.device
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int | None
+    max_logprobs: int
+    kv_offload: bool
+    swap_space_bytes: int
+    _tokens: TokenSteps
+    _kv_pool: KVHostPool
+    _kv_dims: tuple | None
+    _use_graphs: bool
+    _moved: TransferStats
+    _forwards: int
+    _on_step: Callable[[list[SequenceState]], None] | None
+
+    def _generate(self, prompts, ids, sampling_params, use_tqdm=False) -> list[RequestOutput]:
+        params = per_prompt(sampling_params, len(prompts))
+        ids = [self._truncate(i, p) for i, p in zip(ids, params, strict=True)]
+        for prompt_ids, request in zip(ids, params, strict=True):  # all before any work
+            self._check_request(prompt_ids, request)
+        sequences = self._sequences(ids, params)
+        if sequences:
+            progress = RequestProgress(sequences, use_tqdm)
+            try:  # at most max_num_seqs sequences in one batch, as vLLM schedules them
+                for start in range(0, len(sequences), self.max_num_seqs):
+                    self._decode(sequences[start : start + self.max_num_seqs], progress)
+            finally:
+                progress.close()
+        return _outputs(prompts, ids, params, sequences)
+
+    def _sequences(self, ids: list[list[int]], params: list[SamplingParams]) -> list[SequenceState]:
+        """`n` sequences per prompt, in order; a request's sequences share its generator."""
+        vocab = self.model.config.vocab_size
+        sequences = []
+        for index, (prompt_ids, request) in enumerate(zip(ids, params, strict=True)):
+            generator = make_generator(request, self.device)
+            room = self.max_model_len - len(prompt_ids)
+            limit = room if request.max_tokens is None else min(request.max_tokens, room)
+            bad_ids = bad_words_token_ids(request.bad_words or [], self._tokens.encode)
+            for number in range(request.n):
+                counts = (
+                    TokenCounts(prompt_ids, vocab, self.device) if request.has_penalties else None
+                )
+                sequence = SequenceState(prompt_ids, request, generator, limit, counts)
+                sequence.is_first, sequence.request, sequence.bad_ids = number == 0, index, bad_ids
+                sequences.append(sequence)
+        return sequences
+
+    def _truncate(self, prompt_ids: list[int], request: SamplingParams) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: room for one new token)."""
+        keep = request.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        return prompt_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
+
+    def _check_request(self, prompt_ids: list[int], request: SamplingParams) -> None:
+        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
+            raise ConfigError(
+                f"a prompt has {len(prompt_ids)} tokens; it must have 1 to "
+                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
+            )
+        vocab = self.model.config.vocab_size
+        for name, tokens in request.token_ids_named().items():
+            if any(token >= vocab for token in tokens):
+                raise ConfigError(
+                    f"{name} must hold token ids below the vocabulary size {vocab}, "
+                    f"got {max(tokens)}"
+                )
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(request, name)
+            num = vocab if asked == -1 else asked
+            if num is not None and self.max_logprobs != -1 and num > self.max_logprobs:
+                raise ConfigError(
+                    f"{name}={asked} asks for {num} log-probabilities per token; at most "
+                    f"max_logprobs={self.max_logprobs} are allowed (set LLM(max_logprobs=...))"
+                )
+
+    @torch.inference_mode()
+    def _decode(self, sequences: list[SequenceState], progress: RequestProgress) -> None:
+        """All sequences as one left-padded batch in a static KV cache (fixed shapes, the
+        shape CUDA-graph decode needs): a prefill, then one token per step."""
+        batch = Batch.of(sequences, self.tokenizer.pad_token_id, self.device)
+        cache = self._make_cache(len(sequences), batch.length)
+        graphs = None
+        try:
+            graphs = self._decode_steps(sequences, batch, cache, progress)
+        finally:
+            self._count_moved(cache.kv_offloader, graphs)
+        for sequence in sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "length"
+
+    def _count_moved(self, kv: KVOffloader | None, graphs: DecodeGraphs | None) -> None:
+        """Add what this call moved to the running totals (graph replays included)."""
+        if kv is not None:
+            kv.close()
+            self._moved += TransferStats.of_counters(kv=kv.stats())
+        if graphs is not None:
+            self._moved += graphs.replayed
+
+    def _make_cache(self, batch: int, length: int):
+        dtype = next(self.model.parameters()).dtype
+        dims = None
+        if self.kv_offload:
+            if self._kv_dims is None:  # once: what the attention layers really cache
+                self._kv_dims = (probe_kv_dims(self.model),)
+                self._forwards += 1  # the probe is a forward of the whole model too
+            (dims,) = self._kv_dims
+            shape = kv_shape_of(self.model.config, batch, length, dtype, dims)
+            layers = self.model.config.num_hidden_layers
+            check_host_kv(shape, layers, self.swap_space_bytes, self._kv_pool.num_bytes)
+        return static_cache(
+            self.model.config,
+            batch,
+            length,
+            dtype,
+            self.device,
+            offload=self.kv_offload,
+            host_pool=self._kv_pool,
+            kv_dims=dims,
+        )
+
+    def _prefill(self, batch: Batch, positions, cache, every_position: bool) -> torch.Tensor:
+        """The prompts through the model, `max_num_batched_tokens` at a time (chunked
+        prefill, as vLLM's: activations grow with the chunk, not the prompt); the logits
+        of the last position, or of every position for prompt logprobs."""
+        width = batch.width
+        step = width if self.max_num_batched_tokens is None else self.max_num_batched_tokens
+        step = max(1, step // len(batch.starts))  # columns per chunk, over the whole batch
+        chunks = []
+        for start in range(0, width, step):
+            end = min(start + step, width)
+            out = self.model(
+                input_ids=batch.input_ids[:, start:end],
+                attention_mask=batch.mask,  # the whole cache length, as decode (ALiBi needs it)
+                position_ids=positions[:, start:end],
+                **cache_argument(self.model, cache),
+                cache_position=batch.columns[start:end],
+                use_cache=True,
+                logits_to_keep=0 if every_position else 1,
+            )
+            chunks.append(out.logits)
+            self._forwards += 1
+        return torch.cat(chunks, dim=1) if every_position else chunks[-1]
+
+    def _decode_steps(
+        self, sequences: list[SequenceState], batch: Batch, cache, progress: RequestProgress
+    ) -> DecodeGraphs | None:
+        """The prefill, then one token per step: the first decode step eagerly (it also
+        warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`."""
+        positions = (batch.columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
+        every_position = any(s.params.prompt_logprobs is not None for s in sequences)
+        logits = self._prefill(batch, positions, cache, every_position)  # [batch, cols, vocab]
+        if every_position:
+            self._tokens.prompt_logprobs(logits, sequences, batch.width)
+        logits = logits[:, -1, :]  # [batch, vocab]
+        step = DecodeStep(self.model, cache, batch.mask, positions)
+        graphs, position = None, batch.width  # where the newest token goes
+        while True:
+            tokens = self._tokens.pick(logits, sequences)
+            progress.update()
+            if self._on_step is not None:
+                self._on_step(sequences)
+            # The text so far is position + 1 long.
+            if all(s.finish_reason is not None for s in sequences) or position + 1 >= batch.length:
+                return graphs
+            step.prepare(tokens, position)
+            if graphs is None and self._use_graphs and position > batch.width:
+                graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
+            logits = graphs.run(position + 1) if graphs is not None else step()
+            self._forwards += 1
+            position += 1
+
+
+def _outputs(prompts, ids, params, sequences: list[SequenceState]) -> list[RequestOutput]:
+    """One `RequestOutput` per prompt, with its `n` completions."""
+    outputs, start = [], 0
+    for number, (prompt, prompt_ids, request) in enumerate(zip(prompts, ids, params, strict=True)):
+        group = sequences[start : start + request.n]
+        start += request.n
+        completions = [completion_of(i, s) for i, s in enumerate(group)]
+        outputs.append(
+            RequestOutput(
+                str(number),
+                prompt,
+                prompt_ids,
+                completions,
+                prompt_logprobs=group[0].prompt_logprobs if group else None,
+            )
+        )
+    return outputs
