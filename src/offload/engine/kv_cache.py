@@ -1,6 +1,6 @@
-"""The KV cache in host memory: each layer's keys and values kept in host memory, with a
-ring of device slots that each layer's keys and values are brought into just before use.
-Pure torch; `transformers_cache.py` plugs it into transformers' `StaticCache`.
+"""The KV cache in host memory: each layer's keys and values live on the host, and a
+ring of device slots receives them just before the layer's attention runs. Pure torch;
+`transformers_cache.py` plugs it into transformers' `StaticCache`.
 
 Why not transformers' own `StaticCache(offloading=True)`: it copies every layer's whole
 cache (all `max_cache_len` positions) to the device and back to the host at every token,

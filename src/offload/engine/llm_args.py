@@ -1,6 +1,7 @@
 """`LLM`'s arguments that need more than a type check: the offload settings (an
 `OffloadConfig`, or vLLM's flag names beside vLLM's arguments that change nothing
-here), whole-number limits, the kind of model, and the tokenizer a model directory comes with."""
+here), whole-number limits, the kind of model, and the tokenizer that goes with a
+model directory."""
 
 from __future__ import annotations
 
