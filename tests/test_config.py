@@ -15,7 +15,7 @@ from offload import (
     PrefetchOffloadConfig,
     UVAOffloadConfig,
 )
-from offload.config import OFFLOAD_KEYS, add_cli_args
+from offload.config import OFFLOAD_KEYS, DiskOffloadConfig, add_cli_args
 
 # vLLM's vllm/config/offload.py: field names and defaults a config must keep to move unchanged.
 VLLM_FIELDS = {
@@ -179,6 +179,14 @@ def _variants():
         yield name, {**base, "prefetch": prefetch}
     yield "disable_uva", {**base, "disable_uva": True}
     yield "disable_pin_memory", {**base, "disable_pin_memory": True}
+    for name, value in [
+        ("cpu_memory_gb", 0.5),
+        ("offload_folder", "/tmp/x"),
+        ("read_ahead", 4),
+        ("disk_io", "page-cache"),
+        ("io_threads", 3),
+    ]:
+        yield name, {**base, "disk": {**base["disk"], name: value}}
 
 
 def test_compute_hash_covers_every_field():
@@ -194,7 +202,7 @@ def test_compute_hash_covers_every_field():
     every_field = {"offload_backend", "disable_uva", "disable_pin_memory"}
     every_field |= {
         f.name
-        for kind in (UVAOffloadConfig, PrefetchOffloadConfig)
+        for kind in (UVAOffloadConfig, PrefetchOffloadConfig, DiskOffloadConfig)
         for f in dataclasses.fields(kind)
     }
     assert set(names) == every_field
@@ -358,6 +366,7 @@ def test_from_cli_numbers_beyond_range_are_config_errors(argv):
 _PARTS = {
     "uva": [f.name for f in dataclasses.fields(UVAOffloadConfig)],
     "prefetch": [f.name for f in dataclasses.fields(PrefetchOffloadConfig)],
+    "disk": [f.name for f in dataclasses.fields(DiskOffloadConfig)],
 }
 
 
@@ -377,3 +386,33 @@ def test_from_dict_junk_builds_or_raises_an_offload_error(key, value, nested):
             OffloadConfig.from_dict(data)
     except OffloadError as error:
         assert "\n" not in str(error)
+
+
+def test_the_disk_tier_is_ours_off_by_default_and_through_prefetch():
+    assert not OffloadConfig().disk.is_active
+    config = OffloadConfig.from_cli(
+        ["--cpu-memory-gb", "0.75", "--read-ahead", "3", "--disk-io", "page-cache"]
+    )
+    assert config.disk == DiskOffloadConfig(cpu_memory_gb=0.75, read_ahead=3, disk_io="page-cache")
+    assert config.selected_backend == "prefetch"  # every layer, when no layout is given
+    assert "disk" not in config.to_dict(vllm_only=True)
+    again = OffloadConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config and again.compute_hash() == config.compute_hash()
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"cpu_memory_gb": -1}, "disk.cpu_memory_gb must be a finite number >= 0"),
+        ({"read_ahead": 0}, "disk.read_ahead must be a finite number >= 1"),
+        ({"io_threads": 1.5}, "disk.io_threads must be an integer >= 1"),
+        ({"disk_io": "mmap"}, "disk.disk_io must be one of direct, page-cache"),
+        ({"offload_folder": 3}, "disk.offload_folder must be a folder path"),
+        ({"cpu_memory_gb": 1, "offload_backend": "uva"}, "offload_backend='uva' cannot use it"),
+        ({"disk": {"budget": 1}}, "unknown key 'budget' in disk"),
+    ],
+)
+def test_bad_disk_settings_are_one_line_naming_the_field(data, needle):
+    with pytest.raises(ConfigError) as info:
+        OffloadConfig.from_dict(data)
+    assert needle in str(info.value) and "\n" not in str(info.value)

@@ -2,9 +2,10 @@
 
 A config written for vLLM (`OffloadConfig`, its `uva` and `prefetch` parts, the
 `--cpu-offload-gb`-style flags, or a JSON dict of either) means the same thing here.
-Three fields exist beyond vLLM's, all vLLM's behaviour by default on a GPU: `disable_uva` and
+Fields beyond vLLM's, all vLLM's behaviour by default on a GPU: `disable_uva` and
 `disable_pin_memory` (vLLM reads these only from environment variables, which are
-honoured here too; see `offload.memory.host`), and `prefetch_unit`.
+honoured here too; see `offload.memory.host`), `prefetch_unit`, and the `disk` part (a disk
+tier, off unless `cpu_memory_gb` is set); `to_dict(vllm_only=True)` leaves them out.
 
 The parts and their field checks are in `config_parts.py`, the flags in `config_flags.py`;
 this module exports all of them.
@@ -24,7 +25,9 @@ from typing import Any, Literal
 from offload.config_flags import add_cli_args, flag_values, parse_flags
 from offload.config_parts import (
     BACKENDS,
+    DISK_IO,
     PREFETCH_UNITS,
+    DiskOffloadConfig,
     OffloadBackend,
     PrefetchOffloadConfig,
     UVAOffloadConfig,
@@ -34,8 +37,10 @@ from offload.errors import ConfigError, shown
 
 __all__ = [
     "BACKENDS",
+    "DISK_IO",
     "OFFLOAD_KEYS",
     "PREFETCH_UNITS",
+    "DiskOffloadConfig",
     "OffloadBackend",
     "OffloadConfig",
     "PrefetchOffloadConfig",
@@ -44,7 +49,7 @@ __all__ = [
 ]
 
 _VLLM_TOP_FIELDS = ("offload_backend", "uva", "prefetch")
-_EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit")
+_EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit", "disk")
 
 
 @dataclass
@@ -52,7 +57,9 @@ class OffloadConfig:
     """Which backend offloads the weights, and its settings (vLLM's `OffloadConfig`).
 
     `offload_backend="auto"` picks prefetch when `prefetch.offload_group_size > 0`,
-    else UVA when `uva.cpu_offload_gb > 0`, else no offloading.
+    else UVA when `uva.cpu_offload_gb > 0`, else no offloading. A disk tier
+    (`disk.cpu_memory_gb` set) streams through the prefetch backend: with no prefetch
+    layout given, every layer is offloaded (`offload_group_size=1`).
     """
 
     offload_backend: OffloadBackend = "auto"
@@ -65,10 +72,12 @@ class OffloadConfig:
     # so `offload_prefetch_step` counts modules; "auto" is layers on a GPU and modules on
     # a CPU (see offloader/units.py).
     prefetch_unit: str = "auto"
+    disk: DiskOffloadConfig = field(default_factory=DiskOffloadConfig)
 
     def __post_init__(self) -> None:
         self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
         self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
+        self.disk = _sub_config(DiskOffloadConfig, "disk", self.disk)
         self.disable_uva = as_bool("offload", "disable_uva", self.disable_uva)
         self.disable_pin_memory = as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
         if self.prefetch_unit not in PREFETCH_UNITS:
@@ -89,8 +98,15 @@ class OffloadConfig:
         # The parts may have been replaced since construction, by anything.
         self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
         self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
+        self.disk = _sub_config(DiskOffloadConfig, "disk", self.disk)
         self.uva.__post_init__()
         self.prefetch.__post_init__()
+        self.disk.__post_init__()
+        if self.disk.is_active and self.offload_backend == "uva":
+            raise ConfigError(
+                "cpu_memory_gb (the disk tier) streams layers through the prefetch backend; "
+                "offload_backend='uva' cannot use it: use 'prefetch' or 'auto'"
+            )
         pre = self.prefetch
         if self.offload_backend == "prefetch" or pre.offload_group_size > 0:
             if pre.offload_num_in_group > pre.offload_group_size:
@@ -132,7 +148,7 @@ class OffloadConfig:
         """The backend `create_offloader` builds for this config."""
         if self.offload_backend != "auto":
             return self.offload_backend
-        if self.prefetch.offload_group_size > 0:
+        if self.prefetch.offload_group_size > 0 or self.disk.is_active:
             return "prefetch"
         if self.uva.cpu_offload_gb == "auto" or self.uva.cpu_offload_gb > 0:
             return "uva"
@@ -155,6 +171,7 @@ class OffloadConfig:
             result["disable_uva"] = self.disable_uva
             result["disable_pin_memory"] = self.disable_pin_memory
             result["prefetch_unit"] = self.prefetch_unit
+            result["disk"] = _plain(self.disk)
         return result
 
     @classmethod
@@ -166,8 +183,9 @@ class OffloadConfig:
         nested: dict[str, Any] = {}
         uva = _part_dict(UVAOffloadConfig, "uva", data.get("uva"))
         prefetch = _part_dict(PrefetchOffloadConfig, "prefetch", data.get("prefetch"))
+        disk = _part_dict(DiskOffloadConfig, "disk", data.get("disk"))
         for key, value in data.items():
-            if key in ("uva", "prefetch"):
+            if key in ("uva", "prefetch", "disk"):
                 continue
             if key in _VLLM_TOP_FIELDS or key in _EXTRA_TOP_FIELDS:
                 nested[key] = value
@@ -175,11 +193,13 @@ class OffloadConfig:
                 uva[key] = value
             elif key in _PREFETCH_FIELDS:
                 prefetch[key] = value
+            elif key in _DISK_FIELDS:
+                disk[key] = value
             else:
                 raise ConfigError(
                     f"unknown offload config key {shown(key)}; allowed: {_allowed_keys()}"
                 )
-        return cls(uva=uva, prefetch=prefetch, **nested)
+        return cls(uva=uva, prefetch=prefetch, disk=disk, **nested)
 
     @classmethod
     def from_cli(cls, argv: Sequence[str]) -> OffloadConfig:
@@ -194,8 +214,15 @@ class OffloadConfig:
 
 _UVA_FIELDS = tuple(f.name for f in dataclasses.fields(UVAOffloadConfig))
 _PREFETCH_FIELDS = tuple(f.name for f in dataclasses.fields(PrefetchOffloadConfig))
+_DISK_FIELDS = tuple(f.name for f in dataclasses.fields(DiskOffloadConfig))
 # Every key an offload config (or LLM's offload flags) may have.
-OFFLOAD_KEYS = (*_VLLM_TOP_FIELDS, *_EXTRA_TOP_FIELDS, *_UVA_FIELDS, *_PREFETCH_FIELDS)
+OFFLOAD_KEYS = (
+    *_VLLM_TOP_FIELDS,
+    *_EXTRA_TOP_FIELDS,
+    *_UVA_FIELDS,
+    *_PREFETCH_FIELDS,
+    *_DISK_FIELDS,
+)
 
 
 def _allowed_keys() -> str:

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from offload.config_parts import BACKENDS, PREFETCH_UNITS
+from offload.config_parts import BACKENDS, DISK_IO, PREFETCH_UNITS
 from offload.errors import ConfigError
 
 
@@ -104,6 +104,41 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "--offload-disable-pin-memory",
         "disable_pin_memory",
         {"action": "store_const", "const": True, "help": "keep host memory pageable (not pinned)"},
+    ),
+    (
+        "--cpu-memory-gb",
+        "cpu_memory_gb",
+        {
+            "type": float,
+            "metavar": "GIB",
+            "help": "disk tier (ours): GiB of host memory for offloaded layers; the rest stream from the checkpoint's files (0: all; default: no disk tier)",
+        },
+    ),
+    (
+        "--offload-folder",
+        "offload_folder",
+        {
+            "metavar": "DIR",
+            "help": "disk tier: where a checkpoint that is not safetensors is converted once",
+        },
+    ),
+    (
+        "--read-ahead",
+        "read_ahead",
+        {"type": int, "metavar": "N", "help": "disk tier: layers read ahead of use (default 2)"},
+    ),
+    (
+        "--disk-io",
+        "disk_io",
+        {
+            "choices": DISK_IO,
+            "help": "disk tier: direct reads around the page cache (default), or through it, leaving pages cached",
+        },
+    ),
+    (
+        "--io-threads",
+        "io_threads",
+        {"type": int, "metavar": "N", "help": "disk tier: reading threads (default 2)"},
     ),
     (
         "--offload-prefetch-unit",

@@ -117,3 +117,45 @@ class PrefetchOffloadConfig:
             owner, "offload_prefetch_step", self.offload_prefetch_step, 0
         )
         self.offload_params = _as_segments(owner, "offload_params", self.offload_params)
+
+
+DISK_IO = ("direct", "page-cache")
+
+
+@dataclass
+class DiskOffloadConfig:
+    """The disk tier (ours, not vLLM's): offloaded weights beyond `cpu_memory_gb` GiB of
+    host memory stay in the checkpoint's own safetensors files and are read into their
+    slot ahead of use, `read_ahead` layers ahead, by `io_threads` threads.
+
+    `cpu_memory_gb`: host memory for offloaded weights (None: no disk tier, every
+    offloaded weight in host memory; 0: every offloaded layer streams from disk).
+    `offload_folder`: where a checkpoint that is not safetensors is converted once.
+    `disk_io`: "direct" reads around the page cache (`O_DIRECT`, or pages dropped after
+    use), so the budget holds for the machine; "page-cache" leaves read pages cached.
+    """
+
+    cpu_memory_gb: float | None = None
+    offload_folder: str | None = None
+    read_ahead: int = 2
+    disk_io: str = "direct"
+    io_threads: int = 2
+
+    def __post_init__(self) -> None:
+        owner = "disk"
+        if self.cpu_memory_gb is not None:
+            self.cpu_memory_gb = _as_number(owner, "cpu_memory_gb", self.cpu_memory_gb, 0)
+        if self.offload_folder is not None and not isinstance(self.offload_folder, str):
+            raise ConfigError(
+                f"{owner}.offload_folder must be a folder path, got {shown(self.offload_folder)}"
+            )
+        self.read_ahead = _as_int(owner, "read_ahead", self.read_ahead, 1)
+        self.io_threads = _as_int(owner, "io_threads", self.io_threads, 1)
+        if self.disk_io not in DISK_IO:
+            raise ConfigError(
+                f"{owner}.disk_io must be one of {', '.join(DISK_IO)}, got {shown(self.disk_io)}"
+            )
+
+    @property
+    def is_active(self) -> bool:
+        return self.cpu_memory_gb is not None
