@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from offload import ModelError
 from offload.defaults import QUESTION
 from offload.demo import load_pretrained as hf_load
+from offload.memory.safetensors import CheckpointError
 from offload.model.loader import load_model
-from offload.model.safetensors import CheckpointError
 
 SETTINGS = {
     "resident": None,

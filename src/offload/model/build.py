@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from offload.errors import ModelError
+from offload.memory.safetensors import json_type
 from offload.model.limits import check_parameters, check_sizes
-from offload.model.safetensors import json_type
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

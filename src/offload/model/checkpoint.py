@@ -4,62 +4,14 @@ Everything is checked before anything is allocated."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
-from pathlib import Path, PurePosixPath
 
 from torch import nn
 
 from offload.errors import ModelError
+from offload.memory.safetensors import StoredTensor
 from offload.model.merges import Assembled, Converted, assemble, transformers_renaming
-from offload.model.safetensors import CheckpointError, StoredTensor, read_header
-
-
-def checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
-    """Every tensor of the checkpoint in `path`: one `model.safetensors`, or the shards
-    that `model.safetensors.index.json` names."""
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = _shard_files(index)
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
-    tensors: dict[str, StoredTensor] = {}
-    for name in files:
-        for key, entry in read_header(path / name).items():
-            if key in tensors:
-                raise CheckpointError(
-                    f"{path}: tensor {key!r} is in both {tensors[key].path.name} and {name}; "
-                    "each tensor must be in one shard"
-                )
-            tensors[key] = entry
-    return tensors
-
-
-def _shard_files(index: Path) -> list[str]:
-    """The shard files an index names, each a relative path inside the model folder."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
-        weight_map = None
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(
-            f"{index} is not a valid safetensors index (it must be a JSON object whose "
-            '"weight_map" maps tensor names to shard files)'
-        )
-    for key, name in weight_map.items():
-        if not isinstance(name, str) or not name:
-            raise CheckpointError(
-                f"{index}: the shard of tensor {key!r} must be a file name, got {json.dumps(name)}"
-            )
-        if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
-            raise CheckpointError(
-                f"{index}: shard {name!r} of tensor {key!r} is outside the model folder; "
-                "shards must be named relative to the folder, without '..'"
-            )
-    return sorted(set(weight_map.values()))
 
 
 def checkpoint_targets(

@@ -20,11 +20,11 @@ from offload.api import finish, prepare
 from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.safetensors import StoredTensor, checkpoint_tensors, read_into
 from offload.model.build import build_empty
-from offload.model.checkpoint import checkpoint_targets, checkpoint_tensors
+from offload.model.checkpoint import checkpoint_targets
 from offload.model.configs import resolve
 from offload.model.merges import Assembled
-from offload.model.safetensors import StoredTensor, read_into
 from offload.offloader.base import BaseOffloader
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

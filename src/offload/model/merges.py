@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from offload.errors import ModelError
-from offload.model.safetensors import StoredTensor
+from offload.memory.safetensors import StoredTensor
 
 
 @dataclass(frozen=True)

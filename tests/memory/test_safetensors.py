@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from offload.model.safetensors import CheckpointError, read_header, read_into
+from offload.memory.safetensors import CheckpointError, read_header, read_into
 
 
 def _write(path, header, data=b""):

@@ -1,4 +1,4 @@
-"""safetensors files read by byte range, straight into the tensor that will hold the data.
+"""safetensors files (one, or the shards an index names) read by byte range, straight into the tensor that will hold the data.
 
 The header (8-byte little-endian length, then JSON) gives each tensor's dtype, shape and
 byte range; a read goes from the file into the destination's memory with no tensor in
@@ -11,7 +11,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -207,3 +207,49 @@ def read_into(stored: StoredTensor, destination: torch.Tensor) -> None:
             done += count
     finally:
         os.close(descriptor)
+
+
+def checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of the checkpoint in `path`: one `model.safetensors`, or the shards
+    that `model.safetensors.index.json` names."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = _shard_files(index)
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors or model.safetensors.index.json")
+    tensors: dict[str, StoredTensor] = {}
+    for name in files:
+        for key, entry in read_header(path / name).items():
+            if key in tensors:
+                raise CheckpointError(
+                    f"{path}: tensor {key!r} is in both {tensors[key].path.name} and {name}; "
+                    "each tensor must be in one shard"
+                )
+            tensors[key] = entry
+    return tensors
+
+
+def _shard_files(index: Path) -> list[str]:
+    """The shard files an index names, each a relative path inside the model folder."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, RecursionError):
+        weight_map = None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(
+            f"{index} is not a valid safetensors index (it must be a JSON object whose "
+            '"weight_map" maps tensor names to shard files)'
+        )
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name:
+            raise CheckpointError(
+                f"{index}: the shard of tensor {key!r} must be a file name, got {json.dumps(name)}"
+            )
+        if PurePosixPath(name).is_absolute() or ".." in PurePosixPath(name).parts:
+            raise CheckpointError(
+                f"{index}: shard {name!r} of tensor {key!r} is outside the model folder; "
+                "shards must be named relative to the folder, without '..'"
+            )
+    return sorted(set(weight_map.values()))
