@@ -1,4 +1,5 @@
-"""safetensors files (one, or the shards an index names) read by byte range, straight into the tensor that will hold the data.
+"""safetensors checkpoints (one file, or the shards an index names) read by byte range,
+straight into the tensor that will hold the data.
 
 The header (8-byte little-endian length, then JSON) gives each tensor's dtype, shape and
 byte range; a read goes from the file into the destination's memory with no tensor in
