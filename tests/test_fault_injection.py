@@ -32,7 +32,7 @@ from offload.api import finish, prepare
 from offload.engine import kv_cache
 from offload.engine.llm import LLM
 from offload.memory import copy_engine, slots
-from offload.offloader import forward_lock, hooks, prefetch, unit_check
+from offload.offloader import forward_lock, hooks, module_units, prefetch, unit_check
 
 
 class Injected(KeyboardInterrupt):
@@ -56,6 +56,7 @@ PROTOCOL = _code_objects(
     hooks.PrefetchHook,
     hooks.CopyOnForwardHook,
     unit_check.UnitReadCheck,
+    module_units.ModuleUnits,
     forward_lock.ForwardLock,
     forward_lock.ForwardLockHooks,
     kv_cache.KVOffloader,

@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from offload.offloader.units import Unit
+
 
 class ModuleHooks:
     """Hooks registered on a module, removable together (`detach`)."""
@@ -105,7 +107,7 @@ class PrefetchHook(ModuleHooks):
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.compiler.is_compiling():
-            self._offloader.wait_for_layer(self._position)
+            self._offloader.wait(self._position)
             return
         activations = _streams(_float_tensors((args, kwargs)), self._widths)
         if not activations:
@@ -126,6 +128,38 @@ class PrefetchHook(ModuleHooks):
                 "torch.compile the next prefetch is ordered through the layer's outputs"
             )
         torch.ops.offload.start_layer(activations, self._weights, self._id, self._position)
+
+
+class StateDictHooks(ModuleHooks):
+    """Make an offloaded layer's `state_dict()` report its weights from host memory (its
+    slot may hold another layer), and `load_state_dict()` write them there (a write to
+    the slot alone would be lost at the next refill)."""
+
+    def __init__(self, offloader, layer: Unit):
+        self._offloader = offloader
+        self._layer = layer
+        self._handles = []
+
+    def attach(self, module: nn.Module) -> StateDictHooks:
+        self._handles = [
+            module._register_state_dict_hook(self._saved),
+            module._register_load_state_dict_pre_hook(self._loading),
+        ]
+        return self
+
+    def _saved(self, module, state_dict, prefix, local_metadata) -> None:
+        for name, param in self._layer.params:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = self._offloader.host_view(param).detach()
+
+    def _loading(self, state_dict, prefix, *args) -> None:
+        # Slot contents are about to be overwritten by the default loading: forget them.
+        self._offloader.reload()
+        for name, param in self._layer.params:
+            value = state_dict.get(prefix + name)
+            host = self._offloader.host_view(param)
+            if isinstance(value, torch.Tensor) and value.shape == host.shape:
+                host.copy_(value)
 
 
 def _streams(inputs: list[torch.Tensor], widths: set[int]) -> list[torch.Tensor]:

@@ -32,7 +32,9 @@ from torch import Tensor
 
 
 class _Steps(Protocol):
-    def wait_for_layer(self, position: int, weights: list[Tensor] | None = None) -> None: ...
+    def check_compiled(self, position: int, weights: list[Tensor]) -> None: ...
+
+    def wait(self, position: int) -> None: ...
 
     def layer_done(self, position: int, *, compiled: bool = False) -> None: ...
 
@@ -52,7 +54,9 @@ def register(offloader: _Steps) -> int:
 def wait_layer(
     activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
-    _offloaders[offloader_id].wait_for_layer(position, weights)
+    offloader = _offloaders[offloader_id]
+    offloader.check_compiled(position, weights)
+    offloader.wait(position)
 
 
 @wait_layer.register_fake

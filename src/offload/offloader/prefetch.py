@@ -5,38 +5,24 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
-from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.host import HostSlab, should_pin_memory
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
-from offload.offloader.hooks import ModuleHooks, PrefetchHook
+from offload.offloader.hooks import PrefetchHook, StateDictHooks
+from offload.offloader.module_units import ModuleUnits
 from offload.offloader.selection import (
     matches_segments,
     offloaded_layer_indices,
     unmatched_segments,
 )
-from offload.offloader.unit_check import UnitReadCheck
-from offload.offloader.units import UNITS, resolve_unit, slab_bytes, units_ahead
-
-
-@dataclass
-class _Layer:
-    """One offloaded layer: its parameters, their packed host slab, and its position."""
-
-    module: nn.Module
-    name: str
-    params: list[tuple[str, nn.Parameter]]
-    specs: list[TensorSpec]
-    slab: HostSlab | None = None
-    owner: nn.Module | None = None  # the decoder layer it belongs to (itself, for layer units)
-    address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
+from offload.offloader.units import UNITS, Unit, resolve_unit, units_ahead
 
 
 class PrefetchOffloader(BaseOffloader):
@@ -87,11 +73,10 @@ class PrefetchOffloader(BaseOffloader):
         self.disable_pin_memory = disable_pin_memory
         self._copy_engine_factory = copy_engine_factory
         self._warned_grad = False
-        self._layers: list[_Layer] = []
+        self._layers: list[Unit] = []  # by position, in execution order
+        self._module_units: ModuleUnits | None = None  # with module units only
         self._slots: list[torch.Tensor] = []
         self._tickets: list[object] = []
-        self._running: set[int] = set()  # positions between their wait and their release
-        self._unit_checks: dict[int, UnitReadCheck] = {}  # module units: position -> check
         self._table: SlotTable | None = None
         self._engine: CopyEngine | None = None
         # Compiled calls: thread -> the layer it is inside (see `_claim_for_compiled`).
@@ -101,7 +86,7 @@ class PrefetchOffloader(BaseOffloader):
 
     # -- planning ------------------------------------------------------------
 
-    def _plan(self, modules: list[nn.Module]) -> list[_Layer]:
+    def _plan(self, modules: list[nn.Module]) -> list[Unit]:
         uses: dict[int, int] = {}
         for module in modules:
             for p in module.parameters():
@@ -134,9 +119,7 @@ class PrefetchOffloader(BaseOffloader):
                 if p.is_meta and not self.deferred:
                     raise ModelError(f"parameter {name!r} of layer {index} is on the meta device")
             if params:  # as vLLM: a layer with nothing to offload is not offloaded
-                name = self.module_name(module, index)
-                specs = [TensorSpec.of(p) for _, p in params]
-                layers.append(_Layer(module, name, params, specs, owner=module))
+                layers.append(Unit.of(module, self.module_name(module, index), params, index))
         layers = self._into_units(layers, modules)
         if not layers and self.offload_params:
             raise ModelError(self._nothing_to_offload(len(modules)))
@@ -149,16 +132,17 @@ class PrefetchOffloader(BaseOffloader):
             )
         return layers
 
-    def _into_units(self, layers: list[_Layer], modules: list[nn.Module]) -> list[_Layer]:
+    def _into_units(self, layers: list[Unit], modules: list[nn.Module]) -> list[Unit]:
         """Resolve the unit for the compute device, split the layers into it, and set how
         many units ahead copies run."""
         params = (p for m in modules for p in m.parameters())
         device = self.device or next(params, torch.empty(0)).device
-        largest_layer = max((_bytes_of(layer) for layer in layers), default=0)
+        largest_layer = max((layer.num_bytes for layer in layers), default=0)
         unit = resolve_unit(self.unit, device, largest_layer, self.prefetch_step)
-        if unit == "module":
-            layers = [part for layer in layers for part in _split_into_modules(layer)]
-        sizes = [_bytes_of(layer) for layer in layers]
+        self._module_units = ModuleUnits(self) if unit == "module" else None
+        if self._module_units is not None:
+            layers = self._module_units.split(layers)
+        sizes = [layer.num_bytes for layer in layers]
         self.prefetch_step = units_ahead(self.unit, unit, self.prefetch_step, sizes, largest_layer)
         self.unit = unit
         return layers
@@ -167,7 +151,7 @@ class PrefetchOffloader(BaseOffloader):
     def planned_staging_bytes(self) -> int:
         """The device memory the slots take (known from the plan, before `post_init`)."""
         slots = min(self.prefetch_step, len(self._layers))
-        return sum(slot_sizes([_bytes_of(layer) for layer in self._layers], slots)) if slots else 0
+        return sum(slot_sizes([layer.num_bytes for layer in self._layers], slots)) if slots else 0
 
     def _nothing_to_offload(self, num_layers: int) -> str:
         if self.offload_params:
@@ -195,26 +179,12 @@ class PrefetchOffloader(BaseOffloader):
                 continue
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
-            self._hooks.append(_StateDictHooks(self, layer).attach(layer.module))
-        if self.unit == "module" and not self.dry_run:
-            self._hooks += self._unit_read_checks()
+            self._hooks.append(StateDictHooks(self, layer).attach(layer.module))
+        if self._module_units is not None and not self.dry_run:
+            self._hooks += self._module_units.attach_read_checks(self._layers)
         return modules
 
-    def _unit_read_checks(self) -> list[UnitReadCheck]:
-        """One check per offloaded layer over its module units (see `unit_check.py`)."""
-        units: dict[int, list[int]] = {}
-        for position, layer in enumerate(self._layers):
-            units.setdefault(id(layer.owner), []).append(position)
-        checks = []
-        for positions in units.values():
-            owner = self._layers[positions[0]].owner
-            name = self.module_name(owner, positions[0])
-            members = [(p, [param for _, param in self._layers[p].params]) for p in positions]
-            checks.append(UnitReadCheck(self, owner, name, members))
-            self._unit_checks.update(dict.fromkeys(positions, checks[-1]))
-        return checks
-
-    def _move_to_host(self, layer: _Layer) -> None:
+    def _move_to_host(self, layer: Unit) -> None:
         device = self.device or layer.params[0][1].device
         self.device = device
         pin = should_pin_memory(device, self.disable_pin_memory)
@@ -261,10 +231,8 @@ class PrefetchOffloader(BaseOffloader):
         slot_index = slot_of(position, self._table.slots)
         slot = self._slots[slot_index]
         self._table.start_load(position)
-        # Whoever ran in this slot no longer has its weights there.
-        self._running.difference_update(
-            [p for p in self._running if slot_of(p, self._table.slots) == slot_index]
-        )
+        if self._module_units is not None:
+            self._module_units.slot_refilled(position, self._table.slots)
         if torch.is_grad_enabled():
             # Autograd may have saved the slot's previous weights for a backward pass: mark
             # them overwritten, so that backward fails loudly instead of using wrong weights.
@@ -279,30 +247,48 @@ class PrefetchOffloader(BaseOffloader):
         )
         self._table.finish_load(position)
 
-    def wait_for_layer(
-        self, position: int, weights: list[torch.Tensor] | None = None, *, running: bool = True
-    ) -> None:
-        """Before layer `position` runs: load it now if its slot holds another layer,
-        then make compute wait until its copy has landed. (`running=False`: a read of its
-        weights outside its forward, see `unit_check.py`.)"""
-        layer = self._layers[position]
-        if weights is not None:
-            self._claim_for_compiled(position)
-        if weights is not None and position in self._unit_checks:
-            # Called from a compiled graph, where the read check cannot run.
-            check = self._unit_checks[position]
-            if not check.is_verified:
-                raise ModelError(check.compile_error())
-        if weights and weights[0].data_ptr() != layer.params[0][1].data_ptr():
+    def wait(self, position: int) -> None:
+        """Before unit `position` runs (eager, or after `check_compiled`): its bytes are in
+        its slot when compute reads them."""
+        self.ensure_loaded(position)
+        if self._module_units is not None:  # only once its bytes are there
+            self._module_units.started(position)
+
+    def ensure_loaded(self, position: int) -> None:
+        """Load `position` now if its slot holds another unit, then make compute wait
+        until its copy has landed (also for a read of its weights outside its forward,
+        see `unit_check.py`)."""
+        self._check_in_slot(self._layers[position])
+        self._warn_if_grad()
+        if self._table.needs_load(position):
+            self._load(position)
+        self._engine.wait(self._tickets[position])
+
+    def check_compiled(self, position: int, weights: list[torch.Tensor]) -> None:
+        """What a compiled graph's wait checks before `wait`: it runs alone, its layer
+        passed the read check (module units), and it passes the slot's own weights."""
+        self._claim_for_compiled(position)
+        if self._module_units is not None:
+            self._module_units.check_compiled(position)
+        if weights and weights[0].data_ptr() != self._layers[position].params[0][1].data_ptr():
             raise RuntimeError(
                 "the compiled graph passed a copy of an offloaded weight, not its slot"
             )
+
+    def holds(self, position: int) -> bool:
+        """True while `position`'s slot holds it (its copy issued, perhaps not landed)."""
+        return not self._table.needs_load(position)
+
+    @staticmethod
+    def _check_in_slot(layer: Unit) -> None:
         if layer.params[0][1].data_ptr() != layer.address:
             raise ModelError(
                 f"the offloaded parameters of {layer.name} no longer live in their device slot "
                 "(model.to(), load_state_dict(assign=True) or .data replaced them); change dtype "
                 "or device before offloading, and load weights with load_state_dict()"
             )
+
+    def _warn_if_grad(self) -> None:
         if torch.is_grad_enabled() and not self._warned_grad and self._shares_slots():
             self._warned_grad = True
             warnings.warn(
@@ -310,22 +296,8 @@ class PrefetchOffloader(BaseOffloader):
                 "a backward pass through them fails; run forwards under torch.no_grad() or "
                 "torch.inference_mode()",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
-        if self._table.needs_load(position):
-            self._load(position)
-        self._engine.wait(self._tickets[position])
-        if running:  # only once its bytes are there (see `is_running`)
-            self._running.add(position)
-
-    def is_running(self, position: int) -> bool:
-        """True from the end of `position`'s wait to its release, while its slot holds it
-        (a load into the slot takes it out of `_running`)."""
-        slot = slot_of(position, self._table.slots)
-        return position in self._running and self._table.owner[slot] == position
-
-    def unit_name(self, position: int) -> str:
-        return self._layers[position].name
 
     def _shares_slots(self) -> bool:
         return self._table.slots < len(self._layers)
@@ -340,11 +312,13 @@ class PrefetchOffloader(BaseOffloader):
             torch.cuda.current_stream(self.device).synchronize()
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         self._tickets = [None] * len(self._layers)
-        self._running.clear()
+        if self._module_units is not None:
+            self._module_units.forget_running()
 
     def layer_done(self, position: int, *, compiled: bool = False) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
-        self._running.discard(position)
+        if self._module_units is not None:
+            self._module_units.released(position)
         if compiled:
             self._release_for_compiled()
         following = self._table.next_load(position)
@@ -378,9 +352,8 @@ class PrefetchOffloader(BaseOffloader):
     def recover(self) -> None:
         """After an abandoned forward: nothing is running, no read check is active. The
         slot table needs nothing: it is consistent after an interrupt at any point."""
-        self._running.clear()
-        for check in {id(c): c for c in self._unit_checks.values()}.values():
-            check.recover()
+        if self._module_units is not None:
+            self._module_units.recover()
         self.forward_finished()
 
     def forward_started(self) -> None:
@@ -426,11 +399,15 @@ class PrefetchOffloader(BaseOffloader):
     def host_bytes(self) -> int:
         return sum(layer.slab.mapped_bytes for layer in self._layers)
 
+    def _num_offloaded_layers(self) -> int:
+        units = self._module_units
+        return units.num_layers if units is not None else len(self._layers)
+
     def stats(self) -> dict[str, float | int]:
         copies = self._engine.collect_stats().as_dict() if self._engine else {}
         return {
             **super().stats(),
-            "num_offloaded_layers": len({id(layer.owner) for layer in self._layers}),
+            "num_offloaded_layers": self._num_offloaded_layers(),
             "num_units": len(self._layers),
             "unit": self.unit,
             "num_slots": len(self._slots),
@@ -440,64 +417,3 @@ class PrefetchOffloader(BaseOffloader):
             "pinned_bytes": self.pinned_bytes,
             **copies,
         }
-
-
-# With prefetch_unit="module", a module whose weights are less than this share of its
-# layer's stays resident: a norm's few KiB are not worth a copy and a wait.
-_SMALL_UNIT_SHARE = 1 / 64
-
-
-def _bytes_of(layer: _Layer) -> int:
-    return slab_bytes([spec.num_bytes for spec in layer.specs])
-
-
-def _split_into_modules(layer: _Layer) -> list[_Layer]:
-    """`layer` as one unit per module that holds its offloaded weights directly (its
-    linear layers, in registration order, which is the order Hugging Face layers call
-    them in; a module that runs out of that order is still correct, loaded on demand).
-    Each unit is copied, waited for and released on its own, so a copy lands just before
-    its module runs: on a CPU the bytes are still in cache when they are read. (Grouping
-    neighbours into bigger units measured slower: more bytes in flight.)"""
-    chosen = {id(p) for _, p in layer.params}
-    units = []
-    for sub_name, sub in layer.module.named_modules():
-        params = [(n, p) for n, p in sub.named_parameters(recurse=False) if id(p) in chosen]
-        chosen -= {id(p) for _, p in params}  # a parameter shared by two modules: once
-        if params:
-            name = f"{layer.name}.{sub_name}" if sub_name else layer.name
-            specs = [TensorSpec.of(p) for _, p in params]
-            units.append(_Layer(sub, name, params, specs, owner=layer.module))
-    total = sum(spec.num_bytes for unit in units for spec in unit.specs)
-    return [u for u in units if sum(s.num_bytes for s in u.specs) >= total * _SMALL_UNIT_SHARE]
-
-
-class _StateDictHooks(ModuleHooks):
-    """Make an offloaded layer's `state_dict()` report its weights from host memory (its
-    slot may hold another layer), and `load_state_dict()` write them there (a write to
-    the slot alone would be lost at the next refill)."""
-
-    def __init__(self, offloader: PrefetchOffloader, layer: _Layer):
-        self._offloader = offloader
-        self._layer = layer
-        self._handles = []
-
-    def attach(self, module: nn.Module) -> _StateDictHooks:
-        self._handles = [
-            module._register_state_dict_hook(self._saved),
-            module._register_load_state_dict_pre_hook(self._loading),
-        ]
-        return self
-
-    def _saved(self, module, state_dict, prefix, local_metadata) -> None:
-        for name, param in self._layer.params:
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = self._offloader.host_view(param).detach()
-
-    def _loading(self, state_dict, prefix, *args) -> None:
-        # Slot contents are about to be overwritten by the default loading: forget them.
-        self._offloader.reload()
-        for name, param in self._layer.params:
-            value = state_dict.get(prefix + name)
-            host = self._offloader.host_view(param)
-            if isinstance(value, torch.Tensor) and value.shape == host.shape:
-                host.copy_(value)

@@ -66,10 +66,10 @@ class _UnitReads(TorchFunctionMode):
 class UnitReadCheck:
     """Attached to one offloaded layer (the owner of several module units)."""
 
-    def __init__(self, offloader, owner: nn.Module, name: str, units: Iterable[tuple[int, list]]):
-        self._offloader = offloader
+    def __init__(self, units, owner: nn.Module, name: str, members: Iterable[tuple[int, list]]):
+        self._units = units  # the offloader's `ModuleUnits`
         self._name = name
-        self.positions = {id(p): position for position, params in units for p in params}
+        self.positions = {id(p): position for position, params in members for p in params}
         self._num_calls = 0
         self.is_permanent = False
         self.active_mode: _UnitReads | None = None
@@ -126,14 +126,14 @@ class UnitReadCheck:
     def ensure_loaded(self, position: int) -> None:
         """Before a read of unit `position`'s weights: fine inside its forward while its
         slot still holds it; anything else loads it (if needed) and waits for it."""
-        if self._offloader.is_running(position):
+        if self._units.is_running(position):
             return
-        self._offloader.wait_for_layer(position, running=False)
+        self._units.ensure_loaded(position)
         if not self.is_permanent:
             self.is_permanent = True
             warnings.warn(
                 f"module units (prefetch_unit 'module', or 'auto' on a CPU): {self._name} reads the weights of "
-                f"{self._offloader.unit_name(position)} outside that module's forward; its "
+                f"{self._units.unit_name(position)} outside that module's forward; its "
                 "weight reads are checked from now on (exact, but slower): use "
                 "prefetch_unit='layer' for this model",
                 UserWarning,

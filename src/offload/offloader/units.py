@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
-from offload.memory.host import pack_offsets
+from offload.memory.host import HostSlab, TensorSpec, pack_offsets
 from offload.memory.threads import available_cores
 
 UNITS = ("auto", "layer", "module")
@@ -78,3 +80,26 @@ def units_ahead(
 def slab_bytes(sizes: Sequence[int]) -> int:
     """The bytes of a host slab (and so of a device slot) holding tensors of `sizes`."""
     return pack_offsets(sizes)[1]
+
+
+@dataclass
+class Unit:
+    """What one prefetch copy brings in: a module's offloaded parameters, packed into one
+    host slab, and (after `post_init`) views into the device slot it uses."""
+
+    module: nn.Module
+    name: str
+    params: list[tuple[str, nn.Parameter]]
+    specs: list[TensorSpec]
+    layer_index: int  # the layer's place among the wrapped modules (for messages)
+    slab: HostSlab | None = None
+    address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
+
+    @classmethod
+    def of(cls, module: nn.Module, name: str, params: list, layer_index: int) -> Unit:
+        return cls(module, name, params, [TensorSpec.of(p) for _, p in params], layer_index)
+
+    @property
+    def num_bytes(self) -> int:
+        """The bytes of its slab (and so what its device slot must hold)."""
+        return slab_bytes([spec.num_bytes for spec in self.specs])
