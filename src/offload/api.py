@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,11 +15,13 @@ from offload.errors import ModelError
 from offload.memory.device import check_device, cuda_usable
 from offload.offloader.base import (
     BaseOffloader,
+    NoopOffloader,
+    OffloadedParam,
     offloaded_params,
     set_offloader,
     set_param_data,
 )
-from offload.offloader.factory import create_offloader
+from offload.offloader.factory import as_config, create_offloader
 from offload.offloader.layers import find_layers, resolve_layers
 
 
@@ -61,13 +64,63 @@ def prepare(
     layers: str | nn.Module | Iterable[nn.Module] | None = None,
     *,
     deferred: bool = False,
-    dry_run: bool = False,
 ) -> BaseOffloader:
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
-    device memory, and a loader then reads the checkpoint into them. With `dry_run`,
-    only the plan is made (the manifest), and nothing is allocated or hooked. If anything
-    fails, what was done is undone: the model is left as it was."""
+    device memory, and a loader then reads the checkpoint into them. If anything fails,
+    what was done is undone: the model is left as it was."""
+    offloader, blocks = _offloader_for(model, config, device, layers)
+    try:
+        offloader.wrap_modules(iter(blocks), deferred=deferred)
+    except BaseException:
+        offloader.undo()
+        raise
+    _move_resident(model, offloader, device)
+    offloader.serialize_forwards(model)
+    return offloader
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What `apply` would do to a model, decided without touching it (a dry run)."""
+
+    offloader: BaseOffloader  # planned, never wrapped (for prefetch: `unit`, `prefetch_step`)
+    params: list[OffloadedParam]  # the parameters it would move, in order
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(entry.num_bytes for entry in self.params)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device memory the offloader needs beside the resident weights."""
+        return self.offloader.planned_staging_bytes
+
+
+def plan(
+    model: nn.Module,
+    config: OffloadConfig | Mapping[str, Any] | None,
+    device: torch.device,
+    layers: str | nn.Module | Iterable[nn.Module] | None = None,
+) -> OffloadPlan:
+    """The plan `prepare` would carry out, and nothing else: no memory is allocated and
+    no hook attached, so `model` may be built on the meta device. A config that offloads
+    nothing plans nothing (no layer stack is looked for)."""
+    config = as_config(config)
+    if config.selected_backend == "none":
+        return OffloadPlan(NoopOffloader(), [])
+    offloader, blocks = _offloader_for(model, config, device, layers)
+    return OffloadPlan(offloader, offloader.plan(iter(blocks)))
+
+
+def _offloader_for(
+    model: nn.Module,
+    config: OffloadConfig | Mapping[str, Any] | None,
+    device: torch.device,
+    layers: str | nn.Module | Iterable[nn.Module] | None,
+) -> tuple[BaseOffloader, list[nn.Module]]:
+    """The offloader `config` selects, told the model's names and what must stay
+    resident, and the layers it is to wrap."""
     taken = offloaded_params(model)
     if taken:
         raise ModelError(
@@ -76,20 +129,10 @@ def prepare(
         )
     blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
     offloader = create_offloader(config, device=device)
-    offloader.deferred = deferred or dry_run
-    offloader.dry_run = dry_run
     offloader.name_modules(model)
     offloader.keep_resident(_params_outside(model, blocks))
     offloader.keep_resident(p for p in model.parameters() if _self_overlapping(p))
-    try:
-        offloader.wrap_modules(iter(blocks))
-    except BaseException:
-        offloader.undo()
-        raise
-    if not dry_run:
-        _move_resident(model, offloader, device)
-        offloader.serialize_forwards(model)
-    return offloader
+    return offloader, blocks
 
 
 def finish(offloader: BaseOffloader) -> BaseOffloader:

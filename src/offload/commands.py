@@ -9,7 +9,7 @@ from typing import TextIO
 
 import torch
 
-from offload.api import prepare
+from offload.api import plan
 from offload.config import OffloadConfig
 from offload.defaults import QUESTION, whole_stack_config
 from offload.engine.fit import device_budget, kv_cache_bytes, measure, plan_fit
@@ -159,18 +159,18 @@ def inspect(args: argparse.Namespace) -> str:
             "no offloading configured (add e.g. --cpu-offload-gb 4 or --offload-group-size 8)"
         )
         return "\n".join(lines)
-    offloader = prepare(model, config, device, dry_run=True)
-    manifest = offloader.manifest()
+    planned = plan(model, config, device)
+    manifest, offloader = planned.params, planned.offloader
     modules = list(dict.fromkeys(e.module for e in manifest))
     lines.append(
-        f"{config.selected_backend} would offload {format_bytes(offloader.offloaded_bytes)} "
+        f"{config.selected_backend} would offload {format_bytes(planned.offloaded_bytes)} "
         f"({len(manifest)} parameters of {len(modules)} modules: {_ranges(modules)}); "
-        f"{format_bytes(total - offloader.offloaded_bytes)} stays on {args.device}"
+        f"{format_bytes(total - planned.offloaded_bytes)} stays on {args.device}"
     )
     if config.selected_backend == "prefetch":
         lines.append(
             f"device staging: {offloader.prefetch_step} slot(s) of {offloader.unit} units, "
-            f"{format_bytes(offloader.planned_staging_bytes)} in all"
+            f"{format_bytes(planned.staging_bytes)} in all"
         )
     return "\n".join(lines)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from offload.api import prepare
+from offload.api import plan
 from offload.config import OffloadConfig
 from offload.engine.kv_cache import KV_SLOTS
 from offload.engine.kv_shape import KVShape, kv_shape_of
@@ -161,14 +161,10 @@ def plan_fit(
             # Raises, with the numbers.
             check_fit(needs, budget, needs.weights - needs.layer_stack, not kv_offload)
         config = replace(config, uva=replace(config.uva, cpu_offload_gb=smallest))
-    planned = (
-        prepare(empty, config, device, dry_run=True) if config.selected_backend != "none" else None
-    )
-    resident = needs.weights - (planned.offloaded_bytes if planned else 0)
-    if config.selected_backend == "prefetch":
-        resident += planned.planned_staging_bytes  # the device staging slots
+    planned = plan(empty, config, device)
+    resident = needs.weights - planned.offloaded_bytes + planned.staging_bytes
     check_fit(needs, budget, resident, not kv_offload)
-    return config, planned.offloaded_bytes if planned else 0
+    return config, planned.offloaded_bytes
 
 
 class MemoryPlan(NamedTuple):

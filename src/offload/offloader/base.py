@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
@@ -12,9 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, ModelError
 from offload.memory.copy_engine import capture
+from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.offloader.forward_lock import ForwardLock, ForwardLockHooks
+from offload.offloader.selection import unmatched_segments
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,10 @@ class OffloadedParam:
     dtype: torch.dtype
     location: str  # where the bytes live now: "host-pinned" or "host"
     access: str  # how compute reaches them: "zero-copy", "copy-per-forward" or "prefetch"
+
+    @staticmethod
+    def location_of(pinned: bool) -> str:
+        return "host-pinned" if pinned else "host"
 
     @classmethod
     def of(
@@ -60,25 +67,42 @@ class BaseOffloader(ABC):
     iterable) and returns them as a list, hooked or with parameters moved;
     `post_init` runs once the whole model is built; `sync_prev_onload` and
     `join_after_forward` bracket CUDA-graph capture and replay. Beyond vLLM, every
-    offloader reports what it did: `offloaded_bytes`, `manifest()` and `stats()`.
+    offloader plans before it acts (`plan`: what would move, touching nothing; a dry run
+    is the plan alone) and reports what it did: `offloaded_bytes`, `manifest()` and
+    `stats()`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, disable_pin_memory: bool = False) -> None:
+        self.disable_pin_memory = disable_pin_memory
         self._manifest: list[OffloadedParam] = []
+        self._slabs: list[HostSlab] = []  # the host memory holding offloaded parameters
         self._module_names: dict[int, str] = {}
         self._resident_param_ids: set[int] = set()
         self._host_views: dict[int, torch.Tensor] = {}
         # (parameter, the device it was on) for each parameter taken, to undo a failed apply
         self._taken: list[tuple[nn.Parameter, torch.device]] = []
         self._hooks: list[Any] = []  # attached hooks (each has detach())
-        self.deferred = False  # parameters may be on meta: a loader fills them in later
-        self.dry_run = False  # plan and record the manifest only: no memory, no hooks
         # One forward at a time through the wrapped model (see `forward_lock.py`).
         self.forward_lock = ForwardLock(on_abandoned=self.recover)
 
     @abstractmethod
-    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
-        """Offload (some of) the parameters of `modules`, in order; return them."""
+    def wrap_modules(
+        self, modules: Iterable[nn.Module], *, deferred: bool = False
+    ) -> list[nn.Module]:
+        """Offload (some of) the parameters of `modules`, in order, as `plan` decides;
+        return them. With `deferred`, parameters may still be on the meta device: they
+        get their host memory, and a loader reads the checkpoint into it."""
+
+    def plan(self, modules: Iterable[nn.Module]) -> list[OffloadedParam]:
+        """The parameters of `modules` that `wrap_modules` would offload, decided without
+        allocating, moving or attaching anything (`modules` may be on the meta device)."""
+        raise NotImplementedError(f"{type(self).__name__} does not plan")
+
+    @property
+    def planned_staging_bytes(self) -> int:
+        """Device memory the offloader needs beside the resident weights, known once it
+        has planned (before `post_init`): the prefetch slots; none for the others."""
+        return 0
 
     def post_init(self) -> None:  # noqa: B027 - a no-op default, as in vLLM
         """Called once after the model is built and wrapped."""
@@ -166,6 +190,31 @@ class BaseOffloader(ABC):
         self._taken.append((param, param.device))
         param._offload_taken = True  # (an attribute: it survives swap_tensors, no weakref)
 
+    def _pack_into_slab(
+        self, named: list[tuple[str, nn.Parameter]], device: torch.device
+    ) -> HostSlab:
+        """One exact-size host slab for `named` (pinned where a CUDA device reads it),
+        holding their values, each parameter taken (see `_take`). Their data is left as
+        it is: each backend points them where compute reads them."""
+        pin = should_pin_memory(device, self.disable_pin_memory)
+        slab = HostSlab([TensorSpec.of(p) for _, p in named], pin_for=device if pin else None)
+        for (_, param), host in zip(named, slab.views, strict=True):
+            if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
+                host.copy_(param.data)
+            self._take(param, host)
+        self._slabs.append(slab)
+        return slab
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held (exact slab sizes rounded to whole pages)."""
+        return sum(slab.mapped_bytes for slab in self._slabs if slab.is_pinned)
+
+    @property
+    def host_bytes(self) -> int:
+        """All host bytes held for offloaded parameters, pinned or not."""
+        return sum(slab.mapped_bytes for slab in self._slabs)
+
     def undo(self) -> None:
         """Give back everything taken so far (after a failed `apply`): hooks detached,
         each parameter's values back on the device it came from."""
@@ -175,7 +224,7 @@ class BaseOffloader(ABC):
         for param, device in reversed(self._taken):
             host = self._host_views.pop(id(param))
             param._offload_taken = False
-            if not param.is_meta and not self.deferred:
+            if not param.is_meta and device.type != "meta":  # (meta: never had values)
                 param.data = host if device.type == "cpu" else host.to(device)
         self._taken = []
         self._manifest = []
@@ -197,8 +246,34 @@ class BaseOffloader(ABC):
 class NoopOffloader(BaseOffloader):
     """Offloads nothing: every parameter stays where it is."""
 
-    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
+    def wrap_modules(
+        self, modules: Iterable[nn.Module], *, deferred: bool = False
+    ) -> list[nn.Module]:
         return list(modules)
+
+    def plan(self, modules: Iterable[nn.Module]) -> list[OffloadedParam]:
+        return []
+
+
+def check_not_meta(named: Iterable[tuple[str, nn.Parameter]], where: str, advice: str = "") -> None:
+    """Refuse parameters still on the meta device (unless loading is deferred, when a
+    loader fills them in)."""
+    for name, param in named:
+        if param.is_meta:
+            raise ModelError(f"parameter {name!r} of {where} is on the meta device{advice}")
+
+
+def warn_unmatched_segments(option: str, names: list[str], segments: set[str]) -> set[str]:
+    """The `segments` of `option` that match none of `names`; a warning names them when
+    the others are used."""
+    missing = unmatched_segments(names, segments)
+    if missing and len(missing) < len(segments):
+        warnings.warn(
+            f"{option} {sorted(missing)} match no parameter; the others are used",
+            UserWarning,
+            stacklevel=4,
+        )
+    return missing
 
 
 _NOOP = NoopOffloader()

@@ -11,17 +11,19 @@ from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
-from offload.memory.host import HostSlab, should_pin_memory
+from offload.memory.host import should_pin_memory
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
-from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
+from offload.offloader.base import (
+    BaseOffloader,
+    OffloadedParam,
+    check_not_meta,
+    set_param_data,
+    warn_unmatched_segments,
+)
 from offload.offloader.hooks import PrefetchHook, StateDictHooks
 from offload.offloader.module_units import ModuleUnits
-from offload.offloader.selection import (
-    matches_segments,
-    offloaded_layer_indices,
-    unmatched_segments,
-)
+from offload.offloader.selection import matches_segments, offloaded_layer_indices
 from offload.offloader.units import UNITS, Unit, resolve_unit, units_ahead
 
 
@@ -54,7 +56,7 @@ class PrefetchOffloader(BaseOffloader):
         copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
         unit: str = "auto",
     ):
-        super().__init__()
+        super().__init__(disable_pin_memory=disable_pin_memory)
         if unit not in UNITS:
             raise ModelError(f"prefetch unit must be one of {', '.join(UNITS)}, got {unit!r}")
         self.unit = unit  # "auto" until `wrap_modules` knows the device (see units.py)
@@ -70,7 +72,6 @@ class PrefetchOffloader(BaseOffloader):
         self.prefetch_step = prefetch_step
         self.offload_params = set(offload_params or ())
         self.device = device
-        self.disable_pin_memory = disable_pin_memory
         self._copy_engine_factory = copy_engine_factory
         self._warned_grad = False
         self._layers: list[Unit] = []  # by position, in execution order
@@ -86,7 +87,25 @@ class PrefetchOffloader(BaseOffloader):
 
     # -- planning ------------------------------------------------------------
 
-    def _plan(self, modules: list[nn.Module]) -> list[Unit]:
+    def plan(self, modules: Iterable[nn.Module]) -> list[OffloadedParam]:
+        """Also resolves `unit` and `prefetch_step`, and so `planned_staging_bytes`."""
+        self._layers = self._plan(list(modules), deferred=True)
+        if not self._layers:
+            return []
+        location = OffloadedParam.location_of(self._pins(self._compute_device()))
+        return [
+            OffloadedParam.of(layer.name, n, p, location, "prefetch")
+            for layer in self._layers
+            for n, p in layer.params
+        ]
+
+    def _compute_device(self) -> torch.device:
+        return self.device or self._layers[0].params[0][1].device
+
+    def _pins(self, device: torch.device) -> bool:
+        return should_pin_memory(device, self.disable_pin_memory)
+
+    def _plan(self, modules: list[nn.Module], deferred: bool) -> list[Unit]:
         uses: dict[int, int] = {}
         for module in modules:
             for p in module.parameters():
@@ -99,13 +118,7 @@ class PrefetchOffloader(BaseOffloader):
             return []
         if self.offload_params:
             names = [n for i in indices for n, _ in modules[i].named_parameters()]
-            missing = unmatched_segments(names, self.offload_params)
-            if missing and len(missing) < len(self.offload_params):
-                warnings.warn(
-                    f"offload_params {sorted(missing)} match no parameter; the others are used",
-                    UserWarning,
-                    stacklevel=4,
-                )
+            warn_unmatched_segments("offload_params", names, self.offload_params)
         for index in indices:
             module = modules[index]
             params = [
@@ -115,9 +128,8 @@ class PrefetchOffloader(BaseOffloader):
                 and uses[id(p)] == 1  # weights tied to another layer stay resident
                 and id(p) not in self._resident_param_ids
             ]
-            for name, p in params:
-                if p.is_meta and not self.deferred:
-                    raise ModelError(f"parameter {name!r} of layer {index} is on the meta device")
+            if not deferred:
+                check_not_meta(params, f"layer {index}")
             if params:  # as vLLM: a layer with nothing to offload is not offloaded
                 layers.append(Unit.of(module, self.module_name(module, index), params, index))
         layers = self._into_units(layers, modules)
@@ -168,44 +180,35 @@ class PrefetchOffloader(BaseOffloader):
 
     # -- the vLLM contract ------------------------------------------------------
 
-    def wrap_modules(self, modules: Iterable[nn.Module]) -> list[nn.Module]:
-        if self._layers:
+    def wrap_modules(
+        self, modules: Iterable[nn.Module], *, deferred: bool = False
+    ) -> list[nn.Module]:
+        if self._slabs:
             raise ModelError("PrefetchOffloader.wrap_modules may be called only once")
         modules = list(modules)
-        self._layers = self._plan(modules)
+        self._layers = self._plan(modules, deferred)
+        if not self._layers:
+            return modules
+        self.device = self._compute_device()
+        location = OffloadedParam.location_of(self._pins(self.device))
         for position, layer in enumerate(self._layers):
-            self._move_to_host(layer)
-            if self.dry_run:
-                continue
+            layer.slab = self._pack_into_slab(layer.params, self.device)
+            for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
+                set_param_data(param, host)  # frees the device copy; the slot view: post_init
+                self._manifest.append(
+                    OffloadedParam.of(layer.name, name, host, location, "prefetch")
+                )
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
             self._hooks.append(StateDictHooks(self, layer).attach(layer.module))
-        if self._module_units is not None and not self.dry_run:
+        if self._module_units is not None:
             self._hooks += self._module_units.attach_read_checks(self._layers)
         return modules
-
-    def _move_to_host(self, layer: Unit) -> None:
-        device = self.device or layer.params[0][1].device
-        self.device = device
-        pin = should_pin_memory(device, self.disable_pin_memory)
-        location = "host-pinned" if pin else "host"
-        if self.dry_run:
-            self._manifest += [
-                OffloadedParam.of(layer.name, n, p, location, "prefetch") for n, p in layer.params
-            ]
-            return
-        layer.slab = HostSlab(layer.specs, pin_for=device if pin else None)
-        for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
-            if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
-                host.copy_(param.data)
-            self._take(param, host)
-            set_param_data(param, host)  # frees the device copy; the slot view comes in post_init
-            self._manifest.append(OffloadedParam.of(layer.name, name, host, location, "prefetch"))
 
     def post_init(self) -> None:
         """Allocate the slots, point every offloaded parameter at its slot for good, and
         start loading the first layer of each slot."""
-        if not self._layers or self._slots or self.dry_run:
+        if not self._slabs or self._slots:
             return
         self._engine = self._copy_engine_factory(self.device)
         self._table = SlotTable(len(self._layers), self.prefetch_step)
@@ -390,14 +393,6 @@ class PrefetchOffloader(BaseOffloader):
     @property
     def device_staging_bytes(self) -> int:
         return sum(slot.numel() for slot in self._slots)
-
-    @property
-    def pinned_bytes(self) -> int:
-        return sum(layer.slab.mapped_bytes for layer in self._layers if layer.slab.is_pinned)
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(layer.slab.mapped_bytes for layer in self._layers)
 
     def _num_offloaded_layers(self) -> int:
         units = self._module_units

@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from offload.errors import ModelError
-from offload.memory.host import (
-    HostSlab,
-    TensorSpec,
-    device_view,
-    should_pin_memory,
-    zero_copy_available,
+from offload.memory.host import HostSlab, device_view, should_pin_memory, zero_copy_available
+from offload.offloader.base import (
+    BaseOffloader,
+    OffloadedParam,
+    check_not_meta,
+    set_param_data,
+    warn_unmatched_segments,
 )
-from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.hooks import CopyOnForwardHook
-from offload.offloader.selection import (
-    matches_segments,
-    select_within_budget,
-    unmatched_segments,
-)
+from offload.offloader.selection import matches_segments, select_within_budget
+
+
+@dataclass
+class _Chosen:
+    """The parameters of one wrapped module that move to its host slab."""
+
+    module: nn.Module
+    name: str
+    params: list[tuple[str, nn.Parameter]]
 
 
 class UVAOffloader(BaseOffloader):
@@ -45,13 +51,11 @@ class UVAOffloader(BaseOffloader):
         disable_uva: bool = False,
         disable_pin_memory: bool = False,
     ):
-        super().__init__()
+        super().__init__(disable_pin_memory=disable_pin_memory)
         self.cpu_offload_max_bytes = int(cpu_offload_max_bytes)
         self.cpu_offload_params = set(cpu_offload_params or ())
         self.device = device
         self.disable_uva = disable_uva
-        self.disable_pin_memory = disable_pin_memory
-        self._slabs: list[HostSlab] = []
         self._warned_moved = False
         self._eligible_bytes = 0
         self._num_wrapped = 0
@@ -60,48 +64,66 @@ class UVAOffloader(BaseOffloader):
 
     # -- planning: nothing is touched until the whole plan is known to be valid --
 
-    def _plan(self, modules: list[nn.Module]) -> list[list[str]]:
-        """Per module, the local names of the parameters to offload. A parameter shared
-        by several modules is planned once, with the first; resident-pinned ones never."""
+    def plan(self, modules: Iterable[nn.Module]) -> list[OffloadedParam]:
+        modules = list(modules)
+        if self.cpu_offload_max_bytes <= 0:
+            return []
+        chosen, _ = self._plan(modules, deferred=True)
+        return [entry for part in chosen if part.params for entry in self._entries(part, None)]
+
+    def _plan(self, modules: list[nn.Module], deferred: bool) -> tuple[list[_Chosen], int]:
+        """Per module, the parameters to offload, and the bytes that `cpu_offload_params`
+        makes eligible. A parameter shared by several modules is planned once, with the
+        first; resident-pinned ones never."""
         used = self.offloaded_bytes
         seen = set(self._host_views) | self._resident_param_ids
-        plan: list[list[str]] = []
+        plan: list[_Chosen] = []
         names_seen: list[str] = []
-        for module in modules:
+        eligible_bytes = 0
+        for index, module in enumerate(modules, start=self._num_wrapped):
             named = [(n, p) for n, p in module.named_parameters() if id(p) not in seen]
-            if not self.deferred:
-                _check_not_meta(named, module)
+            if not deferred:
+                check_not_meta(named, type(module).__name__, _LOAD_FIRST)
             sizes = [(name, p.numel() * p.element_size()) for name, p in named]
             names_seen += [name for name, _ in sizes]
-            chosen = select_within_budget(
-                sizes, self.cpu_offload_max_bytes, used, self.cpu_offload_params
+            taken = set(
+                select_within_budget(
+                    sizes, self.cpu_offload_max_bytes, used, self.cpu_offload_params
+                )
             )
-            taken = set(chosen)
             used += sum(size for name, size in sizes if name in taken)
             seen.update(id(p) for n, p in named if n in taken)
-            self._eligible_bytes += sum(
+            eligible_bytes += sum(
                 size for name, size in sizes if _eligible(name, self.cpu_offload_params)
             )
-            plan.append(chosen)
+            params = [(n, p) for n, p in named if n in taken]
+            plan.append(_Chosen(module, self.module_name(module, index), params))
         self._check_segments(names_seen)
-        return plan
+        return plan, eligible_bytes
 
     def _check_segments(self, names: list[str]) -> None:
         if not self.cpu_offload_params:
             return
-        missing = unmatched_segments(names, self.cpu_offload_params)
+        missing = warn_unmatched_segments("cpu_offload_params", names, self.cpu_offload_params)
         if missing == self.cpu_offload_params:
             example = names[0] if names else "(the modules have no parameters)"
             raise ModelError(
                 f"cpu_offload_params {sorted(missing)} match no parameter of the wrapped "
                 f"modules; names are matched by whole dot-separated segments, e.g. {example!r}"
             )
-        if missing:
-            warnings.warn(
-                f"cpu_offload_params {sorted(missing)} match no parameter; the others are used",
-                UserWarning,
-                stacklevel=3,
-            )
+
+    def _entries(self, part: _Chosen, pinned: bool | None) -> list[OffloadedParam]:
+        """Manifest entries of `part`, its slab pinned or not (None: as planned)."""
+        device = self._device_of(part)
+        if pinned is None:
+            pinned = should_pin_memory(device, self.disable_pin_memory)
+        zero_copy = zero_copy_available(device, pinned, self.disable_uva)
+        access = "zero-copy" if zero_copy else "copy-per-forward"
+        location = OffloadedParam.location_of(pinned)
+        return [OffloadedParam.of(part.name, n, p, location, access) for n, p in part.params]
+
+    def _device_of(self, part: _Chosen) -> torch.device:
+        return self.device or part.params[0][1].device
 
     # -- doing --
 
@@ -110,51 +132,34 @@ class UVAOffloader(BaseOffloader):
         modules: Iterable[nn.Module],
         submodule_accessor: object = None,
         whitelist_param_names_creator: object = None,
+        *,
+        deferred: bool = False,
     ) -> list[nn.Module]:
         """Offload parameters of `modules` in order until the budget is reached. The two
         extra arguments exist for vLLM callers; as in vLLM, UVA ignores them."""
         modules = list(modules)
         if self.cpu_offload_max_bytes <= 0:
             return modules
-        plan = self._plan(modules)
-        for module, chosen in zip(modules, plan, strict=True):
-            if chosen:
-                self._offload(module, chosen)
+        plan, eligible_bytes = self._plan(modules, deferred)
+        self._eligible_bytes += eligible_bytes
+        for part in plan:
+            if part.params:
+                self._offload(part)
             self._num_wrapped += 1
         return modules
 
-    def _offload(self, module: nn.Module, chosen: list[str]) -> None:
-        params = dict(module.named_parameters())
-        device = self.device or params[chosen[0]].device
-        pin = should_pin_memory(device, self.disable_pin_memory)
-        prefix = self.module_name(module, self._num_wrapped)
-        if self.dry_run:
-            access = (
-                "zero-copy"
-                if zero_copy_available(device, pin, self.disable_uva)
-                else "copy-per-forward"
-            )
-            location = "host-pinned" if pin else "host"
-            self._manifest += [
-                OffloadedParam.of(prefix, n, params[n], location, access) for n in chosen
-            ]
-            return
-        slab = HostSlab([TensorSpec.of(params[n]) for n in chosen], pin_for=device if pin else None)
+    def _offload(self, part: _Chosen) -> None:
+        device = self._device_of(part)
+        slab = self._pack_into_slab(part.params, device)
         zero_copy = zero_copy_available(device, slab.is_pinned, self.disable_uva)
-        location = "host-pinned" if slab.is_pinned else "host"
-        access = "zero-copy" if zero_copy else "copy-per-forward"
-        for name, host in zip(chosen, slab.views, strict=True):
-            param = params[name]
-            if not param.is_meta:  # (meta: a loader will read the checkpoint into `host`)
-                host.copy_(param.data)  # device (or CPU) -> slab; the old storage is freed below
+        for (_, param), host in zip(part.params, slab.views, strict=True):
             view = device_view(host, device) if zero_copy and device.type == "cuda" else host
-            self._take(param, host)
-            set_param_data(param, view)
-            self._manifest.append(OffloadedParam.of(prefix, name, host, location, access))
-        self._slabs.append(slab)
+            set_param_data(param, view)  # the old storage is freed here
+        self._manifest += self._entries(part, slab.is_pinned)
         if not zero_copy:
-            mine = [p for p in module.parameters() if id(p) in self._host_views]
-            self._hooks.append(CopyOnForwardHook(mine, device, self._count_copy).attach(module))
+            mine = [p for p in part.module.parameters() if id(p) in self._host_views]
+            hook = CopyOnForwardHook(mine, device, self._count_copy)
+            self._hooks.append(hook.attach(part.module))
 
     def recover(self) -> None:
         for hook in self._hooks:
@@ -181,21 +186,9 @@ class UVAOffloader(BaseOffloader):
         """The host slabs holding the offloaded parameters, one per wrapped module."""
         return tuple(self._slabs)
 
-    @property
-    def pinned_bytes(self) -> int:
-        """Page-locked host bytes held (exact slab sizes rounded to whole pages)."""
-        return sum(slab.mapped_bytes for slab in self._slabs if slab.is_pinned)
-
-    @property
-    def host_bytes(self) -> int:
-        """All host bytes held for offloaded parameters, pinned or not."""
-        return sum(slab.mapped_bytes for slab in self._slabs)
-
     def _still_offloaded(self) -> list[OffloadedParam]:
         """Entries whose parameter still reads its host slab (a zero-copy device view has
         the slab's address): `model.to()` or an assignment makes a parameter resident."""
-        if self.dry_run:
-            return self._manifest
         still, moved = [], []
         for entry, (param, _) in zip(self._manifest, self._taken, strict=True):
             same = param.data_ptr() == self._host_views[id(param)].data_ptr()
@@ -225,10 +218,4 @@ def _eligible(name: str, segments: set[str]) -> bool:
     return not segments or matches_segments(name, segments)
 
 
-def _check_not_meta(named: list[tuple[str, nn.Parameter]], module: nn.Module) -> None:
-    for name, param in named:
-        if param.is_meta:
-            raise ModelError(
-                f"parameter {name!r} of {type(module).__name__} is on the meta device; "
-                "load real weights before offloading"
-            )
+_LOAD_FIRST = "; load real weights before offloading"
