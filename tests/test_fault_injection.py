@@ -32,7 +32,15 @@ from offload.api import finish, prepare
 from offload.engine import kv_cache
 from offload.engine.llm import LLM
 from offload.memory import copy_engine, slots
-from offload.offloader import forward_lock, hooks, module_units, prefetch, unit_check
+from offload.offloader import (
+    compiled_calls,
+    forward_lock,
+    hooks,
+    module_units,
+    prefetch,
+    unit_check,
+    units,
+)
 
 
 class Injected(KeyboardInterrupt):
@@ -57,6 +65,8 @@ PROTOCOL = _code_objects(
     hooks.CopyOnForwardHook,
     unit_check.UnitReadCheck,
     module_units.ModuleUnits,
+    compiled_calls.CompiledCalls,
+    units.Unit,
     forward_lock.ForwardLock,
     forward_lock.ForwardLockHooks,
     kv_cache.KVOffloader,

@@ -229,6 +229,13 @@ class BaseOffloader(ABC):
         self._taken = []
         self._manifest = []
 
+    def host_tensor(self, name: str) -> torch.Tensor:
+        """The host copy of an offloaded parameter (by its manifest name)."""
+        for entry, (param, _) in zip(self._manifest, self._taken, strict=True):
+            if entry.name == name:
+                return self._host_views[id(param)]
+        raise KeyError(name)
+
     def host_view(self, param: torch.Tensor) -> torch.Tensor | None:
         """Where an offloaded parameter's bytes live on the host (a loader writes there);
         None for a parameter this offloader did not take."""

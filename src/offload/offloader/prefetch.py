@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -14,16 +13,11 @@ from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.host import should_pin_memory
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
-from offload.offloader.base import (
-    BaseOffloader,
-    OffloadedParam,
-    check_not_meta,
-    set_param_data,
-    warn_unmatched_segments,
-)
+from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
+from offload.offloader.compiled_calls import CompiledCalls
 from offload.offloader.hooks import PrefetchHook, StateDictHooks
 from offload.offloader.module_units import ModuleUnits
-from offload.offloader.selection import matches_segments, offloaded_layer_indices
+from offload.offloader.prefetch_plan import LayerChoice
 from offload.offloader.units import UNITS, Unit, resolve_unit, units_ahead
 
 
@@ -67,10 +61,8 @@ class PrefetchOffloader(BaseOffloader):
                 f"prefetch offloading needs group_size >= 1, 1 <= num_in_group <= group_size "
                 f"and prefetch_step >= 1; got {group_size}, {num_in_group}, {prefetch_step}"
             )
-        self.group_size = group_size
-        self.num_in_group = num_in_group
+        self.layer_choice = LayerChoice(group_size, num_in_group, offload_params or ())
         self.prefetch_step = prefetch_step
-        self.offload_params = set(offload_params or ())
         self.device = device
         self._copy_engine_factory = copy_engine_factory
         self._warned_grad = False
@@ -80,9 +72,7 @@ class PrefetchOffloader(BaseOffloader):
         self._tickets: list[object] = []
         self._table: SlotTable | None = None
         self._engine: CopyEngine | None = None
-        # Compiled calls: thread -> the layer it is inside (see `_claim_for_compiled`).
-        self._compiled_running: dict[int, int] = {}
-        self._compiled_lock = threading.Lock()
+        self._compiled_calls = CompiledCalls()
         self._id = ops.register(self)
 
     # -- planning ------------------------------------------------------------
@@ -90,59 +80,27 @@ class PrefetchOffloader(BaseOffloader):
     def plan(self, modules: Iterable[nn.Module]) -> list[OffloadedParam]:
         """Also resolves `unit` and `prefetch_step`, and so `planned_staging_bytes`."""
         self._layers = self._plan(list(modules), deferred=True)
+        return self._planned_entries()
+
+    def _planned_entries(self) -> list[OffloadedParam]:
         if not self._layers:
             return []
-        location = OffloadedParam.location_of(self._pins(self._compute_device()))
+        device = self.device or self._layers[0].params[0][1].device
+        location = OffloadedParam.location_of(should_pin_memory(device, self.disable_pin_memory))
         return [
             OffloadedParam.of(layer.name, n, p, location, "prefetch")
             for layer in self._layers
             for n, p in layer.params
         ]
 
-    def _compute_device(self) -> torch.device:
-        return self.device or self._layers[0].params[0][1].device
-
-    def _pins(self, device: torch.device) -> bool:
-        return should_pin_memory(device, self.disable_pin_memory)
-
     def _plan(self, modules: list[nn.Module], deferred: bool) -> list[Unit]:
-        uses: dict[int, int] = {}
-        for module in modules:
-            for p in module.parameters():
-                uses[id(p)] = uses.get(id(p), 0) + 1
-        layers = []
-        indices = offloaded_layer_indices(len(modules), self.group_size, self.num_in_group)
-        if not indices:
-            # As in vLLM, a layout that selects no layer offloads nothing; say so.
-            warnings.warn(self._nothing_to_offload(len(modules)), UserWarning, stacklevel=4)
+        choice = self.layer_choice
+        layers = choice.layers(modules, self._resident_param_ids, self.module_name, deferred)
+        if layers is None:  # the layout picks no layer (and said so)
             return []
-        if self.offload_params:
-            names = [n for i in indices for n, _ in modules[i].named_parameters()]
-            warn_unmatched_segments("offload_params", names, self.offload_params)
-        for index in indices:
-            module = modules[index]
-            params = [
-                (name, p)
-                for name, p in module.named_parameters()
-                if (not self.offload_params or matches_segments(name, self.offload_params))
-                and uses[id(p)] == 1  # weights tied to another layer stay resident
-                and id(p) not in self._resident_param_ids
-            ]
-            if not deferred:
-                check_not_meta(params, f"layer {index}")
-            if params:  # as vLLM: a layer with nothing to offload is not offloaded
-                layers.append(Unit.of(module, self.module_name(module, index), params, index))
-        layers = self._into_units(layers, modules)
-        if not layers and self.offload_params:
-            raise ModelError(self._nothing_to_offload(len(modules)))
-        if not layers:
-            warnings.warn(
-                "the parameters of the layers to offload are all tied to other modules and "
-                "stay resident: nothing is offloaded",
-                UserWarning,
-                stacklevel=4,
-            )
-        return layers
+        units = self._into_units(layers, modules)
+        choice.check_some_offloaded(units, len(modules))
+        return units
 
     def _into_units(self, layers: list[Unit], modules: list[nn.Module]) -> list[Unit]:
         """Resolve the unit for the compute device, split the layers into it, and set how
@@ -165,19 +123,6 @@ class PrefetchOffloader(BaseOffloader):
         slots = min(self.prefetch_step, len(self._layers))
         return sum(slot_sizes([layer.num_bytes for layer in self._layers], slots)) if slots else 0
 
-    def _nothing_to_offload(self, num_layers: int) -> str:
-        if self.offload_params:
-            return (
-                f"offload_params {sorted(self.offload_params)} match no parameter of the "
-                f"offloaded layers (segments are matched whole, e.g. 'mlp' or 'q_proj')"
-            )
-        first = self.group_size - self.num_in_group
-        return (
-            f"offload_group_size={self.group_size} with offload_num_in_group="
-            f"{self.num_in_group} offloads layers {first}, {first + 1}, ... but there are "
-            f"only {num_layers} layers: nothing is offloaded"
-        )
-
     # -- the vLLM contract ------------------------------------------------------
 
     def wrap_modules(
@@ -189,20 +134,17 @@ class PrefetchOffloader(BaseOffloader):
         self._layers = self._plan(modules, deferred)
         if not self._layers:
             return modules
-        self.device = self._compute_device()
-        location = OffloadedParam.location_of(self._pins(self.device))
+        self.device = self.device or self._layers[0].params[0][1].device
         for position, layer in enumerate(self._layers):
             layer.slab = self._pack_into_slab(layer.params, self.device)
-            for (name, param), host in zip(layer.params, layer.slab.views, strict=True):
+            for (_, param), host in zip(layer.params, layer.slab.views, strict=True):
                 set_param_data(param, host)  # frees the device copy; the slot view: post_init
-                self._manifest.append(
-                    OffloadedParam.of(layer.name, name, host, location, "prefetch")
-                )
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
             self._hooks.append(StateDictHooks(self, layer).attach(layer.module))
         if self._module_units is not None:
             self._hooks += self._module_units.attach_read_checks(self._layers)
+        self._manifest += self._planned_entries()
         return modules
 
     def post_init(self) -> None:
@@ -240,10 +182,8 @@ class PrefetchOffloader(BaseOffloader):
             # Autograd may have saved the slot's previous weights for a backward pass: mark
             # them overwritten, so that backward fails loudly instead of using wrong weights.
             # (Each parameter has its own version counter, not the slot's.)
-            slots = self._table.slots
-            for other in self._layers[slot_index::slots]:
-                for _, param in other.params:
-                    torch.autograd.graph.increment_version(param)
+            for other in self._layers[slot_index :: self._table.slots]:
+                other.mark_overwritten()
         # The copy waits until every read issued so far (the slot's last user) is done.
         self._tickets[position] = self._engine.copy(
             slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
@@ -261,7 +201,7 @@ class PrefetchOffloader(BaseOffloader):
         """Load `position` now if its slot holds another unit, then make compute wait
         until its copy has landed (also for a read of its weights outside its forward,
         see `unit_check.py`)."""
-        self._check_in_slot(self._layers[position])
+        self._layers[position].check_in_slot()
         self._warn_if_grad()
         if self._table.needs_load(position):
             self._load(position)
@@ -270,7 +210,7 @@ class PrefetchOffloader(BaseOffloader):
     def check_compiled(self, position: int, weights: list[torch.Tensor]) -> None:
         """What a compiled graph's wait checks before `wait`: it runs alone, its layer
         passed the read check (module units), and it passes the slot's own weights."""
-        self._claim_for_compiled(position)
+        self._compiled_calls.claim(position)
         if self._module_units is not None:
             self._module_units.check_compiled(position)
         if weights and weights[0].data_ptr() != self._layers[position].params[0][1].data_ptr():
@@ -281,15 +221,6 @@ class PrefetchOffloader(BaseOffloader):
     def holds(self, position: int) -> bool:
         """True while `position`'s slot holds it (its copy issued, perhaps not landed)."""
         return not self._table.needs_load(position)
-
-    @staticmethod
-    def _check_in_slot(layer: Unit) -> None:
-        if layer.params[0][1].data_ptr() != layer.address:
-            raise ModelError(
-                f"the offloaded parameters of {layer.name} no longer live in their device slot "
-                "(model.to(), load_state_dict(assign=True) or .data replaced them); change dtype "
-                "or device before offloading, and load weights with load_state_dict()"
-            )
 
     def _warn_if_grad(self) -> None:
         if torch.is_grad_enabled() and not self._warned_grad and self._shares_slots():
@@ -323,34 +254,10 @@ class PrefetchOffloader(BaseOffloader):
         if self._module_units is not None:
             self._module_units.released(position)
         if compiled:
-            self._release_for_compiled()
+            self._compiled_calls.release()
         following = self._table.next_load(position)
         if following is not None:
             self._load(following)
-
-    def _claim_for_compiled(self, position: int) -> None:
-        """A compiled graph bypasses the forward lock (torch.compile cannot trace it), so
-        two threads could interleave their layers on shared slots: refuse, never compute
-        on another layer's weights. Eager calls wait for each other instead."""
-        me = threading.get_ident()
-        with self._compiled_lock:
-            self._check_alone_in_compiled(me)
-            self._compiled_running[me] = position
-
-    def _release_for_compiled(self) -> None:
-        me = threading.get_ident()
-        with self._compiled_lock:
-            self._compiled_running.pop(me, None)
-            self._check_alone_in_compiled(me)  # before a refill that another layer may need
-
-    def _check_alone_in_compiled(self, me: int) -> None:
-        others = [t for t in self._compiled_running if t != me]
-        if others and {t.ident for t in threading.enumerate()} & set(others):
-            raise ModelError(
-                "a torch.compile'd offloaded model was called from two threads at once; its "
-                "layers share device slots: serialize the calls (a threading.Lock around the "
-                "compiled model), or call the model uncompiled, whose calls wait for each other"
-            )
 
     def recover(self) -> None:
         """After an abandoned forward: nothing is running, no read check is active. The
@@ -382,27 +289,17 @@ class PrefetchOffloader(BaseOffloader):
 
     # -- reporting ------------------------------------------------------------
 
-    def host_tensor(self, name: str) -> torch.Tensor:
-        """The host copy of an offloaded parameter (by its manifest name)."""
-        for layer in self._layers:
-            for local, param in layer.params:
-                if f"{layer.name}.{local}" == name:
-                    return self._host_views[id(param)]
-        raise KeyError(name)
-
     @property
     def device_staging_bytes(self) -> int:
         return sum(slot.numel() for slot in self._slots)
-
-    def _num_offloaded_layers(self) -> int:
-        units = self._module_units
-        return units.num_layers if units is not None else len(self._layers)
 
     def stats(self) -> dict[str, float | int]:
         copies = self._engine.collect_stats().as_dict() if self._engine else {}
         return {
             **super().stats(),
-            "num_offloaded_layers": self._num_offloaded_layers(),
+            "num_offloaded_layers": (
+                self._module_units.num_layers if self._module_units else len(self._layers)
+            ),
             "num_units": len(self._layers),
             "unit": self.unit,
             "num_slots": len(self._slots),

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from offload.errors import ModelError
 from offload.memory.host import HostSlab, TensorSpec, pack_offsets
 from offload.memory.threads import available_cores
 
@@ -103,3 +104,18 @@ class Unit:
     def num_bytes(self) -> int:
         """The bytes of its slab (and so what its device slot must hold)."""
         return slab_bytes([spec.num_bytes for spec in self.specs])
+
+    def check_in_slot(self) -> None:
+        """Its parameters still are the views of its slot that `post_init` made."""
+        if self.params[0][1].data_ptr() != self.address:
+            raise ModelError(
+                f"the offloaded parameters of {self.name} no longer live in their device slot "
+                "(model.to(), load_state_dict(assign=True) or .data replaced them); change dtype "
+                "or device before offloading, and load weights with load_state_dict()"
+            )
+
+    def mark_overwritten(self) -> None:
+        """Autograd may have saved its weights for a backward pass: mark them overwritten
+        (each parameter has its own version counter, not the slot's)."""
+        for _, param in self.params:
+            torch.autograd.graph.increment_version(param)
