@@ -41,6 +41,8 @@ _METADATA = {
     ),
 }
 
+_MODULE_UNITS = "module units (prefetch_unit 'module', or 'auto' on a CPU)"
+
 # Calls of an offloaded layer that run under the check before it is trusted: the prefill
 # and the first decode step of a generate take different code paths in some layers.
 NUM_CHECKED_CALLS = 2
@@ -87,12 +89,11 @@ class UnitReadCheck:
         """Why this layer cannot run compiled yet (the check itself runs only eagerly)."""
         if self.is_permanent:
             return (
-                f"module units (prefetch_unit 'module', or 'auto' on a CPU): {self._name} reads module weights outside their "
-                "modules, which torch.compile cannot check; use prefetch_unit='layer' to compile it"
+                f"{_MODULE_UNITS}: {self._name} reads module weights outside their modules, "
+                "which torch.compile cannot check; use prefetch_unit='layer' to compile it"
             )
         return (
-            f"module units (prefetch_unit 'module', or 'auto' on a CPU) under torch.compile: "
-            f"{self._name} has run "
+            f"{_MODULE_UNITS} under torch.compile: {self._name} has run "
             f"{self._num_calls} of the {NUM_CHECKED_CALLS} eager calls that check its weight "
             "reads; call the model without torch.compile first, or use prefetch_unit='layer'"
         )
@@ -132,7 +133,7 @@ class UnitReadCheck:
         if not self.is_permanent:
             self.is_permanent = True
             warnings.warn(
-                f"module units (prefetch_unit 'module', or 'auto' on a CPU): {self._name} reads the weights of "
+                f"{_MODULE_UNITS}: {self._name} reads the weights of "
                 f"{self._units.unit_name(position)} outside that module's forward; its "
                 "weight reads are checked from now on (exact, but slower): use "
                 "prefetch_unit='layer' for this model",

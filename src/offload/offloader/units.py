@@ -1,16 +1,14 @@
 """What one prefetch copy brings in, and how far ahead: pure functions of the settings,
-the compute device and the unit sizes.
+the compute device and the unit sizes, and the unit itself.
 
 `prefetch_unit="auto"` (the default) copies whole layers on a GPU, as vLLM does: fewer,
 larger copies suit a copy engine. On a CPU the device and the host are the same DRAM.
 Where the slots plus the layer streaming in do not fit in the last-level cache, a whole
 layer copied ahead has left the cache by the time it is read, so "auto" copies one weight
-module at a time, `AUTO_MODULES_AHEAD` modules ahead, each landing just before it runs
-(2 cores, 32 MiB L3, SmolLM2 with every layer offloaded: whole layers 0.79-0.88x
-resident, modules 2 / 3 / 4 ahead 0.95 / 1.06 / 1.05x, one compute thread and a copy
-thread). Where they fit, or where compute takes every core and copies run on the compute
-thread, whole layers win: seven times fewer hand-offs (2 cores, 480 MiB L3, copies on
-the compute threads: layers 0.65x, modules 0.56x). See docs/benchmarks.md.
+module at a time, `AUTO_MODULES_AHEAD` modules ahead, each landing just before it runs.
+Where they fit, or where compute takes every core and copies run on the compute thread,
+whole layers win: they need several times fewer hand-offs. The measurements behind both
+rules are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -68,9 +66,10 @@ def units_ahead(
     """How many units ahead copies run (the number of device slots).
 
     With a unit chosen by the user, or "auto" resolved to layers, it is `prefetch_step`,
-    counted in that unit, as vLLM counts layers. With "auto" resolved to modules, `prefetch_step` (in layers, vLLM's
-    meaning) bounds the staging memory, `prefetch_step` x the largest layer, and copies
-    run `AUTO_MODULES_AHEAD` modules ahead within that bound."""
+    counted in that unit, as vLLM counts layers. With "auto" resolved to modules,
+    `prefetch_step` (in layers, vLLM's meaning) bounds the staging memory, `prefetch_step`
+    x the largest layer, and copies run `AUTO_MODULES_AHEAD` modules ahead within that
+    bound."""
     if unit != "auto" or resolved != "module" or not unit_bytes:
         return prefetch_step
     largest = max(unit_bytes)
