@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ from torch import nn
 from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.device import check_device, cuda_usable
+from offload.memory.disk_layout import TensorRange
 from offload.offloader.base import (
     BaseOffloader,
     NoopOffloader,
@@ -21,6 +23,7 @@ from offload.offloader.base import (
     set_offloader,
     set_param_data,
 )
+from offload.offloader.disk_tier import checkpoint_ranges
 from offload.offloader.factory import as_config, create_offloader
 from offload.offloader.layers import find_layers, resolve_layers
 
@@ -31,6 +34,7 @@ def apply(
     device: torch.device | str | None = None,
     *,
     layers: str | nn.Module | Iterable[nn.Module] | None = None,
+    checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
 ) -> BaseOffloader:
     """Offload `model`'s weights as `config` says; return the offloader.
 
@@ -41,12 +45,16 @@ def apply(
     and makes the offloader the process-wide one (`get_offloader()`). Offloaded
     weights go straight from where they are to host memory, layer by layer, so the
     device never holds more than the resident part of the model.
+
+    With a disk tier (`cpu_memory_gb`), the layers beyond that host budget are read from
+    the model's safetensors files each forward: `checkpoint` names their folder (default:
+    the folder `from_pretrained` loaded it from).
     """
     if not isinstance(model, nn.Module):
         raise ModelError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     _check_no_meta(model)
     device = check_device(device if device is not None else _model_device(model))
-    offloader = prepare(model, config, device, layers)
+    offloader = prepare(model, config, device, layers, checkpoint=checkpoint)
     if device.type == "cpu" and offloader.offloaded_bytes and cuda_usable():
         warnings.warn(
             "offload.apply: the model computes on the CPU, the same memory its weights are "
@@ -64,12 +72,13 @@ def prepare(
     layers: str | nn.Module | Iterable[nn.Module] | None = None,
     *,
     deferred: bool = False,
+    checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
 ) -> BaseOffloader:
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
     device memory, and a loader then reads the checkpoint into them. If anything fails,
     what was done is undone: the model is left as it was."""
-    offloader, blocks = _offloader_for(model, config, device, layers)
+    offloader, blocks = _offloader_for(model, config, device, layers, checkpoint)
     try:
         offloader.wrap_modules(iter(blocks), deferred=deferred)
     except BaseException:
@@ -102,6 +111,7 @@ def plan(
     config: OffloadConfig | Mapping[str, Any] | None,
     device: torch.device,
     layers: str | nn.Module | Iterable[nn.Module] | None = None,
+    checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
 ) -> OffloadPlan:
     """The plan `prepare` would carry out, and nothing else: no memory is allocated and
     no hook attached, so `model` may be built on the meta device. A config that offloads
@@ -109,7 +119,7 @@ def plan(
     config = as_config(config)
     if config.selected_backend == "none":
         return OffloadPlan(NoopOffloader(), [])
-    offloader, blocks = _offloader_for(model, config, device, layers)
+    offloader, blocks = _offloader_for(model, config, device, layers, checkpoint)
     return OffloadPlan(offloader, offloader.plan(iter(blocks)))
 
 
@@ -118,6 +128,7 @@ def _offloader_for(
     config: OffloadConfig | Mapping[str, Any] | None,
     device: torch.device,
     layers: str | nn.Module | Iterable[nn.Module] | None,
+    checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
 ) -> tuple[BaseOffloader, list[nn.Module]]:
     """The offloader `config` selects, told the model's names and what must stay
     resident, and the layers it is to wrap."""
@@ -128,7 +139,9 @@ def _offloader_for(
             f"{taken[0]!r}); apply offloading once, to a model that is not offloaded"
         )
     blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
-    offloader = create_offloader(config, device=device)
+    config = as_config(config)
+    ranges = checkpoint_ranges(model, checkpoint) if config.disk.is_active else None
+    offloader = create_offloader(config, device=device, checkpoint=ranges)
     offloader.name_modules(model)
     offloader.keep_resident(_params_outside(model, blocks))
     offloader.keep_resident(p for p in model.parameters() if _self_overlapping(p))

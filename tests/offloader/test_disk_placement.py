@@ -7,9 +7,17 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offload.offloader.disk_placement import GRAIN, place_on_disk
+from offload.offloader.disk_placement import grain_for, place_on_disk
+
+GRAIN = 2**20
 
 sizes_st = st.lists(st.integers(1, 9 * GRAIN), min_size=1, max_size=9)
+
+
+def test_small_units_get_a_fine_grain():
+    """Units far below a MiB are placed by their own sizes (a page grain)."""
+    layer = 100_000
+    assert place_on_disk([layer] * 6, 3 * layer).count(False) == 3
 
 
 @settings(max_examples=200, deadline=None)
@@ -18,15 +26,16 @@ def test_the_budget_holds_and_the_streamed_bytes_are_the_fewest(sizes, budget):
     on_disk = place_on_disk(sizes, budget)
     kept = [s for s, disk in zip(sizes, on_disk, strict=True) if not disk]
     assert sum(kept) <= budget
-    grains = [-(-s // GRAIN) for s in sizes]
+    grain = grain_for(budget, sizes)
+    grains = [-(-s // grain) for s in sizes]
     if sum(sizes) > budget:  # else everything is kept
         best = max(
             sum(c)
             for r in range(len(grains) + 1)
             for c in itertools.combinations(grains, r)
-            if sum(c) <= budget // GRAIN
+            if sum(c) <= budget // grain
         )
-        assert sum(-(-s // GRAIN) for s in kept) == best
+        assert sum(-(-s // grain) for s in kept) == best
     else:
         assert not any(on_disk)
 

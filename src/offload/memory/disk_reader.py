@@ -146,9 +146,10 @@ class DiskReader:
         self._last[key] = ticket = ReadTicket(futures)
         return ticket
 
-    def wait(self, ticket: ReadTicket) -> None:
-        """Block until `ticket`'s reads have landed; raise the fault of any of them."""
-        if not ticket.done():
+    def wait(self, ticket: ReadTicket, *, count_stall: bool = True) -> None:
+        """Block until `ticket`'s reads have landed; raise the fault of any of them.
+        (`count_stall`: the wait holds up compute, so it counts as a stall.)"""
+        if not ticket.done() and count_stall:
             started = time.perf_counter()
             wait_all(ticket.futures)
             self.stats.stall_s += time.perf_counter() - started

@@ -19,6 +19,7 @@ from torch import nn
 from offload.api import finish, prepare
 from offload.config import OffloadConfig
 from offload.errors import ModelError
+from offload.memory.disk_layout import TensorRange
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.memory.safetensors import StoredTensor, checkpoint_tensors, read_into
 from offload.model.build import build_empty
@@ -54,7 +55,12 @@ def load_model(
     model = build_empty(path, dtype, trust_remote_code)
     stored = {} if load_format == "dummy" else checkpoint_tensors(path)
     targets = checkpoint_targets(model, stored, dummy=load_format == "dummy")
-    offloader = prepare(model, config, device, deferred=True)
+    ranges = {  # where each parameter's bytes are, for a disk tier to stream them
+        name: TensorRange(entry.path, entry.offset, entry.num_bytes, entry.dtype)
+        for name, entry in targets.items()
+        if isinstance(entry, StoredTensor)
+    }
+    offloader = prepare(model, config, device, deferred=True, checkpoint=ranges)
     _fill(model, offloader, targets, device, progress)
     return model, finish(offloader)
 
@@ -77,6 +83,8 @@ def _fill(model, offloader, targets, device: torch.device, progress: bool) -> No
         if bar is not None and entry is not None:
             bar.update(entry.num_bytes)
         tensor = tensors[name]
+        if offloader.on_disk(tensor):  # read from the checkpoint each time it runs
+            continue
         host = offloader.host_view(tensor)
         destination = host if host is not None else tensor.data
         if entry is None:

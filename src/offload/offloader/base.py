@@ -79,6 +79,7 @@ class BaseOffloader(ABC):
         self._module_names: dict[int, str] = {}
         self._resident_param_ids: set[int] = set()
         self._host_views: dict[int, torch.Tensor] = {}
+        self._on_disk: set[int] = set()  # taken parameters whose bytes stay in a file
         # (parameter, the device it was on) for each parameter taken, to undo a failed apply
         self._taken: list[tuple[nn.Parameter, torch.device]] = []
         self._hooks: list[Any] = []  # attached hooks (each has detach())
@@ -182,11 +183,19 @@ class BaseOffloader(ABC):
         return list(self._manifest)
 
     def is_offloaded(self, param: torch.Tensor) -> bool:
-        return id(param) in self._host_views
+        return id(param) in self._host_views or id(param) in self._on_disk
 
-    def _take(self, param: nn.Parameter, host: torch.Tensor) -> None:
-        """Record that `param`'s bytes now live in `host` (this offloader owns it)."""
-        self._host_views[id(param)] = host
+    def on_disk(self, param: torch.Tensor) -> bool:
+        """Whether an offloaded parameter's bytes stay in the checkpoint's file."""
+        return id(param) in self._on_disk
+
+    def _take(self, param: nn.Parameter, host: torch.Tensor | None) -> None:
+        """Record that `param`'s bytes now live in `host` (this offloader owns it), or,
+        without a host tensor, in the checkpoint's file on disk."""
+        if host is None:
+            self._on_disk.add(id(param))
+        else:
+            self._host_views[id(param)] = host
         self._taken.append((param, param.device))
         param._offload_taken = True  # (an attribute: it survives swap_tensors, no weakref)
 
@@ -222,18 +231,28 @@ class BaseOffloader(ABC):
             hook.detach()
         self._hooks = []
         for param, device in reversed(self._taken):
-            host = self._host_views.pop(id(param))
             param._offload_taken = False
+            if id(param) in self._on_disk:  # its bytes are in the checkpoint: read them back
+                self._on_disk.discard(id(param))
+                if device.type != "meta":
+                    set_param_data(param, self._restore(param).to(device))
+                continue
+            host = self._host_views.pop(id(param))
             if not param.is_meta and device.type != "meta":  # (meta: never had values)
                 param.data = host if device.type == "cpu" else host.to(device)
         self._taken = []
         self._manifest = []
 
+    def _restore(self, param: nn.Parameter) -> torch.Tensor:
+        """The value of a taken parameter that has no host copy (see `_take`)."""
+        raise KeyError("no host copy of an offloaded parameter")
+
     def host_tensor(self, name: str) -> torch.Tensor:
         """The host copy of an offloaded parameter (by its manifest name)."""
         for entry, (param, _) in zip(self._manifest, self._taken, strict=True):
             if entry.name == name:
-                return self._host_views[id(param)]
+                host = self._host_views.get(id(param))
+                return host if host is not None else self._restore(param)
         raise KeyError(name)
 
     def host_view(self, param: torch.Tensor) -> torch.Tensor | None:

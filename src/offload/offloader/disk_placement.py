@@ -4,16 +4,28 @@ of their sizes and the host budget.
 Every offloaded unit is brought in once per forward, from RAM or from disk, so the bytes
 read from disk per forward are the bytes of the units not kept in RAM: keeping the set of
 units whose sizes fill the budget best makes them the fewest (a subset sum, solved
-exactly on sizes rounded up to `GRAIN` bytes, so the budget always holds). Among units of
+exactly in a grain that keeps the table of sums small: the sizes' common divisor, or a
+millionth of the budget with sizes rounded up, so the budget always holds). Among units of
 one size, those kept in RAM are spread evenly over the forward, so that every disk read
 has the compute of RAM units before it to hide behind.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
-GRAIN = 2**20  # sizes and budget in MiB for the subset sum (rounding sizes up keeps the budget)
+MAX_GRAINS = 2**20  # the budget in at most this many grains
+
+
+def grain_for(budget_bytes: int, sizes: Sequence[int] = ()) -> int:
+    """What sizes and the budget are counted in (sizes rounded up: the budget holds): the
+    sizes' common divisor where that keeps the table small (exact: equal layers fill the
+    budget to the byte), else a millionth of the budget."""
+    common = math.gcd(*sizes) if sizes else 0
+    if common and budget_bytes // common <= MAX_GRAINS:
+        return common
+    return max(1, -(-budget_bytes // MAX_GRAINS))
 
 
 def place_on_disk(sizes: Sequence[int], budget_bytes: int) -> list[bool]:
@@ -23,8 +35,9 @@ def place_on_disk(sizes: Sequence[int], budget_bytes: int) -> list[bool]:
         return [True] * len(sizes)
     if sum(sizes) <= budget_bytes:
         return [False] * len(sizes)
-    grains = [-(-size // GRAIN) for size in sizes]
-    kept = _best_subset(grains, budget_bytes // GRAIN)
+    grain = grain_for(budget_bytes, sizes)
+    grains = [-(-size // grain) for size in sizes]
+    kept = _best_subset(grains, budget_bytes // grain)
     counts: dict[int, int] = {}
     for index in kept:
         counts[sizes[index]] = counts.get(sizes[index], 0) + 1

@@ -9,18 +9,24 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
+from offload.memory.disk_layout import TensorRange
 from offload.offloader.base import BaseOffloader, NoopOffloader
+from offload.offloader.disk_tier import DiskSettings, DiskTier
 from offload.offloader.prefetch import PrefetchOffloader
 from offload.offloader.uva import UVAOffloader
+from offload.sizes import GIB
 
 
 def create_offloader(
     config: OffloadConfig | Mapping[str, Any] | None,
     device: torch.device | str | None = None,
+    *,
+    checkpoint: Mapping[str, TensorRange] | None = None,
 ) -> BaseOffloader:
     """Build the offloader `config` selects (vLLM's rule for `offload_backend="auto"`).
 
     `device` is the compute device; when None, each wrapped module's own device is used.
+    `checkpoint` (for a disk tier) gives each parameter's bytes in the model's files.
     """
     config = as_config(config)
     device = torch.device(device) if device is not None else None
@@ -32,23 +38,50 @@ def create_offloader(
                 "use LLM(...) or 'offload generate', or give a number of GiB"
             )
         return UVAOffloader(
-            cpu_offload_max_bytes=int(config.uva.cpu_offload_gb * 1024**3),
+            cpu_offload_max_bytes=int(config.uva.cpu_offload_gb * GIB),
             cpu_offload_params=config.uva.cpu_offload_params,
             device=device,
             disable_uva=config.disable_uva,
             disable_pin_memory=config.disable_pin_memory,
         )
     if backend == "prefetch":
+        pre = config.prefetch
+        group, num, step = (
+            pre.offload_group_size,
+            pre.offload_num_in_group,
+            pre.offload_prefetch_step,
+        )
+        if group == 0:  # a disk tier with no layout given: every layer, as vLLM would
+            group, num, step = 1, 1, max(step, 2)
         return PrefetchOffloader(
-            group_size=config.prefetch.offload_group_size,
-            num_in_group=config.prefetch.offload_num_in_group,
-            prefetch_step=config.prefetch.offload_prefetch_step,
-            offload_params=config.prefetch.offload_params,
+            group_size=group,
+            num_in_group=num,
+            prefetch_step=step,
+            offload_params=pre.offload_params,
             device=device,
             disable_pin_memory=config.disable_pin_memory,
             unit=config.prefetch_unit,
+            disk=_disk_tier(config, checkpoint) if config.disk.is_active else None,
         )
     return NoopOffloader()
+
+
+def _disk_tier(config: OffloadConfig, checkpoint: Mapping[str, TensorRange] | None) -> DiskTier:
+    if not checkpoint:
+        raise ConfigError(
+            "cpu_memory_gb (the disk tier) streams layers from the model's own safetensors "
+            "files: load the model with LLM(...) or load_model(), or pass the checkpoint "
+            "folder to offload.apply(..., checkpoint=)"
+        )
+    disk = config.disk
+    settings = DiskSettings(
+        ranges=checkpoint,
+        budget_bytes=int(disk.cpu_memory_gb * GIB),
+        read_ahead=disk.read_ahead,
+        io=disk.disk_io,
+        num_threads=disk.io_threads,
+    )
+    return DiskTier(settings)
 
 
 def as_config(config: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from offload.errors import ModelError
 from offload.offloader.units import Unit
 
 
@@ -150,9 +151,17 @@ class StateDictHooks(ModuleHooks):
     def _saved(self, module, state_dict, prefix, local_metadata) -> None:
         for name, param in self._layer.params:
             if prefix + name in state_dict:
-                state_dict[prefix + name] = self._offloader.host_view(param).detach()
+                state_dict[prefix + name] = self._offloader.saved_value(param).detach()
 
     def _loading(self, state_dict, prefix, *args) -> None:
+        if self._layer.disk is not None and any(
+            prefix + n in state_dict for n, _ in self._layer.params
+        ):
+            raise ModelError(
+                f"the weights of {self._layer.name} stream from the checkpoint's files on disk "
+                "and cannot be replaced in place; give it more host memory (cpu_memory_gb) or "
+                "load the new weights from their own checkpoint"
+            )
         # Slot contents are about to be overwritten by the default loading: forget them.
         self._offloader.reload()
         for name, param in self._layer.params:

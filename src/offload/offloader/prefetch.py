@@ -10,11 +10,13 @@ from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
+from offload.memory.disk_layout import aligned_empty
 from offload.memory.host import should_pin_memory
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.compiled_calls import CompiledCalls
+from offload.offloader.disk_tier import DiskTier
 from offload.offloader.hooks import PrefetchHook, StateDictHooks
 from offload.offloader.module_units import ModuleUnits
 from offload.offloader.prefetch_plan import LayerChoice
@@ -49,6 +51,7 @@ class PrefetchOffloader(BaseOffloader):
         disable_pin_memory: bool = False,
         copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
         unit: str = "auto",
+        disk: DiskTier | None = None,
     ):
         super().__init__(disable_pin_memory=disable_pin_memory)
         if unit not in UNITS:
@@ -73,6 +76,8 @@ class PrefetchOffloader(BaseOffloader):
         self._table: SlotTable | None = None
         self._engine: CopyEngine | None = None
         self._compiled_calls = CompiledCalls()
+        self._disk = disk  # units beyond the host budget stream from the checkpoint
+        self._wrapped = False
         self._id = ops.register(self)
 
     # -- planning ------------------------------------------------------------
@@ -88,7 +93,7 @@ class PrefetchOffloader(BaseOffloader):
         device = self.device or self._layers[0].params[0][1].device
         location = OffloadedParam.location_of(should_pin_memory(device, self.disable_pin_memory))
         return [
-            OffloadedParam.of(layer.name, n, p, location, "prefetch")
+            OffloadedParam.of(layer.name, n, p, "disk" if layer.disk else location, "prefetch")
             for layer in self._layers
             for n, p in layer.params
         ]
@@ -100,7 +105,26 @@ class PrefetchOffloader(BaseOffloader):
             return []
         units = self._into_units(layers, modules)
         choice.check_some_offloaded(units, len(modules))
+        if self._disk is not None:
+            self._place_on_disk(units)
         return units
+
+    def _place_on_disk(self, units: list[Unit]) -> None:
+        """Units beyond the host budget stream from disk, read `read_ahead` units ahead."""
+        over = self._disk.place(units, lambda unit: self._qualified(unit))
+        if over:
+            warnings.warn(
+                f"{over / 2**30:.2f} GiB of offloaded weights cannot stream from the "
+                "checkpoint as they are (another dtype, or not in its safetensors files) and "
+                "stay in host memory beyond cpu_memory_gb",
+                UserWarning,
+                stacklevel=5,
+            )
+        if any(unit.disk for unit in units):
+            self.prefetch_step = max(self.prefetch_step, self._disk.settings.read_ahead + 1)
+
+    def _qualified(self, unit: Unit) -> list[tuple[str, nn.Parameter]]:
+        return [(f"{unit.name}.{name}", param) for name, param in unit.params]
 
     def _into_units(self, layers: list[Unit], modules: list[nn.Module]) -> list[Unit]:
         """Resolve the unit for the compute device, split the layers into it, and set how
@@ -109,6 +133,8 @@ class PrefetchOffloader(BaseOffloader):
         device = self.device or next(params, torch.empty(0)).device
         largest_layer = max((layer.num_bytes for layer in layers), default=0)
         unit = resolve_unit(self.unit, device, largest_layer, self.prefetch_step)
+        if self._disk is not None and self.unit == "auto":
+            unit = "layer"  # one read of a layer's runs, not seven small ones
         self._module_units = ModuleUnits(self) if unit == "module" else None
         if self._module_units is not None:
             layers = self._module_units.split(layers)
@@ -121,24 +147,30 @@ class PrefetchOffloader(BaseOffloader):
     def planned_staging_bytes(self) -> int:
         """The device memory the slots take (known from the plan, before `post_init`)."""
         slots = min(self.prefetch_step, len(self._layers))
-        return sum(slot_sizes([layer.num_bytes for layer in self._layers], slots)) if slots else 0
+        sizes = [layer.slot_bytes for layer in self._layers]
+        return sum(slot_sizes(sizes, slots)) if slots else 0
 
     # -- the vLLM contract ------------------------------------------------------
 
     def wrap_modules(
         self, modules: Iterable[nn.Module], *, deferred: bool = False
     ) -> list[nn.Module]:
-        if self._slabs:
+        if self._wrapped:
             raise ModelError("PrefetchOffloader.wrap_modules may be called only once")
+        self._wrapped = True
         modules = list(modules)
         self._layers = self._plan(modules, deferred)
         if not self._layers:
             return modules
         self.device = self.device or self._layers[0].params[0][1].device
         for position, layer in enumerate(self._layers):
-            layer.slab = self._pack_into_slab(layer.params, self.device)
-            for (_, param), host in zip(layer.params, layer.slab.views, strict=True):
-                set_param_data(param, host)  # frees the device copy; the slot view: post_init
+            if layer.disk is not None:
+                for _, param in layer.params:
+                    self._take_to_disk(param)  # its bytes stay in the checkpoint's file
+            else:
+                layer.slab = self._pack_into_slab(layer.params, self.device)
+                for (_, param), host in zip(layer.params, layer.slab.views, strict=True):
+                    set_param_data(param, host)  # frees the device copy; the slot: post_init
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
             self._hooks.append(StateDictHooks(self, layer).attach(layer.module))
@@ -150,18 +182,20 @@ class PrefetchOffloader(BaseOffloader):
     def post_init(self) -> None:
         """Allocate the slots, point every offloaded parameter at its slot for good, and
         start loading the first layer of each slot."""
-        if not self._slabs or self._slots:
+        if not self._layers or self._slots:
             return
         self._engine = self._copy_engine_factory(self.device)
         self._table = SlotTable(len(self._layers), self.prefetch_step)
-        sizes = slot_sizes([layer.slab.num_bytes for layer in self._layers], self._table.slots)
-        self._slots = [torch.empty(size, dtype=torch.uint8, device=self.device) for size in sizes]
+        sizes = slot_sizes([layer.slot_bytes for layer in self._layers], self._table.slots)
+        self._slots = [self._new_slot(size) for size in sizes]
+        if self._streams():
+            self._disk.start(self.device, self._engine, sizes)
         for position, layer in enumerate(self._layers):
             slot = self._slots[slot_of(position, self._table.slots)]
             for (_, param), spec, offset in zip(
-                layer.params, layer.specs, layer.slab.offsets, strict=True
+                layer.params, layer.specs, layer.offsets(), strict=True
             ):
-                param.data = spec.view_of(slot[offset : offset + spec.num_bytes])
+                set_param_data(param, spec.view_of(slot[offset : offset + spec.num_bytes]))
             layer.address = layer.params[0][1].data_ptr()
         self._tickets = [None] * len(self._layers)
         for position in self._table.initial_loads():
@@ -172,7 +206,7 @@ class PrefetchOffloader(BaseOffloader):
         until the copy is queued and its ticket kept, so an exception or Ctrl-C at any
         point in here makes the slot's next user load it again (see `SlotTable`)."""
         layer = self._layers[position]
-        num_bytes = layer.slab.num_bytes
+        num_bytes = layer.slot_bytes
         slot_index = slot_of(position, self._table.slots)
         slot = self._slots[slot_index]
         self._table.start_load(position)
@@ -184,10 +218,13 @@ class PrefetchOffloader(BaseOffloader):
             # (Each parameter has its own version counter, not the slot's.)
             for other in self._layers[slot_index :: self._table.slots]:
                 other.mark_overwritten()
-        # The copy waits until every read issued so far (the slot's last user) is done.
-        self._tickets[position] = self._engine.copy(
-            slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
-        )
+        if layer.disk is not None:
+            self._tickets[position] = self._disk.load(slot_index, slot, layer.disk)
+        else:
+            # The copy waits until every read issued so far (the slot's last user) is done.
+            self._tickets[position] = self._engine.copy(
+                slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
+            )
         self._table.finish_load(position)
 
     def wait(self, position: int) -> None:
@@ -205,7 +242,10 @@ class PrefetchOffloader(BaseOffloader):
         self._warn_if_grad()
         if self._table.needs_load(position):
             self._load(position)
-        self._engine.wait(self._tickets[position])
+        if self._layers[position].disk is not None:
+            self._disk.wait(self._tickets[position])
+        else:
+            self._engine.wait(self._tickets[position])
 
     def check_compiled(self, position: int, weights: list[torch.Tensor]) -> None:
         """What a compiled graph's wait checks before `wait`: it runs alone, its layer
@@ -242,12 +282,45 @@ class PrefetchOffloader(BaseOffloader):
         if self._engine is None:
             return
         self._engine.synchronize()
+        if self._streams():
+            self._disk.drain()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         self._tickets = [None] * len(self._layers)
         if self._module_units is not None:
             self._module_units.forget_running()
+
+    # -- the disk tier ------------------------------------------------------------
+
+    def _streams(self) -> bool:
+        """Whether some unit streams from disk."""
+        return self._disk is not None and any(unit.disk for unit in self._layers)
+
+    def _new_slot(self, num_bytes: int) -> torch.Tensor:
+        if self.device.type == "cpu" and self._streams():
+            return aligned_empty(num_bytes)  # read into directly, O_DIRECT needs alignment
+        return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
+
+    def _take_to_disk(self, param: nn.Parameter) -> None:
+        """Take a parameter whose bytes stay in the checkpoint: its memory is freed now and
+        its slot view set in `post_init`."""
+        self._take(param, None)
+        if not param.is_meta:
+            empty = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+            torch.utils.swap_tensors(param, empty)
+
+    def _restore(self, param: nn.Parameter) -> torch.Tensor:
+        for unit in self._layers:
+            for name, own in unit.params:
+                if own is param and unit.disk is not None:
+                    return self._disk.read_tensor(f"{unit.name}.{name}", param)
+        return super()._restore(param)
+
+    def saved_value(self, param: torch.Tensor) -> torch.Tensor:
+        """An offloaded parameter's true value: its host copy, or read from the checkpoint."""
+        host = self.host_view(param)
+        return host if host is not None else self._restore(param)
 
     def layer_done(self, position: int, *, compiled: bool = False) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
@@ -264,6 +337,8 @@ class PrefetchOffloader(BaseOffloader):
         slot table needs nothing: it is consistent after an interrupt at any point."""
         if self._module_units is not None:
             self._module_units.recover()
+        if self._streams():
+            self._disk.drain()  # a read it left in flight must land before the slot's next load
         self.forward_finished()
 
     def forward_started(self) -> None:
@@ -278,6 +353,8 @@ class PrefetchOffloader(BaseOffloader):
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
+        if self._disk is not None:
+            self._disk.close()
 
     def sync_prev_onload(self) -> None:
         if self._engine is not None:
@@ -295,6 +372,11 @@ class PrefetchOffloader(BaseOffloader):
 
     def stats(self) -> dict[str, float | int]:
         copies = self._engine.collect_stats().as_dict() if self._engine else {}
+        if self._disk is not None:
+            copies |= {
+                "num_disk_units": sum(1 for u in self._layers if u.disk),
+                **self._disk.stats(),
+            }
         return {
             **super().stats(),
             "num_offloaded_layers": (
@@ -304,7 +386,7 @@ class PrefetchOffloader(BaseOffloader):
             "unit": self.unit,
             "num_slots": len(self._slots),
             "device_staging_bytes": self.device_staging_bytes,
-            "largest_layer_bytes": max((lay.slab.num_bytes for lay in self._layers), default=0),
+            "largest_layer_bytes": max((lay.slot_bytes for lay in self._layers), default=0),
             "host_bytes": self.host_bytes,
             "pinned_bytes": self.pinned_bytes,
             **copies,

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from offload.errors import ModelError
+from offload.memory.disk_layout import DiskLayout
 from offload.memory.host import HostSlab, TensorSpec, pack_offsets
 from offload.memory.threads import available_cores
 
@@ -94,6 +95,7 @@ class Unit:
     layer_index: int  # the layer's place among the wrapped modules (for messages)
     slab: HostSlab | None = None
     address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
+    disk: DiskLayout | None = None  # streamed from the checkpoint's files instead of a slab
 
     @classmethod
     def of(cls, module: nn.Module, name: str, params: list, layer_index: int) -> Unit:
@@ -101,8 +103,17 @@ class Unit:
 
     @property
     def num_bytes(self) -> int:
-        """The bytes of its slab (and so what its device slot must hold)."""
+        """The bytes of its slab (in host memory)."""
         return slab_bytes([spec.num_bytes for spec in self.specs])
+
+    @property
+    def slot_bytes(self) -> int:
+        """What its device slot must hold: its slab, or its reads from disk."""
+        return self.disk.num_bytes if self.disk is not None else self.num_bytes
+
+    def offsets(self) -> tuple[int, ...]:
+        """Where each parameter starts in its slot."""
+        return self.disk.tensor_offsets if self.disk is not None else self.slab.offsets
 
     def check_in_slot(self) -> None:
         """Its parameters still are the views of its slot that `post_init` made."""

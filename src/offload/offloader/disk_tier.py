@@ -1,0 +1,230 @@
+"""The disk tier of the prefetch offloader: units that do not fit the host budget are read
+from the model's own safetensors files into their slot each time they are needed.
+
+With the CPU as the compute device, a unit on disk is read straight into its slot by the
+I/O threads (the slot ring is the staging ring; compute reads the slot). With a GPU, it
+is read into a pinned host staging buffer of its slot, and a staging thread then queues
+the host -> device copy on the copy stream; compute waits for the read on the host and
+for the copy on the stream. A staging buffer is reused only once the copy out of it is
+done. Slots are loaded by the offloader's slot table as for units in host memory, so
+units are read `read_ahead` = slots - 1 ahead of the one computing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offload.errors import ModelError
+from offload.memory.copy_engine import CopyEngine
+from offload.memory.disk_layout import DiskLayout, TensorRange, aligned_empty, plan_layout
+from offload.memory.disk_reader import DiskReader, FileStamp, ReadTicket
+from offload.memory.host import should_pin_memory
+from offload.memory.safetensors import checkpoint_tensors
+from offload.offloader.disk_placement import place_on_disk
+
+READ_DELAY_S = 0.0  # tests: sleep before every read, to shake out ordering bugs
+FORCE_STAGING = False  # tests: the GPU's path (staging buffer, then a copy) on the CPU
+
+
+@dataclass(frozen=True)
+class DiskSettings:
+    """What the disk tier needs from the config and the checkpoint."""
+
+    ranges: Mapping[str, TensorRange]  # qualified parameter name -> its bytes in a file
+    budget_bytes: int  # host memory for offloaded units; the rest stream from disk
+    read_ahead: int = 2  # units read ahead of the one computing (slots - 1)
+    io: str = "direct"  # "direct" (O_DIRECT / dropped pages) or "page-cache"
+    num_threads: int = 2
+
+
+def checkpoint_ranges(
+    model: nn.Module, checkpoint: str | Path | Mapping[str, TensorRange] | None
+) -> Mapping[str, TensorRange]:
+    """Each of `model`'s parameters' bytes in its safetensors files: `checkpoint` as
+    given, or read from the headers in its folder (default: where `from_pretrained`
+    loaded `model` from). A key is matched to the model's name as it is, or with the
+    base model's prefix (a checkpoint of the base model alone)."""
+    if isinstance(checkpoint, Mapping):
+        return checkpoint
+    folder = Path(checkpoint) if checkpoint is not None else _own_folder(model)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    prefix = getattr(model, "base_model_prefix", "")
+    ranges = {}
+    for key, stored in checkpoint_tensors(folder).items():
+        name = key if key in names or not prefix else f"{prefix}.{key}"
+        ranges[name] = TensorRange(stored.path, stored.offset, stored.num_bytes, stored.dtype)
+    return ranges
+
+
+def _own_folder(model: nn.Module) -> Path:
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if source and Path(source).is_dir():
+        return Path(source)
+    raise ModelError(
+        "cpu_memory_gb (the disk tier) streams layers from the model's safetensors files, "
+        f"and the model does not say where they are (its name_or_path is {source!r}): "
+        "pass the folder as offload.apply(..., checkpoint=)"
+    )
+
+
+def disk_layout(
+    ranges: Mapping[str, TensorRange], params: Sequence[tuple[str, nn.Parameter]]
+) -> DiskLayout | None:
+    """The reads that bring a unit's parameters (qualified names) from the checkpoint, or
+    None when one of them cannot be read as it is: not in the checkpoint, stored in
+    another dtype or size, non-contiguous, or at an offset its dtype cannot view."""
+    found = []
+    for name, param in params:
+        stored = ranges.get(name)
+        if stored is None or not (param.is_meta or param.is_contiguous()):
+            return None
+        if stored.dtype not in (None, param.dtype):
+            return None
+        if stored.num_bytes != param.numel() * param.element_size():
+            return None
+        if stored.offset % param.element_size():
+            return None
+        found.append(stored)
+    return plan_layout(found)
+
+
+class DiskTier:
+    """Places units on disk and reads them into their slots (see the module docstring)."""
+
+    def __init__(self, settings: DiskSettings):
+        self.settings = settings
+        files = sorted({stored.path for stored in settings.ranges.values()})
+        self._stamps = [FileStamp.of(Path(path)) for path in files]
+        self._reader: DiskReader | None = None
+        self._engine: CopyEngine | None = None
+        self._staging: list[torch.Tensor] = []
+        self._staged: list[Future | None] = []  # per slot: its staging buffer's last load
+        self._issuer: ThreadPoolExecutor | None = None
+
+    def place(self, units: Sequence[Any], qualified: Callable[[Any], list]) -> int:
+        """Give the units that do not fit the host budget a disk layout (`unit.disk`):
+        of those whose bytes can be read as they are, so that the fewest bytes come from
+        disk. Returns the bytes of units that must stay in host memory beyond the budget
+        (they cannot stream as they are)."""
+        layouts = [disk_layout(self.settings.ranges, qualified(unit)) for unit in units]
+        fixed = sum(u.num_bytes for u, lay in zip(units, layouts, strict=True) if lay is None)
+        movable = [i for i, layout in enumerate(layouts) if layout is not None]
+        budget = self.settings.budget_bytes - fixed
+        on_disk = place_on_disk([units[i].num_bytes for i in movable], budget)
+        for i, disk in zip(movable, on_disk, strict=True):
+            if disk:
+                units[i].disk = layouts[i]
+        return max(0, -budget)
+
+    def start(self, device: torch.device, engine: CopyEngine, slot_bytes: Sequence[int]) -> None:
+        """Open the files and, on a GPU, make one pinned staging buffer per slot."""
+        settings = self.settings
+        self._reader = DiskReader(self._stamps, num_threads=settings.num_threads, io=settings.io)
+        self._engine = engine
+        if device.type != "cpu" or FORCE_STAGING:
+            pin = should_pin_memory(device)
+            self._staging = [aligned_empty(size, pin=pin) for size in slot_bytes]
+            self._staged = [None] * len(slot_bytes)
+            # Queues each unit's copy once its read is done, in the order units are loaded.
+            self._issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-stage")
+
+    def load(self, slot_index: int, slot: torch.Tensor, layout: DiskLayout) -> Any:
+        """Start bringing a unit into `slot` (its bytes from the slot's first); return a
+        ticket for `wait`."""
+        if not self._staging:
+            return self._reader.read(slot[: layout.num_bytes], layout.extents, after=_delay())
+        staging = self._staging[slot_index][: layout.num_bytes]
+        previous = self._staged[slot_index]
+        released = self._engine.mark_released()  # the slot's last reader, on the compute side
+        after = _after_copy_out(self._engine, previous)
+        read = self._reader.read(staging, layout.extents, after=after)
+        copy = self._issuer.submit(self._copy_in, read, slot[: layout.num_bytes], staging, released)
+        self._staged[slot_index] = copy
+        return copy
+
+    def _copy_in(self, read: ReadTicket, slot, staging, released) -> Any:
+        self._reader.wait(read, count_stall=False)
+        return self._engine.copy(slot, staging, after=released)
+
+    def wait(self, ticket: Any) -> None:
+        """Make compute wait until the unit of `ticket` is in its slot (a read's fault is
+        raised here, in the thread that runs the model)."""
+        if isinstance(ticket, ReadTicket):
+            self._reader.wait(ticket)
+            return
+        if not ticket.done():
+            started = time.perf_counter()
+            ticket.exception()
+            self._reader.stats.stall_s += time.perf_counter() - started
+            self._reader.stats.num_stalls += 1
+        self._engine.wait(ticket.result())
+
+    def drain(self) -> None:
+        """Let every read and staged copy in flight finish (after an abandoned forward, a
+        late read must not land in a slot loaded since). Their errors are kept for the
+        next wait."""
+        if self._reader is not None:
+            self._reader.drain()
+        for staged in self._staged:
+            if staged is not None:
+                staged.exception()
+
+    def close(self) -> None:
+        if self._issuer is not None:
+            self._issuer.shutdown(wait=True)
+        if self._reader is not None:
+            self._reader.close()
+
+    def read_tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A parameter's value, read from the checkpoint (for `state_dict()`)."""
+        stored = self.settings.ranges[name]
+        layout = plan_layout([stored])
+        buffer = aligned_empty(layout.num_bytes)
+        reader = DiskReader(self._stamps, num_threads=1, io=self.settings.io)
+        try:
+            reader.wait(reader.read(buffer, layout.extents))
+        finally:
+            reader.close()
+        start = layout.tensor_offsets[0]
+        raw = buffer[start : start + stored.num_bytes].clone()
+        return raw.view(like.dtype).view(like.shape)
+
+    def stats(self) -> dict[str, float | int]:
+        if self._reader is None:
+            return {}
+        read = self._reader.stats
+        return {
+            "disk_bytes_read": read.bytes_read,
+            "disk_read_s": read.busy_s,
+            "disk_read_gb_per_s": read.read_gb_per_s,
+            "disk_stall_s": read.stall_s,
+            "disk_num_stalls": read.num_stalls,
+            "staging_bytes": sum(buffer.numel() for buffer in self._staging),
+        }
+
+
+def _delay() -> Callable[[], None] | None:
+    delay_s = READ_DELAY_S
+    return (lambda: time.sleep(delay_s)) if delay_s else None
+
+
+def _after_copy_out(engine: CopyEngine, previous: Future | None) -> Callable[[], None]:
+    """Runs on an I/O thread before a read into a staging buffer: the copy out of the
+    buffer's last unit has finished (so the read does not overwrite bytes in flight)."""
+    delay = _delay()
+
+    def wait_for_copy_out() -> None:
+        if previous is not None:
+            engine.host_wait(previous.result())
+        if delay is not None:
+            delay()
+
+    return wait_for_copy_out

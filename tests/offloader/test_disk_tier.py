@@ -1,0 +1,246 @@
+"""The disk tier: layers that do not fit the host budget stream from the model's own
+safetensors files, and the outputs are the resident model's, bit for bit."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+
+import pytest
+import torch
+import zoo
+
+import offload
+from offload.memory import disk_reader
+from offload.memory.disk_reader import DiskReadError
+from offload.model.loader import load_model
+from offload.offloader import disk_tier
+
+NUM_LAYERS = 6
+EVERY_LAYER = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """A tiny Llama saved in several shards, so that layers span files."""
+    path = tmp_path_factory.mktemp("sharded")
+    model = zoo.build("llama", num_layers=NUM_LAYERS)
+    model.save_pretrained(path, max_shard_size="60KB")
+    assert len(list(path.glob("*.safetensors"))) > 2
+    return path, model
+
+
+def _layer_bytes(model) -> int:
+    return zoo.layer_param_bytes(model) // NUM_LAYERS
+
+
+def _budgets(model) -> dict[str, float]:
+    layer = _layer_bytes(model)  # half a layer more: room for the slabs' alignment
+    return {
+        "none": 0.0,
+        "half": (NUM_LAYERS // 2 + 0.5) * layer / 2**30,
+        "all but one": (NUM_LAYERS - 0.5) * layer / 2**30,
+    }
+
+
+@pytest.mark.parametrize("budget", ["none", "half", "all but one"])
+@pytest.mark.parametrize("read_ahead", [1, 3])
+@pytest.mark.parametrize("io", ["direct", "page-cache"])
+def test_streamed_layers_give_the_resident_logits_and_tokens(sharded, budget, read_ahead, io):
+    path, resident = sharded
+    ids = zoo.inputs()  # a batch of two
+    config = {
+        **EVERY_LAYER,
+        "cpu_memory_gb": _budgets(resident)[budget],
+        "read_ahead": read_ahead,
+        "disk_io": io,
+    }
+    model, offloader = load_model(path, config)
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
+    assert torch.equal(zoo.greedy(model, ids), zoo.greedy(resident, ids))
+    stats = offloader.stats()
+    on_disk = {"none": NUM_LAYERS, "half": NUM_LAYERS // 2, "all but one": 1}[budget]
+    assert stats["num_disk_units"] == on_disk
+    assert stats["host_bytes"] <= config["cpu_memory_gb"] * 2**30
+    assert stats["disk_bytes_read"] >= on_disk * _layer_bytes(resident)
+    offloader.close()
+
+
+def test_apply_streams_a_from_pretrained_model_from_its_own_files(sharded):
+    path, resident = sharded
+    model = zoo.load_on_cpu(path)
+    offloader = offload.apply(model, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
+    assert offloader.stats()["disk_bytes_read"] > 0
+    assert offloader.host_bytes == 0
+    offloader.close()
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_delayed_reads_still_give_the_resident_logits(sharded, monkeypatch, staged):
+    """Also the GPU's path, run on the CPU: each read lands in a staging buffer and a
+    staging thread queues the copy into the slot."""
+    path, resident = sharded
+    monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.002)
+    monkeypatch.setattr(disk_tier, "FORCE_STAGING", staged)
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2})
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
+    stats = offloader.stats()
+    assert stats["disk_num_stalls"] > 0  # compute did wait for slow reads
+    assert (stats["staging_bytes"] > 0) == staged
+    assert torch.equal(zoo.greedy(model, ids), zoo.greedy(resident, ids))
+    offloader.close()
+
+
+def test_through_torch_compile(sharded):
+    path, resident = sharded
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    compiled = torch.compile(model, backend="eager")
+    ids = zoo.inputs()
+    with torch.no_grad():
+        out = compiled(input_ids=ids).logits
+    assert torch.equal(out, zoo.logits(resident, ids))
+    offloader.close()
+
+
+def test_state_dict_reads_streamed_weights_from_the_checkpoint(sharded):
+    path, resident = sharded
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    expected = resident.state_dict()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    offloader.close()
+
+
+def _faults():
+    def truncate(path):
+        os.truncate(path, path.stat().st_size // 2)
+
+    def replace(path):
+        other = path.with_suffix(".tmp")
+        other.write_bytes(path.read_bytes())
+        os.replace(other, path)
+
+    def modify(path):
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+
+    def remove(path):
+        path.unlink()
+
+    return {"truncated": truncate, "replaced": replace, "modified": modify, "removed": remove}
+
+
+@pytest.mark.parametrize("fault", sorted(_faults()))
+def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(sharded, tmp_path, fault):
+    source, resident = sharded
+    for item in source.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
+    victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    _faults()[fault](victim)
+    with pytest.raises(DiskReadError, match=re.escape(str(victim))):
+        zoo.logits(model, ids)
+    with pytest.raises(DiskReadError):  # and again, never a wrong answer
+        zoo.logits(model, ids)
+    threads = list(offloader._disk._reader._pool._threads)  # the I/O threads have ended
+    for thread in threads:
+        thread.join(timeout=5)
+    assert threads and not any(t.is_alive() for t in threads)
+    offloader.close()
+
+
+def test_a_read_error_is_one_error_naming_the_file(sharded, monkeypatch):
+    path, _ = sharded
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+
+    def failing(*args):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(disk_reader.os, "preadv", failing)
+    with pytest.raises(
+        DiskReadError, match=r"reading .*model-.*\.safetensors failed: Input/output"
+    ):
+        zoo.logits(model, zoo.inputs())
+    offloader.close()
+
+
+@pytest.mark.parametrize("budget", ["none", "half"])
+def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkeypatch, budget):
+    """A Ctrl-C while compute waits for a read leaves that read in flight; it must land
+    before anything else is loaded into its slot (a unit from host memory, with a budget)."""
+    path, resident = sharded
+    gib = _budgets(resident)[budget]
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": gib, "read_ahead": 2})
+    monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.03)  # reads still in flight
+    ids = zoo.inputs()
+    expected = zoo.logits(resident, ids)
+    waits = {"count": 0, "at": 0}  # interrupt the `at`-th wait of a forward (0: never)
+    original = disk_tier.DiskTier.wait
+
+    def interrupting(self, ticket):
+        waits["count"] += 1
+        if waits["count"] == waits["at"]:
+            raise KeyboardInterrupt
+        return original(self, ticket)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "wait", interrupting)
+    for at in range(1, offloader.stats()["num_disk_units"] + 1):
+        waits.update(count=0, at=at)
+        with pytest.raises(KeyboardInterrupt):
+            zoo.logits(model, ids)
+        waits.update(count=0, at=0)
+        assert torch.equal(zoo.logits(model, ids), expected), f"wrong after wait {at}"
+    offloader.close()
+
+
+def test_recovering_from_an_abandoned_forward_waits_for_its_reads_in_flight(sharded, monkeypatch):
+    """Deterministic twin of the test above: reads are held at a gate; after a Ctrl-C in
+    a wait, `recover` (what the next forward runs first) returns only once they landed."""
+    path, resident = sharded
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2})
+    gate = threading.Event()
+    monkeypatch.setattr(disk_tier, "_delay", lambda: gate.wait)
+
+    original, waits = disk_tier.DiskTier.wait, []
+
+    def interrupted(self, ticket):
+        waits.append(ticket)
+        if len(waits) == 2:  # layer 0 ran, and the read of layer 3 is held at the gate
+            raise KeyboardInterrupt
+        return original(self, ticket)
+
+    monkeypatch.setattr(disk_tier.DiskTier, "wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        zoo.logits(model, zoo.inputs())
+    monkeypatch.undo()
+    recovering = threading.Thread(target=offloader.recover)
+    recovering.start()
+    recovering.join(timeout=0.3)
+    assert recovering.is_alive()  # still waiting for the held read
+    gate.set()
+    recovering.join(timeout=10)
+    assert not recovering.is_alive()
+    assert torch.equal(zoo.logits(model, zoo.inputs()), zoo.logits(resident, zoo.inputs()))
+    offloader.close()
+
+
+def test_smollm2_with_every_layer_on_disk_gives_transformers_tokens():
+    from offload.model.default import default_model_path
+
+    path = default_model_path()
+    resident = zoo.load_on_cpu(path)
+    model, offloader = load_model(path, {"cpu_memory_gb": 0})
+    ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2644, 47]])
+    assert torch.equal(zoo.greedy(model, ids, 8), zoo.greedy(resident, ids, 8))
+    stats = offloader.stats()
+    assert stats["num_disk_units"] == 30 and stats["host_bytes"] == 0
+    assert stats["disk_bytes_read"] >= 8 * zoo.layer_param_bytes(resident)
+    offloader.close()
+
