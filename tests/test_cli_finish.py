@@ -159,3 +159,14 @@ def test_inspect_without_a_path_is_the_default_model_against_a_budget(capsys, sm
     assert "fits the cpu budget 276.5 MiB (max_model_len 512) with this offloading" in (
         capsys.readouterr().out
     )
+
+
+def test_the_disk_tier_flags_stream_and_the_figures_say_so(tmp_path):
+    # More layers than the 2 slots of read-ahead 1: every forward reads from disk.
+    argv = [*_one_prompt(zoo.save_tiny_llm(tmp_path, num_layers=5)), "--no-stream"]
+    resident = _generate(*argv).getvalue()
+    streamed = _generate(*argv, "--cpu-memory-gb", "0", "--read-ahead", "1").getvalue()
+    assert streamed.split("\n[")[0] == resident.split("\n[")[0]
+    figures = streamed.splitlines()[-1]
+    assert "/forward from disk at " in figures and "I/O stall" in figures
+    assert "from disk" not in resident

@@ -116,6 +116,12 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
     moved = f"moved {format_bytes(weights + kv)}/forward over {forwards} forwards"
     if llm.kv_offload:
         moved += f" (weights {format_bytes(weights)}, KV cache {format_bytes(kv)})"
+    if this_call.disk_read_bytes:
+        moved += (
+            f"; read {format_bytes(this_call.disk_read_bytes / max(forwards, 1))}/forward from "
+            f"disk at {this_call.disk_read_gb_per_s:.2f} GB/s, I/O stall "
+            f"{this_call.disk_stall_s * 1e3:.0f} ms"
+        )
     # Said on the figures line: this run executed Python code shipped with the checkpoint.
     trusted = "; trust_remote_code=True" if llm.trust_remote_code else ""
     return (

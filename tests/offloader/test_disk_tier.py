@@ -244,3 +244,22 @@ def test_smollm2_with_every_layer_on_disk_gives_transformers_tokens():
     assert stats["disk_bytes_read"] >= 8 * zoo.layer_param_bytes(resident)
     offloader.close()
 
+
+def test_llm_streams_from_disk_and_reports_it(tmp_path):
+    from offload import LLM, SamplingParams
+
+    path = zoo.save_tiny_llm(tmp_path, num_layers=4)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    prompts = ["t5 t9 t11", "t7"]
+
+    def run(**flags):
+        with LLM(path, **flags) as llm:
+            outputs = llm.generate(prompts, greedy, use_tqdm=False)
+            moved = llm.transfer_stats()
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], moved
+
+    resident, _ = run()
+    streamed, moved = run(cpu_memory_gb=0, read_ahead=1, disk_io="page-cache")
+    assert streamed == resident
+    assert moved.disk_read_bytes > 0 and moved.weight_copied_bytes == 0
+    assert "from disk" in repr(moved)

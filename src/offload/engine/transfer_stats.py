@@ -20,6 +20,9 @@ class TransferStats:
     stall_s: float = 0.0
     num_graph_replays: int = 0
     num_forwards: int = 0
+    disk_read_bytes: int = 0  # weights streamed from the checkpoint's files (disk tier)
+    disk_read_s: float = 0.0  # wall time with a read in flight
+    disk_stall_s: float = 0.0  # time compute waited for a read
 
     @classmethod
     def of_counters(
@@ -33,7 +36,14 @@ class TransferStats:
             weight_copied_bytes=weights.get("bytes_copied", 0),
             kv_copied_bytes=kv.get("bytes_copied", 0),
             kv_written_back_bytes=kv.get("bytes_written_back", 0),
+            disk_read_bytes=weights.get("disk_bytes_read", 0),
+            disk_read_s=weights.get("disk_read_s", 0.0),
+            disk_stall_s=weights.get("disk_stall_s", 0.0),
         )
+
+    @property
+    def disk_read_gb_per_s(self) -> float:
+        return self.disk_read_bytes / self.disk_read_s / 1e9 if self.disk_read_s > 0 else 0.0
 
     @property
     def kv_moved_bytes(self) -> int:
@@ -59,7 +69,15 @@ class TransferStats:
             f"TransferStats(weights copied {_mib(self.weight_copied_bytes)}, KV cache copied "
             f"{_mib(self.kv_copied_bytes)} and written back {_mib(self.kv_written_back_bytes)}, "
             f"stall {self.stall_s * 1e3:.0f} ms, {self.num_graph_replays} graph replays, "
-            f"{self.num_forwards} forwards)"
+            f"{self.num_forwards} forwards{self._disk()})"
+        )
+
+    def _disk(self) -> str:
+        if not self.disk_read_bytes:
+            return ""
+        return (
+            f", read {_mib(self.disk_read_bytes)} from disk at "
+            f"{self.disk_read_gb_per_s:.2f} GB/s, I/O stall {self.disk_stall_s * 1e3:.0f} ms"
         )
 
 
