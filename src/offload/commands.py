@@ -48,8 +48,8 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     # Checked before the model loads: a bad flag costs nothing.
     params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     show_progress = not args.no_progress and sys.stderr.isatty()
-    path = resolve_model(args.model)
     config = OffloadConfig.from_cli_args(args)
+    path = resolve_model(args.model, config.disk.offload_folder)
     if config.selected_backend == "none" and not args.no_offload:
         config = whole_stack_config(build_empty(path, args.dtype, args.trust_remote_code))
     llm = LLM(

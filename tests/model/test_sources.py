@@ -161,3 +161,19 @@ def test_a_dummy_shipped_shape_runs_from_token_ids_without_a_tokenizer(tmp_path,
     assert len(output.outputs[0].token_ids) == 8 and output.outputs[0].text == ""
     with pytest.raises(ModelError, match="has no tokenizer"):
         llm.generate("t5 t6", GREEDY)
+
+
+def test_a_bin_folder_streams_from_its_conversion_in_offload_folder(tmp_path):
+    """With a disk tier, a checkpoint that is not safetensors is converted once into
+    `offload_folder` and its layers are read from there."""
+    folder = _bin_folder(tmp_path, 2)
+    prompt_ids, expected = _transformers_tokens(folder)
+    into = tmp_path / "offload-folder"
+    llm = LLM(folder, device="cpu", dtype="float32", cpu_memory_gb=0, offload_folder=str(into))
+    [output] = llm.generate({"prompt_token_ids": prompt_ids}, GREEDY)
+    assert output.outputs[0].token_ids == expected
+    assert llm.transfer_stats().disk_read_bytes > 0
+    [converted] = [p for p in into.iterdir() if not p.name.startswith(".")]  # (and a lock)
+    assert converted.name.startswith(folder.name) and list(converted.glob("*.safetensors"))
+    assert not (tmp_path / "offload-cache" / "converted").exists()
+    llm.close()

@@ -132,7 +132,10 @@ class LLM(DecodeLoop):
             kv_offload=kv_offload,
         )
         # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
-        path = resolve_model(shipped(model) if load_format == "dummy" and model else model)
+        path = resolve_model(
+            shipped(model) if load_format == "dummy" and model else model,
+            config.disk.offload_folder,
+        )
         self.device = check_device(device)
         empty = build_empty(path, dtype, trust_remote_code)
         check_attention_model(empty)

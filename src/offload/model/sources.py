@@ -3,8 +3,9 @@
 - None: the default model (SmolLM2-135M-Instruct, see `default.py`);
 - a folder with safetensors weights: itself;
 - a folder with only `pytorch_model*.bin` weights, or a `.gguf` file: converted once into
-  safetensors in the offload cache, keyed by the source files' names, sizes and mtimes
-  (a changed source converts again), then loaded the fast way;
+  safetensors in the offload cache (or `offload_folder`), keyed by the source files'
+  names, sizes and mtimes (a changed source converts again, a stale or foreign folder is
+  never reused), then loaded the fast way, and streamed from there by a disk tier;
 - a Hugging Face id (`org/name`): its snapshot in the local Hugging Face cache, as
   transformers finds it (`HF_HUB_OFFLINE=1` keeps it to the cache; online, a missing one
   is downloaded with the hub's progress bars).
@@ -38,29 +39,31 @@ _CONVERTED = "converted"
 _VERSION = "1"  # part of the key: a change in how we convert converts again
 
 
-def resolve_model(model: str | Path | None) -> Path:
-    """The local folder `model` names (see the module's docstring)."""
+def resolve_model(model: str | Path | None, offload_folder: str | Path | None = None) -> Path:
+    """The local folder `model` names (see the module's docstring); conversions go into
+    `offload_folder` when given, else into the offload cache."""
     if model is None:
         return default_model_path()
+    into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return _converted(path.stem, [path], lambda out: _from_gguf(path, out))
+        return _converted(into, path.stem, [path], lambda out: _from_gguf(path, out))
     if path.is_dir():
-        return _local_folder(path)
+        return _local_folder(path, into)
     if path.exists():
         raise ModelError(f"{path} is not a model: give {ACCEPTED}")
     if _HUB_ID.match(str(model)) and not str(model).startswith("."):
-        return _local_folder(_hub_snapshot(str(model)))
+        return _local_folder(_hub_snapshot(str(model)), into)
     return path  # the loader says what is missing
 
 
-def _local_folder(path: Path) -> Path:
+def _local_folder(path: Path, into: Path) -> Path:
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
         return path
     bins = sorted(path.glob("pytorch_model*.bin"))
     if bins:
         sources = bins + sorted(p for p in path.iterdir() if p.is_file() and p not in bins)
-        return _converted(path.name, sources, lambda out: _from_bin(path, bins, out))
+        return _converted(into, path.name, sources, lambda out: _from_bin(path, bins, out))
     return path  # config only (dummy weights, inspect), or the loader's error
 
 
@@ -120,9 +123,10 @@ def _key(sources: list[Path]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _converted(name: str, sources: list[Path], convert: Callable[[Path], None]) -> Path:
-    """`convert(staging)` once per version of `sources`, into the offload cache."""
-    folder = cache_dir() / _CONVERTED
+def _converted(
+    folder: Path, name: str, sources: list[Path], convert: Callable[[Path], None]
+) -> Path:
+    """`convert(staging)` once per version of `sources`, into `folder`."""
     target = folder / f"{name}-{_key(sources)}"
     if (target / "config.json").is_file():
         return target
@@ -130,7 +134,7 @@ def _converted(name: str, sources: list[Path], convert: Callable[[Path], None]) 
         folder.mkdir(parents=True, exist_ok=True)
         lock = os.open(folder / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as error:
-        raise ModelError(f"cannot write to the offload cache {folder}: {error.strerror}") from None
+        raise ModelError(f"cannot write converted weights to {folder}: {error.strerror}") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process converts
         if not (target / "config.json").is_file():

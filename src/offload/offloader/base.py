@@ -194,6 +194,9 @@ class BaseOffloader(ABC):
         without a host tensor, in the checkpoint's file on disk."""
         if host is None:
             self._on_disk.add(id(param))
+            if not param.is_meta:  # its memory is freed now; a backend points it elsewhere
+                empty = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
+                torch.utils.swap_tensors(param, empty)
         else:
             self._host_views[id(param)] = host
         self._taken.append((param, param.device))
@@ -246,6 +249,11 @@ class BaseOffloader(ABC):
     def _restore(self, param: nn.Parameter) -> torch.Tensor:
         """The value of a taken parameter that has no host copy (see `_take`)."""
         raise KeyError("no host copy of an offloaded parameter")
+
+    def saved_value(self, param: torch.Tensor) -> torch.Tensor:
+        """An offloaded parameter's true value: its host copy, or read from where it is."""
+        host = self.host_view(param)
+        return host if host is not None else self._restore(param)
 
     def host_tensor(self, name: str) -> torch.Tensor:
         """The host copy of an offloaded parameter (by its manifest name)."""

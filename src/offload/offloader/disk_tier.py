@@ -13,6 +13,7 @@ units are read `read_ahead` = slots - 1 ahead of the one computing.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -108,13 +109,16 @@ class DiskTier:
         self._staging: list[torch.Tensor] = []
         self._staged: list[Future | None] = []  # per slot: its staging buffer's last load
         self._issuer: ThreadPoolExecutor | None = None
+        self._names: dict[int, str] = {}  # id of a streamed parameter -> its checkpoint name
+        self.num_units = 0  # units placed on disk
 
-    def place(self, units: Sequence[Any], qualified: Callable[[Any], list]) -> int:
-        """Give the units that do not fit the host budget a disk layout (`unit.disk`):
-        of those whose bytes can be read as they are, so that the fewest bytes come from
-        disk. Returns the bytes of units that must stay in host memory beyond the budget
-        (they cannot stream as they are)."""
-        layouts = [disk_layout(self.settings.ranges, qualified(unit)) for unit in units]
+    def place(self, units: Sequence[Any]) -> bool:
+        """Give the units that do not fit the host budget a disk layout (`unit.disk`), of
+        those whose bytes can be read as they are, so that the fewest bytes come from
+        disk; warn about units that must stay in host memory beyond the budget. True when
+        some unit streams."""
+        qualified = [[(f"{u.name}.{n}", p) for n, p in u.params] for u in units]
+        layouts = [disk_layout(self.settings.ranges, named) for named in qualified]
         fixed = sum(u.num_bytes for u, lay in zip(units, layouts, strict=True) if lay is None)
         movable = [i for i, layout in enumerate(layouts) if layout is not None]
         budget = self.settings.budget_bytes - fixed
@@ -122,7 +126,17 @@ class DiskTier:
         for i, disk in zip(movable, on_disk, strict=True):
             if disk:
                 units[i].disk = layouts[i]
-        return max(0, -budget)
+                self._names.update((id(p), name) for name, p in qualified[i])
+        if budget < 0:
+            warnings.warn(
+                f"{-budget / 2**30:.2f} GiB of offloaded weights cannot stream from the "
+                "checkpoint as they are (another dtype, or not in its safetensors files) and "
+                "stay in host memory beyond cpu_memory_gb",
+                UserWarning,
+                stacklevel=6,
+            )
+        self.num_units = sum(1 for unit in units if unit.disk is not None)
+        return self.num_units > 0
 
     def start(self, device: torch.device, engine: CopyEngine, slot_bytes: Sequence[int]) -> None:
         """Open the files and, on a GPU, make one pinned staging buffer per slot."""
@@ -183,9 +197,9 @@ class DiskTier:
         if self._reader is not None:
             self._reader.close()
 
-    def read_tensor(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        """A parameter's value, read from the checkpoint (for `state_dict()`)."""
-        stored = self.settings.ranges[name]
+    def read_tensor(self, like: torch.Tensor) -> torch.Tensor:
+        """A streamed parameter's value, read from the checkpoint (for `state_dict()`)."""
+        stored = self.settings.ranges[self._names[id(like)]]
         layout = plan_layout([stored])
         buffer = aligned_empty(layout.num_bytes)
         reader = DiskReader(self._stamps, num_threads=1, io=self.settings.io)
@@ -199,9 +213,10 @@ class DiskTier:
 
     def stats(self) -> dict[str, float | int]:
         if self._reader is None:
-            return {}
+            return {"num_disk_units": self.num_units}
         read = self._reader.stats
         return {
+            "num_disk_units": self.num_units,
             "disk_bytes_read": read.bytes_read,
             "disk_read_s": read.busy_s,
             "disk_read_gb_per_s": read.read_gb_per_s,

@@ -34,9 +34,10 @@ class PrefetchOffloader(BaseOffloader):
     address never changes (torch.compile and CUDA graphs keep working). After a layer
     runs, its slot is refilled with the next layer that uses it, on a copy stream (a
     worker thread with the CPU as compute device); see `memory/slots.py` for the schedule.
-
-    Reading an offloaded parameter outside its layer's forward gives whatever layer its
-    slot holds at that moment; the host copy (`manifest`, `host_tensor`) is the truth.
+    With a disk tier, layers beyond the host budget are read from the checkpoint's files
+    into their slot instead (see `disk_tier.py`). Reading an offloaded parameter outside
+    its layer's forward gives whatever layer its slot holds then; the host copy
+    (`host_tensor`) or the file is the truth.
     """
 
     def __init__(
@@ -105,26 +106,9 @@ class PrefetchOffloader(BaseOffloader):
             return []
         units = self._into_units(layers, modules)
         choice.check_some_offloaded(units, len(modules))
-        if self._disk is not None:
-            self._place_on_disk(units)
-        return units
-
-    def _place_on_disk(self, units: list[Unit]) -> None:
-        """Units beyond the host budget stream from disk, read `read_ahead` units ahead."""
-        over = self._disk.place(units, lambda unit: self._qualified(unit))
-        if over:
-            warnings.warn(
-                f"{over / 2**30:.2f} GiB of offloaded weights cannot stream from the "
-                "checkpoint as they are (another dtype, or not in its safetensors files) and "
-                "stay in host memory beyond cpu_memory_gb",
-                UserWarning,
-                stacklevel=5,
-            )
-        if any(unit.disk for unit in units):
+        if self._disk is not None and self._disk.place(units):  # some units stream from disk
             self.prefetch_step = max(self.prefetch_step, self._disk.settings.read_ahead + 1)
-
-    def _qualified(self, unit: Unit) -> list[tuple[str, nn.Parameter]]:
-        return [(f"{unit.name}.{name}", param) for name, param in unit.params]
+        return units
 
     def _into_units(self, layers: list[Unit], modules: list[nn.Module]) -> list[Unit]:
         """Resolve the unit for the compute device, split the layers into it, and set how
@@ -166,7 +150,7 @@ class PrefetchOffloader(BaseOffloader):
         for position, layer in enumerate(self._layers):
             if layer.disk is not None:
                 for _, param in layer.params:
-                    self._take_to_disk(param)  # its bytes stay in the checkpoint's file
+                    self._take(param, None)  # its bytes stay in the checkpoint's file
             else:
                 layer.slab = self._pack_into_slab(layer.params, self.device)
                 for (_, param), host in zip(layer.params, layer.slab.views, strict=True):
@@ -263,7 +247,8 @@ class PrefetchOffloader(BaseOffloader):
         return not self._table.needs_load(position)
 
     def _warn_if_grad(self) -> None:
-        if torch.is_grad_enabled() and not self._warned_grad and self._shares_slots():
+        shared = self._table.slots < len(self._layers)  # a slot serves several layers
+        if torch.is_grad_enabled() and not self._warned_grad and shared:
             self._warned_grad = True
             warnings.warn(
                 "prefetch offloading is for inference: offloaded layers share device slots, so "
@@ -272,9 +257,6 @@ class PrefetchOffloader(BaseOffloader):
                 UserWarning,
                 stacklevel=5,
             )
-
-    def _shares_slots(self) -> bool:
-        return self._table.slots < len(self._layers)
 
     def reload(self) -> None:
         """Forget what the slots hold (after their contents were overwritten, e.g. by
@@ -291,36 +273,16 @@ class PrefetchOffloader(BaseOffloader):
         if self._module_units is not None:
             self._module_units.forget_running()
 
-    # -- the disk tier ------------------------------------------------------------
-
-    def _streams(self) -> bool:
-        """Whether some unit streams from disk."""
-        return self._disk is not None and any(unit.disk for unit in self._layers)
+    def _streams(self) -> bool:  # the disk tier: some unit streams from the checkpoint
+        return self._disk is not None and self._disk.num_units > 0
 
     def _new_slot(self, num_bytes: int) -> torch.Tensor:
         if self.device.type == "cpu" and self._streams():
             return aligned_empty(num_bytes)  # read into directly, O_DIRECT needs alignment
         return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
 
-    def _take_to_disk(self, param: nn.Parameter) -> None:
-        """Take a parameter whose bytes stay in the checkpoint: its memory is freed now and
-        its slot view set in `post_init`."""
-        self._take(param, None)
-        if not param.is_meta:
-            empty = nn.Parameter(torch.empty_like(param, device="meta"), param.requires_grad)
-            torch.utils.swap_tensors(param, empty)
-
     def _restore(self, param: nn.Parameter) -> torch.Tensor:
-        for unit in self._layers:
-            for name, own in unit.params:
-                if own is param and unit.disk is not None:
-                    return self._disk.read_tensor(f"{unit.name}.{name}", param)
-        return super()._restore(param)
-
-    def saved_value(self, param: torch.Tensor) -> torch.Tensor:
-        """An offloaded parameter's true value: its host copy, or read from the checkpoint."""
-        host = self.host_view(param)
-        return host if host is not None else self._restore(param)
+        return self._disk.read_tensor(param)
 
     def layer_done(self, position: int, *, compiled: bool = False) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
@@ -360,9 +322,7 @@ class PrefetchOffloader(BaseOffloader):
         if self._engine is not None:
             self._engine.synchronize()
 
-    def join_after_forward(self) -> None:
-        if self._engine is not None:
-            self._engine.synchronize()
+    join_after_forward = sync_prev_onload  # both: compute waits for every copy issued
 
     # -- reporting ------------------------------------------------------------
 
@@ -372,11 +332,7 @@ class PrefetchOffloader(BaseOffloader):
 
     def stats(self) -> dict[str, float | int]:
         copies = self._engine.collect_stats().as_dict() if self._engine else {}
-        if self._disk is not None:
-            copies |= {
-                "num_disk_units": sum(1 for u in self._layers if u.disk),
-                **self._disk.stats(),
-            }
+        copies |= self._disk.stats() if self._disk is not None else {}
         return {
             **super().stats(),
             "num_offloaded_layers": (
