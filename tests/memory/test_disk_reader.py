@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -198,3 +199,32 @@ def _cached_bytes(path: Path) -> int:
         del buf
         assert result == 0, ctypes.get_errno()
         return sum(v & 1 for v in vec) * mmap.PAGESIZE
+
+
+def test_a_fault_with_reads_still_queued_raises_instead_of_hanging(tmp_path, monkeypatch):
+    """The first fault cancels the reads still queued; waiting for them must end (a
+    cancelled future never counts as done for `concurrent.futures.wait`)."""
+    path = tmp_path / "model.safetensors"
+    _file(path, 64 * ALIGN)
+    reader = DiskReader([FileStamp.of(path)], num_threads=1, chunk_bytes=ALIGN)
+
+    def failing(*args):
+        time.sleep(0.01)  # the other chunks are queued by now
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(disk_reader.os, "preadv", failing)
+    layout = plan_layout([TensorRange(path, 0, 64 * ALIGN)])
+    ticket = reader.read(aligned_empty(layout.num_bytes), layout.extents)
+    outcome = []
+
+    def wait():
+        try:
+            reader.wait(ticket)
+        except DiskReadError as error:
+            outcome.append(error)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert not waiter.is_alive() and outcome
+    assert any(f.cancelled() for f in ticket.futures)  # the case this test is about

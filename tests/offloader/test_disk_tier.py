@@ -4,8 +4,8 @@ safetensors files, and the outputs are the resident model's, bit for bit."""
 from __future__ import annotations
 
 import errno
+import json
 import os
-import re
 import threading
 
 import pytest
@@ -143,12 +143,19 @@ def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(sharded
     model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0})
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
-    victim = sorted(tmp_path.glob("model-*.safetensors"))[1]
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    victim = tmp_path / index["weight_map"]["model.layers.3.mlp.up_proj.weight"]
     _faults()[fault](victim)
-    with pytest.raises(DiskReadError, match=re.escape(str(victim))):
-        zoo.logits(model, ids)
-    with pytest.raises(DiskReadError):  # and again, never a wrong answer
-        zoo.logits(model, ids)
+    # Reads done before the change stay right; from the first forward that reads the
+    # file after it, every forward fails, naming it; never a wrong answer.
+    failures = 0
+    for _ in range(3):
+        try:
+            assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
+        except DiskReadError as error:
+            assert str(victim) in str(error)
+            failures += 1
+    assert failures >= 2
     threads = list(offloader._disk._reader._pool._threads)  # the I/O threads have ended
     for thread in threads:
         thread.join(timeout=5)

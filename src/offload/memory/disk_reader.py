@@ -10,13 +10,13 @@ waited for. The first fault ends the reader's threads; every later read raises i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,7 +151,7 @@ class DiskReader:
         (`count_stall`: the wait holds up compute, so it counts as a stall.)"""
         if not ticket.done() and count_stall:
             started = time.perf_counter()
-            wait_all(ticket.futures)
+            _settle(ticket.futures)
             self.stats.stall_s += time.perf_counter() - started
             self.stats.num_stalls += 1
         for future in ticket.futures:
@@ -166,7 +166,7 @@ class DiskReader:
         """Wait until no read is in flight (a read waits for the one before it into the
         same buffer, so the last read of each buffer is the last to land there)."""
         for ticket in list(self._last.values()):
-            wait_all(ticket.futures)
+            _settle(ticket.futures)
 
     def close(self) -> None:
         """Wait for reads in flight, end the threads and close the files."""
@@ -200,7 +200,7 @@ class DiskReader:
             if self._fault is not None:
                 raise DiskReadError(str(self._fault))
             if before is not None:  # submitted earlier, so running or done: no deadlock
-                wait_all(before.futures)
+                _settle(before.futures)
             if after is not None:
                 after()
             if self._delay_s:
@@ -290,3 +290,12 @@ class DiskReader:
             self.stats.num_reads += 1
             if self._in_flight == 0:
                 self.stats.busy_s += time.perf_counter() - self._busy_since
+
+
+def _settle(futures: list[Future]) -> None:
+    """Wait until each of `futures` has finished or was cancelled. (Not
+    `concurrent.futures.wait`: a future cancelled by `shutdown(cancel_futures=True)` never
+    counts as done there, and the wait would never end.)"""
+    for future in futures:
+        with contextlib.suppress(CancelledError):
+            future.exception()
