@@ -82,11 +82,15 @@ def load_disk_tier(folder: Path, config: dict[str, object]):
     from offload.model.loader import load_model
 
     try:
-        return load_model(folder, config, device="cpu")
+        model, offloader = load_model(folder, config, device="cpu")
     except ValueError as error:  # the package's ConfigError is a ValueError
         if "unknown offload config key" in str(error):
             raise TierMissing(str(error)) from None
         raise
+    # Every configuration here leaves layers on disk: without disk figures, nothing streams.
+    if "disk_bytes_read" not in offloader.stats():
+        raise TierMissing("load_model accepts the disk settings but streams nothing yet")
+    return model, offloader
 
 
 def checkpoint_files(folder: Path) -> list[Path]:
