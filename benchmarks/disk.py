@@ -13,16 +13,17 @@ must equal the resident run's: checked and recorded), then the timed runs are in
 round by round; medians with min/max. Ours reports the bytes it read per token; accelerate
 maps its whole folder at every forward (every weight is offloaded), so that size. The bound
 beside ours: max(resident step, bytes read per token / this machine's page-cache read
-bandwidth), the reads overlapping compute.
+bandwidth) with the reads overlapping compute; their sum beside it, as a read from the page
+cache is a copy that takes a core and this machine's cores all compute.
 
 cold: a Llama-shaped checkpoint of random weights (~3.3 GB fp32 by default, shards of
 500 MB so layers span files), written once into `--cache-dir` and reused; budget
 `cpu_memory_gb=0.75`, `disk_io="direct"`, decoding from token ids. In the same run: the
-disk's own sequential O_DIRECT read bandwidth over those files (before and after the decode
-runs); compute per decode step, from a 2-layer model of the same shapes kept resident (the
+disk's own sequential O_DIRECT read bandwidth over those files (before every round, as a
+virtual disk's speed drifts, one thread and the tier's threads); compute per decode step, from a 2-layer model of the same shapes kept resident (the
 step less its layers, plus the median layer time times the number of layers); the decode
 step time at each batch after a short prefill; and the bound max(compute, streamed bytes per
-step / O_DIRECT bandwidth), target step <= 1.15x bound. Memory: the process RSS (current
+step / the faster O_DIRECT bandwidth), target step <= 1.15x bound. Memory: the process RSS (current
 and peak) above what it was before loading, and the growth of the checkpoint's pages in the
 page cache (mincore), each against budget + staging + 10%; the RSS also holds the weights
 that stay on the compute device (here host RAM), which are added to its allowance.
