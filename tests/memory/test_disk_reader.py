@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pagecache import cached_bytes
 
 from offload.memory import disk_reader
 from offload.memory.disk_layout import ALIGN, TensorRange, aligned_empty, plan_layout
@@ -177,28 +178,11 @@ def test_direct_reads_leave_the_page_cache_alone(tmp_path):
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    before = _cached_bytes(path)
+    before = cached_bytes(path)
     reader = DiskReader([FileStamp.of(path)], io="direct")
     _read(reader, [TensorRange(path, 0, 8 * 2**20)])
     reader.close()
-    assert _cached_bytes(path) <= before + 2**20
-
-
-def _cached_bytes(path: Path) -> int:
-    """Bytes of `path` in the page cache (mincore over a mapping of the file)."""
-    import ctypes
-    import mmap
-
-    size = path.stat().st_size
-    with path.open("rb") as file, mmap.mmap(file.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
-        libc = ctypes.CDLL(None, use_errno=True)
-        pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-        vec = (ctypes.c_ubyte * pages)()
-        buf = (ctypes.c_char * size).from_buffer(mapped)
-        result = libc.mincore(ctypes.c_void_p(ctypes.addressof(buf)), ctypes.c_size_t(size), vec)
-        del buf
-        assert result == 0, ctypes.get_errno()
-        return sum(v & 1 for v in vec) * mmap.PAGESIZE
+    assert cached_bytes(path) <= before + 2**20
 
 
 def test_a_fault_with_reads_still_queued_raises_instead_of_hanging(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import threading
 import pytest
 import torch
 import zoo
+from pagecache import cached_bytes
 
 import offload
 from offload.memory import disk_reader
@@ -270,3 +271,28 @@ def test_llm_streams_from_disk_and_reports_it(tmp_path):
     assert streamed == resident
     assert moved.disk_read_bytes > 0 and moved.weight_copied_bytes == 0
     assert "from disk" in repr(moved)
+
+
+def test_direct_io_leaves_the_checkpoint_out_of_the_page_cache(sharded, tmp_path):
+    """With disk_io="direct", neither loading (the layers kept in RAM, the resident
+    weights) nor streaming leaves the checkpoint's bytes in the page cache (headers
+    aside): the budget holds for the machine. Through the page cache, they stay."""
+    source, resident = sharded
+    for item in source.iterdir():
+        (tmp_path / item.name).write_bytes(item.read_bytes())
+    files = sorted(tmp_path.glob("*.safetensors"))
+
+    def cached_after(io):
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        config = {**EVERY_LAYER, "cpu_memory_gb": _budgets(resident)["half"], "disk_io": io}
+        model, offloader = load_model(tmp_path, config)
+        zoo.logits(model, zoo.inputs())
+        offloader.close()
+        return sum(cached_bytes(path) for path in files)
+
+    assert cached_after("direct") <= 4 * 4096 * len(files)  # headers, pages at tensor edges
+    assert cached_after("page-cache") > sum(path.stat().st_size for path in files) // 2

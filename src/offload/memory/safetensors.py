@@ -59,7 +59,9 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
     after the last one)."""
     try:
         size = path.stat().st_size
-        with path.open("rb") as file:
+        with path.open("rb", buffering=0) as file:
+            # No read-ahead: only the header's pages enter the page cache, not the weights.
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             prefix = file.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path} is not a safetensors file (shorter than 8 bytes)")
@@ -187,9 +189,10 @@ def _short(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def read_into(stored: StoredTensor, destination: torch.Tensor) -> None:
+def read_into(stored: StoredTensor, destination: torch.Tensor, drop_cache: bool = False) -> None:
     """Read the bytes of `stored` into `destination`, a contiguous host tensor of the
-    same number of bytes (any dtype: the bytes are copied as they are)."""
+    same number of bytes (any dtype: the bytes are copied as they are). `drop_cache`:
+    then drop them from the page cache (the destination holds them now)."""
     if destination.device.type != "cpu" or not destination.is_contiguous():
         raise ValueError("read_into needs a contiguous host tensor")
     num_bytes = destination.numel() * destination.element_size()
@@ -206,6 +209,10 @@ def read_into(stored: StoredTensor, destination: torch.Tensor) -> None:
             if count == 0:
                 raise CheckpointError(f"{stored.path} is truncated while reading {stored.name!r}")
             done += count
+        if drop_cache:  # whole pages: the kernel keeps a page the range only touches
+            start = stored.offset // 4096 * 4096
+            end = -(-(stored.offset + num_bytes) // 4096) * 4096
+            os.posix_fadvise(descriptor, start, end - start, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(descriptor)
 

@@ -27,6 +27,7 @@ from offload.model.checkpoint import checkpoint_targets
 from offload.model.configs import resolve
 from offload.model.merges import Assembled
 from offload.offloader.base import BaseOffloader
+from offload.offloader.factory import as_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -61,15 +62,18 @@ def load_model(
         if isinstance(entry, StoredTensor)
     }
     offloader = prepare(model, config, device, deferred=True, checkpoint=ranges)
-    _fill(model, offloader, targets, device, progress)
+    # With a disk tier around the page cache, loading leaves nothing there either: the
+    # bytes read are in their final memory, and the budget holds for the machine.
+    disk = as_config(config).disk
+    _fill(model, offloader, targets, device, progress, disk.is_active and disk.disk_io == "direct")
     return model, finish(offloader)
 
 
-def _fill(model, offloader, targets, device: torch.device, progress: bool) -> None:
+def _fill(model, offloader, targets, device: torch.device, progress: bool, drop: bool) -> None:
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(model.named_buffers(remove_duplicate=False))
     largest = max((_largest_read(e) for e in targets.values() if e is not None), default=0)
-    staging = _Staging(largest, device)
+    staging = _Staging(largest, device, drop)
     generator = torch.Generator().manual_seed(0)
     bar = None
     if progress:
@@ -104,7 +108,7 @@ def _read(entry: StoredTensor, destination: torch.Tensor, staging: _Staging) -> 
         and destination.dtype == entry.dtype
         and destination.is_contiguous()
     ):
-        read_into(entry, destination)  # file -> final host memory, nothing in between
+        read_into(entry, destination, staging.drop)  # file -> final memory, nothing between
     else:
         destination.copy_(staging.read(entry))  # file -> staging -> device, casting if needed
 
@@ -115,9 +119,11 @@ def _largest_read(entry: StoredTensor | Assembled) -> int:
 
 class _Staging:
     """One reusable host buffer (pinned when a GPU reads it) for tensors that do not go
-    straight from the file to their final host memory."""
+    straight from the file to their final host memory; `drop`: every read leaves the page
+    cache as it was."""
 
-    def __init__(self, num_bytes: int, device: torch.device):
+    def __init__(self, num_bytes: int, device: torch.device, drop: bool = False):
+        self.drop = drop
         pin = should_pin_memory(device)
         self._slab = HostSlab(
             [TensorSpec((num_bytes,), torch.uint8)], pin_for=device if pin else None
@@ -125,7 +131,7 @@ class _Staging:
 
     def read(self, entry: StoredTensor) -> torch.Tensor:
         raw = self._slab.buffer[: entry.num_bytes]
-        read_into(entry, raw)
+        read_into(entry, raw, self.drop)
         return raw.view(entry.dtype).view(entry.shape)
 
 
