@@ -80,8 +80,8 @@ def plan_layout(ranges: Sequence[TensorRange], align: int = ALIGN) -> DiskLayout
     return DiskLayout(tuple(extents), offsets, placed)
 
 
-def aligned_empty(num_bytes: int, align: int = ALIGN, pin: bool = False) -> torch.Tensor:
+def aligned_empty(num_bytes: int, align: int = ALIGN) -> torch.Tensor:
     """A uint8 host buffer of `num_bytes` whose first byte is `align`-aligned."""
-    raw = torch.empty(num_bytes + align, dtype=torch.uint8, pin_memory=pin)
+    raw = torch.empty(num_bytes + align, dtype=torch.uint8)
     skip = -raw.data_ptr() % align
     return raw[skip : skip + num_bytes]

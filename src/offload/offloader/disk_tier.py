@@ -27,7 +27,7 @@ from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine
 from offload.memory.disk_layout import DiskLayout, TensorRange, aligned_empty, plan_layout
 from offload.memory.disk_reader import DiskReader, FileStamp, ReadTicket
-from offload.memory.host import should_pin_memory
+from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.memory.safetensors import checkpoint_tensors
 from offload.offloader.disk_placement import place_on_disk
 
@@ -144,8 +144,10 @@ class DiskTier:
         self._reader = DiskReader(self._stamps, num_threads=settings.num_threads, io=settings.io)
         self._engine = engine
         if device.type != "cpu" or FORCE_STAGING:
-            pin = should_pin_memory(device)
-            self._staging = [aligned_empty(size, pin=pin) for size in slot_bytes]
+            # Exact-size, page-aligned (O_DIRECT reads into it) and pinned where a GPU
+            # copies from it; not the caching host allocator's power-of-two blocks.
+            pin_for = device if should_pin_memory(device) else None
+            self._staging = [_staging_buffer(size, pin_for) for size in slot_bytes]
             self._staged = [None] * len(slot_bytes)
             # Queues each unit's copy once its read is done, in the order units are loaded.
             self._issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-stage")
@@ -224,6 +226,10 @@ class DiskTier:
             "disk_num_stalls": read.num_stalls,
             "staging_bytes": sum(buffer.numel() for buffer in self._staging),
         }
+
+
+def _staging_buffer(num_bytes: int, pin_for: torch.device | None) -> torch.Tensor:
+    return HostSlab([TensorSpec((num_bytes,), torch.uint8)], pin_for=pin_for).buffer
 
 
 def _delay() -> Callable[[], None] | None:
