@@ -269,3 +269,10 @@ def test_a_tokenizer_larger_than_the_model_is_one_line_not_a_traceback(tmp_path)
     [line] = [line for line in result.stderr.splitlines() if line.strip()]
     assert line.startswith("offload: error: prompt 0 holds a token id the model cannot embed")
     assert "token ids in [0, 128), got 200" in line
+
+
+def test_inspect_says_what_a_disk_tier_reads_per_forward(capsys, smollm2_path):
+    assert main(["inspect", "--cpu-memory-gb", "0.1"]) == 0
+    out = capsys.readouterr().out
+    # 7 of the 30 layers of 13.5 MiB fit 0.1 GiB; the other 23 stream.
+    assert "disk tier: 310.6 MiB read from the checkpoint's files per forward, 94.5 MiB kept" in out

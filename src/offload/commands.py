@@ -178,6 +178,13 @@ def inspect(args: argparse.Namespace) -> str:
             f"device staging: {offloader.prefetch_step} slot(s) of {offloader.unit} units, "
             f"{format_bytes(planned.staging_bytes)} in all"
         )
+    if config.disk.is_active:
+        streamed = sum(e.num_bytes for e in manifest if e.location == "disk")
+        kept = planned.offloaded_bytes - streamed
+        lines.append(
+            f"disk tier: {format_bytes(streamed)} read from the checkpoint's files per forward, "
+            f"{format_bytes(kept)} kept in host memory (cpu_memory_gb {config.disk.cpu_memory_gb})"
+        )
     return "\n".join(lines)
 
 
