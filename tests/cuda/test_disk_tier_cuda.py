@@ -40,3 +40,17 @@ def test_a_sharded_checkpoint_streams_to_the_gpu(tmp_path):
     model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0}, device="cuda")
     assert torch.equal(zoo.logits(model, ids), expected)
     offloader.close()
+
+
+def test_llm_with_a_disk_tier_decodes_eagerly_and_exactly(checkpoint, tmp_path):
+    """Disk reads are queued by a staging thread: a CUDA graph would not capture them."""
+    from offload import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(5, 21))}
+    with LLM(checkpoint, device="cuda", offload_group_size=1, offload_prefetch_step=2) as llm:
+        expected = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    with LLM(checkpoint, device="cuda", cpu_memory_gb=0) as llm:
+        assert not llm._use_graphs
+        assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == expected
+        assert llm.transfer_stats().disk_read_bytes > 0

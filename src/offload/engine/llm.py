@@ -154,13 +154,14 @@ class LLM(DecodeLoop):
         self._load(
             path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
         )
-        # CUDA graphs for decode, as vLLM does unless enforce_eager; copies from unpinned
-        # memory or per-forward weight copies cannot be captured.
+        # CUDA graphs for decode unless enforce_eager, as vLLM; copies from unpinned memory,
+        # per-forward copies or disk reads (queued by a staging thread) cannot be captured.
         self._use_graphs = (
             self.device.type == "cuda"
             and not enforce_eager
             and not config.disable_pin_memory
             and not config.disable_uva
+            and not config.disk.is_active
         )
         self.seed = seed
         torch.manual_seed(seed)
