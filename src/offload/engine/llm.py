@@ -156,13 +156,8 @@ class LLM(DecodeLoop):
         )
         # CUDA graphs for decode unless enforce_eager, as vLLM; copies from unpinned memory,
         # per-forward copies or disk reads (queued by a staging thread) cannot be captured.
-        self._use_graphs = (
-            self.device.type == "cuda"
-            and not enforce_eager
-            and not config.disable_pin_memory
-            and not config.disable_uva
-            and not config.disk.is_active
-        )
+        uncapturable = config.disable_pin_memory or config.disable_uva or config.disk.is_active
+        self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
         self.seed = seed
         torch.manual_seed(seed)
 
