@@ -209,29 +209,39 @@ def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkey
 
 
 def test_recovering_from_an_abandoned_forward_waits_for_its_reads_in_flight(sharded, monkeypatch):
-    """Deterministic twin of the test above: reads are held at a gate; after a Ctrl-C in
-    a wait, `recover` (what the next forward runs first) returns only once they landed."""
+    """Deterministic twin of the test above: a read is held while it writes into its
+    slot; after a Ctrl-C in a wait, `recover` (what the next forward runs first) returns
+    only once that write is done, and reads not started then never write."""
     path, resident = sharded
     model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2})
-    gate = threading.Event()
-    monkeypatch.setattr(disk_tier, "_delay", lambda: gate.wait)
+    armed, gate, writing = threading.Event(), threading.Event(), threading.Event()
+    pread = disk_reader.DiskReader._pread
 
+    def held(self, *args):  # reads issued once armed are held while they write
+        if armed.is_set():
+            writing.set()
+            gate.wait()
+        return pread(self, *args)
+
+    monkeypatch.setattr(disk_reader.DiskReader, "_pread", held)
     original, waits = disk_tier.DiskTier.wait, []
 
     def interrupted(self, ticket):
         waits.append(ticket)
-        if len(waits) == 2:  # layer 0 ran, and the read of layer 3 is held at the gate
+        armed.set()  # from the first wait on: what is read next is held
+        if len(waits) == 2:  # layer 0 ran, and the read of layer 3 is writing, held
+            assert writing.wait(timeout=10)
             raise KeyboardInterrupt
         return original(self, ticket)
 
     monkeypatch.setattr(disk_tier.DiskTier, "wait", interrupted)
     with pytest.raises(KeyboardInterrupt):
         zoo.logits(model, zoo.inputs())
-    monkeypatch.undo()
+    monkeypatch.setattr(disk_tier.DiskTier, "wait", original)
     recovering = threading.Thread(target=offloader.recover)
     recovering.start()
     recovering.join(timeout=0.3)
-    assert recovering.is_alive()  # still waiting for the held read
+    assert recovering.is_alive()  # still waiting for the held write
     gate.set()
     recovering.join(timeout=10)
     assert not recovering.is_alive()

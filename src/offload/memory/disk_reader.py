@@ -116,9 +116,13 @@ class DiskReader:
         self._in_flight = 0
         self._busy_since = 0.0
         self._fault: DiskReadError | None = None
-        # buffer storage address -> its last read: a read into a buffer waits for the one
-        # before it (after a Ctrl-C, an abandoned read may still be writing there)
-        self._last: dict[int, ReadTicket] = {}
+        # Per buffer (its storage address): the generation of its latest read, and the
+        # chunks writing into it now, by generation. A chunk writes only if its read is
+        # still the buffer's latest, once older chunks already writing are done: so a
+        # read abandoned by a Ctrl-C, or forgotten by `invalidate`, never lands late.
+        self._generation: dict[int, int] = {}
+        self._writing: dict[int, dict[int, int]] = {}
+        self._buffers = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="offload-io")
 
     def read(
@@ -130,20 +134,18 @@ class DiskReader:
         """Start reading `extents` into `buffer` (contiguous uint8 host memory); `after`
         runs on the I/O thread before each read (e.g. waits until the buffer is free)."""
         self._raise_fault()
+        if any(e.buffer_offset + e.num_bytes > buffer.numel() for e in extents):
+            raise ValueError(f"extents run past their {buffer.numel()}-byte buffer")
         key = buffer.untyped_storage().data_ptr()
-        before = self._last.get(key)
-        futures = []
+        with self._buffers:
+            generation = self._generation[key] = self._generation.get(key, 0) + 1
+        ticket = ReadTicket([])
         for extent in extents:
-            if extent.buffer_offset + extent.num_bytes > buffer.numel():
-                raise ValueError(
-                    f"extent of {extent.path} runs past its {buffer.numel()}-byte buffer"
-                )
             for done in range(0, extent.num_bytes, self._chunk_bytes):
                 size = min(self._chunk_bytes, extent.num_bytes - done)
                 target = buffer[extent.buffer_offset + done : extent.buffer_offset + done + size]
-                job = (extent.path, extent.file_offset + done, target, before, after)
-                futures.append(self._pool.submit(self._read_chunk, *job))
-        self._last[key] = ticket = ReadTicket(futures)
+                job = (extent.path, extent.file_offset + done, target, (key, generation), after)
+                ticket.futures.append(self._pool.submit(self._read_chunk, *job))
         return ticket
 
     def wait(self, ticket: ReadTicket, *, count_stall: bool = True) -> None:
@@ -162,11 +164,15 @@ class DiskReader:
             if error is not None:
                 raise error if isinstance(error, DiskReadError) else self._fail(error)
 
-    def drain(self) -> None:
-        """Wait until no read is in flight (a read waits for the one before it into the
-        same buffer, so the last read of each buffer is the last to land there)."""
-        for ticket in list(self._last.values()):
-            _settle(ticket.futures)
+    def invalidate(self) -> None:
+        """Forget every read issued so far: none writes into its buffer after this returns
+        (those writing now are waited for, those not started yet skip). Their tickets
+        then say nothing of the buffers: load them again."""
+        with self._buffers:
+            for key in self._generation:
+                self._generation[key] += 1
+            while any(any(per.values()) for per in self._writing.values()):
+                self._buffers.wait()
 
     def close(self) -> None:
         """Wait for reads in flight, end the threads and close the files."""
@@ -193,28 +199,48 @@ class DiskReader:
         path: Path,
         offset: int,
         target: torch.Tensor,
-        before: ReadTicket | None,
+        owner: tuple[int, int],
         after: Callable[[], None] | None,
     ) -> None:
         try:
             if self._fault is not None:
                 raise DiskReadError(str(self._fault))
-            if before is not None:  # submitted earlier, so running or done: no deadlock
-                _settle(before.futures)
             if after is not None:
                 after()
             if self._delay_s:
                 time.sleep(self._delay_s)
+            if not self._start_writing(*owner):
+                return  # a later read owns the buffer now
             self._begin()
             try:
                 self._pread(path, offset, target)
             finally:
                 self._end(target.numel())
+                self._stop_writing(*owner)
         except DiskReadError as error:
             raise self._fail(error) from None
         except OSError as error:
             reason = error.strerror or str(error)
             raise self._fail(DiskReadError(f"reading {path} failed: {reason}")) from None
+
+    def _start_writing(self, key: int, generation: int) -> bool:
+        """Wait until chunks of older reads writing into the buffer are done; then write
+        only if this read is still the buffer's latest."""
+        with self._buffers:
+            writing = self._writing.setdefault(key, {})
+            while any(n for g, n in writing.items() if g < generation):
+                self._buffers.wait()
+            if self._generation.get(key) != generation:
+                return False
+            writing[generation] = writing.get(generation, 0) + 1
+            return True
+
+    def _stop_writing(self, key: int, generation: int) -> None:
+        with self._buffers:
+            self._writing[key][generation] -= 1
+            if not self._writing[key][generation]:
+                del self._writing[key][generation]
+            self._buffers.notify_all()
 
     def _pread(self, path: Path, offset: int, target: torch.Tensor) -> None:
         stamp = self._stamps[path]

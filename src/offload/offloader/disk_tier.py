@@ -183,15 +183,14 @@ class DiskTier:
             self._reader.stats.num_stalls += 1
         self._engine.wait(ticket.result())
 
-    def drain(self) -> None:
-        """Let every read and staged copy in flight finish (after an abandoned forward, a
-        late read must not land in a slot loaded since). Their errors are kept for the
-        next wait."""
+    def invalidate(self) -> None:
+        """Forget every read and staged copy in flight (after an abandoned forward): none
+        lands after this returns, so the slots must all be loaded again."""
         if self._reader is not None:
-            self._reader.drain()
-        for staged in self._staged:
-            if staged is not None:
-                staged.exception()
+            self._reader.invalidate()
+        if self._issuer is not None:
+            self._issuer.submit(_nothing).result()  # stale copies are queued before it
+            self._staged = [None] * len(self._staged)
 
     def close(self) -> None:
         if self._issuer is not None:
@@ -249,3 +248,7 @@ def _after_copy_out(engine: CopyEngine, previous: Future | None) -> Callable[[],
             delay()
 
     return wait_for_copy_out
+
+
+def _nothing() -> None:
+    return None

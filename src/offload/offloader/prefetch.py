@@ -264,10 +264,13 @@ class PrefetchOffloader(BaseOffloader):
         if self._engine is None:
             return
         self._engine.synchronize()
-        if self._streams():
-            self._disk.drain()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        self._forget_slots()
+
+    def _forget_slots(self) -> None:
+        if self._streams():
+            self._disk.invalidate()  # no read issued so far lands after this
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         self._tickets = [None] * len(self._layers)
         if self._module_units is not None:
@@ -296,11 +299,12 @@ class PrefetchOffloader(BaseOffloader):
 
     def recover(self) -> None:
         """After an abandoned forward: nothing is running, no read check is active. The
-        slot table needs nothing: it is consistent after an interrupt at any point."""
+        slot table is consistent after an interrupt at any point; with a disk tier, the
+        reads left in flight are forgotten and every slot is loaded again."""
         if self._module_units is not None:
             self._module_units.recover()
-        if self._streams():
-            self._disk.drain()  # a read it left in flight must land before the slot's next load
+        if self._streams() and self._engine is not None:
+            self._forget_slots()
         self.forward_finished()
 
     def forward_started(self) -> None:

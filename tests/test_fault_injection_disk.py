@@ -1,0 +1,58 @@
+"""The fault-injection sweep of `test_fault_injection.py` over a streamed forward: a
+Ctrl-C at every interruptible instruction of the prefetch protocol and of the disk tier's
+own code (placing reads, waiting, draining), then the next forward must be exact."""
+
+from __future__ import annotations
+
+import pytest
+import test_fault_injection as sweep
+import torch
+import zoo
+
+from offload.memory import disk_reader
+from offload.model.loader import load_model
+from offload.offloader import disk_tier
+
+DISK_CODE = sweep._code_objects(disk_tier.DiskTier, disk_reader.DiskReader) - {
+    disk_tier.DiskTier.stats.__code__
+}
+
+
+@pytest.mark.parametrize("layers_in_ram", [0, 2])
+def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_exact(
+    tmp_path, monkeypatch, layers_in_ram
+):
+    base = zoo.build("llama", num_layers=5)
+    base.save_pretrained(tmp_path, max_shard_size="60KB")
+    ids = zoo.inputs()
+    expected = zoo.logits(base, ids)
+    layer = zoo.layer_param_bytes(base) / 5
+    budget = (layers_in_ram + 0.5) * layer / 2**30 if layers_in_ram else 0
+    config = {"offload_group_size": 1, "offload_prefetch_step": 2, "cpu_memory_gb": budget}
+    monkeypatch.setattr(sweep, "PROTOCOL", sweep.PROTOCOL | DISK_CODE)
+    monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.0002)  # reads still in flight at a Ctrl-C
+    moved, opened = [], []
+
+    def make():
+        for offloader in opened:  # end the I/O threads of the models done with
+            offloader.close()
+        opened.clear()
+        model, offloader = load_model(tmp_path, {**config, "read_ahead": 1})
+        opened.append(offloader)
+
+        def two_forwards():
+            zoo.logits(model, ids)
+            zoo.logits(model, ids[:, :5])
+
+        def check(site):
+            out = zoo.logits(model, ids)
+            where = f"{site[0].co_qualname}+{site[1]}"
+            assert torch.equal(out, expected), f"wrong after an interrupt at {where}"
+            moved.append(offloader.stats()["disk_bytes_read"])
+
+        return two_forwards, check
+
+    assert sweep._sweep(make, every=False) > 30
+    assert min(moved) > 0
+    for offloader in opened:
+        offloader.close()
