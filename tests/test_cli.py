@@ -206,14 +206,9 @@ def test_generate_without_a_chat_template_asks_the_plain_question(smollm2_path, 
 
 
 def test_a_state_space_model_is_inspected_and_refused_by_generate_in_one_line(tmp_path):
-    import torch
     import zoo
-    from transformers import MambaConfig, MambaForCausalLM
 
-    torch.manual_seed(0)
-    config = MambaConfig(hidden_size=64, num_hidden_layers=3, vocab_size=zoo.VOCAB, state_size=8)
-    MambaForCausalLM(config).save_pretrained(tmp_path)
-    zoo._word_tokenizer(zoo.VOCAB).save_pretrained(tmp_path)
+    zoo.save_with_tokenizer(zoo.build("mamba"), tmp_path)
     inspected = _run("inspect", str(tmp_path), "--offload-group-size", "2")
     assert inspected.returncode == 0, inspected.stderr
     assert "KV cache: none" in inspected.stdout and "backbone.layers.1" in inspected.stdout

@@ -64,6 +64,74 @@ def _configs() -> dict[str, tuple[object, type]]:
     }
 
 
+def _more_configs() -> dict[str, tuple[object, type]]:
+    """Architectures built by name for the tests that need them, outside `ARCHS` (which
+    tests run over every architecture): each shows one thing the others do not."""
+    causal = tf.AutoModelForCausalLM
+    return {
+        # a state-space model: layers with a recurrent state, no KV cache
+        "mamba": (
+            tf.MambaConfig(hidden_size=64, num_hidden_layers=3, vocab_size=VOCAB, state_size=8),
+            causal,
+        ),
+        # mixture of experts with transformers' fused expert weights
+        "mixtral": (
+            tf.MixtralConfig(
+                hidden_size=64,
+                intermediate_size=48,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_local_experts=3,
+                num_experts_per_tok=2,
+                vocab_size=VOCAB,
+            ),
+            causal,
+        ),
+        # latent attention: caches compressed latents, not heads x head_dim
+        "deepseek_v3": (
+            tf.DeepseekV3Config(
+                hidden_size=64,
+                intermediate_size=96,
+                moe_intermediate_size=32,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                n_shared_experts=1,
+                first_k_dense_replace=1,
+                kv_lora_rank=16,
+                q_lora_rank=32,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=16,
+                n_group=1,
+                topk_group=1,
+                vocab_size=VOCAB,
+            ),
+            causal,
+        ),
+        # sliding-window layers (window 4) alternating with full ones
+        "gemma2": (
+            tf.Gemma2Config(
+                vocab_size=VOCAB,
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=16,
+                sliding_window=4,
+                pad_token_id=0,
+            ),
+            causal,
+        ),
+        # ALiBi attention: its bias is built from the 2D attention mask
+        "bloom": (tf.BloomConfig(hidden_size=64, n_layer=4, n_head=4, vocab_size=VOCAB), causal),
+    }
+
+
 ARCHS = tuple(_configs())
 CAUSAL_ARCHS = tuple(
     name for name, (_, auto) in _configs().items() if auto is tf.AutoModelForCausalLM
@@ -71,11 +139,13 @@ CAUSAL_ARCHS = tuple(
 
 
 def build(arch: str, seed: int = 0, num_layers: int | None = None) -> torch.nn.Module:
-    """A randomly initialised (seeded) tiny model in eval mode, float32 on the CPU."""
-    config, auto = _configs()[arch]
+    """A randomly initialised (seeded) tiny model in eval mode, float32 on the CPU: one of
+    `ARCHS` or of the architectures built by name (`_more_configs`)."""
+    config, auto = {**_configs(), **_more_configs()}[arch]
     if num_layers is not None:
         setattr(config, "n_layer" if arch == "gpt2" else "num_hidden_layers", num_layers)
-        if getattr(config, "layer_types", None):  # per-layer lists follow the layer count
+        derived = isinstance(getattr(type(config), "layer_types", None), property)
+        if getattr(config, "layer_types", None) and not derived:  # lists follow the count
             config.layer_types = [config.layer_types[0]] * num_layers
     torch.manual_seed(seed)
     return auto.from_config(config).eval()
@@ -130,6 +200,31 @@ def save_smollm2_shape(path):
     return path
 
 
+def save_large_llama(path):
+    """A randomly initialised Llama checkpoint of about 400 MB in float32 (8 layers of
+    width 1024, an untied vocabulary of 16000), saved to `path`: large enough that a
+    second copy of its weights would stand out in a process's peak memory."""
+    shape = tf.LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=16000,
+        tie_word_embeddings=False,
+    )
+    tf.AutoModelForCausalLM.from_config(shape).save_pretrained(path)
+    return path
+
+
+def save_with_tokenizer(model: torch.nn.Module, path):
+    """`model` saved to `path` with a word tokenizer of the zoo's vocabulary, for tests
+    that load a checkpoint folder (the CLI, `LLM`)."""
+    model.save_pretrained(path)
+    _word_tokenizer(VOCAB).save_pretrained(path)
+    return path
+
+
 def _word_tokenizer(vocab_size: int):
     """One word per token, "t3" to "t<vocab-1>"; ids 0-2 are pad, bos and eos."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -146,7 +241,4 @@ def _word_tokenizer(vocab_size: int):
 def save_tiny_llm(path, num_layers: int = 24):
     """A seeded tiny Llama checkpoint with `num_layers` layers and a word tokenizer, for
     `LLM` tests that need many layers but little compute."""
-    model = build("llama", num_layers=num_layers)
-    model.save_pretrained(path)
-    _word_tokenizer(VOCAB).save_pretrained(path)
-    return path
+    return save_with_tokenizer(build("llama", num_layers=num_layers), path)

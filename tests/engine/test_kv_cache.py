@@ -59,17 +59,8 @@ def test_exact_on_every_architecture(arch):
 def test_latent_attention_is_sized_by_what_it_caches():
     """DeepSeek-V3's attention caches compressed latents, not heads x head_dim as its
     config suggests: the probe measures the real shape, and the host cache holds it."""
-    import transformers as tf
-
-    config = tf.DeepseekV3Config(
-        hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
-        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=16, n_group=1, topk_group=1, vocab_size=zoo.VOCAB,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model = zoo.build("deepseek_v3")
+    config = model.config
     dims = probe_kv_dims(model)
     assert dims is not None and dims[1:] != (config.head_dim, config.head_dim)
     ids = zoo.inputs()
@@ -225,15 +216,7 @@ def test_graph_buckets_cover_the_written_rows():
 def test_mixed_sliding_and_full_layers():
     """Gemma 2 alternates sliding-window and full layers: the full ones go to the host,
     the sliding ones (window 4, shorter than the text) keep their ring on the device."""
-    import transformers as tf
-
-    config = tf.Gemma2Config(
-        vocab_size=zoo.VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
-        pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model = zoo.build("gemma2")
     ids = zoo.inputs()
     expected, _ = decode(model, ids, 5, offload=False)
     got, kv = decode(model, ids, 5, offload=True, num_slots=1)  # one slot: refills

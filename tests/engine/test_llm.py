@@ -475,8 +475,7 @@ def test_a_mixture_of_experts_checkpoint_generates_as_transformers_does(tmp_path
     import zoo
 
     model = zoo.build("qwen3_moe", num_layers=3)
-    model.save_pretrained(tmp_path)
-    zoo._word_tokenizer(zoo.VOCAB).save_pretrained(tmp_path)
+    zoo.save_with_tokenizer(model, tmp_path)
     ids = [5, 17, 42, 9, 77]
     expected = zoo.greedy(model, torch.tensor([ids]), 8)[0, len(ids) :].tolist()
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -579,14 +578,10 @@ def test_chunked_prefill_makes_a_long_context_fit(smollm2_path):
 def test_alibi_attention_bloom_generates_as_transformers_does_offloaded_or_not(tmp_path):
     """Bloom builds its ALiBi bias from the 2D attention mask, which must then cover the
     whole static cache, in the prefill as in decode."""
-    import transformers as tf
     import zoo
 
-    torch.manual_seed(0)
-    config = tf.BloomConfig(hidden_size=64, n_layer=4, n_head=4, vocab_size=zoo.VOCAB)
-    model = tf.BloomForCausalLM(config).eval()
-    model.save_pretrained(tmp_path)
-    zoo._word_tokenizer(zoo.VOCAB).save_pretrained(tmp_path)
+    model = zoo.build("bloom")
+    zoo.save_with_tokenizer(model, tmp_path)
     prompts = [[5, 9, 22, 7, 31, 4, 17, 60, 3, 11], [8, 12, 99]]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with torch.no_grad():

@@ -321,23 +321,6 @@ def test_one_tensor_under_two_names_is_refused(tiny_checkpoint):
         load_model(path)
 
 
-def _mixtral():
-    import transformers as tf
-
-    config = tf.MixtralConfig(
-        hidden_size=64,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=3,
-        num_experts_per_tok=2,
-        vocab_size=zoo.VOCAB,
-    )
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
 MOE_SETTINGS = {
     "resident": None,
     "uva": {"cpu_offload_gb": 0.0002},
@@ -352,7 +335,7 @@ def test_per_expert_checkpoints_are_stacked_as_transformers_does(tmp_path, arch,
     """transformers saves a mixture's experts one tensor each (the hub's layout) and
     stacks them into `experts.gate_up_proj` / `down_proj` when loading: the loader reads
     each expert's tensor straight into its slice of the stacked parameter."""
-    model = _mixtral() if arch == "mixtral" else zoo.build(arch, num_layers=2)
+    model = zoo.build(arch, num_layers=2)
     model.save_pretrained(tmp_path)
     assert any(".experts.1." in key for key in _keys(tmp_path))  # one tensor per expert
     dtype = "bfloat16" if setting.endswith("bf16") else "auto"
@@ -432,11 +415,7 @@ def test_peak_host_memory_is_one_copy_of_the_weights(tmp_path, config):
     """A fresh process loads a ~400 MB checkpoint: its peak RSS grows by no more than the
     weights themselves (all in host memory here: the CPU is the device) plus one layer
     and a little slack, never by a second copy of the model."""
-    from transformers import LlamaConfig
-
-    shape = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=8,
-                        num_key_value_heads=8, vocab_size=16000, tie_word_embeddings=False)  # fmt: skip
-    AutoModelForCausalLM.from_config(shape).save_pretrained(tmp_path / "big")
+    zoo.save_large_llama(tmp_path / "big")
     result = subprocess.run(
         [sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "big"), json.dumps(config)],
         capture_output=True, text=True, check=True, timeout=300,

@@ -589,11 +589,7 @@ def test_module_units_read_outside_their_forward_stay_exact_with_a_warning(step,
 
 
 def test_mamba_with_module_units_gives_the_resident_tokens():
-    import transformers as tf
-
-    config = tf.MambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=zoo.VOCAB, state_size=8)
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    model = zoo.build("mamba", num_layers=4)
     ids = zoo.inputs()
     expected = zoo.greedy(model, ids)
     offloader = prefetch(model, step=2, layers=model.backbone.layers, unit="module")
