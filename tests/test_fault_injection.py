@@ -173,8 +173,12 @@ def test_an_interrupt_at_any_step_of_a_forward_leaves_the_next_forward_exact(uni
 
     def make():
         model = copy.deepcopy(base)
-        offloader = prepare(model, config, torch.device("cpu"))
-        offloader._copy_engine_factory = lambda device: SlowEngine(delay_s=0.0002)
+        offloader = prepare(
+            model,
+            config,
+            torch.device("cpu"),
+            copy_engine_factory=lambda device: SlowEngine(delay_s=0.0002),
+        )
         finish(offloader)
 
         def two_forwards():

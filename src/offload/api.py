@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,6 +13,7 @@ from torch import nn
 
 from offload.config import OffloadConfig
 from offload.errors import ModelError
+from offload.memory.copy_engine import CopyEngine
 from offload.memory.device import check_device, cuda_usable
 from offload.memory.disk_layout import TensorRange
 from offload.offloader.base import (
@@ -35,6 +36,7 @@ def apply(
     *,
     layers: str | nn.Module | Iterable[nn.Module] | None = None,
     checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
+    copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
 ) -> BaseOffloader:
     """Offload `model`'s weights as `config` says; return the offloader.
 
@@ -49,12 +51,23 @@ def apply(
     With a disk tier (`cpu_memory_gb`), the layers beyond that host budget are read from
     the model's safetensors files each forward: `checkpoint` names their folder (default:
     the folder `from_pretrained` loaded it from).
+
+    `copy_engine_factory` (device -> CopyEngine), for the prefetch backend, makes the engine
+    that copies layers in place of the library's choice: a hook for tests and custom engines
+    (other backends ignore it).
     """
     if not isinstance(model, nn.Module):
         raise ModelError(f"apply needs a torch.nn.Module, got {type(model).__name__}")
     _check_no_meta(model)
     device = check_device(device if device is not None else _model_device(model))
-    offloader = prepare(model, config, device, layers, checkpoint=checkpoint)
+    offloader = prepare(
+        model,
+        config,
+        device,
+        layers,
+        checkpoint=checkpoint,
+        copy_engine_factory=copy_engine_factory,
+    )
     if device.type == "cpu" and offloader.offloaded_bytes and cuda_usable():
         warnings.warn(
             "offload.apply: the model computes on the CPU, the same memory its weights are "
@@ -73,12 +86,16 @@ def prepare(
     *,
     deferred: bool = False,
     checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
+    copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
 ) -> BaseOffloader:
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
     device memory, and a loader then reads the checkpoint into them. If anything fails,
-    what was done is undone: the model is left as it was."""
-    offloader, blocks = _offloader_for(model, config, device, layers, checkpoint)
+    what was done is undone: the model is left as it was. `copy_engine_factory`: as for
+    `apply` (a hook for tests and custom engines)."""
+    offloader, blocks = _offloader_for(
+        model, config, device, layers, checkpoint, copy_engine_factory
+    )
     try:
         offloader.wrap_modules(iter(blocks), deferred=deferred)
     except BaseException:
@@ -129,6 +146,7 @@ def _offloader_for(
     device: torch.device,
     layers: str | nn.Module | Iterable[nn.Module] | None,
     checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
+    copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
 ) -> tuple[BaseOffloader, list[nn.Module]]:
     """The offloader `config` selects, told the model's names and what must stay
     resident, and the layers it is to wrap."""
@@ -141,7 +159,9 @@ def _offloader_for(
     blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
     config = as_config(config)
     ranges = checkpoint_ranges(model, checkpoint) if config.disk.is_active else None
-    offloader = create_offloader(config, device=device, checkpoint=ranges)
+    offloader = create_offloader(
+        config, device=device, checkpoint=ranges, copy_engine_factory=copy_engine_factory
+    )
     offloader.name_modules(model)
     offloader.keep_resident(_params_outside(model, blocks))
     offloader.keep_resident(p for p in model.parameters() if _self_overlapping(p))

@@ -48,9 +48,9 @@ class LateCopies(CudaCopyEngine):
 
 
 def _apply(model, step, engine=None):
-    offloader = offload.create_offloader({"offload_group_size": 1, "offload_prefetch_step": step})
-    if engine is not None:
-        offloader._copy_engine_factory = lambda device: engine
+    config = {"offload_group_size": 1, "offload_prefetch_step": step}
+    factory = (lambda device: engine) if engine is not None else None
+    offloader = offload.create_offloader(config, copy_engine_factory=factory)
     offloader.wrap_modules(model.layers)
     offloader.post_init()
     return offloader

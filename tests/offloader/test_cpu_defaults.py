@@ -110,9 +110,9 @@ def two_threads(monkeypatch):
     torch.set_num_threads(before)
 
 
-def _offloaded(config=DEFAULTS):
+def _offloaded(config=DEFAULTS, copy_engine_factory=None):
     model, reference = zoo.build("llama", num_layers=3), zoo.build("llama", num_layers=3)
-    offloader = offload.apply(model, config, device="cpu")
+    offloader = offload.apply(model, config, device="cpu", copy_engine_factory=copy_engine_factory)
     return model, reference, offloader
 
 
@@ -129,7 +129,7 @@ def test_compute_keeps_the_users_threads_and_the_copies_use_a_free_core_if_any(
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
     assert probe.seen == [2] and torch.get_num_threads() == 2
-    engine = type(offloader._engine)
+    engine = type(offloader.copy_engine)
     assert engine is (SyncCopyEngine if cores == 2 else ThreadCopyEngine)
     assert offloader.stats()["bytes_copied"] > 0
 
@@ -148,12 +148,13 @@ def test_an_interrupted_forward_changes_no_thread_count_and_the_next_is_exact(tw
 
 def test_copies_on_the_compute_thread_are_exact_for_both_units(small_cache):
     for unit in ("layer", "module"):
-        model, reference, offloader = _offloaded({**DEFAULTS, "prefetch_unit": unit})
-        offloader._engine = SyncCopyEngine()  # whatever this machine's cores
-        offloader.reload()
+        model, reference, offloader = _offloaded(
+            {**DEFAULTS, "prefetch_unit": unit},
+            copy_engine_factory=lambda device: SyncCopyEngine(),  # whatever this machine's cores
+        )
         ids = zoo.inputs()
         assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
-        assert offloader._engine.stats.bytes_copied > 0
+        assert offloader.copy_engine.stats.bytes_copied > 0
 
 
 @pytest.mark.parametrize(
@@ -245,7 +246,7 @@ def test_the_default_cpu_engine_keeps_llm_outputs_exact_with_the_kv_cache_in_hos
 
     _, resident = run()
     llm, offloaded = run(kv_offload=True, **DEFAULTS)
-    assert isinstance(llm.offloader._engine, SyncCopyEngine)
+    assert isinstance(llm.offloader.copy_engine, SyncCopyEngine)
     assert offloaded.token_ids == resident.token_ids
     assert offloaded.logprobs == resident.logprobs
     stats = llm.transfer_stats()

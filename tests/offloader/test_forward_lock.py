@@ -20,9 +20,8 @@ PREFETCH = {"offload_group_size": 1, "offload_prefetch_step": 2}
 def _offloaded(num_layers=12, config=PREFETCH, engine=None):
     model = zoo.build("llama", num_layers=num_layers)
     reference = zoo.build("llama", num_layers=num_layers)
-    offloader = prepare(model, config, torch.device("cpu"))
-    if engine is not None:
-        offloader._copy_engine_factory = lambda device: engine
+    factory = (lambda device: engine) if engine is not None else None
+    offloader = prepare(model, config, torch.device("cpu"), copy_engine_factory=factory)
     return model, finish(offloader), reference
 
 

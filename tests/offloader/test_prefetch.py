@@ -26,9 +26,8 @@ def prefetch(
         "offload_params": list(params),
         "prefetch_unit": unit,
     }
-    offloader = offload.create_offloader(config)
-    if engine is not None:
-        offloader._copy_engine_factory = lambda device: engine
+    factory = (lambda device: engine) if engine is not None else None
+    offloader = offload.create_offloader(config, copy_engine_factory=factory)
     offloader.name_modules(model)
     offloader.wrap_modules(layers if layers is not None else model.model.layers)
     offloader.post_init()
@@ -586,6 +585,30 @@ def test_module_units_read_outside_their_forward_stay_exact_with_a_warning(step,
     for _ in range(4):  # past the checked calls: the layers that read so stay checked
         assert torch.equal(blocks(x), expected)
     assert offloader.stats()["bytes_copied"] > 0
+
+
+def test_the_copy_engine_comes_from_the_factory_given_and_other_backends_ignore_it():
+    from offload.api import finish, prepare
+    from offload.memory.copy_engine import SyncCopyEngine
+
+    made = []
+
+    def factory(device):
+        made.append(SyncCopyEngine())
+        return made[-1]
+
+    model, ids = zoo.build("llama", num_layers=3), zoo.inputs()
+    expected = zoo.logits(model, ids)
+    config = {"offload_group_size": 1, "offload_prefetch_step": 2}
+    offloader = prepare(model, config, torch.device("cpu"), copy_engine_factory=factory)
+    assert offloader.copy_engine is None and not made  # made by post_init
+    finish(offloader)
+    assert offloader.copy_engine is made[0] and len(made) == 1
+    assert torch.equal(zoo.logits(model, ids), expected)
+    assert made[0].stats.bytes_copied > 0
+    uva = {"cpu_offload_gb": 0.0001}
+    offload.apply(zoo.build("llama", num_layers=3), uva, copy_engine_factory=factory)
+    assert len(made) == 1
 
 
 def test_mamba_with_module_units_gives_the_resident_tokens():

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from offload.config import OffloadConfig
 from offload.errors import ConfigError
+from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.disk_layout import TensorRange
 from offload.offloader.base import BaseOffloader, NoopOffloader
 from offload.offloader.disk_tier import DiskSettings, DiskTier
@@ -22,11 +23,15 @@ def create_offloader(
     device: torch.device | str | None = None,
     *,
     checkpoint: Mapping[str, TensorRange] | None = None,
+    copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
 ) -> BaseOffloader:
     """Build the offloader `config` selects (vLLM's rule for `offload_backend="auto"`).
 
     `device` is the compute device; when None, each wrapped module's own device is used.
     `checkpoint` (for a disk tier) gives each parameter's bytes in the model's files.
+    `copy_engine_factory` (device -> CopyEngine) makes the engine the prefetch backend
+    copies layers with, in place of the library's choice: a hook for tests and custom
+    engines. Other backends ignore it.
     """
     config = as_config(config)
     device = torch.device(device) if device is not None else None
@@ -62,6 +67,7 @@ def create_offloader(
             disable_pin_memory=config.disable_pin_memory,
             unit=config.prefetch_unit,
             disk=_disk_tier(config, checkpoint) if config.disk.is_active else None,
+            copy_engine_factory=copy_engine_factory or make_copy_engine,
         )
     return NoopOffloader()
 

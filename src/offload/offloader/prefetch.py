@@ -26,18 +26,16 @@ from offload.offloader.units import UNITS, Unit, resolve_unit, units_ahead
 class PrefetchOffloader(BaseOffloader):
     """vLLM's prefetch offloader, with whole-layer copies and provably safe slots.
 
-    The last `num_in_group` layers of every `group_size` are offloaded (only the
-    parameters matching `offload_params`, if given). Each offloaded layer's parameters
-    are packed into one exact-size (pinned, on CUDA) host slab, so bringing a layer in
-    is one copy. The device holds `prefetch_step` slots, each as large as the largest
-    layer it serves; every offloaded parameter is a permanent view into its slot, so its
-    address never changes (torch.compile and CUDA graphs keep working). After a layer
-    runs, its slot is refilled with the next layer that uses it, on a copy stream (a
-    worker thread with the CPU as compute device); see `memory/slots.py` for the schedule.
-    With a disk tier, layers beyond the host budget are read from the checkpoint's files
-    into their slot instead (see `disk_tier.py`). Reading an offloaded parameter outside
-    its layer's forward gives whatever layer its slot holds then; the host copy
-    (`host_tensor`) or the file is the truth.
+    The last `num_in_group` layers of every `group_size` are offloaded (only the parameters matching
+    `offload_params`, if given). Each offloaded layer's parameters are packed into one exact-size
+    (pinned, on CUDA) host slab, so bringing a layer in is one copy. The device holds
+    `prefetch_step` slots, each as large as the largest layer it serves; every offloaded parameter
+    is a permanent view into its slot, so its address never changes (torch.compile and CUDA graphs
+    keep working). After a layer runs, its slot is refilled with the next layer that uses it, on a
+    copy stream (a worker thread with the CPU as compute device); see `memory/slots.py` for the
+    schedule. With a disk tier, layers beyond the host budget are read from the checkpoint's files
+    into their slot instead (see `disk_tier.py`). Reading an offloaded parameter outside its layer's
+    forward gives what its slot holds then; the host copy (`host_tensor`) or the file is the truth.
     """
 
     def __init__(
@@ -111,8 +109,7 @@ class PrefetchOffloader(BaseOffloader):
         return units
 
     def _into_units(self, layers: list[Unit], modules: list[nn.Module]) -> list[Unit]:
-        """Resolve the unit for the compute device, split the layers into it, and set how
-        many units ahead copies run."""
+        """Resolve the unit for the device, split the layers into it, set the units ahead."""
         params = (p for m in modules for p in m.parameters())
         device = self.device or next(params, torch.empty(0)).device
         largest_layer = max((layer.num_bytes for layer in layers), default=0)
@@ -197,9 +194,8 @@ class PrefetchOffloader(BaseOffloader):
         if self._module_units is not None:
             self._module_units.slot_refilled(position, self._table.slots)
         if torch.is_grad_enabled():
-            # Autograd may have saved the slot's previous weights for a backward pass: mark
-            # them overwritten, so that backward fails loudly instead of using wrong weights.
-            # (Each parameter has its own version counter, not the slot's.)
+            # Autograd may have saved the slot's previous weights: mark them overwritten, so that
+            # backward fails loudly (each parameter has its own version counter, not the slot).
             for other in self._layers[slot_index :: self._table.slots]:
                 other.mark_overwritten()
         if layer.disk is not None:
@@ -333,6 +329,11 @@ class PrefetchOffloader(BaseOffloader):
     @property
     def device_staging_bytes(self) -> int:
         return sum(slot.numel() for slot in self._slots)
+
+    @property
+    def copy_engine(self) -> CopyEngine | None:
+        """The engine copying units into their slots: made by `post_init`, None before."""
+        return self._engine
 
     def stats(self) -> dict[str, float | int]:
         copies = self._engine.collect_stats().as_dict() if self._engine else {}
