@@ -85,3 +85,11 @@ def aligned_empty(num_bytes: int, align: int = ALIGN) -> torch.Tensor:
     raw = torch.empty(num_bytes + align, dtype=torch.uint8)
     skip = -raw.data_ptr() % align
     return raw[skip : skip + num_bytes]
+
+
+def slot_buffer(num_bytes: int, device: torch.device, read_into: bool) -> torch.Tensor:
+    """A device slot of `num_bytes`; on the CPU, aligned where reads land in it directly
+    (`read_into`: O_DIRECT needs the alignment)."""
+    if device.type == "cpu" and read_into:
+        return aligned_empty(num_bytes)
+    return torch.empty(num_bytes, dtype=torch.uint8, device=device)

@@ -10,7 +10,7 @@ from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
-from offload.memory.disk_layout import aligned_empty
+from offload.memory.disk_layout import slot_buffer
 from offload.memory.host import should_pin_memory
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
@@ -168,7 +168,7 @@ class PrefetchOffloader(BaseOffloader):
         self._engine = self._copy_engine_factory(self.device)
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         sizes = slot_sizes([layer.slot_bytes for layer in self._layers], self._table.slots)
-        self._slots = [self._new_slot(size) for size in sizes]
+        self._slots = [slot_buffer(size, self.device, self._streams()) for size in sizes]
         if self._streams():
             self._disk.start(self.device, self._engine, sizes)
         for position, layer in enumerate(self._layers):
@@ -274,11 +274,6 @@ class PrefetchOffloader(BaseOffloader):
 
     def _streams(self) -> bool:  # the disk tier: some unit streams from the checkpoint
         return self._disk is not None and self._disk.num_units > 0
-
-    def _new_slot(self, num_bytes: int) -> torch.Tensor:
-        if self.device.type == "cpu" and self._streams():
-            return aligned_empty(num_bytes)  # read into directly, O_DIRECT needs alignment
-        return torch.empty(num_bytes, dtype=torch.uint8, device=self.device)
 
     def _restore(self, param: nn.Parameter) -> torch.Tensor:
         return self._disk.read_tensor(param)
