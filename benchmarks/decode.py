@@ -122,9 +122,8 @@ def main() -> None:
         if config is None:
             model.to(device)
         elif name in DIAGNOSTIC:
-            offloader = offload.api.prepare(model, config, device)
-            offloader._copy_engine_factory = lambda device: SkippedCopies()
-            offload.api.finish(offloader)
+            skipped = lambda device: SkippedCopies()  # noqa: E731
+            offloader = offload.apply(model, config, device=device, copy_engine_factory=skipped)
         else:
             offloader = offload.apply(model, config, device=device)
         tokens = decode(model, inputs, args.tokens)  # also the warm-up
