@@ -156,6 +156,23 @@ def _sweep(make, every: bool) -> int:
     return interrupted
 
 
+def forwards_and_check(model, offloader, ids, expected, moved: list, counter: str):
+    """A workload of two forwards, and the check after an interrupt: the next forward
+    gives `expected` bit for bit, and the offloader's `counter` of bytes moved is noted."""
+
+    def two_forwards():
+        zoo.logits(model, ids)
+        zoo.logits(model, ids[:, :5])
+
+    def check(site):
+        out = zoo.logits(model, ids)
+        where = f"{site[0].co_qualname}+{site[1]}"
+        assert torch.equal(out, expected), f"wrong after an interrupt at {where}"
+        moved.append(offloader.stats()[counter])
+
+    return two_forwards, check
+
+
 @pytest.mark.parametrize(
     ("unit", "every", "fresh"),
     [
@@ -180,18 +197,7 @@ def test_an_interrupt_at_any_step_of_a_forward_leaves_the_next_forward_exact(uni
             copy_engine_factory=lambda device: SlowEngine(delay_s=0.0002),
         )
         finish(offloader)
-
-        def two_forwards():
-            zoo.logits(model, ids)
-            zoo.logits(model, ids[:, :5])
-
-        def check(site):
-            out = zoo.logits(model, ids)
-            where = f"{site[0].co_qualname}+{site[1]}"
-            assert torch.equal(out, expected), f"wrong after an interrupt at {where}"
-            moved.append(offloader.stats()["bytes_copied"])
-
-        return two_forwards, check
+        return forwards_and_check(model, offloader, ids, expected, moved, "bytes_copied")
 
     shared = make()
     assert _sweep(make if fresh else lambda: shared, every) > 50

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import test_fault_injection as sweep
-import torch
 import zoo
 
 from offload.memory import disk_reader
@@ -39,18 +38,7 @@ def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_
         opened.clear()
         model, offloader = load_model(tmp_path, {**config, "read_ahead": 1})
         opened.append(offloader)
-
-        def two_forwards():
-            zoo.logits(model, ids)
-            zoo.logits(model, ids[:, :5])
-
-        def check(site):
-            out = zoo.logits(model, ids)
-            where = f"{site[0].co_qualname}+{site[1]}"
-            assert torch.equal(out, expected), f"wrong after an interrupt at {where}"
-            moved.append(offloader.stats()["disk_bytes_read"])
-
-        return two_forwards, check
+        return sweep.forwards_and_check(model, offloader, ids, expected, moved, "disk_bytes_read")
 
     assert sweep._sweep(make, every=False) > 30
     assert min(moved) > 0
