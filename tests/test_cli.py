@@ -267,7 +267,11 @@ def test_a_tokenizer_larger_than_the_model_is_one_line_not_a_traceback(tmp_path)
 
 
 def test_inspect_says_what_a_disk_tier_reads_per_forward(capsys, smollm2_path):
-    assert main(["inspect", "--cpu-memory-gb", "0.1"]) == 0
+    assert main(["inspect", "--cpu-memory-gb", "0.1", "--disk-io", "direct"]) == 0
     out = capsys.readouterr().out
     # 7 of the 30 layers of 13.5 MiB fit 0.1 GiB; the other 23 stream.
-    assert "disk tier: 310.6 MiB read from the checkpoint's files per forward, 94.5 MiB kept" in out
+    streamed = "310.6 MiB read from the checkpoint's files per forward, 94.5 MiB kept"
+    assert f"disk tier (direct io): {streamed}" in out
+    assert main(["inspect", "--cpu-memory-gb", "0.1", "--disk-io", "mmap"]) == 0
+    out = capsys.readouterr().out
+    assert "disk tier (mmap io): 310.6 MiB computed on in place (mapped) from the chec" in out

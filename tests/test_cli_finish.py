@@ -165,8 +165,13 @@ def test_the_disk_tier_flags_stream_and_the_figures_say_so(tmp_path):
     # More layers than the 2 slots of read-ahead 1: every forward reads from disk.
     argv = [*_one_prompt(zoo.save_tiny_llm(tmp_path, num_layers=5)), "--no-stream"]
     resident = _generate(*argv).getvalue()
-    streamed = _generate(*argv, "--cpu-memory-gb", "0", "--read-ahead", "1").getvalue()
+    disk = ["--cpu-memory-gb", "0", "--read-ahead", "1"]
+    streamed = _generate(*argv, *disk, "--disk-io", "direct").getvalue()
     assert streamed.split("\n[")[0] == resident.split("\n[")[0]
     figures = streamed.splitlines()[-1]
     assert "/forward from disk at " in figures and "I/O stall" in figures
-    assert "from disk" not in resident
+    assert "from disk" not in resident and "mapped" not in figures
+    mapped = _generate(*argv, *disk, "--disk-io", "mmap").getvalue()
+    assert mapped.split("\n[")[0] == resident.split("\n[")[0]
+    figures = mapped.splitlines()[-1]
+    assert "/forward of mapped checkpoint files" in figures and "from disk" not in figures

@@ -406,7 +406,7 @@ def test_the_disk_tier_is_ours_off_by_default_and_through_prefetch():
         ({"cpu_memory_gb": -1}, "disk.cpu_memory_gb must be a finite number >= 0"),
         ({"read_ahead": 0}, "disk.read_ahead must be a finite number >= 1"),
         ({"io_threads": 1.5}, "disk.io_threads must be an integer >= 1"),
-        ({"disk_io": "mmap"}, "disk.disk_io must be one of direct, page-cache"),
+        ({"disk_io": "fast"}, "disk.disk_io must be one of auto, direct, page-cache, mmap"),
         ({"offload_folder": 3}, "disk.offload_folder must be a folder path"),
         ({"cpu_memory_gb": 1, "offload_backend": "uva"}, "offload_backend='uva' cannot use it"),
         ({"disk": {"budget": 1}}, "unknown key 'budget' in disk"),

@@ -8,18 +8,18 @@ import pytest
 import test_fault_injection as sweep
 import zoo
 
-from offload.memory import disk_reader
+from offload.memory import disk_reader, mapped_files
 from offload.model.loader import load_model
 from offload.offloader import disk_tier
 
-DISK_CODE = sweep._code_objects(disk_tier.DiskTier, disk_reader.DiskReader) - {
-    disk_tier.DiskTier.stats.__code__
-}
+DISK_CODE = sweep._code_objects(
+    disk_tier.DiskTier, disk_reader.DiskReader, mapped_files.MappedFiles
+) - {disk_tier.DiskTier.stats.__code__}
 
 
-@pytest.mark.parametrize("layers_in_ram", [0, 2])
+@pytest.mark.parametrize(("layers_in_ram", "io"), [(0, "direct"), (2, "direct"), (2, "mmap")])
 def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_exact(
-    tmp_path, monkeypatch, layers_in_ram
+    tmp_path, monkeypatch, layers_in_ram, io
 ):
     base = zoo.build("llama", num_layers=5)
     base.save_pretrained(tmp_path, max_shard_size="60KB")
@@ -27,7 +27,12 @@ def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_
     expected = zoo.logits(base, ids)
     layer = zoo.layer_param_bytes(base) / 5
     budget = (layers_in_ram + 0.5) * layer / 2**30 if layers_in_ram else 0
-    config = {"offload_group_size": 1, "offload_prefetch_step": 2, "cpu_memory_gb": budget}
+    config = {
+        "offload_group_size": 1,
+        "offload_prefetch_step": 2,
+        "cpu_memory_gb": budget,
+        "disk_io": io,
+    }
     monkeypatch.setattr(sweep, "PROTOCOL", sweep.PROTOCOL | DISK_CODE)
     monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.0002)  # reads still in flight at a Ctrl-C
     moved, opened = [], []
@@ -38,7 +43,8 @@ def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_
         opened.clear()
         model, offloader = load_model(tmp_path, {**config, "read_ahead": 1})
         opened.append(offloader)
-        return sweep.forwards_and_check(model, offloader, ids, expected, moved, "disk_bytes_read")
+        counter = "disk_bytes_mapped" if io == "mmap" else "disk_bytes_read"
+        return sweep.forwards_and_check(model, offloader, ids, expected, moved, counter)
 
     assert sweep._sweep(make, every=False) > 30
     assert min(moved) > 0

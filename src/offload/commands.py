@@ -122,6 +122,9 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
             f"disk at {this_call.disk_read_gb_per_s:.2f} GB/s, I/O stall "
             f"{this_call.disk_stall_s * 1e3:.0f} ms"
         )
+    if this_call.disk_mapped_bytes:  # disk_io mmap: the page cache is read in place
+        mapped = this_call.disk_mapped_bytes / max(forwards, 1)
+        moved += f"; computed on {format_bytes(mapped)}/forward of mapped checkpoint files"
     # Said on the figures line: this run executed Python code shipped with the checkpoint.
     trusted = "; trust_remote_code=True" if llm.trust_remote_code else ""
     return (
@@ -181,9 +184,11 @@ def inspect(args: argparse.Namespace) -> str:
     if config.disk.is_active:
         streamed = sum(e.num_bytes for e in manifest if e.location == "disk")
         kept = planned.offloaded_bytes - streamed
+        how = "computed on in place (mapped) from" if offloader.disk_io == "mmap" else "read from"
         lines.append(
-            f"disk tier: {format_bytes(streamed)} read from the checkpoint's files per forward, "
-            f"{format_bytes(kept)} kept in host memory (cpu_memory_gb {config.disk.cpu_memory_gb})"
+            f"disk tier ({offloader.disk_io} io): {format_bytes(streamed)} {how} the checkpoint's "
+            f"files per forward, {format_bytes(kept)} kept in host memory "
+            f"(cpu_memory_gb {config.disk.cpu_memory_gb})"
         )
     return "\n".join(lines)
 

@@ -132,7 +132,9 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "disk_io",
         {
             "choices": DISK_IO,
-            "help": "disk tier: direct reads around the page cache (default), or through it, leaving pages cached",
+            "help": "disk tier: direct reads around the page cache, reads through it (pages stay "
+            "cached), or compute on mapped files (CPU); auto maps a checkpoint already in the "
+            "page cache on the CPU, else reads directly",
         },
     ),
     (

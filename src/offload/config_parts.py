@@ -119,7 +119,7 @@ class PrefetchOffloadConfig:
         self.offload_params = _as_segments(owner, "offload_params", self.offload_params)
 
 
-DISK_IO = ("direct", "page-cache")
+DISK_IO = ("auto", "direct", "page-cache", "mmap")
 
 
 @dataclass
@@ -132,13 +132,16 @@ class DiskOffloadConfig:
     offloaded weight in host memory; 0: every offloaded layer streams from disk).
     `offload_folder`: where a checkpoint that is not safetensors is converted once.
     `disk_io`: "direct" reads around the page cache (`O_DIRECT`, or pages dropped after
-    use), so the budget holds for the machine; "page-cache" leaves read pages cached.
+    use), so the budget holds for the machine; "page-cache" leaves read pages cached;
+    "mmap" (CPU compute only) computes on a guarded mapping of the files, with no copy;
+    "auto" maps them on the CPU when their streamed bytes are in the page cache already
+    at load, else reads directly.
     """
 
     cpu_memory_gb: float | None = None
     offload_folder: str | None = None
     read_ahead: int = 2
-    disk_io: str = "direct"
+    disk_io: str = "auto"
     io_threads: int = 2
 
     def __post_init__(self) -> None:

@@ -14,6 +14,7 @@ import zoo
 from pagecache import cached_bytes
 
 import offload
+from offload.errors import ModelError
 from offload.memory import disk_reader
 from offload.memory.disk_reader import DiskReadError
 from offload.model.loader import load_model
@@ -48,7 +49,7 @@ def _budgets(model) -> dict[str, float]:
 
 @pytest.mark.parametrize("budget", ["none", "half", "all but one"])
 @pytest.mark.parametrize("read_ahead", [1, 3])
-@pytest.mark.parametrize("io", ["direct", "page-cache"])
+@pytest.mark.parametrize("io", ["direct", "page-cache", "mmap"])
 def test_streamed_layers_give_the_resident_logits_and_tokens(sharded, budget, read_ahead, io):
     path, resident = sharded
     ids = zoo.inputs()  # a batch of two
@@ -65,17 +66,26 @@ def test_streamed_layers_give_the_resident_logits_and_tokens(sharded, budget, re
     on_disk = {"none": NUM_LAYERS, "half": NUM_LAYERS // 2, "all but one": 1}[budget]
     assert stats["num_disk_units"] == on_disk
     assert stats["host_bytes"] <= config["cpu_memory_gb"] * 2**30
-    assert stats["disk_bytes_read"] >= on_disk * _layer_bytes(resident)
+    assert stats["disk_io"] == io
+    streamed = stats["disk_bytes_mapped" if io == "mmap" else "disk_bytes_read"]
+    assert streamed >= on_disk * _layer_bytes(resident)
+    if io == "mmap":  # computed on in place: no read, and no slot when all are mapped
+        assert "disk_bytes_read" not in stats
+        assert (stats["device_staging_bytes"] == 0) == (budget == "none")
     offloader.close()
 
 
-def test_apply_streams_a_from_pretrained_model_from_its_own_files(sharded):
+@pytest.mark.parametrize("io", ["auto", "direct"])
+def test_apply_streams_a_from_pretrained_model_from_its_own_files(sharded, io):
+    """By default ("auto"), a checkpoint in the page cache (just loaded) is mapped."""
     path, resident = sharded
     model = zoo.load_on_cpu(path)
-    offloader = offload.apply(model, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    offloader = offload.apply(model, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
-    assert offloader.stats()["disk_bytes_read"] > 0
+    stats = offloader.stats()
+    assert stats["disk_io"] == ("mmap" if io == "auto" else io)
+    assert stats["disk_bytes_mapped" if io == "auto" else "disk_bytes_read"] > 0
     assert offloader.host_bytes == 0
     offloader.close()
 
@@ -87,7 +97,8 @@ def test_delayed_reads_still_give_the_resident_logits(sharded, monkeypatch, stag
     path, resident = sharded
     monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.002)
     monkeypatch.setattr(disk_tier, "FORCE_STAGING", staged)
-    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2})
+    config = {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2, "disk_io": "direct"}
+    model, offloader = load_model(path, config)
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
     stats = offloader.stats()
@@ -97,9 +108,10 @@ def test_delayed_reads_still_give_the_resident_logits(sharded, monkeypatch, stag
     offloader.close()
 
 
-def test_through_torch_compile(sharded):
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_through_torch_compile(sharded, io):
     path, resident = sharded
-    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     compiled = torch.compile(model, backend="eager")
     ids = zoo.inputs()
     with torch.no_grad():
@@ -108,9 +120,10 @@ def test_through_torch_compile(sharded):
     offloader.close()
 
 
-def test_state_dict_reads_streamed_weights_from_the_checkpoint(sharded):
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_state_dict_reads_streamed_weights_from_the_checkpoint(sharded, io):
     path, resident = sharded
-    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     expected = resident.state_dict()
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name]), name
@@ -133,15 +146,34 @@ def _faults():
     def remove(path):
         path.unlink()
 
-    return {"truncated": truncate, "replaced": replace, "modified": modify, "removed": remove}
+    def overwrite(path):  # in place, the size and the inode kept
+        with path.open("r+b") as file:
+            file.seek(path.stat().st_size // 2)
+            file.write(b"\x7f" * 64)
+
+    return {
+        "truncated": truncate,
+        "replaced": replace,
+        "modified": modify,
+        "removed": remove,
+        "overwritten": overwrite,
+    }
 
 
-@pytest.mark.parametrize("fault", sorted(_faults()))
-def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(sharded, tmp_path, fault):
-    source, resident = sharded
+def _copy_of(source, tmp_path):
     for item in source.iterdir():
         (tmp_path / item.name).write_bytes(item.read_bytes())
-    model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    return tmp_path
+
+
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+@pytest.mark.parametrize("fault", sorted(_faults()))
+def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(
+    sharded, tmp_path, fault, io
+):
+    source, resident = sharded
+    _copy_of(source, tmp_path)
+    model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -157,7 +189,10 @@ def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(sharded
             assert str(victim) in str(error)
             failures += 1
     assert failures >= 2
-    threads = list(offloader._disk._reader._pool._threads)  # the I/O threads have ended
+    if io == "mmap":
+        threads = [offloader._disk._mapped._watcher]  # the lease watcher has ended
+    else:
+        threads = list(offloader._disk._reader._pool._threads)  # the I/O threads have ended
     for thread in threads:
         thread.join(timeout=5)
     assert threads and not any(t.is_alive() for t in threads)
@@ -166,7 +201,7 @@ def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(sharded
 
 def test_a_read_error_is_one_error_naming_the_file(sharded, monkeypatch):
     path, _ = sharded
-    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "direct"})
 
     def failing(*args):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -179,13 +214,16 @@ def test_a_read_error_is_one_error_naming_the_file(sharded, monkeypatch):
     offloader.close()
 
 
-@pytest.mark.parametrize("budget", ["none", "half"])
-def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkeypatch, budget):
+@pytest.mark.parametrize(
+    ("budget", "io"), [("none", "direct"), ("half", "direct"), ("half", "mmap")]
+)
+def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkeypatch, budget, io):
     """A Ctrl-C while compute waits for a read leaves that read in flight; it must land
     before anything else is loaded into its slot (a unit from host memory, with a budget)."""
     path, resident = sharded
     gib = _budgets(resident)[budget]
-    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": gib, "read_ahead": 2})
+    config = {**EVERY_LAYER, "cpu_memory_gb": gib, "read_ahead": 2, "disk_io": io}
+    model, offloader = load_model(path, config)
     monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.03)  # reads still in flight
     ids = zoo.inputs()
     expected = zoo.logits(resident, ids)
@@ -213,7 +251,8 @@ def test_recovering_from_an_abandoned_forward_waits_for_its_reads_in_flight(shar
     slot; after a Ctrl-C in a wait, `recover` (what the next forward runs first) returns
     only once that write is done, and reads not started then never write."""
     path, resident = sharded
-    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2})
+    config = {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2, "disk_io": "direct"}
+    model, offloader = load_model(path, config)
     armed, gate, writing = threading.Event(), threading.Event(), threading.Event()
     pread = disk_reader.DiskReader._pread
 
@@ -249,17 +288,19 @@ def test_recovering_from_an_abandoned_forward_waits_for_its_reads_in_flight(shar
     offloader.close()
 
 
-def test_smollm2_with_every_layer_on_disk_gives_transformers_tokens():
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_smollm2_with_every_layer_on_disk_gives_transformers_tokens(io):
     from offload.model.default import default_model_path
 
     path = default_model_path()
     resident = zoo.load_on_cpu(path)
-    model, offloader = load_model(path, {"cpu_memory_gb": 0})
+    model, offloader = load_model(path, {"cpu_memory_gb": 0, "disk_io": io})
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2644, 47]])
     assert torch.equal(zoo.greedy(model, ids, 8), zoo.greedy(resident, ids, 8))
     stats = offloader.stats()
     assert stats["num_disk_units"] == 30 and stats["host_bytes"] == 0
-    assert stats["disk_bytes_read"] >= 8 * zoo.layer_param_bytes(resident)
+    streamed = stats["disk_bytes_mapped" if io == "mmap" else "disk_bytes_read"]
+    assert streamed >= 8 * zoo.layer_param_bytes(resident)
     offloader.close()
 
 
@@ -281,6 +322,10 @@ def test_llm_streams_from_disk_and_reports_it(tmp_path):
     assert streamed == resident
     assert moved.disk_read_bytes > 0 and moved.weight_copied_bytes == 0
     assert "from disk" in repr(moved)
+    mapped, moved = run(cpu_memory_gb=0, disk_io="mmap")
+    assert mapped == resident
+    assert moved.disk_mapped_bytes > 0 and moved.disk_read_bytes == 0
+    assert "of mapped checkpoint files" in repr(moved)
 
 
 def test_direct_io_leaves_the_checkpoint_out_of_the_page_cache(sharded, tmp_path):
@@ -306,3 +351,65 @@ def test_direct_io_leaves_the_checkpoint_out_of_the_page_cache(sharded, tmp_path
 
     assert cached_after("direct") <= 4 * 4096 * len(files)  # headers, pages at tensor edges
     assert cached_after("page-cache") > sum(path.stat().st_size for path in files) // 2
+
+
+def test_a_file_truncated_during_a_mapped_forward_is_held_then_an_error(sharded, tmp_path):
+    """The writer waits while the forward reads the mapping (no SIGBUS, no wrong bytes);
+    the forward fails at its next mapped layer, naming the file, and the writer goes on."""
+    source, _ = sharded
+    _copy_of(source, tmp_path)
+    model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "mmap"})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    victim = tmp_path / index["weight_map"]["model.layers.4.mlp.up_proj.weight"]
+    truncating = threading.Thread(target=os.truncate, args=(victim, 100))
+    held = []
+
+    def truncate_meanwhile(module, args):
+        truncating.start()
+        truncating.join(timeout=0.3)
+        held.append(truncating.is_alive())
+
+    hook = model.model.layers[1].register_forward_pre_hook(truncate_meanwhile)
+    with pytest.raises(DiskReadError, match=str(victim)):
+        zoo.logits(model, zoo.inputs())
+    hook.remove()
+    truncating.join(timeout=10)
+    assert held == [True] and victim.stat().st_size == 100
+    with pytest.raises(DiskReadError, match=str(victim)):
+        zoo.logits(model, zoo.inputs())
+    offloader.close()
+
+
+def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(sharded, tmp_path):
+    source, resident = sharded
+    files = sorted(_copy_of(source, tmp_path).glob("*.safetensors"))
+    config = {**EVERY_LAYER, "cpu_memory_gb": 0}
+    model, offloader = load_model(tmp_path, config)  # just written: in the page cache
+    assert offloader.stats()["disk_io"] == "mmap"
+    offloader.close()
+    for path in files:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    model, offloader = load_model(tmp_path, config)
+    assert offloader.stats()["disk_io"] == "direct"
+    assert torch.equal(zoo.logits(model, zoo.inputs()), zoo.logits(resident, zoo.inputs()))
+    offloader.close()
+
+
+def test_files_that_cannot_be_leased_are_read_or_refused(sharded, tmp_path):
+    """A file held open for writing cannot be leased: "auto" reads it through the page
+    cache (same logits); an explicit "mmap" is one error saying why."""
+    source, resident = sharded
+    files = sorted(_copy_of(source, tmp_path).glob("*.safetensors"))
+    writer = os.open(files[-1], os.O_WRONLY)
+    try:
+        model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0})
+        assert offloader.stats()["disk_io"] == "page-cache"
+        assert torch.equal(zoo.logits(model, zoo.inputs()), zoo.logits(resident, zoo.inputs()))
+        offloader.close()
+        with pytest.raises(ModelError, match=r"disk_io='mmap': cannot hold a read lease on"):
+            load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "mmap"})
+    finally:
+        os.close(writer)

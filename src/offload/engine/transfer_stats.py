@@ -23,6 +23,7 @@ class TransferStats:
     disk_read_bytes: int = 0  # weights streamed from the checkpoint's files (disk tier)
     disk_read_s: float = 0.0  # wall time with a read in flight
     disk_stall_s: float = 0.0  # time compute waited for a read
+    disk_mapped_bytes: int = 0  # weights computed on in place from mapped files (disk_io mmap)
 
     @classmethod
     def of_counters(
@@ -39,6 +40,7 @@ class TransferStats:
             disk_read_bytes=weights.get("disk_bytes_read", 0),
             disk_read_s=weights.get("disk_read_s", 0.0),
             disk_stall_s=weights.get("disk_stall_s", 0.0),
+            disk_mapped_bytes=weights.get("disk_bytes_mapped", 0),
         )
 
     @property
@@ -73,11 +75,17 @@ class TransferStats:
         )
 
     def _disk(self) -> str:
+        mapped = (
+            f", computed on {_mib(self.disk_mapped_bytes)} of mapped checkpoint files"
+            if self.disk_mapped_bytes
+            else ""
+        )
         if not self.disk_read_bytes:
-            return ""
+            return mapped
         return (
             f", read {_mib(self.disk_read_bytes)} from disk at "
             f"{self.disk_read_gb_per_s:.2f} GB/s, I/O stall {self.disk_stall_s * 1e3:.0f} ms"
+            f"{mapped}"
         )
 
 

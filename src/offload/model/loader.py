@@ -27,7 +27,6 @@ from offload.model.checkpoint import checkpoint_targets
 from offload.model.configs import resolve
 from offload.model.merges import Assembled
 from offload.offloader.base import BaseOffloader
-from offload.offloader.factory import as_config
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -64,8 +63,7 @@ def load_model(
     offloader = prepare(model, config, device, deferred=True, checkpoint=ranges)
     # With a disk tier around the page cache, loading leaves nothing there either: the
     # bytes read are in their final memory, and the budget holds for the machine.
-    disk = as_config(config).disk
-    _fill(model, offloader, targets, device, progress, disk.is_active and disk.disk_io == "direct")
+    _fill(model, offloader, targets, device, progress, offloader.disk_io == "direct")
     return model, finish(offloader)
 
 

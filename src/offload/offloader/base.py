@@ -185,6 +185,12 @@ class BaseOffloader(ABC):
     def is_offloaded(self, param: torch.Tensor) -> bool:
         return id(param) in self._host_views or id(param) in self._on_disk
 
+    @property
+    def disk_io(self) -> str | None:
+        """How weights on disk are brought in (a disk tier's `disk_io`, "auto" resolved),
+        or None: no weight streams from disk."""
+        return None
+
     def on_disk(self, param: torch.Tensor) -> bool:
         """Whether an offloaded parameter's bytes stay in the checkpoint's file."""
         return id(param) in self._on_disk

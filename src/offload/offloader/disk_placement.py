@@ -15,7 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
+from offload.errors import ModelError
+
 MAX_GRAINS = 2**20  # the budget in at most this many grains
+IO_CHOICES = ("auto", "direct", "page-cache", "mmap")
+AUTO_MAP_CACHED = 0.9  # share of the streamed bytes in the page cache for "auto" to map them
 
 
 def grain_for(budget_bytes: int, sizes: Sequence[int] = ()) -> int:
@@ -71,3 +77,25 @@ def _spread(num_items: int, count: int) -> list[int]:
     if count <= 0:
         return []
     return sorted({num_items - 1 - (k * num_items) // count for k in range(count)})
+
+
+def choose_io(
+    requested: str, device: torch.device, cached_fraction: float, can_map: bool = True
+) -> str:
+    """How units on disk are read, "auto" resolved: on the CPU, a checkpoint whose
+    streamed bytes are (nearly) all in the page cache already is mapped and computed from
+    in place (no copy, and no memory the cache does not hold anyway); otherwise direct
+    reads, which keep the page cache out. A GPU always reads (into pinned staging).
+    `can_map`: this system can guard a mapping (file leases)."""
+    if requested not in IO_CHOICES:
+        raise ModelError(f"disk io must be one of {', '.join(IO_CHOICES)}, got {requested!r}")
+    if requested == "mmap" and device.type != "cpu":
+        raise ModelError(
+            f"disk_io='mmap' computes on mapped files and needs the CPU as compute device, "
+            f"not {device.type}: use 'direct' or 'page-cache'"
+        )
+    if requested != "auto":
+        return requested
+    if device.type == "cpu" and cached_fraction >= AUTO_MAP_CACHED and can_map:
+        return "mmap"
+    return "direct"

@@ -8,6 +8,12 @@ the host -> device copy on the copy stream; compute waits for the read on the ho
 for the copy on the stream. A staging buffer is reused only once the copy out of it is
 done. Slots are loaded by the offloader's slot table as for units in host memory, so
 units are read `read_ahead` = slots - 1 ahead of the one computing.
+
+With `io="mmap"` (the CPU only; what "auto" picks when the streamed bytes are in the page
+cache already) nothing is read: each streamed parameter is a view of a guarded mapping of
+its file (`memory/mapped_files.py`) and compute reads the page cache in place, with no
+copy; the kernel is asked to read a unit ahead where its pages are missing. Such units
+need no slot.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from offload.memory.copy_engine import CopyEngine
 from offload.memory.disk_layout import DiskLayout, TensorRange, aligned_empty, plan_layout
 from offload.memory.disk_reader import DiskReader, FileStamp, ReadTicket
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.mapped_files import MappedFiles, MappingRefused, leases_supported
+from offload.memory.page_cache import cached_fraction
 from offload.memory.safetensors import checkpoint_tensors
-from offload.offloader.disk_placement import place_on_disk
+from offload.offloader.disk_placement import choose_io, place_on_disk
 
 READ_DELAY_S = 0.0  # tests: sleep before every read, to shake out ordering bugs
 FORCE_STAGING = False  # tests: the GPU's path (staging buffer, then a copy) on the CPU
@@ -42,7 +50,7 @@ class DiskSettings:
     ranges: Mapping[str, TensorRange]  # qualified parameter name -> its bytes in a file
     budget_bytes: int  # host memory for offloaded units; the rest stream from disk
     read_ahead: int = 2  # units read ahead of the one computing (slots - 1)
-    io: str = "direct"  # "direct" (O_DIRECT / dropped pages) or "page-cache"
+    io: str = "auto"  # one of IO_CHOICES (see DiskOffloadConfig)
     num_threads: int = 2
 
 
@@ -110,9 +118,12 @@ class DiskTier:
         self._staged: list[Future | None] = []  # per slot: its staging buffer's last load
         self._issuer: ThreadPoolExecutor | None = None
         self._names: dict[int, str] = {}  # id of a streamed parameter -> its checkpoint name
+        self._mapped: MappedFiles | None = None  # io="mmap": the files, mapped
+        self._mapped_bytes = 0  # bytes of mapped units brought to compute so far
         self.num_units = 0  # units placed on disk
+        self.io = settings.io  # "auto" resolved by `place`
 
-    def place(self, units: Sequence[Any]) -> bool:
+    def place(self, units: Sequence[Any], device: torch.device) -> bool:
         """Give the units that do not fit the host budget a disk layout (`unit.disk`), of
         those whose bytes can be read as they are, so that the fewest bytes come from
         disk; warn about units that must stay in host memory beyond the budget. True when
@@ -135,14 +146,54 @@ class DiskTier:
                 UserWarning,
                 stacklevel=6,
             )
-        self.num_units = sum(1 for unit in units if unit.disk is not None)
+        streamed = [unit for unit in units if unit.disk is not None]
+        self.num_units = len(streamed)
+        self.io = self._resolve_io(streamed, device)
+        for unit in streamed:
+            unit.mapped = self.io == "mmap"
         return self.num_units > 0
+
+    def _resolve_io(self, streamed: Sequence[Any], device: torch.device) -> str:
+        requested = self.settings.io
+        if FORCE_STAGING:  # the GPU's path, which always reads
+            device = torch.device("meta")
+        cached = 0.0
+        if requested == "auto" and device.type == "cpu" and streamed:
+            extents = [e for unit in streamed for e in unit.disk.extents]
+            cached = cached_fraction([(e.path, e.file_offset, e.num_bytes) for e in extents])
+        return choose_io(requested, device, cached, leases_supported())
+
+    def map_files(self, units: Sequence[Any]) -> None:
+        """With io="mmap": map the files the streamed units live in (before the slots are
+        sized: mapped units need none). Where the files cannot be mapped safely, "auto"
+        reads them through the page cache instead; an explicit "mmap" is an error."""
+        if self.io != "mmap" or self._mapped is not None:
+            return
+        paths = {e.path for unit in units if unit.disk is not None for e in unit.disk.extents}
+        try:
+            self._mapped = MappedFiles([s for s in self._stamps if s.path in paths])
+        except MappingRefused as refused:
+            if self.settings.io != "auto":
+                raise ModelError(f"disk_io='mmap': {refused}; use 'page-cache'") from None
+            self.io = "page-cache"
+            for unit in units:
+                unit.mapped = False
+
+    def mapped_views(self, unit: Any) -> list[torch.Tensor]:
+        """Each parameter of a mapped unit: its bytes, a uint8 view of its file's mapping."""
+        views = []
+        for _, param in unit.params:
+            stored = self.settings.ranges[self._names[id(param)]]
+            views.append(self._mapped.view(Path(stored.path), stored.offset, stored.num_bytes))
+        return views
 
     def start(self, device: torch.device, engine: CopyEngine, slot_bytes: Sequence[int]) -> None:
         """Open the files and, on a GPU, make one pinned staging buffer per slot."""
         settings = self.settings
-        self._reader = DiskReader(self._stamps, num_threads=settings.num_threads, io=settings.io)
         self._engine = engine
+        if self._mapped is not None:
+            return  # nothing is read: compute reads the mappings
+        self._reader = DiskReader(self._stamps, num_threads=settings.num_threads, io=self.io)
         if device.type != "cpu" or FORCE_STAGING:
             # Exact-size, page-aligned (O_DIRECT reads into it) and pinned where a GPU
             # copies from it; not the caching host allocator's power-of-two blocks.
@@ -155,6 +206,10 @@ class DiskTier:
     def load(self, slot_index: int, slot: torch.Tensor, layout: DiskLayout) -> Any:
         """Start bringing a unit into `slot` (its bytes from the slot's first); return a
         ticket for `wait`."""
+        if self._mapped is not None:  # mapped: only ask the kernel for missing pages
+            self._mapped.hint(layout.extents)
+            self._mapped_bytes += layout.read_bytes
+            return None
         if not self._staging:
             return self._reader.read(slot[: layout.num_bytes], layout.extents, after=_delay())
         staging = self._staging[slot_index][: layout.num_bytes]
@@ -173,6 +228,9 @@ class DiskTier:
     def wait(self, ticket: Any) -> None:
         """Make compute wait until the unit of `ticket` is in its slot (a read's fault is
         raised here, in the thread that runs the model)."""
+        if self._mapped is not None:  # a changed file is raised here; else the mapping stays
+            self._mapped.enter()
+            return
         if isinstance(ticket, ReadTicket):
             self._reader.wait(ticket)
             return
@@ -192,7 +250,15 @@ class DiskTier:
             self._issuer.submit(_nothing).result()  # stale copies are queued before it
             self._staged = [None] * len(self._staged)
 
+    def leave(self) -> None:
+        """No forward runs now (it ended or was abandoned): a mapping of a changed file
+        may go."""
+        if self._mapped is not None:
+            self._mapped.leave()
+
     def close(self) -> None:
+        if self._mapped is not None:
+            self._mapped.close()
         if self._issuer is not None:
             self._issuer.shutdown(wait=True)
         if self._reader is not None:
@@ -201,9 +267,15 @@ class DiskTier:
     def read_tensor(self, like: torch.Tensor) -> torch.Tensor:
         """A streamed parameter's value, read from the checkpoint (for `state_dict()`)."""
         stored = self.settings.ranges[self._names[id(like)]]
+        if self._mapped is not None:
+            self._mapped.enter()  # the mapping stays while it is copied
+            try:
+                return like.detach().clone()
+            finally:
+                self._mapped.leave()
         layout = plan_layout([stored])
         buffer = aligned_empty(layout.num_bytes)
-        reader = DiskReader(self._stamps, num_threads=1, io=self.settings.io)
+        reader = DiskReader(self._stamps, num_threads=1, io=self.io)
         try:
             reader.wait(reader.read(buffer, layout.extents))
         finally:
@@ -213,11 +285,13 @@ class DiskTier:
         return raw.view(like.dtype).view(like.shape)
 
     def stats(self) -> dict[str, float | int]:
+        mapped = {"disk_io": self.io, "disk_bytes_mapped": self._mapped_bytes}
         if self._reader is None:
-            return {"num_disk_units": self.num_units}
+            return {"num_disk_units": self.num_units, **mapped}
         read = self._reader.stats
         return {
             "num_disk_units": self.num_units,
+            **mapped,
             "disk_bytes_read": read.bytes_read,
             "disk_read_s": read.busy_s,
             "disk_read_gb_per_s": read.read_gb_per_s,

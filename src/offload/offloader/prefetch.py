@@ -26,17 +26,15 @@ from offload.offloader.units import UNITS, Unit, resolve_unit, units_ahead
 class PrefetchOffloader(BaseOffloader):
     """vLLM's prefetch offloader, with whole-layer copies and provably safe slots.
 
-    The last `num_in_group` layers of every `group_size` are offloaded (only the parameters matching
-    `offload_params`, if given). Each offloaded layer's parameters are packed into one exact-size
-    (pinned, on CUDA) host slab, so bringing a layer in is one copy. The device holds
-    `prefetch_step` slots, each as large as the largest layer it serves; every offloaded parameter
-    is a permanent view into its slot, so its address never changes (torch.compile and CUDA graphs
-    keep working). After a layer runs, its slot is refilled with the next layer that uses it, on a
-    copy stream (a worker thread with the CPU as compute device); see `memory/slots.py` for the
-    schedule. With a disk tier, layers beyond the host budget are read from the checkpoint's files
-    into their slot instead (see `disk_tier.py`). Reading an offloaded parameter outside its layer's
-    forward gives what its slot holds then; the host copy (`host_tensor`) or the file is the truth.
-    """
+    The last `num_in_group` layers of every `group_size` are offloaded (only the parameters
+    matching `offload_params`, if given), each packed into one exact-size (pinned, on CUDA) host
+    slab: bringing a layer in is one copy. The device holds `prefetch_step` slots, each as large as
+    the largest layer it serves; an offloaded parameter is a permanent view into its slot (its
+    address never changes: torch.compile and CUDA graphs keep working). After a layer runs, its
+    slot is refilled with the next layer using it, on a copy stream (a worker thread on the CPU);
+    see `memory/slots.py`. A disk tier reads layers beyond the host budget from the checkpoint's
+    files instead, or maps them (`disk_tier.py`). Outside its layer's forward, a parameter reads
+    what its slot holds then; the host copy (`host_tensor`) or the file is the truth."""
 
     def __init__(
         self,
@@ -104,7 +102,8 @@ class PrefetchOffloader(BaseOffloader):
             return []
         units = self._into_units(layers, modules)
         choice.check_some_offloaded(units, len(modules))
-        if self._disk is not None and self._disk.place(units):  # some units stream from disk
+        device = self.device or units[0].params[0][1].device
+        if self._disk is not None and self._disk.place(units, device):  # some units stream
             self.prefetch_step = max(self.prefetch_step, self._disk.settings.read_ahead + 1)
         return units
 
@@ -166,6 +165,8 @@ class PrefetchOffloader(BaseOffloader):
         if not self._layers or self._slots:
             return
         self._engine = self._copy_engine_factory(self.device)
+        if self._streams():
+            self._disk.map_files(self._layers)  # mapped units need no slot
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         sizes = slot_sizes([layer.slot_bytes for layer in self._layers], self._table.slots)
         self._slots = [slot_buffer(size, self.device, self._streams()) for size in sizes]
@@ -173,10 +174,9 @@ class PrefetchOffloader(BaseOffloader):
             self._disk.start(self.device, self._engine, sizes)
         for position, layer in enumerate(self._layers):
             slot = self._slots[slot_of(position, self._table.slots)]
-            for (_, param), spec, offset in zip(
-                layer.params, layer.specs, layer.offsets(), strict=True
-            ):
-                set_param_data(param, spec.view_of(slot[offset : offset + spec.num_bytes]))
+            raws = self._disk.mapped_views(layer) if layer.mapped else layer.slot_views(slot)
+            for (_, param), spec, raw in zip(layer.params, layer.specs, raws, strict=True):
+                set_param_data(param, spec.view_of(raw))
             layer.address = layer.params[0][1].data_ptr()
         self._tickets = [None] * len(self._layers)
         for position in self._table.initial_loads():
@@ -275,6 +275,10 @@ class PrefetchOffloader(BaseOffloader):
     def _streams(self) -> bool:  # the disk tier: some unit streams from the checkpoint
         return self._disk is not None and self._disk.num_units > 0
 
+    @property
+    def disk_io(self) -> str | None:
+        return self._disk.io if self._streams() else None
+
     def _restore(self, param: nn.Parameter) -> torch.Tensor:
         return self._disk.read_tensor(param)
 
@@ -306,6 +310,8 @@ class PrefetchOffloader(BaseOffloader):
     def forward_finished(self) -> None:
         if self._engine is not None:
             self._engine.compute_busy = False
+        if self._streams():
+            self._disk.leave()  # no forward reads a mapped file now
 
     def close(self) -> None:
         if self._engine is not None:

@@ -96,6 +96,7 @@ class Unit:
     slab: HostSlab | None = None
     address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
     disk: DiskLayout | None = None  # streamed from the checkpoint's files instead of a slab
+    mapped: bool = False  # on disk, computed on in place from a mapping of its file
 
     @classmethod
     def of(cls, module: nn.Module, name: str, params: list, layer_index: int) -> Unit:
@@ -108,12 +109,20 @@ class Unit:
 
     @property
     def slot_bytes(self) -> int:
-        """What its device slot must hold: its slab, or its reads from disk."""
+        """What its device slot must hold: its slab, or its reads from disk (nothing when
+        it is mapped)."""
+        if self.mapped:
+            return 0
         return self.disk.num_bytes if self.disk is not None else self.num_bytes
 
     def offsets(self) -> tuple[int, ...]:
         """Where each parameter starts in its slot."""
         return self.disk.tensor_offsets if self.disk is not None else self.slab.offsets
+
+    def slot_views(self, slot: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's bytes in `slot` (uint8 views)."""
+        offsets = self.offsets()
+        return [slot[o : o + spec.num_bytes] for spec, o in zip(self.specs, offsets, strict=True)]
 
     def check_in_slot(self) -> None:
         """Its parameters still are the views of its slot that `post_init` made."""
