@@ -23,7 +23,14 @@ LAYERS = (
     ("offload.api",),
     ("offload.model",),
     ("offload.engine",),
-    ("offload", "offload.demo", "offload.streaming", "offload.commands", "offload.defaults"),
+    (
+        "offload",
+        "offload.demo",
+        "offload.streaming",
+        "offload.commands",
+        "offload.defaults",
+        "offload.bench",
+    ),
     ("offload.cli",),
 )
 
