@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(commands)
     _add_generate(commands)
     _add_inspect(commands)
+    _add_bench(commands)
     return parser
 
 
@@ -151,6 +152,44 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
     add_cli_args(inspect)
 
 
+def _add_bench(commands: argparse._SubParsersAction) -> None:
+    """`offload bench`: one workload through every method side by side, with the bounds."""
+    from offload.bench import METHODS
+
+    bench = commands.add_parser(
+        "bench",
+        help="tokens/s of every offloading method (ours, accelerate, diffusers) side by side, "
+        "beside this machine's bounds; a table, JSON and a PNG",
+    )
+    bench.add_argument(
+        "--model",
+        help="a model folder, or a shipped shape such as llama-3-8b (random weights, written "
+        "once into the cache folder) (default: SmolLM2-135M-Instruct)",
+    )
+    bench.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights' dtype (auto: the checkpoint's)",
+    )
+    bench.add_argument("--device", default="auto", help=_DEVICE_HELP)
+    bench.add_argument(
+        "--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts decoded at once"
+    )
+    bench.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
+    bench.add_argument("--output-len", type=int, default=8, help="tokens generated (>= 2)")
+    bench.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up")
+    bench.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(METHODS),
+        metavar="METHOD",
+        help=f"what to run, of: {', '.join(METHODS)} (default: all; diffusers on a GPU only)",
+    )
+    bench.add_argument("--out", default="offload-bench", help="folder for the JSON and PNG")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 # The sampling flags of `generate` with a default: (flag, type, default, help).
 _SAMPLING_FLAGS = (
     ("--temperature", float, 0.0, "0: greedy"),
@@ -202,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.command == "generate":
             run.generate(args)
+        elif args.command == "bench":
+            run.bench(args)
         else:
             print(run.inspect(args))
         return 0

@@ -1,10 +1,12 @@
-"""What `offload generate` and `offload inspect` do (the parsing is in `cli.py`)."""
+"""What `offload generate`, `offload inspect` and `offload bench` do (the parsing is in
+`cli.py`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -89,6 +91,29 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         for number, (prompt, output) in enumerate(zip(prompts, outputs, strict=True), 1):
             out.write(f"--- prompt {number}: {_short(prompt)}\n{output.outputs[0].text}\n")
     out.write(_figures(llm, outputs, before, seconds) + "\n")
+
+
+def bench(args: argparse.Namespace, out: TextIO | None = None) -> None:
+    """Run the methods on the workload, write the table to `out` (default: stdout) and
+    save the JSON and PNG into `args.out`."""
+    from offload.bench import Workload, report, run_bench
+
+    out = out or sys.stdout
+    # Checked before anything loads or is measured: a bad flag costs nothing.
+    workload = Workload(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        batch_sizes=tuple(args.batch_sizes),
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        rounds=args.rounds,
+    )
+    show_progress = not args.no_progress and sys.stderr.isatty()
+    result = run_bench(workload, args.methods, progress=show_progress)
+    out.write(report.table(result) + "\n")
+    for path in report.save(result, Path(args.out)):
+        out.write(f"saved {path}\n")
 
 
 def _writer(out: TextIO):

@@ -105,3 +105,12 @@ def _sequential_read_gb_per_s(
         futures = [pool.submit(read_chunks) for _ in range(num_threads)]
         num_bytes = sum(future.result() for future in futures)
     return num_bytes / (time.perf_counter() - started) / 1e9
+
+
+def meminfo_bytes(field: str) -> int:
+    """A field of /proc/meminfo (`MemTotal`, `MemAvailable`, ...) in bytes; 0 if absent."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key == field:
+            return int(value.split()[0]) * 1024  # the kernel reports kB
+    return 0

@@ -1,0 +1,23 @@
+"""Every method `offload bench` knows, by its `--methods` name, in the order they load and
+run: the first that is ours stands in for resident as the reference when resident is
+not there."""
+
+from __future__ import annotations
+
+from offload.bench.method import Method
+from offload.bench.ours import UVA, Disk, PrefetchAll, PrefetchHalf, Resident
+from offload.bench.peers import AccelerateDisk, AccelerateMap, Diffusers
+
+METHODS: dict[str, type[Method]] = {
+    method.name: method
+    for method in (
+        Resident,
+        UVA,
+        PrefetchAll,
+        PrefetchHalf,
+        Disk,
+        AccelerateMap,
+        AccelerateDisk,
+        Diffusers,
+    )
+}

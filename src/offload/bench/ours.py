@@ -1,0 +1,132 @@
+"""The reference (every weight resident) and this library's methods, each loaded through
+the public loader (`offload.model.loader.load_model`) with an `OffloadConfig` dict."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from offload.bench.host_io import meminfo_bytes
+from offload.bench.method import Figures, Method, MethodUnavailable, from_pretrained
+from offload.config import OffloadConfig
+from offload.sizes import GIB, format_bytes
+
+# Resident weights may take this share of the free memory, so that the others fit beside.
+_RESIDENT_SHARE = {"cuda": 0.9, "cpu": 0.5}
+
+
+class Resident(Method):
+    name = "resident"
+    label = "resident (transformers, no offloading)"
+
+    def load(self) -> None:
+        self._check_fits()
+        cuda = self.device.type == "cuda"
+        self.model = from_pretrained(self.prepared, device_map=str(self.device) if cuda else None)
+
+    def _check_fits(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            free_bytes = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free_bytes = meminfo_bytes("MemAvailable")
+        needed = self.prepared.total_bytes
+        if needed > _RESIDENT_SHARE[self.device.type] * free_bytes:
+            raise MethodUnavailable(
+                f"does not fit: {format_bytes(needed)} of weights, "
+                f"{format_bytes(free_bytes)} free on {self.device}"
+            )
+
+    def figures(self) -> Figures:
+        return Figures()
+
+
+class Ours(Method):
+    """One of our configs; `config()` is the OffloadConfig dict it loads with."""
+
+    is_ours = True
+    settings: ClassVar[dict[str, Any]] = {}
+
+    def config(self) -> dict[str, Any]:
+        return dict(self.settings)
+
+    def setting(self) -> dict[str, Any]:
+        return self.config()
+
+    def load(self) -> None:
+        from offload.model.loader import load_model
+
+        self.model, self.offloader = load_model(
+            self.prepared.path, self.config(), device=self.device, dtype=self.prepared.dtype
+        )
+
+    def figures(self) -> Figures:
+        stats = self.offloader.stats()
+        return Figures(
+            offloaded_bytes=stats["offloaded_bytes"],
+            moved_bytes={self.copy_link: stats.get("bytes_copied", 0)},
+            stall_s=stats.get("stall_s", 0.0),
+        )
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.offloader.close()  # ends its copy and read threads
+            self.offloader = None
+        super().close()
+
+
+class UVA(Ours):
+    name = "uva"
+    label = "ours UVA, the first half of the layers"
+
+    def config(self) -> dict[str, Any]:
+        layers = self.prepared.layer_bytes
+        return {"cpu_offload_gb": sum(layers[: len(layers) // 2]) / GIB}
+
+    def figures(self) -> Figures:
+        stats = self.offloader.stats()
+        offloaded = stats["offloaded_bytes"]
+        # A GPU kernel reads each offloaded weight from host memory at every forward (or a
+        # copy brings it in, where views are off); on a CPU it is already in place.
+        moved = {"h2d_pinned": offloaded * self.num_forwards} if self.device.type == "cuda" else {}
+        return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
+
+
+class PrefetchAll(Ours):
+    name = "prefetch-all"
+    label = "ours prefetch, every layer, step 2"
+    settings: ClassVar[dict[str, Any]] = {
+        "offload_group_size": 1,
+        "offload_num_in_group": 1,
+        "offload_prefetch_step": 2,
+    }
+
+
+class PrefetchHalf(Ours):
+    name = "prefetch-half"
+    label = "ours prefetch, group 2 num 1 (half the layers), step 1"
+    settings: ClassVar[dict[str, Any]] = {
+        "offload_group_size": 2,
+        "offload_num_in_group": 1,
+        "offload_prefetch_step": 1,
+    }
+
+
+class Disk(Ours):
+    name = "disk"
+    label = "ours disk tier, every layer read from the checkpoint (cpu_memory_gb=0)"
+    settings: ClassVar[dict[str, Any]] = {"cpu_memory_gb": 0}
+
+    @property
+    def disk_link(self) -> str:
+        # Reads through the page cache are bounded by it; every other way reads the disk.
+        return "page_cache" if OffloadConfig().disk.disk_io == "page-cache" else "disk"
+
+    def figures(self) -> Figures:
+        stats = self.offloader.stats()
+        moved = {
+            self.disk_link: stats.get("disk_bytes_read", 0),
+            self.copy_link: stats.get("bytes_copied", 0),
+        }
+        stall_s = stats.get("stall_s", 0.0) + stats.get("disk_stall_s", 0.0)
+        return Figures(offloaded_bytes=stats["offloaded_bytes"], moved_bytes=moved, stall_s=stall_s)

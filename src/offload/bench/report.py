@@ -1,0 +1,134 @@
+"""The result on the terminal (a table), as JSON (with the machine and date) and as a PNG:
+tokens/s against batch size, one line per method, its bound dashed in the same colour."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+from offload.bench.machine import save_json
+from offload.bench.results import RESIDENT_COMPUTE
+from offload.sizes import format_bytes
+
+_LIMITS = (
+    ("memcpy", "memcpy_gb_per_s"),
+    ("disk O_DIRECT", "disk_read_gb_per_s"),
+    ("page cache", "page_cache_read_gb_per_s"),
+    ("host->device pinned", "h2d_pinned_gb_per_s"),
+    ("pageable", "h2d_pageable_gb_per_s"),
+)
+# (heading, width, the cell's text from a record)
+_COLUMNS = (
+    ("method", 16, lambda r: r["method"]),
+    ("batch", 6, lambda r: str(r["batch"])),
+    ("tok/s", 9, lambda r: _rate(r["tokens_per_s"])),
+    ("min-max", 14, lambda r: f"{_rate(r['tokens_per_s_min'])}-{_rate(r['tokens_per_s_max'])}"),
+    ("step ms", 9, lambda r: _ms(r["step_s"])),
+    ("bound ms", 9, lambda r: _ms(r["bound_step_s"])),
+    ("limit", 11, lambda r: r["bound_limit"]),
+    ("step/bound", 11, lambda r: _number(r["step_over_bound"], ".2f")),
+    ("offloaded", 11, lambda r: format_bytes(r["offloaded_bytes"])),
+    ("moved/fwd", 11, lambda r: format_bytes(r["moved_bytes_per_forward"])),
+    ("GB/s", 7, lambda r: f"{r['achieved_gb_per_s']:.2f}"),
+    ("stall ms", 9, lambda r: _ms(r["stall_s_per_step"])),
+    ("peak dev", 11, lambda r: _bytes(r["peak_device_bytes"])),
+    ("peak RSS", 11, lambda r: format_bytes(r["peak_rss_bytes"])),
+    ("same", 5, lambda r: "yes" if r["same_tokens"] else "NO"),
+)
+
+
+def table(result: dict[str, Any]) -> str:
+    """The result as lines of text: the workload, the limits, one row per method and
+    batch, and the methods skipped with why."""
+    work = result["workload"]
+    lines = [
+        f"{work['model']} {work['dtype']} on {work['device']}: prompt {work['prompt_len']}, "
+        f"output {work['output_len']} tokens, {work['rounds']} round(s); "
+        f"weights {format_bytes(work['total_bytes'])}, {work['num_layers']} layers",
+        "limits: " + ", ".join(_limit(name, result["limits"][key]) for name, key in _LIMITS),
+        f"compute per step: {result['compute']['source']}; same tokens as "
+        f"{result['reference']}; tok/s = batch / median decode step",
+        "".join(f"{heading:>{width}}" for heading, width, _ in _COLUMNS),
+    ]
+    for row in result["records"]:
+        lines.append("".join(f"{cell(row):>{width}}" for _, width, cell in _COLUMNS))
+    lines += [f"{name}: skipped, {why}" for name, why in result["skipped"].items()]
+    return "\n".join(lines)
+
+
+def save(result: dict[str, Any], folder: Path, err: TextIO | None = None) -> list[Path]:
+    """The JSON (machine and date added) and, where matplotlib is installed, the PNG
+    beside it; a one-line notice on `err` (stderr) when the PNG is skipped."""
+    device = torch.device(result["workload"]["device"])
+    path = save_json(folder, "bench", device, result)
+    saved = [path]
+    try:
+        saved.append(plot(result, path.with_suffix(".png")))
+    except ImportError:
+        print(
+            "offload bench: matplotlib is not installed, no PNG (pip install 'offload[bench]')",
+            file=err or sys.stderr,
+        )
+    return saved
+
+
+def plot(result: dict[str, Any], path: Path) -> Path:
+    """Tokens/s against batch size, one line per method, its bound dashed in its colour.
+    Drawn on a figure of its own (no pyplot: the caller's backend is left as it is)."""
+    from matplotlib import ticker
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 5))
+    axes = figure.subplots()
+    for number, method in enumerate(dict.fromkeys(r["method"] for r in result["records"])):
+        rows = [r for r in result["records"] if r["method"] == method]
+        colour = f"C{number % 10}"
+        axes.plot(
+            [r["batch"] for r in rows],
+            [r["tokens_per_s"] for r in rows],
+            "o-",
+            color=colour,
+            label=method,
+        )
+        bounded = [(r["batch"], r["bound_tokens_per_s"]) for r in rows if r["bound_tokens_per_s"]]
+        if bounded and not _is_compute_reference(method, result):
+            axes.plot(*zip(*bounded, strict=True), "--", color=colour, alpha=0.6)
+    work = result["workload"]
+    axes.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s")
+    axes.set_title(f"{work['model']} {work['dtype']} on {work['device']} (dashed: bound)")
+    axes.xaxis.set_minor_locator(ticker.NullLocator())
+    axes.set_xticks(work["batch_sizes"], [str(b) for b in work["batch_sizes"]])
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return path
+
+
+def _is_compute_reference(method: str, result: dict[str, Any]) -> bool:
+    """Resident's bound is its own step (it is the compute figure): no line of its own."""
+    return method == "resident" and result["compute"]["source"] == RESIDENT_COMPUTE
+
+
+def _rate(per_s: float) -> str:
+    """Three significant figures or more, never an exponent (1234, 56.7, 0.891)."""
+    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
+
+
+def _limit(name: str, gb_per_s: float | None) -> str:
+    return f"{name} {gb_per_s:.2f} GB/s" if gb_per_s is not None else f"{name} -"
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:.2f}" if seconds is not None else "-"
+
+
+def _number(value: float | None, spec: str) -> str:
+    return format(value, spec) if value is not None else "-"
+
+
+def _bytes(num_bytes: int | None) -> str:
+    return format_bytes(num_bytes) if num_bytes is not None else "-"

@@ -1,0 +1,143 @@
+"""From measurements to the result: one record per method and batch size, with its bound,
+plus the workload, the machine's limits and where compute per step came from. The whole
+result is plain JSON, for the report and for a planner to read back."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+from offload.bench.bound import bound_step, step_over_bound
+from offload.bench.catalog import METHODS
+from offload.bench.compute import estimate_compute_s
+from offload.bench.method import Method
+from offload.bench.runner import Loaded, Measured, Sample, run_methods
+from offload.bench.workload import Prepared, Workload, prepare
+from offload.errors import ConfigError
+
+RESIDENT_COMPUTE = "resident step"
+ESTIMATED_COMPUTE = "per-layer estimate (a 2-layer model of the same shapes)"
+
+
+def run_bench(
+    workload: Workload,
+    methods: Sequence[str | type[Method]] | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run `methods` (names from `METHODS` or Method classes; default: all) on `workload`
+    and return the result (see `result`)."""
+    chosen = [_method(m) for m in (methods or list(METHODS))]
+    prepared = prepare(workload)
+    measured = run_methods(prepared, [method(prepared) for method in chosen], progress)
+    return result(prepared, measured)
+
+
+def _method(method: str | type[Method]) -> type[Method]:
+    if not isinstance(method, str):
+        return method
+    if method not in METHODS:
+        raise ConfigError(f"methods (--methods) must be among {', '.join(METHODS)}; got {method!r}")
+    return METHODS[method]
+
+
+def result(prepared: Prepared, measured: Measured) -> dict[str, Any]:
+    compute_s, source = compute_per_step(prepared, measured)
+    links = measured.limits.link_gb_per_s()
+    records = [
+        record(entry, batch, measured.samples[entry.method.name, batch], compute_s, links)
+        for entry in measured.loaded
+        for batch in prepared.workload.batch_sizes
+    ]
+    return {
+        "workload": workload_fields(prepared),
+        "limits": dataclasses.asdict(measured.limits),
+        "compute": {"source": source, "step_s": compute_s},
+        "reference": measured.reference,
+        "skipped": measured.skipped,
+        "records": records,
+    }
+
+
+def compute_per_step(prepared: Prepared, measured: Measured) -> tuple[dict[int, float], str]:
+    """Compute per decode step at each batch: resident's step where it ran, else an
+    estimate from a 2-layer model (none where the layer count cannot be changed)."""
+    if any(entry.method.name == "resident" for entry in measured.loaded):
+        steps = {
+            batch: statistics.median(measured.samples["resident", batch].step_s)
+            for batch in prepared.workload.batch_sizes
+        }
+        return steps, RESIDENT_COMPUTE
+    estimated = estimate_compute_s(prepared)
+    return (estimated, ESTIMATED_COMPUTE) if estimated is not None else ({}, "unknown")
+
+
+def record(
+    entry: Loaded,
+    batch: int,
+    sample: Sample,
+    compute_s: dict[int, float],
+    links: dict[str, float | None],
+) -> dict[str, Any]:
+    method = entry.method
+    step_s = statistics.median(sample.step_s)
+    moved = {
+        link: num_bytes / sample.num_forwards for link, num_bytes in sample.moved_bytes.items()
+    }
+    moved_bytes = sum(moved.values())
+    bound = bound_step(compute_s.get(batch), moved, links)
+    peak_device = None
+    if entry.load_device_bytes is not None:  # its own weights, plus what a run took above
+        peak_device = entry.load_device_bytes + (sample.peak_device_bytes or 0)
+    return {
+        "method": method.name,
+        "label": method.label,
+        "is_ours": method.is_ours,
+        "setting": method.setting(),
+        "batch": batch,
+        "tokens_per_s": batch / step_s,  # decode: batch / median step
+        "tokens_per_s_min": batch / max(sample.round_step_s),
+        "tokens_per_s_max": batch / min(sample.round_step_s),
+        "step_s": step_s,
+        "step_s_min": min(sample.step_s),
+        "step_s_max": max(sample.step_s),
+        "prefill_s": statistics.median(sample.prefill_s),
+        "offloaded_bytes": entry.offloaded_bytes,
+        "moved_bytes_per_forward": moved_bytes,
+        "moved_bytes_per_forward_by_link": moved,
+        "achieved_gb_per_s": moved_bytes / step_s / 1e9,
+        "stall_s_per_step": (
+            sample.stall_s / sample.num_forwards if sample.stall_s is not None else None
+        ),
+        "peak_device_bytes": peak_device,
+        "peak_rss_bytes": sample.peak_rss_bytes,
+        "load_s": entry.load_s,
+        "load_rss_bytes": entry.load_rss_bytes,
+        "load_device_bytes": entry.load_device_bytes,
+        "same_tokens": sample.same_tokens,
+        "compute_s": compute_s.get(batch),
+        "bound_step_s": bound.step_s,
+        "bound_limit": bound.limit,
+        "bound_link_s": bound.link_s,
+        "bound_tokens_per_s": batch / bound.step_s if bound.step_s else None,
+        "step_over_bound": step_over_bound(step_s, bound.step_s),
+    }
+
+
+def workload_fields(prepared: Prepared) -> dict[str, Any]:
+    workload = prepared.workload
+    return {
+        "model": prepared.name,
+        "path": str(prepared.path),
+        "dtype": str(prepared.dtype).removeprefix("torch."),
+        "device": str(prepared.device),
+        "batch_sizes": list(workload.batch_sizes),
+        "prompt_len": workload.prompt_len,
+        "output_len": workload.output_len,
+        "rounds": workload.rounds,
+        "total_bytes": prepared.total_bytes,
+        "num_layers": len(prepared.layer_bytes),
+        "layer_bytes": prepared.layer_bytes,
+        "checkpoint_bytes": sum(path.stat().st_size for path in prepared.files),
+    }

@@ -1,0 +1,152 @@
+"""Run the methods side by side: each loaded once, one untimed warm-up per batch (whose
+tokens are compared with the reference's), then interleaved rounds, so that a drift in
+the machine's speed touches every method alike."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from offload.bench.decode import Decoded
+from offload.bench.host_io import process_memory_bytes, reset_peak_rss
+from offload.bench.limits import Limits, measure_limits
+from offload.bench.method import Figures, Method, MethodUnavailable
+from offload.bench.workload import Prepared
+
+
+@dataclass
+class Loaded:
+    """A method once loaded: how long it took and the memory it took (RSS growth; device
+    memory allocated on a GPU)."""
+
+    method: Method
+    load_s: float
+    load_rss_bytes: int
+    load_device_bytes: int | None
+    offloaded_bytes: int
+
+
+@dataclass
+class Sample:
+    """One method at one batch size: its warm-up tokens and its timed runs."""
+
+    tokens: torch.Tensor | None = None
+    same_tokens: bool | None = None
+    step_s: list[float] = field(default_factory=list)  # every decode step of every round
+    round_step_s: list[float] = field(default_factory=list)  # each round's median step
+    prefill_s: list[float] = field(default_factory=list)
+    moved_bytes: dict[str, float] = field(default_factory=dict)
+    stall_s: float | None = None
+    num_forwards: int = 0
+    peak_device_bytes: int | None = None
+    peak_rss_bytes: int = 0
+
+
+@dataclass
+class Measured:
+    limits: Limits
+    loaded: list[Loaded]
+    skipped: dict[str, str]
+    reference: str | None
+    samples: dict[tuple[str, int], Sample]
+
+
+def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = True) -> Measured:
+    """Measure the machine, load every method, warm up and time them; the methods are
+    closed at the end whatever happens."""
+    limits = measure_limits(prepared.device, prepared.files)
+    loaded, skipped = [], {}
+    try:
+        for method in methods:
+            try:
+                loaded.append(_load(method))
+            except MethodUnavailable as why:
+                skipped[method.name] = str(why)
+        reference = _reference(loaded)
+        samples = _measure(prepared, loaded, reference, progress)
+    finally:
+        for entry in loaded:
+            entry.method.close()
+    return Measured(limits, loaded, skipped, reference, samples)
+
+
+def _load(method: Method) -> Loaded:
+    cuda = method.device.type == "cuda"
+    reset_peak_rss()
+    rss_before = process_memory_bytes()["rss_bytes"]
+    device_before = torch.cuda.memory_allocated(method.device) if cuda else None
+    started = time.perf_counter()
+    method.load()
+    load_s = time.perf_counter() - started
+    device_bytes = torch.cuda.memory_allocated(method.device) - device_before if cuda else None
+    rss_bytes = process_memory_bytes()["rss_bytes"] - rss_before
+    return Loaded(method, load_s, rss_bytes, device_bytes, method.figures().offloaded_bytes)
+
+
+def _reference(loaded: list[Loaded]) -> str | None:
+    """Resident where it runs, else the first of ours, else the first method."""
+    names = [entry.method.name for entry in loaded]
+    ours = [entry.method.name for entry in loaded if entry.method.is_ours]
+    if "resident" in names:
+        return "resident"
+    return (ours or names or [None])[0]
+
+
+def _measure(
+    prepared: Prepared, loaded: list[Loaded], reference: str | None, progress: bool
+) -> dict[tuple[str, int], Sample]:
+    workload = prepared.workload
+    batches = workload.batch_sizes
+    samples = {(e.method.name, b): Sample() for e in loaded for b in batches}
+    total = len(loaded) * len(batches) * (1 + workload.rounds)
+    with tqdm(total=total, desc="offload bench", file=sys.stderr, disable=not progress) as bar:
+        for batch in batches:  # the warm-up, whose tokens are compared
+            ids = prepared.prompt_ids(batch)
+            for entry in loaded:
+                bar.set_postfix_str(f"warm-up {entry.method.name} batch {batch}")
+                samples[entry.method.name, batch].tokens = entry.method.run(ids).tokens
+                bar.update()
+        for _ in range(workload.rounds):  # round r runs every method once per batch
+            for batch in batches:
+                ids = prepared.prompt_ids(batch)
+                for entry in loaded:
+                    bar.set_postfix_str(f"{entry.method.name} batch {batch}")
+                    _timed_run(entry.method, ids, samples[entry.method.name, batch])
+                    bar.update()
+    for (_, batch), sample in samples.items():
+        expected = samples[reference, batch].tokens
+        sample.same_tokens = bool(torch.equal(sample.tokens, expected))
+    return samples
+
+
+def _timed_run(method: Method, ids: torch.Tensor, sample: Sample) -> None:
+    cuda = method.device.type == "cuda"
+    reset_peak_rss()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(method.device)
+        allocated_before = torch.cuda.memory_allocated(method.device)
+    before = method.figures()
+    decoded = method.run(ids)
+    _add(sample, decoded, before, method.figures())
+    sample.peak_rss_bytes = max(sample.peak_rss_bytes, process_memory_bytes()["peak_rss_bytes"])
+    if cuda:  # what this run took above what was allocated when it began
+        growth = torch.cuda.max_memory_allocated(method.device) - allocated_before
+        sample.peak_device_bytes = max(sample.peak_device_bytes or 0, growth)
+
+
+def _add(sample: Sample, decoded: Decoded, before: Figures, after: Figures) -> None:
+    sample.step_s += decoded.step_s
+    sample.round_step_s.append(statistics.median(decoded.step_s))
+    sample.prefill_s.append(decoded.prefill_s)
+    sample.num_forwards += decoded.num_forwards
+    for link, num_bytes in after.moved_bytes.items():
+        moved = num_bytes - before.moved_bytes.get(link, 0)
+        sample.moved_bytes[link] = sample.moved_bytes.get(link, 0) + moved
+    if after.stall_s is not None:
+        sample.stall_s = (sample.stall_s or 0.0) + after.stall_s - (before.stall_s or 0.0)

@@ -1,0 +1,148 @@
+"""The workload every method runs: a model (the default SmolLM2, a folder, or a shipped
+shape written once as a random-weight checkpoint), a dtype, batch sizes, prompt and output
+lengths, and how many timed rounds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from offload.bench.checkpoint import write_random_checkpoint
+from offload.errors import ConfigError
+from offload.memory.device import check_device
+from offload.model.build import DTYPES, build_empty
+from offload.model.configs import CONFIGS, shipped
+from offload.model.default import cache_dir, default_model_path
+from offload.offloader.layers import find_layers
+from offload.sizes import parameter_bytes
+
+SHARD_BYTES = 10**9  # not a multiple of a layer: layers span files, as in real checkpoints
+_WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to run; every field is checked here, before anything loads. `model`: None
+    (the default model), a model folder, or a shipped shape name (`llama-3-8b`)."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    prompt_len: int = 16
+    output_len: int = 8
+    rounds: int = 3
+
+    def __post_init__(self) -> None:
+        sizes = tuple(self.batch_sizes)
+        if not sizes or not all(_is_int(size) and size >= 1 for size in sizes):
+            raise ConfigError(
+                f"batch_sizes (--batch-sizes) must be one or more integers >= 1, got {list(sizes)}"
+            )
+        object.__setattr__(self, "batch_sizes", tuple(sorted(set(sizes))))
+        # Two tokens at least: the first comes from the prefill, the steps after it decode.
+        for name, minimum in (("prompt_len", 1), ("output_len", 2), ("rounds", 1)):
+            value = getattr(self, name)
+            if not _is_int(value) or value < minimum:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{name} ({flag}) must be an integer >= {minimum}, got {value!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(
+                f"dtype (--dtype) must be auto, {', '.join(DTYPES)}; got {self.dtype!r}"
+            )
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A workload made concrete: the checkpoint folder, its files, device, dtype and the
+    sizes of its decoder layers (`layer_bytes`) and of everything else."""
+
+    workload: Workload
+    path: Path
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    files: list[Path]
+    total_bytes: int
+    layer_bytes: list[int]
+    vocab_size: int
+    config: dict = field(repr=False)
+
+    @property
+    def outside_layers_bytes(self) -> int:
+        return self.total_bytes - sum(self.layer_bytes)
+
+    def prompt_ids(self, batch: int) -> torch.Tensor:
+        """The prompts of a batch: random ids, the same for every method (seeded by the
+        batch size), the first few ids (special tokens) left out."""
+        generator = torch.Generator().manual_seed(batch)
+        low = min(3, self.vocab_size - 1)
+        shape = (batch, self.workload.prompt_len)
+        return torch.randint(low, self.vocab_size, shape, generator=generator)  # [batch, seq]
+
+
+def prepare(workload: Workload) -> Prepared:
+    """The checkpoint (a shape's random one written into the cache folder on first use)
+    and the model's sizes, from a model built on the meta device."""
+    device = check_device(workload.device)
+    path, name = resolve_checkpoint(workload.model, workload.dtype)
+    model = build_empty(path, workload.dtype)
+    layers = find_layers(model)
+    return Prepared(
+        workload=workload,
+        path=path,
+        name=name,
+        device=device,
+        dtype=next(model.parameters()).dtype,
+        files=weight_files(path),
+        total_bytes=parameter_bytes(model),
+        layer_bytes=[parameter_bytes(layer) for layer in layers],
+        vocab_size=model.config.vocab_size,
+        config=model.config.to_dict(),
+    )
+
+
+def resolve_checkpoint(model: str | None, dtype: str) -> tuple[Path, str]:
+    """(folder with weights, name for the report). A folder with only a config.json, or a
+    shipped shape, becomes a random-weight checkpoint in the cache folder."""
+    if model is None:
+        path = default_model_path()
+        return path, path.name
+    path = Path(model)
+    if not path.is_dir() and model in shipped():
+        path = CONFIGS / model
+    elif not path.is_dir():
+        raise ConfigError(
+            f"model (--model) must be a model folder or a shipped shape "
+            f"({', '.join(shipped())}), got {model!r}"
+        )
+    if weight_files(path):
+        return path, path.name
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model (--model) {model!r} is a folder with no config.json")
+    return random_checkpoint(path, dtype), f"{path.name} (random weights)"
+
+
+def random_checkpoint(shape: Path, dtype: str) -> Path:
+    """The random-weight checkpoint of the shape in `shape/config.json` and `dtype`,
+    written once into `<cache>/bench/` and reused; its folder is named by a hash of its
+    settings, so that a changed shape never reuses a stale one."""
+    config = json.loads((shape / "config.json").read_text())
+    stored = config.get("dtype") or config.get("torch_dtype") or "float32"
+    config["dtype"] = str(stored).removeprefix("torch.") if dtype == "auto" else dtype
+    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache_dir() / "bench" / f"{shape.name}-{config['dtype']}-{key}"
+    write_random_checkpoint(folder, config, SHARD_BYTES)
+    return folder
+
+
+def weight_files(path: Path) -> list[Path]:
+    return sorted(file for pattern in _WEIGHT_PATTERNS for file in path.glob(pattern))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
