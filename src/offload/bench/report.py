@@ -114,8 +114,8 @@ def _is_compute_reference(method: str, result: dict[str, Any]) -> bool:
 
 
 def _rate(per_s: float) -> str:
-    """Three significant figures or more, never an exponent (1234, 56.7, 0.891)."""
-    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.3g}"
+    """Three significant figures or more, never an exponent (1234, 56.7, 8.91, 0.05)."""
+    return f"{per_s:.0f}" if per_s >= 100 else f"{per_s:.1f}" if per_s >= 10 else f"{per_s:.2f}"
 
 
 def _limit(name: str, gb_per_s: float | None) -> str:

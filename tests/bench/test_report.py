@@ -1,0 +1,87 @@
+"""The report of a result: the table, and the PNG when matplotlib is there (a notice and
+no PNG when it is not)."""
+
+import io
+import sys
+
+import pytest
+
+from offload.bench import report
+
+
+def _row(method, batch, tokens_per_s, bound_tokens_per_s):
+    step_s = batch / tokens_per_s
+    bound_s = batch / bound_tokens_per_s
+    return {
+        "method": method,
+        "batch": batch,
+        "tokens_per_s": tokens_per_s,
+        "tokens_per_s_min": tokens_per_s * 0.9,
+        "tokens_per_s_max": tokens_per_s * 1.1,
+        "step_s": step_s,
+        "bound_step_s": bound_s,
+        "bound_limit": "memcpy",
+        "bound_tokens_per_s": bound_tokens_per_s,
+        "step_over_bound": step_s / bound_s,
+        "offloaded_bytes": 2**20,
+        "moved_bytes_per_forward": 2**20,
+        "achieved_gb_per_s": 2**20 / step_s / 1e9,
+        "stall_s_per_step": None,
+        "peak_device_bytes": None,
+        "peak_rss_bytes": 2**30,
+        "same_tokens": True,
+    }
+
+
+RESULT = {
+    "workload": {
+        "model": "tiny",
+        "dtype": "float32",
+        "device": "cpu",
+        "prompt_len": 4,
+        "output_len": 3,
+        "rounds": 1,
+        "total_bytes": 2**21,
+        "num_layers": 4,
+        "batch_sizes": [1, 8],
+    },
+    "limits": {
+        "memcpy_gb_per_s": 10.0,
+        "disk_read_gb_per_s": 2.0,
+        "page_cache_read_gb_per_s": 5.0,
+        "h2d_pinned_gb_per_s": None,
+        "h2d_pageable_gb_per_s": None,
+    },
+    "compute": {"source": "resident step", "step_s": {1: 0.01, 8: 0.02}},
+    "reference": "resident",
+    "skipped": {"diffusers": "group offloading with a stream needs a CUDA device"},
+    "records": [
+        _row("resident", 1, 100.0, 100.0),
+        _row("resident", 8, 400.0, 400.0),
+        _row("prefetch-all", 1, 50.0, 80.0),
+        _row("prefetch-all", 8, 300.0, 400.0),
+    ],
+}
+
+
+def test_the_table_has_a_row_per_record_and_the_skipped_methods():
+    lines = report.table(RESULT).splitlines()
+    assert "memcpy 10.00 GB/s" in lines[1] and "host->device pinned -" in lines[1]
+    row = next(line for line in lines if line.split()[:2] == ["prefetch-all", "1"])
+    assert row.split()[2:4] == ["50.0", "45.0-55.0"]  # tok/s, min-max
+    assert row.split()[7] == "1.60"  # step / bound
+    assert lines[-1] == "diffusers: skipped, group offloading with a stream needs a CUDA device"
+
+
+def test_the_png_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = report.plot(RESULT, tmp_path / "chart.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_without_matplotlib_the_png_is_skipped_with_a_notice(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # its import now fails
+    err = io.StringIO()
+    saved = report.save(RESULT, tmp_path, err=err)
+    assert [path.suffix for path in saved] == [".json"]
+    assert err.getvalue().count("\n") == 1 and "matplotlib is not installed" in err.getvalue()

@@ -1,0 +1,152 @@
+"""A bench run over a tiny Llama: every record field there, our methods give the
+reference's tokens, and a method that really differs is caught."""
+
+import json
+
+import pytest
+
+from offload.bench import Workload, report, run_bench
+from offload.bench.ours import Resident
+from offload.bench.results import ESTIMATED_COMPUTE, RESIDENT_COMPUTE
+
+RECORD_FIELDS = {
+    "method",
+    "label",
+    "is_ours",
+    "setting",
+    "batch",
+    "tokens_per_s",
+    "tokens_per_s_min",
+    "tokens_per_s_max",
+    "step_s",
+    "step_s_min",
+    "step_s_max",
+    "prefill_s",
+    "offloaded_bytes",
+    "moved_bytes_per_forward",
+    "moved_bytes_per_forward_by_link",
+    "achieved_gb_per_s",
+    "stall_s_per_step",
+    "peak_device_bytes",
+    "peak_rss_bytes",
+    "load_s",
+    "load_rss_bytes",
+    "load_device_bytes",
+    "same_tokens",
+    "compute_s",
+    "bound_step_s",
+    "bound_limit",
+    "bound_link_s",
+    "bound_tokens_per_s",
+    "step_over_bound",
+}
+LIMIT_FIELDS = {
+    "memcpy_gb_per_s",
+    "disk_read_gb_per_s",
+    "page_cache_read_gb_per_s",
+    "h2d_pinned_gb_per_s",
+    "h2d_pageable_gb_per_s",
+    "host_memory_bytes",
+    "host_available_bytes",
+    "device_memory_bytes",
+    "device_free_bytes",
+    "disk_read_ways_gb_per_s",
+    "notes",
+}
+BATCHES = (1, 2)
+
+
+class ShiftedHead(Resident):
+    """Resident with the output head's rows rolled by one: every greedy token differs."""
+
+    name = "shifted-head"
+    label = "resident with a broken head (test only)"
+
+    def load(self) -> None:
+        super().load()
+        head = self.model.get_output_embeddings().weight
+        head.data = head.data.roll(1, dims=0)
+
+
+@pytest.fixture(scope="module")
+def result(tiny_llama_path):
+    workload = Workload(
+        model=str(tiny_llama_path),
+        device="cpu",
+        batch_sizes=BATCHES,
+        prompt_len=4,
+        output_len=3,
+        rounds=1,
+    )
+    methods = ["resident", "prefetch-all", "disk", "accelerate-disk", ShiftedHead]
+    return run_bench(workload, methods, progress=False)
+
+
+def _rows(result, method):
+    return [row for row in result["records"] if row["method"] == method]
+
+
+def test_one_record_per_method_and_batch_with_every_field(result):
+    pairs = [(row["method"], row["batch"]) for row in result["records"]]
+    methods = ["resident", "prefetch-all", "disk", "accelerate-disk", "shifted-head"]
+    assert pairs == [(method, batch) for method in methods for batch in BATCHES]
+    for row in result["records"]:
+        assert set(row) == RECORD_FIELDS
+        assert row["tokens_per_s"] > 0 and row["step_s"] > 0
+        assert row["tokens_per_s_min"] <= row["tokens_per_s_max"]
+        assert row["peak_device_bytes"] is None  # on a CPU
+    assert set(result["limits"]) == LIMIT_FIELDS
+    assert result["limits"]["memcpy_gb_per_s"] > 0
+    assert result["compute"]["source"] == RESIDENT_COMPUTE
+    assert result["reference"] == "resident"
+
+
+def test_ours_give_the_reference_tokens_and_a_broken_method_does_not(result):
+    for method in ("prefetch-all", "disk", "accelerate-disk"):
+        assert [row["same_tokens"] for row in _rows(result, method)] == [True, True], method
+    assert [row["same_tokens"] for row in _rows(result, "shifted-head")] == [False, False]
+
+
+def test_ours_move_bytes_and_the_bound_uses_them(result):
+    layers_bytes = sum(result["workload"]["layer_bytes"])
+    for row in _rows(result, "prefetch-all"):
+        assert row["offloaded_bytes"] == layers_bytes
+        assert row["moved_bytes_per_forward_by_link"]["memcpy"] == pytest.approx(layers_bytes)
+        assert row["stall_s_per_step"] is not None
+    for row in _rows(result, "disk"):
+        assert row["moved_bytes_per_forward_by_link"]["disk"] > 0  # read from the checkpoint
+    for row in _rows(result, "accelerate-disk"):  # every weight, every forward
+        total = result["workload"]["total_bytes"]
+        assert row["moved_bytes_per_forward_by_link"] == {"page_cache": pytest.approx(total)}
+    for row in result["records"]:
+        assert row["bound_step_s"] >= row["compute_s"] > 0
+        assert row["step_over_bound"] == pytest.approx(row["step_s"] / row["bound_step_s"])
+
+
+def test_the_result_is_json_with_the_machine_and_date(result, tmp_path):
+    saved = report.save(result, tmp_path)
+    loaded = json.loads(saved[0].read_text())
+    assert {"date", "torch", "cpu_model"} <= set(loaded["machine"])
+    assert set(loaded["records"][0]) == RECORD_FIELDS
+    lines = report.table(loaded).splitlines()
+    assert any(line.split()[:2] == ["shifted-head", "1"] and line.endswith("NO") for line in lines)
+
+
+def test_without_resident_compute_is_estimated_and_ours_are_the_reference(tiny_llama_path):
+    workload = Workload(
+        model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), output_len=2, rounds=1
+    )
+    result = run_bench(workload, ["prefetch-half"], progress=False)
+    assert result["reference"] == "prefetch-half"
+    assert result["compute"]["source"] == ESTIMATED_COMPUTE
+    [row] = result["records"]
+    assert row["same_tokens"] is True and row["compute_s"] > 0
+
+
+def test_diffusers_is_skipped_on_a_cpu_with_why(tiny_llama_path):
+    workload = Workload(
+        model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), output_len=2, rounds=1
+    )
+    result = run_bench(workload, ["resident", "diffusers"], progress=False)
+    assert "needs a CUDA device" in result["skipped"]["diffusers"]
+    assert [row["method"] for row in result["records"]] == ["resident"]

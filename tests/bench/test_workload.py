@@ -1,0 +1,75 @@
+"""The workload's checks (each error names the field, the value and what is allowed) and
+the random checkpoint a shape becomes."""
+
+import json
+
+import pytest
+
+from offload.bench.workload import Workload, prepare, resolve_checkpoint
+from offload.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"batch_sizes": (0,)}, r"batch_sizes \(--batch-sizes\) must be .* >= 1, got \[0\]"),
+        ({"batch_sizes": ()}, r"batch_sizes .* one or more integers >= 1, got \[\]"),
+        ({"batch_sizes": (1, 2.5)}, r"got \[1, 2.5\]"),
+        ({"prompt_len": 0}, r"prompt_len \(--prompt-len\) must be an integer >= 1, got 0"),
+        ({"output_len": 1}, r"output_len \(--output-len\) must be an integer >= 2, got 1"),
+        ({"rounds": 0}, r"rounds \(--rounds\) must be an integer >= 1, got 0"),
+        ({"dtype": "int8"}, r"dtype \(--dtype\) must be auto, float32, .*got 'int8'"),
+    ],
+)
+def test_bad_fields_are_named_with_what_is_allowed(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        Workload(**fields)
+
+
+def test_batch_sizes_are_sorted_once_each():
+    assert Workload(batch_sizes=(8, 1, 8)).batch_sizes == (1, 8)
+
+
+def test_an_unknown_model_lists_the_shipped_shapes(tmp_path):
+    with pytest.raises(ConfigError, match=r"model folder or a shipped shape \(llama-3-70b, .*'x'"):
+        resolve_checkpoint("x", "auto")
+    with pytest.raises(ConfigError, match=r"no config\.json"):
+        resolve_checkpoint(str(tmp_path), "auto")
+
+
+def test_a_shape_becomes_a_random_checkpoint_written_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    shape = tmp_path / "tiny-shape"
+    shape.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 128,
+        "dtype": "bfloat16",
+    }
+    (shape / "config.json").write_text(json.dumps(config))
+    path, name = resolve_checkpoint(str(shape), "float32")
+    assert name == "tiny-shape (random weights)"
+    assert path.parent == tmp_path / "cache" / "bench" and path.name.startswith(
+        "tiny-shape-float32"
+    )
+    written = {file: file.stat().st_mtime_ns for file in path.iterdir()}
+    assert resolve_checkpoint(str(shape), "float32")[0] == path  # reused, not rewritten
+    assert {file: file.stat().st_mtime_ns for file in path.iterdir()} == written
+    prepared = prepare(Workload(model=str(shape), dtype="float32", device="cpu"))
+    assert len(prepared.layer_bytes) == 3 and prepared.files
+    assert prepared.outside_layers_bytes == prepared.total_bytes - sum(prepared.layer_bytes)
+    assert resolve_checkpoint(str(shape), "auto")[0].name.startswith("tiny-shape-bfloat16")
+
+
+def test_prompts_are_the_same_for_every_method_and_differ_by_batch(tiny_llama_path):
+    prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", prompt_len=5))
+    ids = prepared.prompt_ids(2)
+    assert ids.shape == (2, 5) and bool((ids >= 3).all())
+    assert prepared.prompt_ids(2).equal(ids)
+    assert not prepared.prompt_ids(3)[:2].equal(ids)
