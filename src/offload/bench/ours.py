@@ -92,24 +92,22 @@ class UVA(Ours):
         return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
 
 
-class PrefetchAll(Ours):
-    name = "prefetch-all"
-    label = "ours prefetch, every layer, step 2"
-    settings: ClassVar[dict[str, Any]] = {
-        "offload_group_size": 1,
-        "offload_num_in_group": 1,
-        "offload_prefetch_step": 2,
+def _layout(group_size: int, num_in_group: int, prefetch_step: int) -> dict[str, int]:
+    return {
+        "offload_group_size": group_size,
+        "offload_num_in_group": num_in_group,
+        "offload_prefetch_step": prefetch_step,
     }
+
+
+class PrefetchAll(Ours):
+    name, label = "prefetch-all", "ours prefetch, every layer, step 2"
+    settings: ClassVar[dict[str, Any]] = _layout(1, 1, 2)
 
 
 class PrefetchHalf(Ours):
-    name = "prefetch-half"
-    label = "ours prefetch, group 2 num 1 (half the layers), step 1"
-    settings: ClassVar[dict[str, Any]] = {
-        "offload_group_size": 2,
-        "offload_num_in_group": 1,
-        "offload_prefetch_step": 1,
-    }
+    name, label = "prefetch-half", "ours prefetch, group 2 num 1 (half the layers), step 1"
+    settings: ClassVar[dict[str, Any]] = _layout(2, 1, 1)
 
 
 class Disk(Ours):

@@ -80,22 +80,34 @@ def record(
     compute_s: dict[int, float],
     links: dict[str, float | None],
 ) -> dict[str, Any]:
+    """The figures of one method at one batch size."""
     method = entry.method
     step_s = statistics.median(sample.step_s)
     moved = {
         link: num_bytes / sample.num_forwards for link, num_bytes in sample.moved_bytes.items()
     }
-    moved_bytes = sum(moved.values())
-    bound = bound_step(compute_s.get(batch), moved, links)
-    peak_device = None
-    if entry.load_device_bytes is not None:  # its own weights, plus what a run took above
-        peak_device = entry.load_device_bytes + (sample.peak_device_bytes or 0)
     return {
         "method": method.name,
         "label": method.label,
         "is_ours": method.is_ours,
         "setting": method.setting(),
         "batch": batch,
+        **_timing(batch, sample, step_s),
+        "offloaded_bytes": entry.offloaded_bytes,
+        "moved_bytes_per_forward": sum(moved.values()),
+        "moved_bytes_per_forward_by_link": moved,
+        "achieved_gb_per_s": sum(moved.values()) / step_s / 1e9,
+        "stall_s_per_step": (
+            sample.stall_s / sample.num_forwards if sample.stall_s is not None else None
+        ),
+        **_memory(entry, sample),
+        "same_tokens": sample.same_tokens,
+        **_bound(batch, step_s, compute_s.get(batch), moved, links),
+    }
+
+
+def _timing(batch: int, sample: Sample, step_s: float) -> dict[str, float]:
+    return {
         "tokens_per_s": batch / step_s,  # decode: batch / median step
         "tokens_per_s_min": batch / max(sample.round_step_s),
         "tokens_per_s_max": batch / min(sample.round_step_s),
@@ -103,20 +115,32 @@ def record(
         "step_s_min": min(sample.step_s),
         "step_s_max": max(sample.step_s),
         "prefill_s": statistics.median(sample.prefill_s),
-        "offloaded_bytes": entry.offloaded_bytes,
-        "moved_bytes_per_forward": moved_bytes,
-        "moved_bytes_per_forward_by_link": moved,
-        "achieved_gb_per_s": moved_bytes / step_s / 1e9,
-        "stall_s_per_step": (
-            sample.stall_s / sample.num_forwards if sample.stall_s is not None else None
-        ),
+    }
+
+
+def _memory(entry: Loaded, sample: Sample) -> dict[str, Any]:
+    peak_device = None
+    if entry.load_device_bytes is not None:  # its own weights, plus what a run took above
+        peak_device = entry.load_device_bytes + (sample.peak_device_bytes or 0)
+    return {
         "peak_device_bytes": peak_device,
         "peak_rss_bytes": sample.peak_rss_bytes,
         "load_s": entry.load_s,
         "load_rss_bytes": entry.load_rss_bytes,
         "load_device_bytes": entry.load_device_bytes,
-        "same_tokens": sample.same_tokens,
-        "compute_s": compute_s.get(batch),
+    }
+
+
+def _bound(
+    batch: int,
+    step_s: float,
+    compute_s: float | None,
+    moved: dict[str, float],
+    links: dict[str, float | None],
+) -> dict[str, Any]:
+    bound = bound_step(compute_s, moved, links)
+    return {
+        "compute_s": compute_s,
         "bound_step_s": bound.step_s,
         "bound_limit": bound.limit,
         "bound_link_s": bound.link_s,

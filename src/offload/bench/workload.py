@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -70,7 +70,6 @@ class Prepared:
     total_bytes: int
     layer_bytes: list[int]
     vocab_size: int
-    config: dict = field(repr=False)
 
     @property
     def outside_layers_bytes(self) -> int:
@@ -102,7 +101,6 @@ def prepare(workload: Workload) -> Prepared:
         total_bytes=parameter_bytes(model),
         layer_bytes=[parameter_bytes(layer) for layer in layers],
         vocab_size=model.config.vocab_size,
-        config=model.config.to_dict(),
     )
 
 
