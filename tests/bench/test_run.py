@@ -6,7 +6,7 @@ import json
 import pytest
 
 from offload.bench import Workload, report, run_bench
-from offload.bench.ours import Resident
+from offload.bench.ours import PrefetchAll, Resident
 from offload.bench.results import ESTIMATED_COMPUTE, RESIDENT_COMPUTE
 
 RECORD_FIELDS = {
@@ -68,6 +68,24 @@ class ShiftedHead(Resident):
         head.data = head.data.roll(1, dims=0)
 
 
+class FailingPeer(Resident):
+    """A peer whose decode fails: it is skipped with why, the others go on."""
+
+    name = "failing-peer"
+
+    def run(self, ids):
+        raise RuntimeError("no kernel image is available\nfor this device")
+
+
+class FailingOurs(PrefetchAll):
+    """One of ours that fails to load: the bench stops with the error, never hides it."""
+
+    name = "failing-ours"
+
+    def load(self) -> None:
+        raise RuntimeError("our bug")
+
+
 @pytest.fixture(scope="module")
 def result(tiny_llama_path):
     workload = Workload(
@@ -78,7 +96,7 @@ def result(tiny_llama_path):
         output_len=3,
         rounds=1,
     )
-    methods = ["resident", "prefetch-all", "disk", "accelerate-disk", ShiftedHead]
+    methods = ["resident", "prefetch-all", "disk", "accelerate-disk", FailingPeer, ShiftedHead]
     return run_bench(workload, methods, progress=False)
 
 
@@ -130,6 +148,16 @@ def test_the_result_is_json_with_the_machine_and_date(result, tmp_path):
     assert set(loaded["records"][0]) == RECORD_FIELDS
     lines = report.table(loaded).splitlines()
     assert any(line.split()[:2] == ["shifted-head", "1"] and line.endswith("NO") for line in lines)
+
+
+def test_a_failing_peer_is_skipped_with_why_and_ours_are_not(result, tiny_llama_path):
+    assert result["skipped"] == {
+        "failing-peer": "failed in its warm-up: RuntimeError: no kernel image is available for "
+        "this device"
+    }
+    workload = Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), rounds=1)
+    with pytest.raises(RuntimeError, match="our bug"):
+        run_bench(workload, ["resident", FailingOurs], progress=False)
 
 
 def test_without_resident_compute_is_estimated_and_ours_are_the_reference(tiny_llama_path):

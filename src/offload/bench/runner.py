@@ -7,8 +7,9 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from tqdm import tqdm
@@ -18,6 +19,8 @@ from offload.bench.host_io import process_memory_bytes, reset_peak_rss
 from offload.bench.limits import Limits, measure_limits
 from offload.bench.method import Figures, Method, MethodUnavailable
 from offload.bench.workload import Prepared
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,21 +62,44 @@ class Measured:
 
 def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = True) -> Measured:
     """Measure the machine, load every method, warm up and time them; the methods are
-    closed at the end whatever happens."""
+    closed at the end whatever happens. A method that cannot run here, or a peer that
+    fails to load or in its warm-up, is skipped with why (our own failures are raised)."""
     limits = measure_limits(prepared.device, prepared.files)
-    loaded, skipped = [], {}
+    loaded: list[Loaded] = []
+    skipped: dict[str, str] = {}
+    workload = prepared.workload
     try:
         for method in methods:
-            try:
-                loaded.append(_load(method))
-            except MethodUnavailable as why:
-                skipped[method.name] = str(why)
-        reference = _reference(loaded)
-        samples = _measure(prepared, loaded, reference, progress)
+            entry = _attempt(method, "load", skipped, lambda m=method: _load(m))
+            loaded += [entry] if entry is not None else []
+        total = len(loaded) * len(workload.batch_sizes) * (1 + workload.rounds)
+        with tqdm(total=total, desc="offload bench", file=sys.stderr, disable=not progress) as bar:
+            samples = _warm_up(prepared, loaded, skipped, bar)
+            reference = _reference(loaded)
+            for (_, batch), sample in samples.items():
+                expected = samples[reference, batch].tokens
+                sample.same_tokens = bool(torch.equal(sample.tokens, expected))
+            _time_rounds(prepared, loaded, samples, bar)
     finally:
         for entry in loaded:
             entry.method.close()
     return Measured(limits, loaded, skipped, reference, samples)
+
+
+def _attempt(
+    method: Method, stage: str, skipped: dict[str, str], step: Callable[[], T]
+) -> T | None:
+    """`step()`, or None with the reason in `skipped` where the method cannot go on."""
+    try:
+        return step()
+    except MethodUnavailable as why:
+        skipped[method.name] = str(why)
+    except Exception as error:  # a peer's own failure ends that peer, not the bench
+        if method.is_ours:
+            raise
+        text = " ".join(str(error).split())[:300]
+        skipped[method.name] = f"failed in its {stage}: {type(error).__name__}: {text}"
+    return None
 
 
 def _load(method: Method) -> Loaded:
@@ -98,31 +124,43 @@ def _reference(loaded: list[Loaded]) -> str | None:
     return (ours or names or [None])[0]
 
 
-def _measure(
-    prepared: Prepared, loaded: list[Loaded], reference: str | None, progress: bool
+def _warm_up(
+    prepared: Prepared, loaded: list[Loaded], skipped: dict[str, str], bar: tqdm
 ) -> dict[tuple[str, int], Sample]:
-    workload = prepared.workload
-    batches = workload.batch_sizes
-    samples = {(e.method.name, b): Sample() for e in loaded for b in batches}
-    total = len(loaded) * len(batches) * (1 + workload.rounds)
-    with tqdm(total=total, desc="offload bench", file=sys.stderr, disable=not progress) as bar:
-        for batch in batches:  # the warm-up, whose tokens are compared
+    """One untimed run per method and batch, keeping its tokens; a method that fails is
+    closed and dropped from `loaded`."""
+    batches, rounds = prepared.workload.batch_sizes, prepared.workload.rounds
+    samples = {}
+    for entry in list(loaded):
+        for batch in batches:
+            bar.set_postfix_str(f"warm-up {entry.method.name} batch {batch}")
+            warm = _attempt(entry.method, "warm-up", skipped, lambda e=entry, b=batch: _run(e, b))
+            bar.update()
+            if warm is None:
+                entry.method.close()
+                loaded.remove(entry)
+                bar.total -= rounds * len(batches) + len(batches) - batches.index(batch) - 1
+                break
+            samples[entry.method.name, batch] = Sample(tokens=warm.tokens)
+    return {key: sample for key, sample in samples.items() if key[0] not in skipped}
+
+
+def _run(entry: Loaded, batch: int) -> Decoded:
+    return entry.method.run(entry.method.prepared.prompt_ids(batch))
+
+
+def _time_rounds(
+    prepared: Prepared, loaded: list[Loaded], samples: dict[tuple[str, int], Sample], bar: tqdm
+) -> None:
+    """Round r runs every method once per batch (interleaved: a drift in the machine's
+    speed touches every method alike)."""
+    for _ in range(prepared.workload.rounds):
+        for batch in prepared.workload.batch_sizes:
             ids = prepared.prompt_ids(batch)
             for entry in loaded:
-                bar.set_postfix_str(f"warm-up {entry.method.name} batch {batch}")
-                samples[entry.method.name, batch].tokens = entry.method.run(ids).tokens
+                bar.set_postfix_str(f"{entry.method.name} batch {batch}")
+                _timed_run(entry.method, ids, samples[entry.method.name, batch])
                 bar.update()
-        for _ in range(workload.rounds):  # round r runs every method once per batch
-            for batch in batches:
-                ids = prepared.prompt_ids(batch)
-                for entry in loaded:
-                    bar.set_postfix_str(f"{entry.method.name} batch {batch}")
-                    _timed_run(entry.method, ids, samples[entry.method.name, batch])
-                    bar.update()
-    for (_, batch), sample in samples.items():
-        expected = samples[reference, batch].tokens
-        sample.same_tokens = bool(torch.equal(sample.tokens, expected))
-    return samples
 
 
 def _timed_run(method: Method, ids: torch.Tensor, sample: Sample) -> None:
