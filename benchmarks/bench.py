@@ -15,6 +15,6 @@ RESULTS = Path(__file__).parent / "results"
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if "--out" not in argv:
+    if not any(arg == "--out" or arg.startswith("--out=") for arg in argv):
         argv += ["--out", str(RESULTS)]
     sys.exit(main(["bench", *argv]))
