@@ -115,6 +115,8 @@ def test_one_record_per_method_and_batch_with_every_field(result):
         assert row["peak_device_bytes"] is None  # on a CPU
     assert set(result["limits"]) == LIMIT_FIELDS
     assert result["limits"]["memcpy_gb_per_s"] > 0
+    ways = result["limits"]["disk_read_ways_gb_per_s"]  # before loading and before each round
+    assert len(ways) == 2 and all(len(measured) == 2 for measured in ways.values())
     assert result["compute"]["source"] == RESIDENT_COMPUTE
     assert result["reference"] == "resident"
 

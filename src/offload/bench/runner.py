@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from offload.bench.decode import Decoded
 from offload.bench.host_io import process_memory_bytes, reset_peak_rss
-from offload.bench.limits import Limits, measure_limits
+from offload.bench.limits import Limits, measure_disk, measure_limits
 from offload.bench.method import Figures, Method, MethodUnavailable
 from offload.bench.workload import Prepared
 
@@ -79,7 +79,9 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
             for (_, batch), sample in samples.items():
                 expected = samples[reference, batch].tokens
                 sample.same_tokens = bool(torch.equal(sample.tokens, expected))
-            _time_rounds(prepared, loaded, samples, bar)
+            _time_rounds(
+                prepared, loaded, samples, bar, lambda: measure_disk(limits, prepared.files)
+            )
     finally:
         for entry in loaded:
             entry.method.close()
@@ -150,11 +152,16 @@ def _run(entry: Loaded, batch: int) -> Decoded:
 
 
 def _time_rounds(
-    prepared: Prepared, loaded: list[Loaded], samples: dict[tuple[str, int], Sample], bar: tqdm
+    prepared: Prepared,
+    loaded: list[Loaded],
+    samples: dict[tuple[str, int], Sample],
+    bar: tqdm,
+    before_round: Callable[[], None],
 ) -> None:
     """Round r runs every method once per batch (interleaved: a drift in the machine's
-    speed touches every method alike)."""
+    speed touches every method alike), after `before_round()`."""
     for _ in range(prepared.workload.rounds):
+        before_round()
         for batch in prepared.workload.batch_sizes:
             ids = prepared.prompt_ids(batch)
             for entry in loaded:
