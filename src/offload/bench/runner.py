@@ -91,7 +91,8 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
 def _attempt(
     method: Method, stage: str, skipped: dict[str, str], step: Callable[[], T]
 ) -> T | None:
-    """`step()`, or None with the reason in `skipped` where the method cannot go on."""
+    """`step()`, or None with the reason in `skipped` (and the method closed: its memory
+    and files given back) where the method cannot go on."""
     try:
         return step()
     except MethodUnavailable as why:
@@ -101,6 +102,7 @@ def _attempt(
             raise
         text = " ".join(str(error).split())[:300]
         skipped[method.name] = f"failed in its {stage}: {type(error).__name__}: {text}"
+    method.close()
     return None
 
 
@@ -130,7 +132,7 @@ def _warm_up(
     prepared: Prepared, loaded: list[Loaded], skipped: dict[str, str], bar: tqdm
 ) -> dict[tuple[str, int], Sample]:
     """One untimed run per method and batch, keeping its tokens; a method that fails is
-    closed and dropped from `loaded`."""
+    dropped from `loaded` (closed by `_attempt`)."""
     batches, rounds = prepared.workload.batch_sizes, prepared.workload.rounds
     samples = {}
     for entry in list(loaded):
@@ -139,7 +141,6 @@ def _warm_up(
             warm = _attempt(entry.method, "warm-up", skipped, lambda e=entry, b=batch: _run(e, b))
             bar.update()
             if warm is None:
-                entry.method.close()
                 loaded.remove(entry)
                 bar.total -= rounds * len(batches) + len(batches) - batches.index(batch) - 1
                 break
