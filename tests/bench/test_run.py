@@ -96,7 +96,15 @@ def result(tiny_llama_path):
         output_len=3,
         rounds=1,
     )
-    methods = ["resident", "prefetch-all", "disk", "accelerate-disk", FailingPeer, ShiftedHead]
+    methods = [
+        "resident",
+        "prefetch-all",
+        "disk",
+        "disk-direct",
+        "accelerate-disk",
+        FailingPeer,
+        ShiftedHead,
+    ]
     return run_bench(workload, methods, progress=False)
 
 
@@ -106,7 +114,7 @@ def _rows(result, method):
 
 def test_one_record_per_method_and_batch_with_every_field(result):
     pairs = [(row["method"], row["batch"]) for row in result["records"]]
-    methods = ["resident", "prefetch-all", "disk", "accelerate-disk", "shifted-head"]
+    methods = ["resident", "prefetch-all", "disk", "disk-direct", "accelerate-disk", "shifted-head"]
     assert pairs == [(method, batch) for method in methods for batch in BATCHES]
     for row in result["records"]:
         assert set(row) == RECORD_FIELDS
@@ -122,7 +130,7 @@ def test_one_record_per_method_and_batch_with_every_field(result):
 
 
 def test_ours_give_the_reference_tokens_and_a_broken_method_does_not(result):
-    for method in ("prefetch-all", "disk", "accelerate-disk"):
+    for method in ("prefetch-all", "disk", "disk-direct", "accelerate-disk"):
         assert [row["same_tokens"] for row in _rows(result, method)] == [True, True], method
     assert [row["same_tokens"] for row in _rows(result, "shifted-head")] == [False, False]
 
@@ -133,9 +141,12 @@ def test_ours_move_bytes_and_the_bound_uses_them(result):
         assert row["offloaded_bytes"] == layers_bytes
         assert row["moved_bytes_per_forward_by_link"]["memcpy"] == pytest.approx(layers_bytes)
         assert row["stall_s_per_step"] is not None
-    for row in _rows(result, "disk"):  # read from the checkpoint, or computed on in place
-        link = "disk" if row["setting"]["disk_io_chosen"] == "direct" else "page_cache"
-        assert row["moved_bytes_per_forward_by_link"][link] > 0
+    for row in _rows(result, "disk-direct"):  # read from the checkpoint around the cache
+        assert row["setting"]["disk_io_chosen"] == "direct"
+        assert row["moved_bytes_per_forward_by_link"]["disk"] > 0
+    for row in _rows(result, "disk"):  # the default: a checkpoint just written is mapped
+        assert row["setting"]["disk_io_chosen"] == "mmap"
+        assert not any(row["moved_bytes_per_forward_by_link"].values())  # computed in place
     for row in _rows(result, "accelerate-disk"):  # every weight, every forward
         total = result["workload"]["total_bytes"]
         assert row["moved_bytes_per_forward_by_link"] == {"page_cache": pytest.approx(total)}

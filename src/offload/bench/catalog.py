@@ -5,7 +5,7 @@ not there."""
 from __future__ import annotations
 
 from offload.bench.method import Method
-from offload.bench.ours import UVA, Disk, PrefetchAll, PrefetchHalf, Resident
+from offload.bench.ours import UVA, Disk, DiskDirect, PrefetchAll, PrefetchHalf, Resident
 from offload.bench.peers import AccelerateDisk, AccelerateMap, Diffusers
 
 METHODS: dict[str, type[Method]] = {
@@ -16,6 +16,7 @@ METHODS: dict[str, type[Method]] = {
         PrefetchAll,
         PrefetchHalf,
         Disk,
+        DiskDirect,
         AccelerateMap,
         AccelerateDisk,
         Diffusers,
