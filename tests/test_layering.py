@@ -30,6 +30,7 @@ LAYERS = (
         "offload.commands",
         "offload.defaults",
         "offload.bench",
+        "offload.planner",
     ),
     ("offload.cli",),
 )
