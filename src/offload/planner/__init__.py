@@ -3,5 +3,6 @@ the disk's bandwidths, a decoder layer's compute at each batch size), predict th
 step of every placement with a cost model of the prefetch pipeline, and choose the one,
 and the batch size, with the most tokens per second under the device and host budgets.
 
-- `cost.py`: the cost model (pure functions).
+- `measure.py`: the measurements and their cache; `probes.py`, `compute.py`: how;
+- `cost.py`: the cost model (pure functions); `shape.py`: a model's sizes.
 """

@@ -1,0 +1,256 @@
+"""Measurements of one machine for one model shape, dtype and context length: the link's
+and the disk's bandwidths and the compute of a decode step at each batch size. Measured
+once and cached as JSON in `$OFFLOAD_CACHE_DIR/plans/` (see `offload.model.default`),
+keyed by the machine (CPU model or GPU name), the software (torch, transformers) and the
+workload; `remeasure=True` measures again and replaces the cached file."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from offload.config import DiskOffloadConfig
+from offload.errors import ModelError
+from offload.memory.threads import available_cores
+from offload.model.default import cache_dir
+from offload.planner import probes
+from offload.planner.compute import time_decode
+from offload.planner.cost import Rates
+from offload.planner.shape import ModelShape
+from offload.sizes import GIB, MIB
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """How much each probe moves: bytes copied per link sample, at most `disk_bytes` of
+    the checkpoint read (a `probe_file_bytes` file written and read where there is no
+    checkpoint), and the untimed and timed repeats of each figure."""
+
+    copy_bytes: int = 256 * MIB
+    disk_bytes: int = GIB
+    probe_file_bytes: int = 256 * MIB
+    warmup: int = 2
+    repeats: int = 5
+
+
+@dataclass
+class Measurements:
+    """What was measured (bandwidths in GB/s of 1e9 bytes; `layer_s` and `head_s` per
+    entry of `batch_sizes`: one decoder layer, and the rest of a decode step)."""
+
+    machine: str
+    software: str
+    device_type: str
+    model_digest: str
+    dtype: str
+    context_len: int
+    batch_sizes: list[int]
+    layer_s: list[float]
+    head_s: list[float]
+    link_gb_per_s: float
+    disk_gb_per_s: float
+    uva_gb_per_s: float = 0.0
+    disk_source: str = ""
+    notes: list[str] = field(default_factory=list)
+    measured_at: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> Measurements:
+        """Parse `to_json`'s output; ValueError (naming the problem) for anything else."""
+        data = json.loads(text)
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) - names:
+            raise ValueError(f"measurements must be an object with keys {sorted(names)}")
+        try:
+            measured = cls(**data)
+        except TypeError:  # a field missing
+            raise ValueError(f"measurements must be an object with keys {sorted(names)}") from None
+        if not len(measured.layer_s) == len(measured.batch_sizes) == len(measured.head_s):
+            raise ValueError("layer_s and head_s need one entry per batch size")
+        return measured
+
+    @property
+    def key(self) -> str:
+        """The cache key: the machine, the software and the workload, not the figures."""
+        return cache_key(
+            self.machine,
+            self.software,
+            self.device_type,
+            self.model_digest,
+            self.dtype,
+            self.context_len,
+            self.batch_sizes,
+        )
+
+    def rates(self) -> Rates:
+        return Rates(
+            on_gpu=self.device_type == "cuda",
+            link_gb_per_s=self.link_gb_per_s,
+            disk_gb_per_s=self.disk_gb_per_s,
+            uva_gb_per_s=self.uva_gb_per_s,
+        )
+
+    def compute_at(self, batch: int) -> tuple[float, float]:
+        """(one layer, the rest of the step) in seconds at `batch`: measured, or linear
+        between the measured batch sizes around it; beyond the largest, scaled with the
+        batch (decode compute grows at most linearly with it); below the smallest, the
+        smallest's."""
+        sizes, figures = self.batch_sizes, list(zip(self.layer_s, self.head_s, strict=True))
+        if batch in sizes:
+            return figures[sizes.index(batch)]
+        order = sorted(range(len(sizes)), key=sizes.__getitem__)
+        below = [i for i in order if sizes[i] < batch]
+        above = [i for i in order if sizes[i] > batch]
+        if not below:
+            return figures[above[0]]
+        low = below[-1]
+        if not above:
+            scale = batch / sizes[low]
+            return figures[low][0] * scale, figures[low][1] * scale
+        high = above[0]
+        share = (batch - sizes[low]) / (sizes[high] - sizes[low])
+        return tuple(a + share * (b - a) for a, b in zip(figures[low], figures[high], strict=True))
+
+
+def cache_key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:24]
+
+
+def plans_dir() -> Path:
+    return cache_dir() / "plans"
+
+
+def machine_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and the cores this process may use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.machine()
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+        model = found.group(1).strip() if found else model
+    except OSError:
+        pass
+    return f"{model} ({available_cores()} cores)"
+
+
+def software() -> str:
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+class Measured(NamedTuple):
+    measurements: Measurements
+    path: Path  # the cache file
+    from_cache: bool
+
+
+def measure(
+    path: Path,
+    shape: ModelShape,
+    device: torch.device,
+    batch_sizes: list[int],
+    context_len: int,
+    *,
+    remeasure: bool = False,
+    settings: MeasureSettings = MeasureSettings(),
+    trust_remote_code: bool = False,
+) -> Measured:
+    """The measurements for this machine and workload: from the cache, or measured now
+    (`remeasure`: always) and cached."""
+    measured = Measurements(
+        machine=machine_name(device),
+        software=software(),
+        device_type=device.type,
+        model_digest=shape.digest,
+        dtype=str(shape.dtype).removeprefix("torch."),
+        context_len=context_len,
+        batch_sizes=list(batch_sizes),
+        layer_s=[],
+        head_s=[],
+        link_gb_per_s=0.0,
+        disk_gb_per_s=0.0,
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+    cached = plans_dir() / f"{measured.key}.json"
+    found = None if remeasure else _load(cached)
+    if found is not None:
+        return Measured(found, cached, True)
+    _measure_links(measured, device, settings)
+    _measure_disk(measured, path, settings)
+    _measure_compute(measured, path, shape, device, settings, trust_remote_code)
+    _save(cached, measured)
+    return Measured(measured, cached, False)
+
+
+def _load(path: Path) -> Measurements | None:
+    try:
+        return Measurements.from_json(path.read_text())
+    except (OSError, ValueError):  # missing, or not ours: measure again
+        return None
+
+
+def _save(path: Path, measured: Measurements) -> None:
+    """Written whole or not at all (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}")
+    partial.write_text(measured.to_json())
+    partial.replace(path)
+
+
+def _measure_links(measured: Measurements, device: torch.device, s: MeasureSettings) -> None:
+    measured.link_gb_per_s = probes.link_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
+    measured.uva_gb_per_s = probes.uva_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
+
+
+def _measure_disk(measured: Measurements, path: Path, s: MeasureSettings) -> None:
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    threads = DiskOffloadConfig().io_threads  # as many as the disk tier reads with
+    try:
+        if files:
+            measured.disk_gb_per_s = probes.disk_gb_per_s(files, s.disk_bytes, threads)
+            measured.disk_source = "the checkpoint's files"
+            return
+        with probes.probe_file(plans_dir(), s.probe_file_bytes) as probe:
+            measured.disk_gb_per_s = probes.disk_gb_per_s([probe], s.probe_file_bytes, threads)
+        measured.disk_source = f"a {s.probe_file_bytes // MIB} MiB file in {plans_dir()}"
+    except (OSError, ModelError) as error:  # the disk tier could not read here either
+        measured.notes.append(f"disk not measured ({error}): no disk tier planned")
+
+
+def _measure_compute(
+    measured: Measurements,
+    path: Path,
+    shape: ModelShape,
+    device: torch.device,
+    s: MeasureSettings,
+    trust_remote_code: bool,
+) -> None:
+    try:
+        measured.layer_s, measured.head_s = time_decode(
+            path,
+            shape,
+            device,
+            measured.batch_sizes,
+            measured.context_len,
+            warmup=s.warmup,
+            repeats=s.repeats,
+            trust_remote_code=trust_remote_code,
+        )
+    except ModelError as error:
+        measured.notes.append(f"compute not measured ({error}): predictions count bytes only")
+        measured.layer_s = [0.0] * len(measured.batch_sizes)
+        measured.head_s = [0.0] * len(measured.batch_sizes)

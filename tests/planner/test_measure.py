@@ -1,0 +1,101 @@
+"""Measurements: taken on a tiny model, cached per machine and workload, taken again on
+request; their JSON and their compute between and beyond the measured batch sizes."""
+
+import json
+
+import pytest
+import torch
+import zoo
+
+from offload.model.build import build_empty
+from offload.planner.measure import Measurements, MeasureSettings, measure
+from offload.planner.shape import shape_of
+
+TINY = MeasureSettings(
+    copy_bytes=2**20, disk_bytes=2**20, probe_file_bytes=2**20, warmup=1, repeats=3
+)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    """A tiny Llama checkpoint, its shape, and an empty cache folder."""
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    path = zoo.save_with_tokenizer(zoo.build("llama"), tmp_path / "model")
+    return path, shape_of(build_empty(path, "auto"), 16)
+
+
+def test_a_miss_measures_and_caches_a_hit_reads(tiny, tmp_path):
+    path, shape = tiny
+    first = measure(path, shape, CPU, [1, 2], 16, settings=TINY)
+    assert not first.from_cache and first.path.parent == tmp_path / "cache" / "plans"
+    m = first.measurements
+    assert m.batch_sizes == [1, 2] and len(m.layer_s) == len(m.head_s) == 2
+    assert all(s > 0 for s in m.layer_s) and all(s >= 0 for s in m.head_s)
+    assert m.link_gb_per_s > 0 and m.disk_gb_per_s > 0
+    assert m.disk_source == "the checkpoint's files" and m.notes == []
+    second = measure(path, shape, CPU, [1, 2], 16, settings=TINY)
+    assert second.from_cache and second.path == first.path and second.measurements == m
+
+
+def test_remeasure_replaces_and_another_workload_misses(tiny):
+    path, shape = tiny
+    first = measure(path, shape, CPU, [1, 2], 16, settings=TINY)
+    again = measure(path, shape, CPU, [1, 2], 16, settings=TINY, remeasure=True)
+    assert not again.from_cache and again.path == first.path
+    assert Measurements.from_json(again.path.read_text()) == again.measurements
+    other = measure(path, shape, CPU, [1, 4], 16, settings=TINY)
+    assert not other.from_cache and other.path != first.path
+
+
+def test_a_damaged_cache_file_is_measured_again(tiny):
+    path, shape = tiny
+    first = measure(path, shape, CPU, [1], 16, settings=TINY)
+    first.path.write_text('{"machine": "half a fi')
+    assert not measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
+    first.path.write_text(json.dumps({"unknown": 1}))
+    assert not measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
+
+
+def test_without_checkpoint_files_the_disk_is_measured_on_a_file_of_its_own(tiny, tmp_path):
+    path, shape = tiny
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((path / "config.json").read_text())
+    m = measure(bare, shape, CPU, [1], 16, settings=TINY).measurements
+    assert m.disk_gb_per_s > 0 and m.disk_source.startswith("a 1 MiB file in ")
+    assert [p.name for p in (tmp_path / "cache" / "plans").iterdir()] == [f"{m.key}.json"]
+
+
+def _figures(**changes) -> Measurements:
+    figures = dict(
+        machine="m",
+        software="s",
+        device_type="cpu",
+        model_digest="d",
+        dtype="float32",
+        context_len=8,
+        batch_sizes=[1, 4],
+        layer_s=[1.0, 4.0],
+        head_s=[2.0, 5.0],
+        link_gb_per_s=1.0,
+        disk_gb_per_s=1.0,
+    )
+    return Measurements(**{**figures, **changes})
+
+
+@pytest.mark.parametrize(
+    ("batch", "expected"),
+    [(1, (1.0, 2.0)), (4, (4.0, 5.0)), (2, (2.0, 3.0)), (8, (8.0, 10.0))],
+)
+def test_compute_between_and_beyond_the_measured_batches(batch, expected):
+    assert _figures().compute_at(batch) == pytest.approx(expected)
+
+
+def test_json_round_trip_and_refusals():
+    figures = _figures(notes=["a note"])
+    assert Measurements.from_json(figures.to_json()) == figures
+    with pytest.raises(ValueError, match="one entry per batch size"):
+        Measurements.from_json(_figures(layer_s=[1.0]).to_json())
+    with pytest.raises(ValueError, match="measurements must be an object with keys"):
+        Measurements.from_json("[1, 2]")
