@@ -152,6 +152,7 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ),
 )
 FLAG_DESTS = tuple(dest for _, dest, _ in _FLAGS)
+FLAG_NAMES = {dest: flag for flag, dest, _ in _FLAGS}  # dest -> its flag, e.g. "--cpu-offload-gb"
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -4,5 +4,12 @@ step of every placement with a cost model of the prefetch pipeline, and choose t
 and the batch size, with the most tokens per second under the device and host budgets.
 
 - `measure.py`: the measurements and their cache; `probes.py`, `compute.py`: how;
-- `cost.py`: the cost model (pure functions); `shape.py`: a model's sizes.
+- `cost.py`: the cost model (pure functions); `shape.py`: a model's sizes;
+- `layouts.py`, `choose.py`: the placements weighed and the choice; `plan.py`: the plan
+  and `plan_for`, the entry point; `flags.py`: the plan as flags, and its warnings.
 """
+
+from offload.planner.measure import Measurements, MeasureSettings
+from offload.planner.plan import Plan, plan_for
+
+__all__ = ["MeasureSettings", "Measurements", "Plan", "plan_for"]

@@ -1,0 +1,189 @@
+"""The planner's choice: every layout (see `layouts.py`) at every measured batch size,
+with the KV cache on the device or, where it does not fit there, in host memory; those
+that fit the device and host budgets are predicted with the cost model, and the one with
+the most tokens per second wins (ties: fewer bytes offloaded, then the smaller batch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload.config import DISK_IO
+from offload.engine.fit import MemoryNeeds
+from offload.errors import ModelError
+from offload.planner import layouts
+from offload.planner.cost import KV_RING_SLOTS, LayerCost, StepTime, predict_step, touched_share
+from offload.planner.layouts import Layout
+from offload.planner.measure import Measurements
+from offload.planner.shape import ModelShape
+from offload.sizes import format_bytes
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Bytes the plan may use: on the device (weights, slots, KV cache, activations), in
+    host memory (offloaded weights, a KV cache kept there), and, on a CPU, the page cache
+    room that keeps mapped checkpoint files warm (0: never map them)."""
+
+    device_bytes: int
+    host_bytes: int
+    page_cache_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout at a batch size, with its prediction and the memory it takes."""
+
+    layout: Layout
+    batch_size: int
+    kv_offload: bool
+    time: StepTime
+    device_bytes: int
+    host_bytes: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch_size / self.time.step_s if self.time.step_s > 0 else float("inf")
+
+    @property
+    def label(self) -> str:
+        return self.layout.label + (", KV cache in host memory" if self.kv_offload else "")
+
+
+def candidates(
+    shape: ModelShape,
+    measured: Measurements,
+    budgets: Budgets,
+    batch_sizes: list[int],
+    disk_modes: tuple[str, ...] = DISK_IO,
+) -> list[Candidate]:
+    """Every candidate that fits the budgets, best first."""
+    found = []
+    fixed = [layouts.resident(shape), *_prefetch_layouts(shape, measured, budgets, disk_modes)]
+    for batch in batch_sizes:
+        for kv_offload in (False, True):
+            options = [*fixed, *_uva_layouts(shape, budgets, batch, kv_offload, measured)]
+            for layout in options:
+                candidate = evaluate(shape, measured, budgets, layout, batch, kv_offload)
+                if candidate is not None:
+                    found.append(candidate)
+    found.sort(key=_ranking)
+    return found
+
+
+def _ranking(candidate: Candidate) -> tuple[float, int, int]:
+    """Most tokens/s first (equal to 6 digits: the sums of the simulation differ in the
+    last bits), then the fewest bytes offloaded, then the smaller batch."""
+    tokens = float(f"{candidate.tokens_per_s:.6g}")
+    return -tokens, candidate.layout.offloaded_bytes, candidate.batch_size
+
+
+def choose(
+    shape: ModelShape,
+    measured: Measurements,
+    budgets: Budgets,
+    batch_sizes: list[int],
+    disk_modes: tuple[str, ...] = DISK_IO,
+) -> list[Candidate]:
+    """`candidates`, or a `ModelError` saying why nothing fits."""
+    found = candidates(shape, measured, budgets, batch_sizes, disk_modes)
+    if not found:
+        smallest = min(batch_sizes)
+        floor = _device_need(shape, shape.outside_bytes + max(shape.layer_bytes), 0)
+        raise ModelError(
+            f"no placement fits: the device budget is {format_bytes(budgets.device_bytes)}, "
+            f"the host budget {format_bytes(budgets.host_bytes)}; with every layer offloaded "
+            f"the device still needs {format_bytes(floor)} at least (weights outside the "
+            f"layers, a slot, activations) and the KV cache "
+            f"{format_bytes(shape.kv_bytes(smallest, measured.context_len))} at batch "
+            f"{smallest}; lower --context-len or raise the budgets"
+        )
+    return found
+
+
+def _prefetch_layouts(
+    shape: ModelShape, measured: Measurements, budgets: Budgets, disk_modes: tuple[str, ...]
+) -> list[Layout]:
+    """Prefetch layouts: with the disk tier where the disk was measured, and on a CPU with
+    its disk layers mapped where the page cache keeps them warm."""
+    io = "direct" if "direct" in disk_modes else disk_modes[0]
+    found = [
+        layout
+        for layout in layouts.prefetch_layouts(shape, budgets.host_bytes, io)
+        if not layout.disk_bytes or measured.disk_gb_per_s > 0
+    ]
+    if measured.device_type == "cpu" and "mmap" in disk_modes:
+        found += [
+            layout
+            for layout in layouts.prefetch_layouts(shape, budgets.host_bytes, "mmap")
+            if 0 < layout.disk_bytes <= budgets.page_cache_bytes
+        ]
+    return found
+
+
+def _uva_layouts(
+    shape: ModelShape, budgets: Budgets, batch: int, kv_offload: bool, measured: Measurements
+) -> list[Layout]:
+    """The least UVA that fits at this batch: of the layers' weights, and of the experts."""
+    kv = _kv_on_device(shape, batch, measured.context_len, kv_offload)
+    needed = _device_need(shape, shape.weight_bytes, kv) - budgets.device_bytes
+    options = [layouts.uva(shape, needed)]
+    if shape.num_experts:
+        options.append(layouts.uva(shape, needed, experts_only=True))
+    return [layout for layout in options if layout is not None]
+
+
+def evaluate(
+    shape: ModelShape,
+    measured: Measurements,
+    budgets: Budgets,
+    layout: Layout,
+    batch: int,
+    kv_offload: bool,
+) -> Candidate | None:
+    """`layout` at `batch` predicted, or None where it does not fit the budgets (or keeps
+    the KV cache in host memory though it fits on the device)."""
+    kv_total = shape.kv_bytes(batch, measured.context_len)
+    if kv_offload and not kv_total:
+        return None  # no KV cache to move
+    resident_bytes = shape.weight_bytes - layout.offloaded_bytes + layout.staging_bytes
+    kv = _kv_on_device(shape, batch, measured.context_len, kv_offload)
+    device_bytes = _device_need(shape, resident_bytes, kv)
+    host_bytes = layout.host_bytes + (kv_total if kv_offload else 0)
+    if device_bytes > budgets.device_bytes or host_bytes > budgets.host_bytes:
+        return None
+    if kv_offload and _device_need(shape, resident_bytes, kv_total) <= budgets.device_bytes:
+        return None  # the KV cache fits on the device: moving it only costs time
+    layer_s, head_s = measured.compute_at(batch)
+    costs = _layer_costs(shape, layout, layer_s, batch, kv_total if kv_offload else 0)
+    time = predict_step(costs, head_s, measured.rates(), layout.prefetch_step, KV_RING_SLOTS)
+    return Candidate(layout, batch, kv_offload, time, device_bytes, host_bytes)
+
+
+def _layer_costs(
+    shape: ModelShape, layout: Layout, layer_s: float, batch: int, kv_bytes: int
+) -> list[LayerCost]:
+    share = touched_share(shape.num_experts, shape.experts_per_token, batch)
+    per_layer_kv = kv_bytes // max(1, shape.num_layers)
+    costs = []
+    for place, num_bytes in zip(layout.places, layout.off_bytes, strict=True):
+        if place == "uva" and layout.experts_only:
+            num_bytes = int(num_bytes * share)  # the experts this batch routes to
+        elif place in ("mapped", "resident"):
+            num_bytes = 0
+        costs.append(LayerCost(layer_s, place, num_bytes, per_layer_kv))
+    return costs
+
+
+def _kv_on_device(shape: ModelShape, batch: int, context_len: int, kv_offload: bool) -> int:
+    """The KV cache's device bytes: all of it, or the ring of slots when it is offloaded."""
+    total = shape.kv_bytes(batch, context_len)
+    if not kv_offload:
+        return total
+    return min(KV_RING_SLOTS, shape.num_layers) * total // max(1, shape.num_layers)
+
+
+def _device_need(shape: ModelShape, weight_bytes: int, kv_bytes: int) -> int:
+    """Device bytes for these weights and KV cache, with activations and the margin as
+    the engine counts them (`engine/fit.py`)."""
+    needs = MemoryNeeds(weight_bytes, 0, 0, kv_bytes, shape.activation_bytes)
+    return needs.total

@@ -1,0 +1,151 @@
+"""The placements the planner weighs: every layer resident; vLLM's prefetch pattern (the
+last `num_in_group` of every `group_size` layers offloaded, `prefetch_step` slots), with
+what exceeds the host budget on disk (the disk tier); and UVA of the first layers' weights
+(or of the experts alone). Each is a `Layout`: where each layer lives, the bytes that
+leave the device, and the config that puts them there. Pure functions of the sizes."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from offload.config import (
+    DiskOffloadConfig,
+    OffloadConfig,
+    PrefetchOffloadConfig,
+    UVAOffloadConfig,
+)
+from offload.memory.slots import num_slots, slot_sizes
+from offload.offloader.disk_placement import place_on_disk
+from offload.offloader.selection import offloaded_layer_indices
+from offload.planner.shape import EXPERTS, ModelShape
+from offload.sizes import GIB
+
+MAX_GROUP_SIZE = 16  # offloaded shares in steps of 1/16 at the finest
+MAX_PREFETCH_STEP = 4
+_READ_AHEAD = DiskOffloadConfig().read_ahead
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each layer's weights live (`places`, see `cost.PLACES`), the bytes of each
+    that are off the device (`off_bytes`), the device slots and their bytes, the weights
+    kept in host memory, and the config that does it."""
+
+    config: OffloadConfig
+    places: tuple[str, ...]
+    off_bytes: tuple[int, ...]
+    prefetch_step: int
+    staging_bytes: int
+    host_bytes: int
+    label: str
+    experts_only: bool = False
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(self.off_bytes)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(b for p, b in zip(self.places, self.off_bytes, strict=True) if p != "host")
+
+
+def resident(shape: ModelShape) -> Layout:
+    count = shape.num_layers
+    return Layout(OffloadConfig(), ("resident",) * count, (0,) * count, 1, 0, 0, "resident")
+
+
+def prefetch_layouts(
+    shape: ModelShape, host_budget_bytes: int, disk_io: str, max_group_size: int = MAX_GROUP_SIZE
+) -> list[Layout]:
+    """Every distinct prefetch layout of groups up to `max_group_size` and steps up to
+    `MAX_PREFETCH_STEP`, simplest settings first; offloaded layers beyond the host budget
+    stream from disk with `disk_io` ("mmap": computed on in place)."""
+    found: dict[tuple, Layout] = {}
+    for group in range(1, min(max_group_size, shape.num_layers) + 1):
+        for num in range(1, group + 1):
+            for step in range(1, MAX_PREFETCH_STEP + 1):
+                layout = prefetch(shape, group, num, step, host_budget_bytes, disk_io)
+                key = (layout.places, layout.off_bytes, layout.prefetch_step)
+                found.setdefault(key, layout)
+    return list(found.values())
+
+
+def prefetch(
+    shape: ModelShape, group: int, num: int, step: int, host_budget_bytes: int, disk_io: str
+) -> Layout:
+    """vLLM's pattern with `step` slots; the disk tier takes what the host budget cannot."""
+    indices = offloaded_layer_indices(shape.num_layers, group, num)
+    sizes = [shape.layer_bytes[i] for i in indices]
+    disk = DiskOffloadConfig()
+    on_disk = [False] * len(sizes)
+    if sum(sizes) > host_budget_bytes:
+        cpu_memory_gb = hundredths(max(0, host_budget_bytes) / GIB, math.floor)
+        disk = DiskOffloadConfig(cpu_memory_gb=cpu_memory_gb, disk_io=disk_io)
+        on_disk = place_on_disk(sizes, int(cpu_memory_gb * GIB))
+    # Layers read from disk need read_ahead + 1 slots (the offloader raises the step).
+    slots = max(step, _READ_AHEAD + 1) if any(on_disk) else step
+    places, off = ["resident"] * shape.num_layers, [0] * shape.num_layers
+    streamed = "mapped" if disk_io == "mmap" else "disk"
+    for index, size, disk_layer in zip(indices, sizes, on_disk, strict=True):
+        places[index], off[index] = streamed if disk_layer else "host", size
+    config = OffloadConfig(
+        offload_backend="prefetch",
+        prefetch=PrefetchOffloadConfig(
+            offload_group_size=group, offload_num_in_group=num, offload_prefetch_step=step
+        ),
+        disk=disk,
+    )
+    kept = sum(s for s, d in zip(sizes, on_disk, strict=True) if not d)
+    return Layout(
+        config,
+        tuple(places),
+        tuple(off),
+        slots,
+        sum(slot_sizes(sizes, num_slots(len(sizes), slots))),
+        kept,
+        _prefetch_label(group, num, slots, len(indices), sum(on_disk), disk_io),
+    )
+
+
+def hundredths(gib: float, rounding) -> float:
+    """`gib` rounded (math.floor or math.ceil) to 0.01 GiB, as flags write it; a hair of
+    float error (0.1 GiB in bytes and back) does not cost a hundredth."""
+    return rounding(round(gib * 100, 6)) / 100
+
+
+def _prefetch_label(group: int, num: int, slots: int, count: int, on_disk: int, io: str) -> str:
+    text = f"prefetch {num} of every {_count(group, 'layer')} ({_count(count, 'layer')}), "
+    text += _count(slots, "slot")
+    if on_disk:
+        text += f", {on_disk} of them {'mapped from' if io == 'mmap' else 'read from'} disk"
+    return text
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" + ("" if number == 1 else "s")
+
+
+def uva(shape: ModelShape, needed_bytes: int, experts_only: bool = False) -> Layout | None:
+    """UVA of the least that frees `needed_bytes` (0.01 GiB steps): the layers' weights in
+    order (vLLM's rule), or their experts only. None when not even all of them do."""
+    eligible = shape.expert_bytes if experts_only else shape.layer_bytes
+    if needed_bytes > sum(eligible) or needed_bytes <= 0:
+        return None
+    cpu_offload_gb = hundredths(needed_bytes / GIB, math.ceil)
+    remaining, off = int(cpu_offload_gb * GIB), []
+    for size in eligible:  # whole layers in order; the last one in part
+        off.append(min(size, max(0, remaining)))
+        remaining -= size
+    config = OffloadConfig(
+        offload_backend="uva",
+        uva=UVAOffloadConfig(
+            cpu_offload_gb=cpu_offload_gb, cpu_offload_params={EXPERTS} if experts_only else set()
+        ),
+    )
+    places = tuple("uva" if b else "resident" for b in off)
+    what = "experts" if experts_only else "weights"
+    label = (
+        f"UVA of {cpu_offload_gb:g} GiB of layer {what} ({_count(sum(map(bool, off)), 'layer')})"
+    )
+    return Layout(config, places, tuple(off), 1, 0, sum(off), label, experts_only)

@@ -1,0 +1,229 @@
+"""A plan: the chosen candidate, the best alternatives of other kinds, and the reasons,
+from a model's shape, the measurements and the budgets. `plan_for` does it all for a
+model named as `LLM` takes it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from offload.config import DISK_IO, OffloadConfig
+from offload.engine.fit import available_ram_bytes, device_budget
+from offload.errors import ConfigError
+from offload.memory.device import check_device
+from offload.model.build import build_empty
+from offload.model.configs import resolve
+from offload.model.sources import resolve_model
+from offload.planner.choose import Budgets, Candidate, choose
+from offload.planner.measure import Measured, MeasureSettings, measure
+from offload.planner.shape import ModelShape, shape_of
+from offload.sizes import GIB, format_bytes
+
+DEFAULT_CONTEXT_LEN = 1024
+DEFAULT_MAX_BATCH = 64
+NUM_ALTERNATIVES = 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The setting chosen for a model on this machine: `chosen` (its layout's config, batch
+    size, KV cache place and prediction), `alternatives` (the best of other kinds), the
+    inputs and the reasons, one line each."""
+
+    chosen: Candidate
+    alternatives: tuple[Candidate, ...]
+    candidates: tuple[Candidate, ...]  # every one that fits, best first
+    shape: ModelShape
+    measured: Measured
+    budgets: Budgets
+    path: Path
+    reasons: tuple[str, ...]
+
+    @property
+    def config(self) -> OffloadConfig:
+        return self.chosen.layout.config
+
+    @property
+    def batch_size(self) -> int:
+        return self.chosen.batch_size
+
+    @property
+    def kv_offload(self) -> bool:
+        return self.chosen.kv_offload
+
+    @property
+    def context_len(self) -> int:
+        return self.measured.measurements.context_len
+
+
+def make_plan(
+    shape: ModelShape,
+    measured: Measured,
+    budgets: Budgets,
+    batch_sizes: list[int],
+    path: Path,
+    disk_modes: tuple[str, ...] = DISK_IO,
+) -> Plan:
+    found = choose(shape, measured.measurements, budgets, batch_sizes, disk_modes)
+    chosen = found[0]
+    return Plan(
+        chosen,
+        alternatives(found),
+        tuple(found),
+        shape,
+        measured,
+        budgets,
+        path,
+        tuple(_reasons(shape, measured, budgets, found, batch_sizes)),
+    )
+
+
+def kind_of(candidate: Candidate) -> tuple:
+    """What sets candidates apart for a reader: backend, disk tier, KV cache, batch."""
+    config = candidate.layout.config
+    disk = config.disk.disk_io if config.disk.is_active else None
+    return (config.selected_backend, disk, candidate.kv_offload, candidate.batch_size)
+
+
+def alternatives(found: list[Candidate]) -> tuple[Candidate, ...]:
+    """The best candidate of each kind other than the chosen one's, best first."""
+    seen, picked = {kind_of(found[0])}, []
+    for candidate in found[1:]:
+        if kind_of(candidate) not in seen and len(picked) < NUM_ALTERNATIVES:
+            seen.add(kind_of(candidate))
+            picked.append(candidate)
+    return tuple(picked)
+
+
+def _reasons(
+    shape: ModelShape,
+    measured: Measured,
+    budgets: Budgets,
+    found: list[Candidate],
+    batch_sizes: list[int],
+) -> list[str]:
+    m, chosen = measured.measurements, found[0]
+    common = max(set(shape.layer_bytes), key=shape.layer_bytes.count)
+    layer_s, head_s = m.compute_at(chosen.batch_size)
+    lines = [
+        f"weights {format_bytes(shape.weight_bytes)}: {shape.num_layers} layers of "
+        f"{format_bytes(common)}, {format_bytes(shape.outside_bytes)} outside them (resident); "
+        f"KV cache {format_bytes(shape.kv_bytes(1, m.context_len))} per sequence at "
+        f"{m.context_len} positions",
+        f"budgets: device {format_bytes(budgets.device_bytes)}, host "
+        f"{format_bytes(budgets.host_bytes)} for weights kept off the device",
+        f"measured on {m.machine}: link {m.link_gb_per_s:.1f} GB/s, disk "
+        f"{m.disk_gb_per_s:.2f} GB/s ({m.disk_source or 'not measured'}); compute at batch "
+        f"{chosen.batch_size}: {layer_s * 1e3:.2f} ms a layer, {head_s * 1e3:.2f} ms the rest",
+        *m.notes,
+    ]
+    larger = [c for c in found if c.batch_size > chosen.batch_size]
+    if chosen.batch_size < max(batch_sizes):
+        lines.append(
+            f"batch {chosen.batch_size}: larger batches are predicted slower"
+            if larger
+            else f"batch {chosen.batch_size}: no larger batch fits the budgets (KV cache)"
+        )
+    return lines
+
+
+def plan_for(
+    model: str | Path | None = None,
+    device: str | torch.device = "auto",
+    *,
+    dtype: str = "auto",
+    context_len: int | None = None,
+    batch_size: int | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    cpu_memory_gb: float | None = None,
+    device_memory_gb: float | None = None,
+    gpu_memory_utilization: float = 0.9,
+    remeasure: bool = False,
+    trust_remote_code: bool = False,
+    settings: MeasureSettings = MeasureSettings(),  # noqa: B008 - frozen, never mutated
+) -> Plan:
+    """Plan how to run `model` (a folder, a Hugging Face id, a shipped shape such as
+    "llama-3-8b", or None: the default model) on `device`: measure this machine (once,
+    cached; `remeasure` measures again), then choose the placement and batch size with
+    the most tokens per second under the device budget (`gpu_memory_utilization` of the
+    device, or `device_memory_gb`) and the host budget (`cpu_memory_gb`, default the RAM
+    available). Batch sizes: `batch_size`, or powers of two up to `max_batch`.
+
+    `LLM` keeps resolving `cpu_offload_gb="auto"` as before (`engine/fit.py`, the smallest
+    UVA amount that fits); to run a plan instead, pass it on from a layer above the engine:
+    `LLM(model, offload_config=plan.config, kv_offload=plan.kv_offload,
+    max_model_len=plan.context_len)` and up to `plan.batch_size` prompts a call."""
+    device = check_device(device)
+    path = resolve_model(resolve(model) if model is not None else None)
+    empty = build_empty(path, dtype, trust_remote_code)
+    limit = getattr(empty.config, "max_position_embeddings", None) or DEFAULT_CONTEXT_LEN
+    context_len = _checked_context(context_len, limit)
+    batch_sizes = batch_sizes_for(batch_size, max_batch)
+    shape = shape_of(empty, context_len)
+    # Every input is checked before anything is measured: a bad flag costs nothing.
+    budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, cpu_memory_gb)
+    measured = measure(
+        path,
+        shape,
+        device,
+        batch_sizes,
+        context_len,
+        remeasure=remeasure,
+        settings=settings,
+        trust_remote_code=trust_remote_code,
+    )
+    return make_plan(shape, measured, budgets, batch_sizes, path)
+
+
+def _checked_context(context_len: int | None, limit: int) -> int:
+    if context_len is None:
+        return min(DEFAULT_CONTEXT_LEN, limit)
+    if (
+        isinstance(context_len, bool)
+        or not isinstance(context_len, int)
+        or not 0 < context_len <= limit
+    ):
+        raise ConfigError(
+            f"context_len must be in [1, {limit}] for this model, got {context_len!r}"
+        )
+    return context_len
+
+
+def batch_sizes_for(batch_size: int | None, max_batch: int) -> list[int]:
+    """`[batch_size]`, or the powers of two up to `max_batch`."""
+    for name, value in (("batch_size", batch_size), ("max_batch", max_batch)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if batch_size is not None:
+        return [batch_size]
+    return [2**k for k in range(max_batch.bit_length()) if 2**k <= max_batch]
+
+
+def budgets_for(
+    device: torch.device,
+    gpu_memory_utilization: float,
+    device_memory_gb: float | None,
+    cpu_memory_gb: float | None,
+) -> Budgets:
+    """The device budget as the engine counts it; the host budget: `cpu_memory_gb`, else
+    the RAM available (on a CPU, less the device budget: it is the same memory). On a CPU,
+    the RAM left beside both keeps mapped checkpoint pages warm."""
+    if cpu_memory_gb is not None and (
+        isinstance(cpu_memory_gb, bool)
+        or not isinstance(cpu_memory_gb, int | float)
+        or not 0 <= cpu_memory_gb < float("inf")
+    ):
+        raise ConfigError(f"cpu_memory_gb must be a finite number >= 0, got {cpu_memory_gb!r}")
+    device_bytes = device_budget(device, gpu_memory_utilization, device_memory_gb)
+    available = available_ram_bytes()
+    on_cpu = device.type == "cpu"
+    if cpu_memory_gb is not None:
+        host_bytes = int(cpu_memory_gb * GIB)
+    else:
+        host_bytes = max(0, available - device_bytes) if on_cpu else available
+    page_cache = max(0, available - device_bytes - host_bytes) if on_cpu else 0
+    return Budgets(device_bytes, host_bytes, page_cache)
