@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_inspect(commands)
     _add_bench(commands)
+    _add_plan(commands)
     return parser
 
 
@@ -190,6 +191,38 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_plan(commands: argparse._SubParsersAction) -> None:
+    """`offload plan`: measure this machine, choose the offloading and batch size."""
+    plan = commands.add_parser(
+        "plan", help="measure this machine and choose the offloading setting and batch size"
+    )
+    plan.add_argument(
+        "--model",
+        help="a model folder, a Hugging Face id or a shipped shape such as llama-3-8b "
+        "(default: SmolLM2-135M-Instruct)",
+    )
+    batch = plan.add_mutually_exclusive_group()
+    batch.add_argument("--batch-size", type=int, help="plan for this batch size only")
+    batch.add_argument(
+        "--max-batch", type=int, default=64, help="weigh batch sizes 1, 2, 4, ... up to this"
+    )
+    plan.add_argument(
+        "--context-len", type=int, help="positions each sequence's KV cache holds (default: 1024)"
+    )
+    plan.add_argument(
+        "--cpu-memory-gb",
+        type=float,
+        metavar="GIB",
+        help="host memory for weights kept off the device; the rest streams from disk "
+        "(default: the RAM available)",
+    )
+    plan.add_argument(
+        "--remeasure", action="store_true", help="measure again instead of using the cache"
+    )
+    _budget_flags(plan)
+    _device_flags(plan)
+
+
 # The sampling flags of `generate` with a default: (flag, type, default, help).
 _SAMPLING_FLAGS = (
     ("--temperature", float, 0.0, "0: greedy"),
@@ -243,6 +276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             run.generate(args)
         elif args.command == "bench":
             run.bench(args)
+        elif args.command == "plan":
+            from offload.planner.command import run_plan
+
+            print(run_plan(args))
         else:
             print(run.inspect(args))
         return 0

@@ -6,7 +6,8 @@ and the batch size, with the most tokens per second under the device and host bu
 - `measure.py`: the measurements and their cache; `probes.py`, `compute.py`: how;
 - `cost.py`: the cost model (pure functions); `shape.py`: a model's sizes;
 - `layouts.py`, `choose.py`: the placements weighed and the choice; `plan.py`: the plan
-  and `plan_for`, the entry point; `flags.py`: the plan as flags, and its warnings.
+  and `plan_for`, the entry point; `flags.py`: the plan as flags, and its warnings;
+- `command.py`: what `offload plan` prints.
 """
 
 from offload.planner.measure import Measurements, MeasureSettings

@@ -1,0 +1,73 @@
+"""What `offload plan` does (the parsing is in `cli.py`): plan, then write the plan, its
+flags, the prediction, the warnings and the best alternatives."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from offload.planner.choose import Candidate
+from offload.planner.flags import offload_flags, vllm_flags, warnings_for
+from offload.planner.plan import Plan, plan_for
+from offload.sizes import format_bytes
+
+
+def run_plan(args: argparse.Namespace) -> str:
+    plan = plan_for(
+        args.model,
+        args.device,
+        dtype=args.dtype,
+        context_len=args.context_len,
+        batch_size=args.batch_size,
+        max_batch=args.max_batch,
+        cpu_memory_gb=args.cpu_memory_gb,
+        device_memory_gb=args.device_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        remeasure=args.remeasure,
+        trust_remote_code=args.trust_remote_code,
+    )
+    return describe(plan)
+
+
+def describe(plan: Plan) -> str:
+    """The plan for people: what was weighed, the choice, the flags, the alternatives."""
+    m = plan.measured.measurements
+    lines = [
+        f"plan for {plan.path} ({m.dtype}) on {m.device_type}, decoding with "
+        f"{plan.context_len} positions of context:",
+        *(f"  {reason}" for reason in plan.reasons),
+        f"chosen: {plan.chosen.label}, batch {plan.batch_size}",
+        f"  {prediction(plan.chosen)}",
+        f"  memory: device {format_bytes(plan.chosen.device_bytes)}, host "
+        f"{format_bytes(plan.chosen.host_bytes)}",
+        f"offload generate flags (with {plan.batch_size} prompts a call):",
+        f"  {shlex.join(offload_flags(plan))}",
+    ]
+    flags, missing = vllm_flags(plan)
+    lines.append("vllm serve flags" + (" (for what vLLM can express):" if missing else ":"))
+    lines.append(f"  {shlex.join(flags)}")
+    if missing:
+        lines.append(f"  vLLM has no equivalent of: {', '.join(missing)}")
+    lines += [f"warning: {warning}" for warning in warnings_for(plan)]
+    if plan.alternatives:
+        lines.append("alternatives:")
+        lines += [f"  {c.label}, batch {c.batch_size}: {prediction(c)}" for c in plan.alternatives]
+    lines.append(_measured_line(plan))
+    return "\n".join(lines)
+
+
+def prediction(candidate: Candidate) -> str:
+    t = candidate.time
+    return (
+        f"predicted step {t.step_s * 1e3:.2f} ms, {candidate.tokens_per_s:.1f} tokens/s "
+        f"({t.limit}-bound: compute {t.compute_s * 1e3:.2f} ms, link {t.link_s * 1e3:.2f} ms, "
+        f"disk {t.disk_s * 1e3:.2f} ms, stalls {t.stall_s * 1e3:.2f} ms)"
+    )
+
+
+def _measured_line(plan: Plan) -> str:
+    measured = plan.measured
+    when = measured.measurements.measured_at
+    if measured.from_cache:
+        return f"measurements: cached {when} in {measured.path} (--remeasure measures again)"
+    return f"measurements: taken now, cached in {measured.path}"

@@ -1,0 +1,67 @@
+"""`offload plan`: a plan for a tiny model, measured once and then read from the cache; bad
+input is one line on stderr, exit status 2, and measures nothing."""
+
+import pytest
+import zoo
+
+from offload.cli import main
+
+
+@pytest.fixture
+def tiny(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    return zoo.save_with_tokenizer(zoo.build("llama"), tmp_path / "model")
+
+
+def test_plan_prints_the_choice_flags_and_prediction(tiny, tmp_path, capsys):
+    argv = ["plan", "--model", str(tiny), "--max-batch", "2", "--context-len", "64"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert f"plan for {tiny} (float32) on cpu, decoding with 64 positions" in out
+    assert "chosen: resident, batch 2\n  predicted step " in out
+    assert "tokens/s (compute-bound: compute " in out
+    assert "offload generate flags (with 2 prompts a call):\n  --max-model-len 64\n" in out
+    assert "vllm serve flags:\n  --max-num-seqs 2 --max-model-len 64\n" in out
+    assert "warning: the model fits: no offloading needed" in out
+    assert "measurements: taken now, cached in " + str(tmp_path / "cache" / "plans") in out
+    assert main(argv) == 0
+    assert "measurements: cached " in capsys.readouterr().out
+    assert main([*argv, "--remeasure"]) == 0
+    assert "measurements: taken now" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--context-len", "0"], "context_len must be in [1, 2048] for this model, got 0"),
+        (["--max-batch", "0"], "max_batch must be an integer >= 1, got 0"),
+        (["--batch-size", "2", "--max-batch", "4"], "not allowed with argument"),
+        (["--cpu-memory-gb", "-1"], "cpu_memory_gb must be a finite number >= 0, got -1.0"),
+        (["--device-memory-gb", "0"], "device_memory_gb must be a positive, finite number"),
+        (["--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--batch-size", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_bad_input_is_one_line_and_measures_nothing(tiny, tmp_path, capsys, argv, message):
+    try:
+        status = main(["plan", "--model", str(tiny), *argv])
+    except SystemExit as exit:  # argparse's own errors
+        status = exit.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and "Traceback" not in err
+    assert lines[-1].startswith("offload: error: ") and message in lines[-1]
+    assert not (tmp_path / "cache" / "plans").exists()
+
+
+def test_nothing_fits_is_one_line(tiny, capsys):
+    argv = ["plan", "--model", str(tiny), "--max-batch", "1", "--device-memory-gb", "0.05"]
+    assert main([*argv, "--context-len", "16"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("offload: error: no placement fits: the device budget is 46.1 MiB")
+
+
+def test_a_missing_model_is_one_line(tmp_path, capsys):
+    assert main(["plan", "--model", str(tmp_path / "nothing")]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("offload: error: ") and "nothing" in line
