@@ -191,16 +191,18 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+_PLAN_MODEL_HELP = (
+    "a model folder, a Hugging Face id or a shipped shape such as llama-3-8b "
+    "(default: SmolLM2-135M-Instruct)"
+)
+
+
 def _add_plan(commands: argparse._SubParsersAction) -> None:
     """`offload plan`: measure this machine, choose the offloading and batch size."""
     plan = commands.add_parser(
         "plan", help="measure this machine and choose the offloading setting and batch size"
     )
-    plan.add_argument(
-        "--model",
-        help="a model folder, a Hugging Face id or a shipped shape such as llama-3-8b "
-        "(default: SmolLM2-135M-Instruct)",
-    )
+    plan.add_argument("--model", help=_PLAN_MODEL_HELP)
     batch = plan.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=int, help="plan for this batch size only")
     batch.add_argument(

@@ -16,17 +16,6 @@ from offload.planner.shape import shape_of
 RECORDED = Path(__file__).parent / "recorded.json"
 CONTEXT_LEN = 1024
 
-# SmolLM2-135M's shape (as tests/zoo.py's save_smollm2_shape).
-SMOLLM2 = dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    vocab_size=49152,
-    tie_word_embeddings=True,
-)
-
 
 def meta_model(hf_config, dtype: torch.dtype) -> torch.nn.Module:
     from accelerate import init_empty_weights
@@ -56,25 +45,21 @@ def llama8b_shape():
 
 
 @pytest.fixture(scope="session")
-def smollm2_shape():
-    return shape_of(meta_model(tf.LlamaConfig(**SMOLLM2), torch.float32), CONTEXT_LEN)
+def smollm2_shape(smollm2_path):
+    config = tf.AutoConfig.from_pretrained(smollm2_path)
+    return shape_of(meta_model(config, torch.float32), CONTEXT_LEN)
+
+
+# A mixture of experts: 64 experts a layer, 2 a token (large enough that the experts, not
+# the activations, decide what fits).
+_MOE = dict(hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512)
+_MOE.update(num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=128)
+_MOE.update(num_experts=64, num_experts_per_tok=2, vocab_size=32000)
 
 
 @pytest.fixture(scope="session")
 def moe_shape(shape_from):
-    """A mixture of experts: 64 experts a layer, 2 a token."""
-    config = tf.Qwen3MoeConfig(
-        hidden_size=1024,
-        intermediate_size=2048,
-        moe_intermediate_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        num_experts=64,
-        num_experts_per_tok=2,
-        vocab_size=32000,
-    )
-    return shape_from(config, torch.bfloat16)
+    return shape_from(tf.Qwen3MoeConfig(**_MOE), torch.bfloat16)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 
 from offload.errors import ModelError
 from offload.planner import layouts
-from offload.planner.choose import Budgets, choose, evaluate
+from offload.planner.choose import Budgets, candidates, evaluate
 from offload.planner.flags import warnings_for
 from offload.sizes import GIB, MIB
 
@@ -26,7 +26,7 @@ def test_resident_when_it_fits_and_says_so(recorded, llama8b_shape, planned):
 def test_a_smaller_device_budget_offloads_more(recorded, llama8b_shape, batch):
     offloaded = []
     for budget_gib in (20, 14, 12, 10, 8, 6):
-        found = choose(
+        found = candidates(
             llama8b_shape, recorded["h100-llama-3-8b"], Budgets(budget_gib * GIB, HOST), [batch]
         )
         offloaded.append(found[0].layout.offloaded_bytes)
@@ -57,9 +57,9 @@ def test_the_disk_tier_takes_what_the_host_budget_cannot(recorded, smollm2_shape
     assert plan.chosen.layout.disk_bytes > 0 and plan.chosen.time.disk_s > 0
 
 
-def test_nothing_fits_is_one_clear_error(recorded, smollm2_shape):
+def test_nothing_fits_is_one_clear_error(recorded, smollm2_shape, planned):
     with pytest.raises(ModelError, match=r"no placement fits: the device budget is 50\.0 MiB"):
-        choose(smollm2_shape, recorded["cpu-smollm2"], Budgets(50 * MIB, GIB), [1, 2])
+        planned(smollm2_shape, recorded["cpu-smollm2"], Budgets(50 * MIB, GIB), [1, 2])
 
 
 def _hand_layouts(shape, host_bytes, needed_bytes):
@@ -88,7 +88,7 @@ def test_no_hand_setting_beats_the_plan(recorded, request, figures, shape, devic
     shape = request.getfixturevalue(shape)
     measured = recorded[figures]
     budgets = Budgets(int(device_gib * GIB), int(host_gib * GIB))
-    best = choose(shape, measured, budgets, measured.batch_sizes)[0]
+    best = candidates(shape, measured, budgets, measured.batch_sizes)[0]
     needed = shape.weight_bytes - budgets.device_bytes // 2
     tried = 0
     for layout in _hand_layouts(shape, budgets.host_bytes, needed):
@@ -104,6 +104,6 @@ def test_experts_read_in_place_where_a_batch_touches_few(recorded, moe_shape):
     assert moe_shape.num_experts == 64
     assert moe_shape.expert_bytes[0] > 0.9 * moe_shape.layer_bytes[0]
     budgets = Budgets(moe_shape.weight_bytes // 2, HOST)
-    best = choose(moe_shape, recorded["h100-llama-3-8b"], budgets, [1])[0]
+    best = candidates(moe_shape, recorded["h100-llama-3-8b"], budgets, [1])[0]
     # 2 of 64 experts a token: a step reads ~3% of the experts in place, not all of them.
     assert best.layout.experts_only and best.layout.config.uva.cpu_offload_params == {"experts"}

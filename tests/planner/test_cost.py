@@ -12,40 +12,32 @@ CPU = Rates(on_gpu=False, link_gb_per_s=1.0, disk_gb_per_s=0.5)
 MB_MS = 10**6  # one millisecond of the 1 GB/s link
 
 
-def _layers(place: str, count: int, compute_ms: float, link_ms: float) -> list[LayerCost]:
-    return [LayerCost(compute_ms * MS, place, int(link_ms * MB_MS)) for _ in range(count)]
+# machine, place of every layer, layers, compute ms and bytes (in ms of the 1 GB/s link)
+# of each, slots, the step in ms by hand; and what the row shows.
+CASES = """
+gpu host   4 1   0.5  2  4   copies overlap compute: the step is the larger of the two
+gpu host   4 1   2    2  8   link-bound: the copies back to back
+gpu host   4 1   1    1  8   step 1: a copy starts only once the layer before it ran
+gpu host   4 1   1    2  4   step 2: each copy runs beside the layer before it
+cpu host   4 1   0.5  2  6   a CPU copies on its compute cores: compute + copies
+cpu mapped 4 1   5    3  4   mapped files in a warm page cache: nothing beyond compute
+cpu disk   6 1   1    3  12  O_DIRECT reads beside compute, bound by the disk (2 ms each)
+cpu disk   6 1   0.25 3  6   reads hidden behind compute
+gpu disk   6 0.1 1    3  12  a GPU reads, then copies in: the slower, the disk, sets the pace
+cpu disk   4 1   1    3  6   four layers, three slots: two slots keep their only layer
+gpu uva    2 1   1    1  6   UVA reads at 0.5 GB/s lengthen the layer: 2 ms a MB
+cpu uva    2 1   1    1  2   on a CPU host memory is the device's: nothing to read over
+gpu host   2 1   5    2  2   two layers in two slots: loaded once, never again
+"""
 
 
-@pytest.mark.parametrize(
-    ("case", "layers", "rates", "step", "expected_ms"),
-    [
-        # GPU: copies overlap compute; the step is the larger of the two.
-        ("gpu compute-bound", _layers("host", 4, 1, 0.5), GPU, 2, 4),
-        ("gpu link-bound", _layers("host", 4, 1, 2), GPU, 2, 8),
-        # Step 1: a layer's copy starts only once the layer before it ran: no overlap.
-        ("gpu stall with step 1", _layers("host", 4, 1, 1), GPU, 1, 8),
-        ("gpu no stall with step 2", _layers("host", 4, 1, 1), GPU, 2, 4),
-        # CPU: the copy takes a core from compute: compute + copy.
-        ("cpu serial copies", _layers("host", 4, 1, 0.5), CPU, 2, 6),
-        # Mapped checkpoint files (warm page cache): nothing beyond compute.
-        ("cpu mapped disk is free", _layers("mapped", 4, 1, 5), CPU, 3, 4),
-        # Cold disk with O_DIRECT: reads beside compute, bound by the disk (2 ms a layer).
-        ("cpu cold disk bound", _layers("disk", 6, 1, 1), CPU, 3, 12),
-        ("cpu cold disk hidden", _layers("disk", 6, 1, 0.25), CPU, 3, 6),
-        # GPU disk: read, then copied in; the slower of disk and link sets the pace.
-        ("gpu disk then link", _layers("disk", 6, 0.1, 1), GPU, 3, 12),
-        # Four layers in three slots: two slots have one occupant, loaded once.
-        ("cpu disk slots that stay", _layers("disk", 4, 1, 1), CPU, 3, 6),
-        # UVA: the layer reads its bytes over the link as it runs (0.5 GB/s: 2 ms a MB).
-        ("gpu uva lengthens compute", _layers("uva", 2, 1, 1), GPU, 1, 6),
-        ("cpu uva is host memory", _layers("uva", 2, 1, 1), CPU, 1, 2),
-        # Two offloaded layers in two slots: each slot's only occupant is loaded once.
-        ("slots holding everything", _layers("host", 2, 1, 5), GPU, 2, 2),
-    ],
-)
-def test_step_time(case, layers, rates, step, expected_ms):
-    predicted = predict_step(layers, 0.0, rates, prefetch_step=step)
-    assert predicted.step_s == pytest.approx(expected_ms * MS, rel=1e-9), case
+@pytest.mark.parametrize("row", CASES.strip().splitlines())
+def test_step_time(row):
+    machine, place, count, compute_ms, link_ms, step, expected_ms = row.split()[:7]
+    layer = LayerCost(float(compute_ms) * MS, place, int(float(link_ms) * MB_MS))
+    rates = GPU if machine == "gpu" else CPU
+    predicted = predict_step([layer] * int(count), 0.0, rates, prefetch_step=int(step))
+    assert predicted.step_s == pytest.approx(float(expected_ms) * MS, rel=1e-9)
 
 
 def test_resident_layers_give_the_copies_time():
@@ -63,7 +55,8 @@ def test_resident_layers_give_the_copies_time():
 
 
 def test_parts_of_a_step():
-    predicted = predict_step(_layers("host", 4, 1, 2), 3 * MS, GPU, prefetch_step=2)
+    layers = [LayerCost(MS, "host", 2 * MB_MS)] * 4
+    predicted = predict_step(layers, 3 * MS, GPU, prefetch_step=2)
     assert predicted.compute_s == pytest.approx(7 * MS)
     assert predicted.link_s == pytest.approx(8 * MS)
     assert predicted.disk_s == 0
@@ -82,7 +75,7 @@ def test_kv_cache_in_host_memory_uses_the_copy_queue():
 
 
 def test_everything_resident_is_compute():
-    predicted = predict_step(_layers("resident", 3, 2, 0), MS, GPU, prefetch_step=4)
+    predicted = predict_step([LayerCost(2 * MS)] * 3, MS, GPU, prefetch_step=4)
     assert predicted.step_s == pytest.approx(7 * MS)
     assert predicted.stall_s == 0 and predicted.limit == "compute"
 

@@ -154,7 +154,9 @@ def plan_fit(
     empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device, kv_offload: bool
 ) -> tuple[OffloadConfig, int]:
     """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits; the
-    config and the bytes it moves to host memory."""
+    config and the bytes it moves to host memory. ('auto' is the smallest UVA amount that
+    fits: what `LLM` uses. `offload.planner.plan_for`, above the engine, chooses backend,
+    layout and batch size from measurements; its `plan.config` can be passed to `LLM`.)"""
     if config.uva.cpu_offload_gb == "auto":
         smallest = smallest_offload_gb(needs, budget)
         if smallest is None:

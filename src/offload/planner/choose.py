@@ -1,4 +1,4 @@
-"""The planner's choice: every layout (see `layouts.py`) at every measured batch size,
+"""The planner's candidates: every layout (see `layouts.py`) at every measured batch size,
 with the KV cache on the device or, where it does not fit there, in host memory; those
 that fit the device and host budgets are predicted with the cost model, and the one with
 the most tokens per second wins (ties: fewer bytes offloaded, then the smaller batch)."""
@@ -77,27 +77,17 @@ def _ranking(candidate: Candidate) -> tuple[float, int, int]:
     return -tokens, candidate.layout.offloaded_bytes, candidate.batch_size
 
 
-def choose(
-    shape: ModelShape,
-    measured: Measurements,
-    budgets: Budgets,
-    batch_sizes: list[int],
-    disk_modes: tuple[str, ...] = DISK_IO,
-) -> list[Candidate]:
-    """`candidates`, or a `ModelError` saying why nothing fits."""
-    found = candidates(shape, measured, budgets, batch_sizes, disk_modes)
-    if not found:
-        smallest = min(batch_sizes)
-        floor = _device_need(shape, shape.outside_bytes + max(shape.layer_bytes), 0)
-        raise ModelError(
-            f"no placement fits: the device budget is {format_bytes(budgets.device_bytes)}, "
-            f"the host budget {format_bytes(budgets.host_bytes)}; with every layer offloaded "
-            f"the device still needs {format_bytes(floor)} at least (weights outside the "
-            f"layers, a slot, activations) and the KV cache "
-            f"{format_bytes(shape.kv_bytes(smallest, measured.context_len))} at batch "
-            f"{smallest}; lower --context-len or raise the budgets"
-        )
-    return found
+def nothing_fits(shape: ModelShape, budgets: Budgets, batch: int, context_len: int) -> ModelError:
+    """Why no candidate fits, with the numbers."""
+    floor = _device_need(shape, shape.outside_bytes + max(shape.layer_bytes), 0)
+    return ModelError(
+        f"no placement fits: the device budget is {format_bytes(budgets.device_bytes)}, "
+        f"the host budget {format_bytes(budgets.host_bytes)}; with every layer offloaded "
+        f"the device still needs {format_bytes(floor)} at least (weights outside the "
+        f"layers, a slot, activations) and the KV cache "
+        f"{format_bytes(shape.kv_bytes(batch, context_len))} at batch {batch}; lower the "
+        f"context length or raise the budgets"
+    )
 
 
 def _prefetch_layouts(

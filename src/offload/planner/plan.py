@@ -16,7 +16,7 @@ from offload.memory.device import check_device
 from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.sources import resolve_model
-from offload.planner.choose import Budgets, Candidate, choose
+from offload.planner.choose import Budgets, Candidate, candidates, nothing_fits
 from offload.planner.measure import Measured, MeasureSettings, measure
 from offload.planner.shape import ModelShape, shape_of
 from offload.sizes import GIB, format_bytes
@@ -66,7 +66,9 @@ def make_plan(
     path: Path,
     disk_modes: tuple[str, ...] = DISK_IO,
 ) -> Plan:
-    found = choose(shape, measured.measurements, budgets, batch_sizes, disk_modes)
+    found = candidates(shape, measured.measurements, budgets, batch_sizes, disk_modes)
+    if not found:
+        raise nothing_fits(shape, budgets, min(batch_sizes), measured.measurements.context_len)
     chosen = found[0]
     return Plan(
         chosen,
