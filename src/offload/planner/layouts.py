@@ -21,7 +21,6 @@ from offload.offloader.selection import offloaded_layer_indices
 from offload.planner.shape import EXPERTS, ModelShape
 from offload.sizes import GIB
 
-MAX_GROUP_SIZE = 16  # offloaded shares in steps of 1/16 at the finest
 MAX_PREFETCH_STEP = 4
 _READ_AHEAD = DiskOffloadConfig().read_ahead
 
@@ -55,20 +54,30 @@ def resident(shape: ModelShape) -> Layout:
     return Layout(OffloadConfig(), ("resident",) * count, (0,) * count, 1, 0, 0, "resident")
 
 
-def prefetch_layouts(
-    shape: ModelShape, host_budget_bytes: int, disk_io: str, max_group_size: int = MAX_GROUP_SIZE
-) -> list[Layout]:
-    """Every distinct prefetch layout of groups up to `max_group_size` and steps up to
-    `MAX_PREFETCH_STEP`, simplest settings first; offloaded layers beyond the host budget
-    stream from disk with `disk_io` ("mmap": computed on in place)."""
+def prefetch_layouts(shape: ModelShape, host_budget_bytes: int, disk_io: str) -> list[Layout]:
+    """A prefetch layout for each number of layers vLLM's pattern can offload (the pattern
+    that spreads them most) and each step up to `MAX_PREFETCH_STEP`; offloaded layers
+    beyond the host budget stream from disk with `disk_io` ("mmap": computed on in place)."""
     found: dict[tuple, Layout] = {}
-    for group in range(1, min(max_group_size, shape.num_layers) + 1):
-        for num in range(1, group + 1):
-            for step in range(1, MAX_PREFETCH_STEP + 1):
-                layout = prefetch(shape, group, num, step, host_budget_bytes, disk_io)
-                key = (layout.places, layout.off_bytes, layout.prefetch_step)
-                found.setdefault(key, layout)
+    for group, num in spread_patterns(shape.num_layers):
+        for step in range(1, MAX_PREFETCH_STEP + 1):
+            layout = prefetch(shape, group, num, step, host_budget_bytes, disk_io)
+            found.setdefault((layout.places, layout.prefetch_step), layout)
     return list(found.values())
+
+
+def spread_patterns(num_layers: int) -> list[tuple[int, int]]:
+    """(group size, number in group) for each count of offloaded layers the pattern can
+    give: the smallest group that gives it, whose offloaded layers are the most spread
+    (so that each copy has the most compute before it to hide behind)."""
+    found: dict[int, tuple[int, int]] = {}
+    for group in range(1, num_layers + 1):
+        for num in range(1, group + 1):
+            # offloaded_layer_indices's count: `num` of each whole group, and the tail of
+            # a partial one.
+            count = num_layers // group * num + max(0, num_layers % group - (group - num))
+            found.setdefault(count, (group, num))
+    return sorted(found.values(), key=lambda pattern: pattern[1] / pattern[0])
 
 
 def prefetch(
