@@ -27,14 +27,13 @@ _READ_AHEAD = DiskOffloadConfig().read_ahead
 
 @dataclass(frozen=True)
 class Layout:
-    """Where each layer's weights live (`places`, see `cost.PLACES`), the bytes of each
-    that are off the device (`off_bytes`), the device slots and their bytes, the weights
+    """Where each layer's weights live, the device slots and their bytes, the weights
     kept in host memory, and the config that does it."""
 
     config: OffloadConfig
-    places: tuple[str, ...]
-    off_bytes: tuple[int, ...]
-    prefetch_step: int
+    places: tuple[str, ...]  # per layer, see `cost.PLACES`
+    off_bytes: tuple[int, ...]  # per layer, the bytes off the device
+    prefetch_step: int  # the slots (raised to read_ahead + 1 where layers are on disk)
     staging_bytes: int
     host_bytes: int
     label: str
