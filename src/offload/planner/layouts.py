@@ -55,13 +55,15 @@ def resident(shape: ModelShape) -> Layout:
 
 def prefetch_layouts(shape: ModelShape, host_budget_bytes: int, disk_io: str) -> list[Layout]:
     """A prefetch layout for each number of layers vLLM's pattern can offload (the pattern
-    that spreads them most) and each step up to `MAX_PREFETCH_STEP`; offloaded layers
-    beyond the host budget stream from disk with `disk_io` ("mmap": computed on in place)."""
+    that spreads them most) and each step up to `MAX_PREFETCH_STEP`, where the slots take
+    less device memory than the layers leave; offloaded layers beyond the host budget
+    stream from disk with `disk_io` ("mmap": computed on in place)."""
     found: dict[tuple, Layout] = {}
     for group, num in spread_patterns(shape.num_layers):
         for step in range(1, MAX_PREFETCH_STEP + 1):
             layout = prefetch(shape, group, num, step, host_budget_bytes, disk_io)
-            found.setdefault((layout.places, layout.prefetch_step), layout)
+            if layout.staging_bytes < layout.offloaded_bytes:  # else no device byte saved
+                found.setdefault((layout.places, layout.prefetch_step), layout)
     return list(found.values())
 
 
