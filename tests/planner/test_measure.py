@@ -12,7 +12,7 @@ from offload.planner.measure import Measurements, MeasureSettings, measure
 from offload.planner.shape import shape_of
 
 TINY = MeasureSettings(
-    copy_bytes=2**20, disk_bytes=2**20, probe_file_bytes=2**20, warmup=1, repeats=3
+    copy_bytes=2**20, disk_bytes=2**20, probe_file_bytes=2**20, disk_passes=1, warmup=1, repeats=3
 )
 CPU = torch.device("cpu")
 
