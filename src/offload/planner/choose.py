@@ -9,9 +9,10 @@ from dataclasses import dataclass
 
 from offload.config import DISK_IO
 from offload.engine.fit import MemoryNeeds
+from offload.engine.kv_cache import KV_SLOTS
 from offload.errors import ModelError
 from offload.planner import layouts
-from offload.planner.cost import KV_RING_SLOTS, LayerCost, StepTime, predict_step, touched_share
+from offload.planner.cost import LayerCost, StepTime, predict_step, touched_share
 from offload.planner.layouts import Layout
 from offload.planner.measure import Measurements
 from offload.planner.shape import ModelShape
@@ -145,7 +146,7 @@ def evaluate(
         return None  # the KV cache fits on the device: moving it only costs time
     layer_s, head_s = measured.compute_at(batch)
     costs = _layer_costs(shape, layout, layer_s, batch, kv_total if kv_offload else 0)
-    time = predict_step(costs, head_s, measured.rates(), layout.prefetch_step, KV_RING_SLOTS)
+    time = predict_step(costs, head_s, measured.rates(), layout.prefetch_step, KV_SLOTS)
     return Candidate(layout, batch, kv_offload, time, device_bytes, host_bytes)
 
 
@@ -169,7 +170,7 @@ def _kv_on_device(shape: ModelShape, batch: int, context_len: int, kv_offload: b
     total = shape.kv_bytes(batch, context_len)
     if not kv_offload:
         return total
-    return min(KV_RING_SLOTS, shape.num_layers) * total // max(1, shape.num_layers)
+    return min(KV_SLOTS, shape.num_layers) * total // max(1, shape.num_layers)
 
 
 def _device_need(shape: ModelShape, weight_bytes: int, kv_bytes: int) -> int:

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload.engine.kv_cache import KV_SLOTS
 from offload.memory.slots import next_in_slot, num_slots
 
 PLACES = ("resident", "host", "disk", "mapped", "uva")
-KV_RING_SLOTS = 2  # as engine/kv_cache.py's KV_SLOTS (the engine layer sits above this one)
 _FORWARDS = 3  # the first forward fills the pipeline; the last is the steady state
 
 
@@ -113,7 +113,7 @@ def predict_step(
     head_s: float,
     rates: Rates,
     prefetch_step: int = 1,
-    kv_slots: int = KV_RING_SLOTS,
+    kv_slots: int = KV_SLOTS,
 ) -> StepTime:
     """The steady-state step of `layers` (in execution order) followed by `head_s` of
     compute outside them (embedding, final norm, lm_head), with offloaded layers sharing
