@@ -99,3 +99,17 @@ def test_json_round_trip_and_refusals():
         Measurements.from_json(_figures(layer_s=[1.0]).to_json())
     with pytest.raises(ValueError, match="measurements must be an object with keys"):
         Measurements.from_json("[1, 2]")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma2", "deepseek_v3", "mamba"])
+def test_compute_is_measured_for_each_architecture(arch, tmp_path, monkeypatch):
+    # Learned positions (gpt2), per-layer kinds (gemma2), a dense first layer before the
+    # experts (deepseek_v3), no KV cache at all (mamba).
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / arch
+    zoo.build(arch).save_pretrained(path)
+    shape = shape_of(build_empty(path, "auto"), 16)
+    m = measure(path, shape, CPU, [1, 2], 16, settings=TINY).measurements
+    assert m.notes == [] and all(s > 0 for s in m.layer_s)
+    if arch == "deepseek_v3":  # the layer timed is one of the experts' layers
+        assert shape.timed_layer == 1

@@ -109,8 +109,9 @@ def _cut_model(path: Path, count: int, dtype: torch.dtype, device, trust_remote_
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     cut = copy.deepcopy(config)
     cut.num_hidden_layers = count
-    if isinstance(getattr(cut, "layer_types", None), list):  # per-layer lists follow
-        cut.layer_types = cut.layer_types[:count]
+    derived = isinstance(getattr(type(cut), "layer_types", None), property)
+    if isinstance(getattr(cut, "layer_types", None), list) and not derived:
+        cut.layer_types = cut.layer_types[:count]  # a per-layer list follows the count
     with tempfile.TemporaryDirectory(prefix="offload-plan-") as folder:
         cut.save_pretrained(folder)
         for code in Path(path).glob("*.py"):  # a checkpoint's own code, when trusted

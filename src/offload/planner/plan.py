@@ -66,6 +66,8 @@ def make_plan(
     path: Path,
     disk_modes: tuple[str, ...] = DISK_IO,
 ) -> Plan:
+    """The plan from a model's shape and the measurements, under the budgets; a
+    `ModelError` with the numbers where nothing fits."""
     found = candidates(shape, measured.measurements, budgets, batch_sizes, disk_modes)
     if not found:
         raise nothing_fits(shape, budgets, min(batch_sizes), measured.measurements.context_len)
@@ -116,7 +118,9 @@ def _reasons(
         f"{m.context_len} positions",
         f"budgets: device {format_bytes(budgets.device_bytes)}, host "
         f"{format_bytes(budgets.host_bytes)} for weights kept off the device",
-        f"measured on {m.machine}: link {m.link_gb_per_s:.1f} GB/s, disk "
+        f"measured on {m.machine}: link {m.link_gb_per_s:.1f} GB/s"
+        + (f", UVA reads {m.uva_gb_per_s:.1f} GB/s" if m.uva_gb_per_s else "")
+        + f", disk "
         f"{m.disk_gb_per_s:.2f} GB/s ({m.disk_source or 'not measured'}); compute at batch "
         f"{chosen.batch_size}: {layer_s * 1e3:.2f} ms a layer, {head_s * 1e3:.2f} ms the rest",
         *m.notes,
