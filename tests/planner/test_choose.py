@@ -107,3 +107,22 @@ def test_experts_read_in_place_where_a_batch_touches_few(recorded, moe_shape):
     best = candidates(moe_shape, recorded["h100-llama-3-8b"], budgets, [1])[0]
     # 2 of 64 experts a token: a step reads ~3% of the experts in place, not all of them.
     assert best.layout.experts_only and best.layout.config.uva.cpu_offload_params == {"experts"}
+
+
+def test_on_a_cpu_warm_checkpoint_pages_are_mapped(recorded, smollm2_shape, monkeypatch):
+    from offload import config_parts
+
+    # The disk tier's "mmap" mode, where this version of the config has it or not.
+    monkeypatch.setattr(config_parts, "DISK_IO", (*config_parts.DISK_IO, "mmap"))
+    modes = ("direct", "mmap")
+    cold = Budgets(360 * MIB, 100 * MIB, page_cache_bytes=0)
+    warm = Budgets(360 * MIB, 100 * MIB, page_cache_bytes=GIB)
+    measured = recorded["cpu-smollm2"]
+    direct = candidates(smollm2_shape, measured, cold, [1, 2], modes)[0]
+    mapped = candidates(smollm2_shape, measured, warm, [1, 2], modes)[0]
+    assert direct.layout.config.disk.disk_io == "direct" and direct.time.disk_s > 0
+    assert mapped.layout.config.disk.disk_io == "mmap" and "mapped" in mapped.layout.places
+    assert mapped.time.disk_s == 0 and mapped.tokens_per_s > direct.tokens_per_s
+    # On a GPU nothing is mapped: its kernels cannot compute on the page cache.
+    on_gpu = candidates(smollm2_shape, recorded["h100-llama-3-8b"], warm, [1], modes)
+    assert on_gpu and all(c.layout.config.disk.disk_io != "mmap" for c in on_gpu)
