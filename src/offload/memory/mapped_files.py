@@ -51,6 +51,7 @@ class MappedFiles:
         self._stamps = {stamp.path: stamp for stamp in stamps}
         self._fds: dict[Path, int] = {}
         self._maps: dict[Path, mmap.mmap] = {}
+        self._bases: dict[Path, int] = {}  # each mapping's first byte (looked at per hint)
         self._lock = threading.Lock()
         self._active = False  # a forward may be reading the mappings
         self._fault: str | None = None
@@ -82,6 +83,7 @@ class MappedFiles:
             raise DiskReadError(f"{stamp.path} {problem} since the model was loaded")
         if stamp.size:
             self._maps[stamp.path] = mmap.mmap(fd, stamp.size, access=mmap.ACCESS_COPY)
+            self._bases[stamp.path] = address_of(self._maps[stamp.path])
 
     def view(self, path: Path, offset: int, num_bytes: int) -> torch.Tensor:
         """`num_bytes` of `path` from `offset`, as a uint8 tensor over the mapping."""
@@ -123,7 +125,8 @@ class MappedFiles:
             if mapped is None or self._released:
                 return
             size = min(extent.num_bytes, len(mapped) - extent.file_offset)
-            if size > 0 and not _sampled_pages_cached(mapped, extent.file_offset, size):
+            base = self._bases[extent.path]
+            if size > 0 and not _sampled_pages_cached(base, extent.file_offset, size):
                 try:
                     _populate(self._fds[extent.path], extent.file_offset, size)
                 except (OSError, KeyError) as error:
@@ -235,9 +238,9 @@ def _populate(fd: int, offset: int, num_bytes: int) -> None:
         done += count
 
 
-def _sampled_pages_cached(mapped: mmap.mmap, offset: int, num_bytes: int) -> bool:
-    """Whether a few pages of the range (first, middle, last) are in the page cache."""
-    base = address_of(mapped)
+def _sampled_pages_cached(base: int, offset: int, num_bytes: int) -> bool:
+    """Whether a few pages of the range (first, middle, last) of the mapping at `base` are
+    in the page cache."""
     page = mmap.PAGESIZE
     first, last = offset // page, (offset + num_bytes - 1) // page
     picks = sorted({first, (first + last) // 2, last})[:_SAMPLED_PAGES]
