@@ -2,6 +2,7 @@
 reference's tokens, and a method that really differs is caught."""
 
 import json
+import statistics
 
 import pytest
 
@@ -39,6 +40,8 @@ RECORD_FIELDS = {
     "bound_link_s",
     "bound_tokens_per_s",
     "step_over_bound",
+    "predicted_step_s",
+    "predicted_over_step",
 }
 LIMIT_FIELDS = {
     "memcpy_gb_per_s",
@@ -51,6 +54,7 @@ LIMIT_FIELDS = {
     "device_memory_bytes",
     "device_free_bytes",
     "disk_read_ways_gb_per_s",
+    "disk_busy_read_gb_per_s",
     "notes",
 }
 BATCHES = (1, 2)
@@ -123,8 +127,11 @@ def test_one_record_per_method_and_batch_with_every_field(result):
         assert row["peak_device_bytes"] is None  # on a CPU
     assert set(result["limits"]) == LIMIT_FIELDS
     assert result["limits"]["memcpy_gb_per_s"] > 0
-    ways = result["limits"]["disk_read_ways_gb_per_s"]  # before loading and before each round
-    assert len(ways) == 2 and all(len(measured) == 2 for measured in ways.values())
+    # Before loading, before each round, and before each run of disk-direct (one round).
+    ways = result["limits"]["disk_read_ways_gb_per_s"]
+    expected = 2 + len(BATCHES)
+    assert len(ways) == 2 and all(len(measured) == expected for measured in ways.values())
+    assert len(result["limits"]["disk_busy_read_gb_per_s"]) == expected
     assert result["compute"]["source"] == RESIDENT_COMPUTE
     assert result["reference"] == "resident"
 
@@ -153,6 +160,31 @@ def test_ours_move_bytes_and_the_bound_uses_them(result):
     for row in result["records"]:
         assert row["bound_step_s"] >= row["compute_s"] > 0
         assert row["step_over_bound"] == pytest.approx(row["step_s"] / row["bound_step_s"])
+
+
+def test_ours_and_resident_carry_the_planners_prediction_and_peers_do_not(result):
+    planner = result["planner"]
+    assert planner["batch_sizes"] == list(BATCHES)
+    assert planner["link_gb_per_s"] == result["limits"]["memcpy_gb_per_s"]
+    tier_reads = [v for k, v in result["limits"]["disk_read_ways_gb_per_s"].items() if "MiB" in k]
+    assert planner["disk_gb_per_s"] in [statistics.median(v) for v in tier_reads]
+    assert all(layer > 0 for layer in planner["layer_s"])
+    for row in result["records"]:
+        predicted = row["predicted_step_s"]
+        if row["method"] == "accelerate-disk":  # not a layout of the planner's
+            assert predicted is None and row["predicted_over_step"] is None
+            continue
+        assert predicted > 0
+        assert row["predicted_over_step"] == pytest.approx(predicted / row["step_s"])
+    # A CPU's copies take compute's cores; the mapped disk tier costs nothing; O_DIRECT
+    # reads of these small layers hide behind compute.
+    for batch in BATCHES:
+        step = {
+            r["method"]: r["predicted_step_s"] for r in result["records"] if r["batch"] == batch
+        }
+        assert step["prefetch-all"] > step["resident"]
+        assert step["disk"] == pytest.approx(step["resident"])
+        assert step["disk-direct"] >= step["resident"] * (1 - 1e-9)  # sums in another order
 
 
 def test_the_result_is_json_with_the_machine_and_date(result, tmp_path):

@@ -40,6 +40,19 @@ def test_step_time(row):
     assert predicted.step_s == pytest.approx(float(expected_ms) * MS, rel=1e-9)
 
 
+def test_a_cpu_computing_slows_its_disk_reads():
+    # Reads at 0.25 GB/s while the CPU computes, 0.5 GB/s alone: each 1 ms layer costs the
+    # disk 0.5 ms, so a disk-bound layer takes 2 + 0.5 ms (a GPU's reads are not slowed).
+    layers = [LayerCost(MS, "disk", MB_MS)] * 6
+    busy = Rates(on_gpu=False, link_gb_per_s=1.0, disk_gb_per_s=0.5, disk_busy_gb_per_s=0.25)
+    slowed = predict_step(layers, 0.0, busy, prefetch_step=3)
+    assert slowed.step_s == pytest.approx(15 * MS)
+    assert slowed.disk_s == pytest.approx(15 * MS)
+    assert predict_step(layers, 0.0, CPU, prefetch_step=3).step_s == pytest.approx(12 * MS)
+    gpu = Rates(on_gpu=True, link_gb_per_s=100.0, disk_gb_per_s=0.5, disk_busy_gb_per_s=0.25)
+    assert predict_step(layers, 0.0, gpu, prefetch_step=3).step_s == pytest.approx(12 * MS, 1e-2)
+
+
 def test_resident_layers_give_the_copies_time():
     # Of every two layers the second is offloaded; its 1.5 ms copy hides behind the
     # resident layer before it and the offloaded one two slots back.

@@ -33,7 +33,8 @@ def test_a_miss_measures_and_caches_a_hit_reads(tiny, tmp_path):
     assert m.batch_sizes == [1, 2] and len(m.layer_s) == len(m.head_s) == 2
     assert all(s > 0 for s in m.layer_s) and all(s >= 0 for s in m.head_s)
     assert m.link_gb_per_s > 0 and m.disk_gb_per_s > 0
-    assert m.disk_source == "the checkpoint's files" and m.notes == []
+    assert m.disk_source == "the checkpoint's files, its layers in the order they run"
+    assert m.disk_busy_gb_per_s > 0 and m.notes == []  # on a CPU: read beside compute too
     second = measure(path, shape, CPU, [1, 2], 16, settings=TINY)
     assert second.from_cache and second.path == first.path and second.measurements == m
 

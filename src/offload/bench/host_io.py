@@ -8,6 +8,8 @@ import os
 import time
 from pathlib import Path
 
+from offload.memory.page_cache import cached_bytes
+
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
@@ -120,32 +122,4 @@ def meminfo_bytes(field: str) -> int:
 
 def cached_file_bytes(paths: list[Path]) -> int:
     """Bytes of the files that are in the page cache now (`mincore` over a mapping)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    int_ = ctypes.c_int
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, int_, int_, int_, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    total = 0
-    for path in paths:
-        size = path.stat().st_size
-        if size == 0:
-            continue
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, descriptor, 0)
-            if address in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
-            try:
-                pages = ctypes.create_string_buffer((size + _PAGE_BYTES - 1) // _PAGE_BYTES)
-                if libc.mincore(address, size, pages) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore of {path} failed")
-                total += sum(byte & 1 for byte in pages.raw) * _PAGE_BYTES
-            finally:
-                libc.munmap(address, size)
-        finally:
-            os.close(descriptor)
-    return total
+    return sum(cached_bytes(path) for path in paths)

@@ -10,19 +10,16 @@ from pathlib import Path
 
 import torch
 
-from offload.bench.host_io import (
-    cached_file_bytes,
-    cached_read_gb_per_s,
-    direct_read_gb_per_s,
-    meminfo_bytes,
-    warm_file_cache,
-)
-from offload.bench.machine import median_seconds
+from offload.bench.host_io import cached_read_gb_per_s, direct_read_gb_per_s, meminfo_bytes
 from offload.config import OffloadConfig
+from offload.errors import ModelError
+from offload.memory.disk_layout import Extent
+from offload.memory.disk_reader import CHUNK_BYTES
+from offload.planner import probes
 
 COPY_BYTES = 256 * 2**20  # large enough to leave the CPU caches far behind
 READ_BYTES = 2**30  # at most this much of the checkpoint is read per way of reading
-_DISK_READ_BYTES = 4 * 2**20  # the size of the disk tier's reads
+TIER_WAY = f"{OffloadConfig().disk.io_threads} threads, {CHUNK_BYTES // 2**20} MiB reads"
 
 
 @dataclass
@@ -42,7 +39,21 @@ class Limits:
     # Each way of reading the disk, every time it was measured (before each round: a
     # virtual disk's speed drifts); the bound takes the faster way's median.
     disk_read_ways_gb_per_s: dict[str, list[float]] = field(default_factory=dict)
+    # The tier's way with the CPU computing meanwhile (a CPU device only), each time.
+    disk_busy_read_gb_per_s: list[float] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
+
+    def tier_disk_gb_per_s(self) -> float | None:
+        """The median of the disk's reads made the way the disk tier reads (its threads
+        and read size): the rate its reads get, where `disk_read_gb_per_s` is the
+        faster way's (the bound)."""
+        samples = self.disk_read_ways_gb_per_s.get(TIER_WAY)
+        return statistics.median(samples) if samples else None
+
+    def tier_disk_busy_gb_per_s(self) -> float | None:
+        """The median of the tier's reads beside compute (None: not measured)."""
+        samples = self.disk_busy_read_gb_per_s
+        return statistics.median(samples) if samples else None
 
     def link_gb_per_s(self) -> dict[str, float | None]:
         """The bandwidth of each link in `bound.LINKS`."""
@@ -60,34 +71,29 @@ def measure_limits(
     files: list[Path],
     copy_bytes: int = COPY_BYTES,
     read_bytes: int = READ_BYTES,
+    layer_reads: list[tuple[Extent, ...]] | None = None,
 ) -> Limits:
     limits = Limits(
-        memcpy_gb_per_s=copy_gb_per_s(torch.device("cpu"), torch.device("cpu"), copy_bytes),
+        memcpy_gb_per_s=_copy_gb_per_s(torch.device("cpu"), copy_bytes),
         host_memory_bytes=meminfo_bytes("MemTotal"),
         host_available_bytes=meminfo_bytes("MemAvailable"),
     )
     if files:
-        measure_disk(limits, files, read_bytes)
+        measure_disk(limits, files, device, read_bytes, layer_reads)
         limits.page_cache_read_gb_per_s = cached_read_gb_per_s(first_files(files, read_bytes))
     else:
         limits.notes["disk"] = "no checkpoint files to read"
     if device.type == "cuda":
-        limits.h2d_pinned_gb_per_s = copy_gb_per_s(device, torch.device("cpu"), copy_bytes, True)
-        limits.h2d_pageable_gb_per_s = copy_gb_per_s(device, torch.device("cpu"), copy_bytes)
+        limits.h2d_pinned_gb_per_s = _copy_gb_per_s(device, copy_bytes, True)
+        limits.h2d_pageable_gb_per_s = _copy_gb_per_s(device, copy_bytes, False)
         limits.device_free_bytes, limits.device_memory_bytes = torch.cuda.mem_get_info(device)
     return limits
 
 
-def copy_gb_per_s(
-    destination: torch.device, source: torch.device, num_bytes: int, pinned: bool = False
-) -> float:
-    """GB/s of one large copy from `source` to `destination` memory (bytes copied per
-    second: each byte counts once, not for its read and its write)."""
-    src = torch.ones(num_bytes, dtype=torch.uint8, device=source, pin_memory=pinned)
-    dst = torch.empty(num_bytes, dtype=torch.uint8, device=destination)
-    timed = destination if destination.type == "cuda" else source
-    seconds = median_seconds(lambda: dst.copy_(src, non_blocking=pinned), timed, 1, 5)
-    return num_bytes / seconds / 1e9
+def _copy_gb_per_s(device: torch.device, num_bytes: int, pinned: bool | None = None) -> float:
+    """GB/s of one large host -> `device` copy (a memory copy on a CPU), the planner's
+    own probe: each byte counts once, not for its read and its write."""
+    return probes.link_gb_per_s(device, num_bytes, 1, 5, pinned)
 
 
 def first_files(files: list[Path], max_bytes: int) -> list[Path]:
@@ -101,30 +107,41 @@ def first_files(files: list[Path], max_bytes: int) -> list[Path]:
     return chosen
 
 
-def measure_disk(limits: Limits, files: list[Path], read_bytes: int = READ_BYTES) -> None:
+def measure_disk(
+    limits: Limits,
+    files: list[Path],
+    device: torch.device,
+    read_bytes: int = READ_BYTES,
+    layer_reads: list[tuple[Extent, ...]] | None = None,
+) -> None:
     """Measure the disk's O_DIRECT bandwidth over the first `read_bytes` of `files` two
-    ways (one thread of 16 MiB reads; the disk tier's threads and read size), add it to
-    `limits` and take the faster way's median as the disk's bandwidth."""
+    ways: one thread of 16 MiB reads in file order, and the disk tier's way (its reader,
+    threads and read size, the layers in the order they run: `layer_reads`, see
+    `probes.layer_reads`); and the tier's way again with the CPU computing beside (where
+    the device is the CPU, its cores are the reads' too). Add them to `limits` and take
+    the faster way's median as the disk's bandwidth."""
     if not files or "disk" in limits.notes:  # nothing to read, or O_DIRECT refused
         return
     threads = OffloadConfig().disk.io_threads
     chosen = first_files(files, read_bytes)
-    # O_DIRECT reads drop the files' cached pages: those cached before are read back in
-    # after, so that a method reading through the page cache finds it as it was.
-    cached = [path for path in chosen if cached_file_bytes([path]) >= path.stat().st_size]
     try:
-        ways = {
-            "1 thread, 16 MiB reads": direct_read_gb_per_s(chosen, 16 * 2**20, 1),
-            f"{threads} threads, 4 MiB reads": direct_read_gb_per_s(
-                chosen, _DISK_READ_BYTES, threads
-            ),
-        }
-    except OSError as error:  # a file system without O_DIRECT (tmpfs) refuses the open
-        limits.notes["disk"] = f"O_DIRECT reads failed: {error.strerror or error}"
+        # O_DIRECT reads drop the files' cached pages: those cached before are read back
+        # in after, so that a method reading through the page cache finds it as it was.
+        with probes.kept_warm(files):
+            ways = {
+                "1 thread, 16 MiB reads": direct_read_gb_per_s(chosen, 16 * 2**20, 1),
+                # The planner's probe: the disk tier's own reader, threads and read size.
+                TIER_WAY: probes.disk_gb_per_s(files, read_bytes, threads, reads=layer_reads),
+            }
+            if device.type == "cpu":  # computing on the CPU
+                busy = probes.disk_gb_per_s(files, read_bytes, threads, True, layer_reads)
+    except (OSError, ModelError) as error:  # no O_DIRECT here (tmpfs refuses the open)
+        why = getattr(error, "strerror", None) or error
+        limits.notes["disk"] = f"O_DIRECT reads failed: {why}"
         return
-    finally:
-        warm_file_cache(cached)
     for way, gb_per_s in ways.items():
         limits.disk_read_ways_gb_per_s.setdefault(way, []).append(gb_per_s)
     measured = limits.disk_read_ways_gb_per_s.values()
     limits.disk_read_gb_per_s = max(statistics.median(values) for values in measured)
+    if device.type == "cpu":
+        limits.disk_busy_read_gb_per_s.append(busy)

@@ -14,6 +14,8 @@ import torch
 
 from offload.bench.decode import Decoded, greedy_decode
 from offload.bench.workload import Prepared
+from offload.planner.layouts import Layout
+from offload.planner.shape import ModelShape
 
 
 class MethodUnavailable(Exception):
@@ -39,6 +41,7 @@ class Method(ABC):
     name: ClassVar[str]  # the --methods name
     label: ClassVar[str]  # what it is, for the report
     is_ours: ClassVar[bool] = False
+    reads_disk = False  # reads its weights from the disk, around the page cache, each step
 
     def __init__(self, prepared: Prepared):
         self.prepared = prepared
@@ -62,6 +65,11 @@ class Method(ABC):
 
     @abstractmethod
     def figures(self) -> Figures: ...
+
+    def layout(self, shape: ModelShape) -> Layout | None:
+        """The planner's layout of this method (None: not one the planner knows), for
+        its prediction of the step."""
+        return None
 
     def close(self) -> None:
         self.model = None

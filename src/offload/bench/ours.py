@@ -7,6 +7,9 @@ from typing import Any, ClassVar
 
 from offload.bench.host_io import meminfo_bytes
 from offload.bench.method import Figures, Method, MethodUnavailable, from_pretrained
+from offload.planner import layouts
+from offload.planner.layouts import Layout
+from offload.planner.shape import ModelShape
 from offload.sizes import GIB, format_bytes
 
 # Resident weights may take this share of the free memory, so that the others fit beside.
@@ -38,6 +41,9 @@ class Resident(Method):
 
     def figures(self) -> Figures:
         return Figures()
+
+    def layout(self, shape: ModelShape) -> Layout:
+        return layouts.resident(shape)
 
 
 class Ours(Method):
@@ -82,6 +88,9 @@ class UVA(Ours):
         layers = self.prepared.layer_bytes
         return {"cpu_offload_gb": sum(layers[: len(layers) // 2]) / GIB}
 
+    def layout(self, shape: ModelShape) -> Layout | None:
+        return layouts.uva(shape, sum(shape.layer_bytes[: shape.num_layers // 2]))
+
     def figures(self) -> Figures:
         stats = self.offloader.stats()
         offloaded = stats["offloaded_bytes"]
@@ -91,22 +100,31 @@ class UVA(Ours):
         return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
 
 
-def _layout(group_size: int, num_in_group: int, prefetch_step: int) -> dict[str, int]:
-    return {
-        "offload_group_size": group_size,
-        "offload_num_in_group": num_in_group,
-        "offload_prefetch_step": prefetch_step,
-    }
+class Prefetch(Ours):
+    """vLLM's prefetch layout (`pattern`: group size, number in group, prefetch step)."""
+
+    pattern: ClassVar[tuple[int, int, int]]
+
+    def config(self) -> dict[str, Any]:
+        group_size, num_in_group, prefetch_step = self.pattern
+        return {
+            "offload_group_size": group_size,
+            "offload_num_in_group": num_in_group,
+            "offload_prefetch_step": prefetch_step,
+        }
+
+    def layout(self, shape: ModelShape) -> Layout:
+        return layouts.prefetch(shape, *self.pattern, host_budget_bytes=2**62, disk_io="direct")
 
 
-class PrefetchAll(Ours):
+class PrefetchAll(Prefetch):
     name, label = "prefetch-all", "ours prefetch, every layer, step 2"
-    settings: ClassVar[dict[str, Any]] = _layout(1, 1, 2)
+    pattern = (1, 1, 2)
 
 
-class PrefetchHalf(Ours):
+class PrefetchHalf(Prefetch):
     name, label = "prefetch-half", "ours prefetch, group 2 num 1 (half the layers), step 1"
-    settings: ClassVar[dict[str, Any]] = _layout(2, 1, 1)
+    pattern = (2, 1, 1)
 
 
 class Disk(Ours):
@@ -118,9 +136,14 @@ class Disk(Ours):
         super().load()
         # The default ("auto") picks a way to read when the model loads: say which.
         self.disk_io = self.offloader.stats().get("disk_io")
+        self.reads_disk = self.disk_io == "direct"
 
     def setting(self) -> dict[str, Any]:
         return {**self.config(), "disk_io_chosen": self.disk_io}
+
+    def layout(self, shape: ModelShape) -> Layout:
+        # Every layer (group 1), in read_ahead + 1 slots, none of them in host memory.
+        return layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io=self.disk_io)
 
     def figures(self) -> Figures:
         stats = self.offloader.stats()

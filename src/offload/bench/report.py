@@ -30,6 +30,8 @@ _COLUMNS = (
     ("bound ms", 9, lambda r: _ms(r["bound_step_s"])),
     ("limit", 11, lambda r: r["bound_limit"]),
     ("step/bound", 11, lambda r: _number(r["step_over_bound"], ".2f")),
+    ("plan ms", 9, lambda r: _ms(r.get("predicted_step_s"))),
+    ("plan/step", 10, lambda r: _number(r.get("predicted_over_step"), ".2f")),
     ("offloaded", 11, lambda r: format_bytes(r["offloaded_bytes"])),
     ("moved/fwd", 11, lambda r: format_bytes(r["moved_bytes_per_forward"])),
     ("GB/s", 7, lambda r: f"{r['achieved_gb_per_s']:.2f}"),
@@ -50,7 +52,8 @@ def table(result: dict[str, Any]) -> str:
         f"weights {format_bytes(work['total_bytes'])}, {work['num_layers']} layers",
         "limits: " + ", ".join(_limit(name, result["limits"][key]) for name, key in _LIMITS),
         f"compute per step: {result['compute']['source']}; same tokens as "
-        f"{result['reference']}; tok/s = batch / median decode step",
+        f"{result['reference']}; tok/s = batch / median decode step; plan: the planner's "
+        f"predicted step from this run's rates and compute",
         "".join(f"{heading:>{width}}" for heading, width, _ in _COLUMNS),
     ]
     for row in result["records"]:

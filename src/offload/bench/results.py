@@ -11,14 +11,14 @@ from typing import Any
 
 from offload.bench.bound import bound_step, step_over_bound
 from offload.bench.catalog import METHODS
-from offload.bench.compute import estimate_compute_s
 from offload.bench.method import Method
+from offload.bench.predict import predicted_step_s
 from offload.bench.runner import Loaded, Measured, Sample, run_methods
 from offload.bench.workload import Prepared, Workload, prepare
 from offload.errors import ConfigError
 
 RESIDENT_COMPUTE = "resident step"
-ESTIMATED_COMPUTE = "per-layer estimate (a 2-layer model of the same shapes)"
+ESTIMATED_COMPUTE = "the planner's compute probe (the model cut to 2 layers, random weights)"
 
 
 def run_bench(
@@ -46,14 +46,19 @@ def result(prepared: Prepared, measured: Measured) -> dict[str, Any]:
     compute_s, source = compute_per_step(prepared, measured)
     links = measured.limits.link_gb_per_s()
     records = [
-        record(entry, batch, measured.samples[entry.method.name, batch], compute_s, links)
+        {
+            **record(entry, batch, measured.samples[entry.method.name, batch], compute_s, links),
+            **prediction(entry.method, batch, measured),
+        }
         for entry in measured.loaded
         for batch in prepared.workload.batch_sizes
     ]
+    planner = measured.planner
     return {
         "workload": workload_fields(prepared),
         "limits": dataclasses.asdict(measured.limits),
         "compute": {"source": source, "step_s": compute_s},
+        "planner": (dataclasses.asdict(planner.measurements(measured.limits)) if planner else None),
         "reference": measured.reference,
         "skipped": measured.skipped,
         "records": records,
@@ -69,8 +74,22 @@ def compute_per_step(prepared: Prepared, measured: Measured) -> tuple[dict[int, 
             for batch in prepared.workload.batch_sizes
         }
         return steps, RESIDENT_COMPUTE
-    estimated = estimate_compute_s(prepared)
-    return (estimated, ESTIMATED_COMPUTE) if estimated is not None else ({}, "unknown")
+    if measured.planner is None:
+        return {}, "unknown"
+    return measured.planner.step_s(), ESTIMATED_COMPUTE
+
+
+def prediction(method: Method, batch: int, measured: Measured) -> dict[str, Any]:
+    """The planner's predicted step for the method's layout, from this run's measurements,
+    and its ratio to the measured step (None where the planner has no such layout)."""
+    planner = measured.planner
+    layout = method.layout(planner.shape) if planner is not None else None
+    if layout is None:
+        return {"predicted_step_s": None, "predicted_over_step": None}
+    reads_page_cache = getattr(method, "disk_io", None) == "page-cache"
+    predicted = predicted_step_s(planner, measured.limits, layout, batch, reads_page_cache)
+    step_s = statistics.median(measured.samples[method.name, batch].step_s)
+    return {"predicted_step_s": predicted, "predicted_over_step": predicted / step_s}
 
 
 def record(

@@ -18,7 +18,9 @@ from offload.bench.decode import Decoded
 from offload.bench.host_io import process_memory_bytes, reset_peak_rss
 from offload.bench.limits import Limits, measure_disk, measure_limits
 from offload.bench.method import Figures, Method, MethodUnavailable
+from offload.bench.predict import PlannerInputs
 from offload.bench.workload import Prepared
+from offload.errors import ModelError
 
 T = TypeVar("T")
 
@@ -58,13 +60,18 @@ class Measured:
     skipped: dict[str, str]
     reference: str | None
     samples: dict[tuple[str, int], Sample]
+    planner: PlannerInputs | None = None  # None: the planner cannot time this model
 
 
 def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = True) -> Measured:
     """Measure the machine, load every method, warm up and time them; the methods are
     closed at the end whatever happens. A method that cannot run here, or a peer that
     fails to load or in its warm-up, is skipped with why (our own failures are raised)."""
-    limits = measure_limits(prepared.device, prepared.files)
+    planner, why = _planner_inputs(prepared)
+    reads = planner.layer_reads if planner is not None else None
+    limits = measure_limits(prepared.device, prepared.files, layer_reads=reads)
+    if why:
+        limits.notes["planner"] = why
     loaded: list[Loaded] = []
     skipped: dict[str, str] = {}
     workload = prepared.workload
@@ -80,12 +87,33 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
                 expected = samples[reference, batch].tokens
                 sample.same_tokens = bool(torch.equal(sample.tokens, expected))
             _time_rounds(
-                prepared, loaded, samples, bar, lambda: measure_disk(limits, prepared.files)
+                prepared,
+                loaded,
+                samples,
+                bar,
+                lambda: _between_rounds(prepared, limits, planner),
+                lambda: measure_disk(limits, prepared.files, prepared.device, layer_reads=reads),
             )
     finally:
         for entry in loaded:
             entry.method.close()
-    return Measured(limits, loaded, skipped, reference, samples)
+    return Measured(limits, loaded, skipped, reference, samples, planner)
+
+
+def _planner_inputs(prepared: Prepared) -> tuple[PlannerInputs | None, str]:
+    """The planner's view of the model, or None and why."""
+    try:
+        return PlannerInputs.of(prepared), ""
+    except ModelError as error:
+        return None, f"no prediction: {error}"
+
+
+def _between_rounds(prepared: Prepared, limits: Limits, planner: PlannerInputs | None) -> None:
+    """Before each round, the figures that drift: the disk's rate and compute per step."""
+    reads = planner.layer_reads if planner is not None else None
+    measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
+    if planner is not None:
+        planner.time_compute()
 
 
 def _attempt(
@@ -158,15 +186,19 @@ def _time_rounds(
     samples: dict[tuple[str, int], Sample],
     bar: tqdm,
     before_round: Callable[[], None],
+    before_disk_reads: Callable[[], None],
 ) -> None:
     """Round r runs every method once per batch (interleaved: a drift in the machine's
-    speed touches every method alike), after `before_round()`."""
+    speed touches every method alike), after `before_round()`; a method that reads the
+    disk runs after `before_disk_reads()` (a virtual disk's rate drifts within minutes)."""
     for _ in range(prepared.workload.rounds):
         before_round()
         for batch in prepared.workload.batch_sizes:
             ids = prepared.prompt_ids(batch)
             for entry in loaded:
                 bar.set_postfix_str(f"{entry.method.name} batch {batch}")
+                if entry.method.reads_disk:
+                    before_disk_reads()
                 _timed_run(entry.method, ids, samples[entry.method.name, batch])
                 bar.update()
 

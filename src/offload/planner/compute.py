@@ -1,7 +1,7 @@
-"""Compute per decode step, measured on a model of the same config cut to the layers up
-to the timed one (two at least: a stack needs two), resident on the device with random weights: a
-decode step against a static KV cache of the context length, as the engine runs it. The
-timed layer's share is read by hooks around it; the rest of the step (embedding, final
+"""Compute per decode step, measured on models of the same config cut to a few layers,
+resident on the device with random weights: a decode step against a static KV cache of
+the context length, as the engine runs it. A layer's time is the difference between two
+such models' steps over the layers between them; the rest of the step (embedding, final
 norm, lm_head, masks) is the head."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -21,36 +20,61 @@ from offload.model.loader import load_model
 from offload.planner.probes import Clock
 from offload.planner.shape import ModelShape
 
+_EXTRA_LAYERS = 6  # the longer cut model's layers beyond the shorter's, at most
+_EXTRA_BYTES = 2**31  # and at most this many bytes of them
 
-class _LayerClock:
-    """The time of each forward of one module: CUDA events recorded by hooks on a GPU
-    (read after the step), the wall clock on a CPU."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device):
-        self.on_gpu = device.type == "cuda"
-        self.spans: list = []
-        self._handles = [
-            module.register_forward_pre_hook(lambda *_: self._mark()),
-            module.register_forward_hook(lambda *_: self._mark()),
+class DecodeTimer:
+    """Times decode steps of two models of `path`'s config, cut to the layers up to the
+    timed one and to a few more of its kind, built once (so that they can be timed again,
+    as `offload bench` does before each round). A layer's time is the difference of their
+    steps over the layers between them: layers as they run back to back in the whole
+    model, with no hook or clock between them."""
+
+    def __init__(
+        self,
+        path: Path,
+        shape: ModelShape,
+        device: torch.device,
+        context_len: int,
+        trust_remote_code: bool = False,
+    ):
+        self.count = max(2, shape.timed_layer + 1)  # the shorter model's layers
+        size = max(1, shape.layer_bytes[shape.timed_layer])
+        room = min(shape.num_layers - self.count, _EXTRA_LAYERS, _EXTRA_BYTES // size)
+        self.extra = max(1, room)  # a stack of two layers is timed against one of three
+        self.models = [
+            _cut_model(path, count, shape.dtype, device, trust_remote_code)
+            for count in (self.count, self.count + self.extra)
         ]
+        self.shape, self.device, self.context_len = shape, device, context_len
+        self._steps: dict[tuple[int, int], DecodeStep] = {}
 
-    def _mark(self) -> None:
-        if self.on_gpu:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.spans.append(event)
-        else:
-            self.spans.append(time.perf_counter())
+    def time(
+        self, batch_sizes: list[int], warmup: int = 2, repeats: int = 5
+    ) -> tuple[list[float], list[float]]:
+        """Per batch size: (seconds of one layer, seconds of the rest of a decode step)."""
+        clock = Clock(self.device)
+        layer_s, head_s = [], []
+        with torch.inference_mode():
+            for batch in batch_sizes:
+                short, long = (self._step(which, batch) for which in (0, 1))
+                for _ in range(warmup):
+                    short(), long()
+                # Alternated, so that a drift of the machine's speed touches both alike.
+                pairs = [(clock.once(short), clock.once(long)) for _ in range(repeats)]
+                layer = statistics.median(max(0.0, b - a) / self.extra for a, b in pairs)
+                short_s = statistics.median(a for a, _ in pairs)
+                layer_s.append(layer)
+                head_s.append(max(0.0, short_s - self.count * layer))
+        return layer_s, head_s
 
-    def take_seconds(self) -> float:
-        """The time between the last two marks (the device has finished the step)."""
-        start, end = self.spans[-2:]
-        self.spans.clear()
-        return start.elapsed_time(end) / 1e3 if self.on_gpu else end - start
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+    def _step(self, which: int, batch: int) -> DecodeStep:
+        if (which, batch) not in self._steps:
+            self._steps[which, batch] = _decode_step(
+                self.models[which], self.shape.dtype, self.device, batch, self.context_len
+            )
+        return self._steps[which, batch]
 
 
 def time_decode(
@@ -65,27 +89,8 @@ def time_decode(
     trust_remote_code: bool = False,
 ) -> tuple[list[float], list[float]]:
     """Per batch size: (seconds of one layer, seconds of the rest of a decode step)."""
-    count = max(2, shape.timed_layer + 1)  # the layers the cut model keeps
-    model = _cut_model(path, count, shape.dtype, device, trust_remote_code)
-    layer = model.get_submodule(shape.stack_name)[shape.timed_layer]
-    clock, layer_clock = Clock(device), _LayerClock(layer, device)
-    layer_s, head_s = [], []
-    try:
-        with torch.inference_mode():
-            for batch in batch_sizes:
-                step = _decode_step(model, shape.dtype, device, batch, context_len)
-                for _ in range(warmup):
-                    step()
-                steps, layers = [], []
-                for _ in range(repeats):
-                    steps.append(clock.once(step))
-                    layers.append(layer_clock.take_seconds())
-                layer_s.append(statistics.median(layers))
-                # The other layers of the cut model take as long as the timed one.
-                head_s.append(max(0.0, statistics.median(steps) - count * layer_s[-1]))
-    finally:
-        layer_clock.remove()
-    return layer_s, head_s
+    timer = DecodeTimer(path, shape, device, context_len, trust_remote_code)
+    return timer.time(batch_sizes, warmup, repeats)
 
 
 def _decode_step(model, dtype: torch.dtype, device: torch.device, batch: int, context_len: int):
@@ -111,7 +116,9 @@ def _cut_model(path: Path, count: int, dtype: torch.dtype, device, trust_remote_
     cut.num_hidden_layers = count
     derived = isinstance(getattr(type(cut), "layer_types", None), property)
     if isinstance(getattr(cut, "layer_types", None), list) and not derived:
-        cut.layer_types = cut.layer_types[:count]  # a per-layer list follows the count
+        # A per-layer list follows the count (the last kind repeated past the model's own).
+        kinds = cut.layer_types
+        cut.layer_types = (kinds + kinds[-1:] * count)[:count]
     with tempfile.TemporaryDirectory(prefix="offload-plan-") as folder:
         cut.save_pretrained(folder)
         for code in Path(path).glob("*.py"):  # a checkpoint's own code, when trusted

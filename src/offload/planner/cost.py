@@ -12,8 +12,9 @@ Where bytes cost time:
   link each. A layer on disk is read first (bytes / disk, reads one at a time too), then
   copied in.
 - CPU: a host -> slot copy takes a core from compute: bytes / memcpy bandwidth add to the
-  layer's compute. A layer read from disk with O_DIRECT lands in its slot on I/O threads
-  that take no core: bytes / disk, beside compute.
+  layer's compute. A layer read from disk with O_DIRECT lands in its slot on I/O threads,
+  beside compute; while compute runs, the reads get the disk's rate measured beside
+  compute (the I/O threads wait for the cores), else its rate alone.
 - Mapped disk layers (disk_io "mmap", a warm page cache) are computed on in place: nothing
   beyond compute.
 - UVA: kernels read the bytes they touch over the link as they run, which lengthens the
@@ -39,12 +40,21 @@ _FORWARDS = 3  # the first forward fills the pipeline; the last is the steady st
 class Rates:
     """Measured rates, GB/s (1e9 bytes). `link_gb_per_s`: host -> device copies (pinned,
     copy engine) on a GPU, a memory copy on a CPU; `uva_gb_per_s`: kernels reading host
-    memory in place (0: the link's rate)."""
+    memory in place (0: the link's rate); `disk_busy_gb_per_s`: the disk read while the
+    CPU computes (0: as fast as alone)."""
 
     on_gpu: bool
     link_gb_per_s: float
     disk_gb_per_s: float
     uva_gb_per_s: float = 0.0
+    disk_busy_gb_per_s: float = 0.0
+
+    @property
+    def disk_slowdown(self) -> float:
+        """The share of a CPU's disk read time lost while it computes (0 on a GPU)."""
+        if self.on_gpu or not 0 < self.disk_busy_gb_per_s < self.disk_gb_per_s:
+            return 0.0
+        return 1.0 - self.disk_busy_gb_per_s / self.disk_gb_per_s
 
 
 @dataclass(frozen=True)
@@ -190,6 +200,7 @@ class _Pipeline:
         if cost.place == "uva" and self.rates.on_gpu:
             self._read_in_place(forward, cost)
         serial = self._copied_on_compute_cores(cost)
+        self._slow_reads(forward, cost.compute_s + serial)
         self.now += cost.compute_s + serial
         self.compute[forward] += cost.compute_s
         self.link_busy[forward] += serial
@@ -209,6 +220,19 @@ class _Pipeline:
         self.link_free = start + transfer_s(cost.num_bytes, rate)
         self.link_busy[forward] += self.link_free - start
         self.now = self.link_free
+
+    def _slow_reads(self, forward: int, busy_s: float) -> None:
+        """A CPU computing for `busy_s` from now slows the disk reads under way: the reads
+        pending (on a CPU only disk reads land in the future) land later by the time lost."""
+        overlap = max(0.0, min(self.now + busy_s, self.disk_free) - self.now)
+        delay = overlap * self.rates.disk_slowdown
+        if delay <= 0:
+            return
+        self.disk_free += delay
+        self.disk_busy[forward] += delay
+        for key, landed in self.ready.items():
+            if landed > self.now:
+                self.ready[key] = landed + delay
 
     def _copied_on_compute_cores(self, cost: LayerCost) -> float:
         """A CPU copies host memory into its slots on the cores that compute."""

@@ -63,6 +63,7 @@ class Measurements:
     link_gb_per_s: float
     disk_gb_per_s: float
     uva_gb_per_s: float = 0.0
+    disk_busy_gb_per_s: float = 0.0  # the disk read while the CPU computes (0: as alone)
     disk_source: str = ""
     notes: list[str] = field(default_factory=list)
     measured_at: str = ""
@@ -104,6 +105,7 @@ class Measurements:
             link_gb_per_s=self.link_gb_per_s,
             disk_gb_per_s=self.disk_gb_per_s,
             uva_gb_per_s=self.uva_gb_per_s,
+            disk_busy_gb_per_s=self.disk_busy_gb_per_s,
         )
 
     def compute_at(self, batch: int) -> tuple[float, float]:
@@ -193,7 +195,7 @@ def measure(
     if found is not None:
         return Measured(found, cached, True)
     _measure_links(measured, device, settings)
-    _measure_disk(measured, path, settings)
+    _measure_disk(measured, path, shape.stack_name, settings)
     _measure_compute(measured, path, shape, device, settings, trust_remote_code)
     _save(cached, measured)
     return Measured(measured, cached, False)
@@ -219,24 +221,53 @@ def _measure_links(measured: Measurements, device: torch.device, s: MeasureSetti
     measured.uva_gb_per_s = probes.uva_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
 
 
-def _measure_disk(measured: Measurements, path: Path, s: MeasureSettings) -> None:
+def _measure_disk(measured: Measurements, path: Path, stack_name: str, s: MeasureSettings) -> None:
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     threads = DiskOffloadConfig().io_threads  # as many as the disk tier reads with
     try:
         if files:
-            measured.disk_gb_per_s = _median_read(files, s.disk_bytes, threads, s.disk_passes)
-            measured.disk_source = "the checkpoint's files"
+            reads = checkpoint_reads(path, stack_name)
+            _read_rates(measured, files, s.disk_bytes, threads, s.disk_passes, reads)
+            measured.disk_source = "the checkpoint's files" + (
+                ", its layers in the order they run" if reads else ""
+            )
             return
         with probes.probe_file(plans_dir(), s.probe_file_bytes) as probe:
-            size = s.probe_file_bytes
-            measured.disk_gb_per_s = _median_read([probe], size, threads, s.disk_passes)
+            _read_rates(measured, [probe], s.probe_file_bytes, threads, s.disk_passes, None)
         measured.disk_source = f"a {s.probe_file_bytes // MIB} MiB file in {plans_dir()}"
     except (OSError, ModelError) as error:  # the disk tier could not read here either
         measured.notes.append(f"disk not measured ({error}): no disk tier planned")
 
 
-def _median_read(files: list[Path], max_bytes: int, threads: int, passes: int) -> float:
-    return statistics.median(probes.disk_gb_per_s(files, max_bytes, threads) for _ in range(passes))
+def checkpoint_reads(path: Path, stack_name: str) -> list | None:
+    """The disk tier's reads of the checkpoint's layers in execution order (None where
+    its tensor names do not say the layers: read the files in order)."""
+    try:
+        return probes.layer_reads(path, stack_name) or None
+    except ModelError:  # not a checkpoint this reads: its files in order
+        return None
+
+
+def _read_rates(
+    measured: Measurements,
+    files: list[Path],
+    max_bytes: int,
+    threads: int,
+    passes: int,
+    reads: list | None,
+) -> None:
+    """The disk's rate alone and, on a CPU, beside compute: medians of `passes` passes,
+    alternated (a virtual disk's rate drifts). The files' pages cached before are read
+    back in after, so that a warm checkpoint stays warm."""
+    computing = [False, True] if measured.device_type == "cpu" else [False]
+    with probes.kept_warm(files):
+        rates = [
+            [probes.disk_gb_per_s(files, max_bytes, threads, busy, reads) for busy in computing]
+            for _ in range(passes)
+        ]
+    measured.disk_gb_per_s = statistics.median(alone for alone, *_ in rates)
+    if measured.device_type == "cpu":
+        measured.disk_busy_gb_per_s = statistics.median(busy for _, busy in rates)
 
 
 def _measure_compute(

@@ -8,15 +8,18 @@ import contextlib
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from offload.memory.disk_layout import ALIGN, Extent, aligned_empty
+from offload.memory.disk_layout import ALIGN, Extent, TensorRange, aligned_empty, plan_layout
 from offload.memory.disk_reader import DiskReader, FileStamp
 from offload.memory.host import device_view
+from offload.memory.page_cache import cached_bytes
+from offload.memory.safetensors import checkpoint_tensors
 
 _READ_BYTES = 64 * 2**20  # one read of the disk probe; two are in flight
 
@@ -47,14 +50,16 @@ class Clock:
         return start.elapsed_time(end) / 1e3
 
 
-def link_gb_per_s(device: torch.device, num_bytes: int, warmup: int, repeats: int) -> float:
-    """Host -> `device` copies from pinned memory, GB/s; on a CPU, a memory copy of
-    `num_bytes` (each byte counted once)."""
-    pinned = device.type == "cuda"
+def link_gb_per_s(
+    device: torch.device, num_bytes: int, warmup: int, repeats: int, pinned: bool | None = None
+) -> float:
+    """Host -> `device` copies of `num_bytes` from pinned memory (pageable where `pinned`
+    is False), GB/s; on a CPU, a memory copy (each byte counted once)."""
+    pinned = device.type == "cuda" if pinned is None else pinned
     source = torch.ones(num_bytes, dtype=torch.uint8, pin_memory=pinned)
     target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
     seconds = Clock(device).seconds(
-        lambda: target.copy_(source, non_blocking=pinned), warmup, repeats
+        lambda: target.copy_(source, non_blocking=bool(pinned)), warmup, repeats
     )
     return num_bytes / seconds / 1e9
 
@@ -74,31 +79,59 @@ def uva_gb_per_s(device: torch.device, num_bytes: int, warmup: int, repeats: int
     return host.numel() * 4 / seconds / 1e9
 
 
-def disk_gb_per_s(files: list[Path], max_bytes: int, threads: int) -> float:
-    """Sequential reads of `files` in order (up to `max_bytes`), around the page cache, by
-    the disk tier's reader on `threads` I/O threads, two reads in flight; GB/s."""
-    for path in files:  # pages cached already would be read from memory, not the disk
+def disk_gb_per_s(
+    files: list[Path],
+    max_bytes: int,
+    threads: int,
+    computing: bool = False,
+    reads: list[tuple[Extent, ...]] | None = None,
+) -> float:
+    """Reads around the page cache by the disk tier's reader on `threads` I/O threads, two
+    in flight, up to `max_bytes`: `reads` in their order (each one layer's extents, see
+    `layer_reads`), else `files` sequentially; GB/s. With `computing`, matrix products
+    run on the compute threads meanwhile, as a layer's compute does beside the tier's
+    reads (on a CPU they take the cores the reads need)."""
+    reads = _capped(reads, max_bytes) if reads else list(_pieces(files, max_bytes))
+    touched = sorted({extent.path for extents in reads for extent in extents})
+    for path in touched:  # pages cached already would be read from memory, not the disk
         _drop_cached(path)
-    reader = DiskReader([FileStamp.of(p) for p in files], num_threads=threads, io="direct")
-    buffers = [aligned_empty(_READ_BYTES) for _ in range(2)]
-    tickets = []  # the reads in flight, oldest first; read k lands in buffers[k % 2]
-    num_bytes, started = 0, time.perf_counter()
-    try:
-        for k, (path, offset, length) in enumerate(_pieces(files, max_bytes)):
-            if len(tickets) == len(buffers):  # its buffer is free once read k - 2 landed
-                reader.wait(tickets.pop(0), count_stall=False)
-            extent = Extent(path, offset, -(-length // ALIGN) * ALIGN, 0)
-            tickets.append(reader.read(buffers[k % 2], [extent]))
-            num_bytes += length
-        for ticket in tickets:
-            reader.wait(ticket, count_stall=False)
-    finally:
-        reader.close()
-    return num_bytes / (time.perf_counter() - started) / 1e9
+    reader = DiskReader([FileStamp.of(p) for p in touched], num_threads=threads, io="direct")
+    with _computing() if computing else contextlib.nullcontext():
+        started = time.perf_counter()
+        num_bytes = _read_all(reader, reads)
+        seconds = time.perf_counter() - started
+    return num_bytes / seconds / 1e9
+
+
+def layer_reads(path: Path, stack_name: str) -> list[tuple[Extent, ...]]:
+    """The reads the disk tier makes for each layer of the stack `stack_name` (its tensors
+    named `<stack_name>.<index>.`) of the checkpoint in `path`, in execution order: a
+    checkpoint's tensors are stored in name order (layer 10 before layer 2), so the
+    layers' order on disk is not the order they are read in. Empty where no tensor has
+    such a name."""
+    prefix = f"{stack_name}."
+    layers: dict[int, list[TensorRange]] = {}
+    for name, stored in checkpoint_tensors(path).items():
+        index = name.removeprefix(prefix).partition(".")[0]
+        if name.startswith(prefix) and index.isdigit():
+            piece = TensorRange(stored.path, stored.offset, stored.num_bytes, stored.dtype)
+            layers.setdefault(int(index), []).append(piece)
+    return [plan_layout(layers[index]).extents for index in sorted(layers)]
+
+
+def _capped(reads: list[tuple[Extent, ...]], max_bytes: int) -> list[tuple[Extent, ...]]:
+    """The first of `reads` that add up to `max_bytes` (one at least)."""
+    kept, total = [], 0
+    for extents in reads:
+        if kept and total >= max_bytes:
+            break
+        kept.append(extents)
+        total += sum(extent.num_bytes for extent in extents)
+    return kept
 
 
 def _pieces(files: list[Path], max_bytes: int):
-    """(file, offset, length) of each read, in order, until `max_bytes` are covered."""
+    """One extent at a time covering `files` in order, until `max_bytes` are covered."""
     remaining = max_bytes
     for path in files:
         size = path.stat().st_size
@@ -106,13 +139,74 @@ def _pieces(files: list[Path], max_bytes: int):
             if remaining <= 0:
                 return
             length = min(_READ_BYTES, size - offset)
-            yield path, offset, length
+            yield (Extent(path, offset, -(-length // ALIGN) * ALIGN, 0),)
             remaining -= length
+
+
+def _read_all(reader: DiskReader, reads: list[tuple[Extent, ...]]) -> int:
+    """Each read's extents into a buffer of its own, two reads in flight; the bytes read
+    (the reader closed)."""
+    largest = max(sum(extent.num_bytes for extent in extents) for extents in reads)
+    buffers = [aligned_empty(largest) for _ in range(2)]
+    tickets = []  # the reads in flight, oldest first; read k lands in buffers[k % 2]
+    num_bytes = 0
+    try:
+        for k, extents in enumerate(reads):
+            if len(tickets) == len(buffers):  # its buffer is free once read k - 2 landed
+                reader.wait(tickets.pop(0), count_stall=False)
+            placed, offset = [], 0
+            for extent in extents:  # one after another in the buffer
+                placed.append(Extent(extent.path, extent.file_offset, extent.num_bytes, offset))
+                offset += extent.num_bytes
+            tickets.append(reader.read(buffers[k % 2], placed))
+            num_bytes += offset
+        for ticket in tickets:
+            reader.wait(ticket, count_stall=False)
+    finally:
+        reader.close()
+    return num_bytes
+
+
+@contextlib.contextmanager
+def _computing():
+    """Matrix products on this process's compute threads (from a thread of their own)
+    until the block ends."""
+    done = threading.Event()
+
+    def work() -> None:
+        left = torch.ones(64, 2048)  # [tokens, hidden]: a decode step's shapes
+        right = torch.ones(2048, 2048)
+        with torch.inference_mode():
+            while not done.is_set():
+                torch.mm(left, right)
+
+    worker = threading.Thread(target=work, name="offload-probe-compute", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        worker.join()
+
+
+@contextlib.contextmanager
+def kept_warm(files: list[Path]):
+    """Files whose every page is in the page cache now, and are not when the block ends
+    (O_DIRECT probes drop them), are read back into it: a warm checkpoint stays warm."""
+    warm = [path for path in files if cached_bytes(path) >= path.stat().st_size]
+    try:
+        yield
+    finally:
+        for path in (p for p in warm if cached_bytes(p) < p.stat().st_size):
+            with open(path, "rb", buffering=0) as file:
+                while file.read(_READ_BYTES):
+                    pass
 
 
 def _drop_cached(path: Path) -> None:
     descriptor = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(descriptor)  # the kernel drops clean pages only: a file just written has none
         os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(descriptor)
