@@ -9,10 +9,12 @@ import pytest
 from offload.bench import report
 
 
-def _row(method, batch, tokens_per_s, bound_tokens_per_s):
+def _row(method, batch, tokens_per_s, bound_tokens_per_s, predicted_over_step=None):
     step_s = batch / tokens_per_s
     bound_s = batch / bound_tokens_per_s
     return {
+        "predicted_step_s": step_s * predicted_over_step if predicted_over_step else None,
+        "predicted_over_step": predicted_over_step,
         "method": method,
         "batch": batch,
         "tokens_per_s": tokens_per_s,
@@ -58,8 +60,8 @@ RESULT = {
     "records": [
         _row("resident", 1, 100.0, 100.0),
         _row("resident", 8, 400.0, 400.0),
-        _row("prefetch-all", 1, 50.0, 80.0),
-        _row("prefetch-all", 8, 300.0, 400.0),
+        _row("prefetch-all", 1, 50.0, 80.0, 1.1),
+        _row("prefetch-all", 8, 300.0, 400.0, 0.8),
     ],
 }
 
@@ -70,7 +72,11 @@ def test_the_table_has_a_row_per_record_and_the_skipped_methods():
     row = next(line for line in lines if line.split()[:2] == ["prefetch-all", "1"])
     assert row.split()[2:4] == ["50.0", "45.0-55.0"]  # tok/s, min-max
     assert row.split()[7] == "1.60"  # step / bound
-    assert lines[-1] == "diffusers: skipped, group offloading with a stream needs a CUDA device"
+    assert row.split()[8:10] == ["22.00", "1.10"]  # the planner's step, and over the measured
+    assert "diffusers: skipped, group offloading with a stream needs a CUDA device" in lines
+    assert lines[-1] == (
+        "planner: predicted step within 15% of the measured one for 1 of 2 (plan/step 0.80-1.10)"
+    )
 
 
 def test_the_png_is_written(tmp_path):

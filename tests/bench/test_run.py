@@ -102,9 +102,11 @@ def result(tiny_llama_path):
     )
     methods = [
         "resident",
+        "uva",
         "prefetch-all",
         "disk",
         "disk-direct",
+        "plan",
         "accelerate-disk",
         FailingPeer,
         ShiftedHead,
@@ -118,7 +120,16 @@ def _rows(result, method):
 
 def test_one_record_per_method_and_batch_with_every_field(result):
     pairs = [(row["method"], row["batch"]) for row in result["records"]]
-    methods = ["resident", "prefetch-all", "disk", "disk-direct", "accelerate-disk", "shifted-head"]
+    methods = [
+        "resident",
+        "uva",
+        "prefetch-all",
+        "disk",
+        "disk-direct",
+        "plan",
+        "accelerate-disk",
+        "shifted-head",
+    ]
     assert pairs == [(method, batch) for method in methods for batch in BATCHES]
     for row in result["records"]:
         assert set(row) == RECORD_FIELDS
@@ -185,6 +196,30 @@ def test_ours_and_resident_carry_the_planners_prediction_and_peers_do_not(result
         assert step["prefetch-all"] > step["resident"]
         assert step["disk"] == pytest.approx(step["resident"])
         assert step["disk-direct"] >= step["resident"] * (1 - 1e-9)  # sums in another order
+
+
+def test_the_plan_runs_beside_the_hand_settings_that_fit_its_budget(result):
+    [setting] = {json.dumps(r["setting"]) for r in _rows(result, "plan")}
+    setting = json.loads(setting)
+    assert setting["chosen"] and setting["predicted_step_s"] > 0 and setting["config"]
+    assert all(row["same_tokens"] for row in _rows(result, "plan"))
+    rows = result["plan_against_hand"]
+    assert [row["batch"] for row in rows] == list(BATCHES)
+    for row in rows:
+        # Resident does not fit a device budget that holds all but half the layers; UVA
+        # of half the layers does (the slots of the others take more than one layer here).
+        assert "uva" in row["fitting"] and "resident" not in row["fitting"]
+        assert "plan" not in row["fitting"] and "accelerate-disk" not in row["fitting"]
+        at = {
+            r["method"]: r["tokens_per_s"] for r in result["records"] if r["batch"] == row["batch"]
+        }
+        assert row["best_hand_tokens_per_s"] == max(at[m] for m in row["fitting"])
+        assert row["plan_over_best_hand"] == pytest.approx(
+            at["plan"] / row["best_hand_tokens_per_s"]
+        )
+    lines = report.table(result).splitlines()
+    assert any(line.startswith("planner: predicted step within 15%") for line in lines)
+    assert sum(line.startswith("plan at batch") for line in lines) == len(BATCHES)
 
 
 def test_the_result_is_json_with_the_machine_and_date(result, tmp_path):

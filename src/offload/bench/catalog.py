@@ -7,6 +7,7 @@ from __future__ import annotations
 from offload.bench.method import Method
 from offload.bench.ours import UVA, Disk, DiskDirect, PrefetchAll, PrefetchHalf, Resident
 from offload.bench.peers import AccelerateDisk, AccelerateMap, Diffusers
+from offload.bench.planned import Planned
 
 METHODS: dict[str, type[Method]] = {
     method.name: method
@@ -17,6 +18,7 @@ METHODS: dict[str, type[Method]] = {
         PrefetchHalf,
         Disk,
         DiskDirect,
+        Planned,
         AccelerateMap,
         AccelerateDisk,
         Diffusers,

@@ -59,7 +59,32 @@ def table(result: dict[str, Any]) -> str:
     for row in result["records"]:
         lines.append("".join(f"{cell(row):>{width}}" for _, width, cell in _COLUMNS))
     lines += [f"{name}: skipped, {why}" for name, why in result["skipped"].items()]
-    return "\n".join(lines)
+    return "\n".join(lines + _planner_lines(result))
+
+
+PREDICTION_TOLERANCE = 0.15  # issue 16: the planner's step within 15% of the measured one
+
+
+def _planner_lines(result: dict[str, Any]) -> list[str]:
+    """How well the planner predicted, and the plan against the best hand setting."""
+    ratios = [r.get("predicted_over_step") for r in result["records"]]
+    ratios = [ratio for ratio in ratios if ratio is not None]
+    lines = []
+    if ratios:
+        within = sum(abs(ratio - 1) <= PREDICTION_TOLERANCE for ratio in ratios)
+        lines.append(
+            f"planner: predicted step within {PREDICTION_TOLERANCE:.0%} of the measured one "
+            f"for {within} of {len(ratios)} (plan/step {min(ratios):.2f}-{max(ratios):.2f})"
+        )
+    for row in result.get("plan_against_hand", []):
+        if row["best_hand"] is None:
+            continue
+        lines.append(
+            f"plan at batch {row['batch']}: {_rate(row['plan_tokens_per_s'])} tok/s, "
+            f"{row['plan_over_best_hand']:.2f}x the best hand setting in its budget "
+            f"({row['best_hand']}, {_rate(row['best_hand_tokens_per_s'])} tok/s)"
+        )
+    return lines
 
 
 def save(result: dict[str, Any], folder: Path, err: TextIO | None = None) -> list[Path]:

@@ -16,6 +16,7 @@ from offload.bench.predict import predicted_step_s
 from offload.bench.runner import Loaded, Measured, Sample, run_methods
 from offload.bench.workload import Prepared, Workload, prepare
 from offload.errors import ConfigError
+from offload.planner.choose import evaluate
 
 RESIDENT_COMPUTE = "resident step"
 ESTIMATED_COMPUTE = "the planner's compute probe (the model cut to 2 layers, random weights)"
@@ -55,6 +56,7 @@ def result(prepared: Prepared, measured: Measured) -> dict[str, Any]:
     ]
     planner = measured.planner
     return {
+        "plan_against_hand": plan_against_hand(measured, records),
         "workload": workload_fields(prepared),
         "limits": dataclasses.asdict(measured.limits),
         "compute": {"source": source, "step_s": compute_s},
@@ -166,6 +168,40 @@ def _bound(
         "bound_tokens_per_s": batch / bound.step_s if bound.step_s else None,
         "step_over_bound": step_over_bound(step_s, bound.step_s),
     }
+
+
+def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per batch, the plan's tokens/s beside the best of our hand settings that fit the
+    plan's budgets (as the planner counts memory); empty without a plan."""
+    planned = [e.method for e in measured.loaded if getattr(e.method, "plan", None) is not None]
+    if not planned or measured.planner is None:
+        return []
+    plan, planner = planned[0].plan, measured.planner
+    rates = planner.measurements(measured.limits)
+    fitting = set()
+    for entry in measured.loaded:
+        method = entry.method
+        layout = method.layout(planner.shape) if method is not planned[0] else None
+        batch = max(plan.measured.measurements.batch_sizes)
+        if layout is not None and evaluate(
+            planner.shape, rates, plan.budgets, layout, batch, False
+        ):
+            fitting.add(method.name)
+    rows = []
+    for batch in measured.planner.prepared.workload.batch_sizes:
+        at = {r["method"]: r["tokens_per_s"] for r in records if r["batch"] == batch}
+        best = max(sorted(fitting), key=at.__getitem__, default=None)
+        rows.append(
+            {
+                "batch": batch,
+                "fitting": sorted(fitting),
+                "plan_tokens_per_s": at[planned[0].name],
+                "best_hand": best,
+                "best_hand_tokens_per_s": at[best] if best else None,
+                "plan_over_best_hand": at[planned[0].name] / at[best] if best else None,
+            }
+        )
+    return rows
 
 
 def workload_fields(prepared: Prepared) -> dict[str, Any]:

@@ -80,7 +80,7 @@ def _ranking(candidate: Candidate) -> tuple[float, int, int]:
 
 def nothing_fits(shape: ModelShape, budgets: Budgets, batch: int, context_len: int) -> ModelError:
     """Why no candidate fits, with the numbers."""
-    floor = _device_need(shape, shape.outside_bytes + max(shape.layer_bytes), 0)
+    floor = device_need(shape, shape.outside_bytes + max(shape.layer_bytes), 0)
     return ModelError(
         f"no placement fits: the device budget is {format_bytes(budgets.device_bytes)}, "
         f"the host budget {format_bytes(budgets.host_bytes)}; with every layer offloaded "
@@ -116,7 +116,7 @@ def _uva_layouts(
 ) -> list[Layout]:
     """The least UVA that fits at this batch: of the layers' weights, and of the experts."""
     kv = _kv_on_device(shape, batch, measured.context_len, kv_offload)
-    needed = _device_need(shape, shape.weight_bytes, kv) - budgets.device_bytes
+    needed = device_need(shape, shape.weight_bytes, kv) - budgets.device_bytes
     options = [layouts.uva(shape, needed)]
     if shape.num_experts:
         options.append(layouts.uva(shape, needed, experts_only=True))
@@ -138,11 +138,11 @@ def evaluate(
         return None  # no KV cache to move
     resident_bytes = shape.weight_bytes - layout.offloaded_bytes + layout.staging_bytes
     kv = _kv_on_device(shape, batch, measured.context_len, kv_offload)
-    device_bytes = _device_need(shape, resident_bytes, kv)
+    device_bytes = device_need(shape, resident_bytes, kv)
     host_bytes = layout.host_bytes + (kv_total if kv_offload else 0)
     if device_bytes > budgets.device_bytes or host_bytes > budgets.host_bytes:
         return None
-    if kv_offload and _device_need(shape, resident_bytes, kv_total) <= budgets.device_bytes:
+    if kv_offload and device_need(shape, resident_bytes, kv_total) <= budgets.device_bytes:
         return None  # the KV cache fits on the device: moving it only costs time
     layer_s, head_s = measured.compute_at(batch)
     costs = _layer_costs(shape, layout, layer_s, batch, kv_total if kv_offload else 0)
@@ -173,7 +173,7 @@ def _kv_on_device(shape: ModelShape, batch: int, context_len: int, kv_offload: b
     return min(KV_SLOTS, shape.num_layers) * total // max(1, shape.num_layers)
 
 
-def _device_need(shape: ModelShape, weight_bytes: int, kv_bytes: int) -> int:
+def device_need(shape: ModelShape, weight_bytes: int, kv_bytes: int) -> int:
     """Device bytes for these weights and KV cache, with activations and the margin as
     the engine counts them (`engine/fit.py`)."""
     needs = MemoryNeeds(weight_bytes, 0, 0, kv_bytes, shape.activation_bytes)
