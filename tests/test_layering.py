@@ -22,7 +22,9 @@ LAYERS = (
     ("offload.offloader",),
     ("offload.api",),
     ("offload.model",),
-    ("offload.engine",),
+    # The planner decides what the engine runs (LLM's cpu_offload_gb="auto") and times
+    # the engine's decode step: one layer.
+    ("offload.engine", "offload.planner"),
     (
         "offload",
         "offload.demo",
@@ -30,7 +32,6 @@ LAYERS = (
         "offload.commands",
         "offload.defaults",
         "offload.bench",
-        "offload.planner",
     ),
     ("offload.cli",),
 )

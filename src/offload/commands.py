@@ -14,7 +14,7 @@ import torch
 from offload.api import plan
 from offload.config import OffloadConfig
 from offload.defaults import QUESTION, whole_stack_config
-from offload.engine.fit import device_budget, kv_cache_bytes, measure, plan_fit
+from offload.engine.fit import device_budget, first_fit, kv_cache_bytes, measure
 from offload.engine.llm import LLM
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
@@ -25,6 +25,7 @@ from offload.model.configs import resolve
 from offload.model.default import default_model_path
 from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layer_stacks
+from offload.planner.auto import planned_configs, wants_plan
 from offload.sizes import format_bytes, parameter_bytes
 from offload.streaming import TextStream
 
@@ -186,7 +187,7 @@ def inspect(args: argparse.Namespace) -> str:
         lines.append("  KV cache: none (no attention heads)")
     config = OffloadConfig.from_cli_args(args)
     device = check_device(args.device)
-    fits, config = _what_fits(model, config, device, args)
+    fits, config = _what_fits(path, model, config, device, args)
     lines.append(fits)
     if config.selected_backend == "none":
         lines.append(
@@ -219,24 +220,41 @@ def inspect(args: argparse.Namespace) -> str:
 
 
 def _what_fits(
-    model, config: OffloadConfig, device: torch.device, args
+    path: Path, model, config: OffloadConfig, device: torch.device, args
 ) -> tuple[str, OffloadConfig]:
     """Whether `config` fits the device budget, and if not what would (no weights read);
-    and the config with cpu_offload_gb='auto' resolved."""
+    and the config with cpu_offload_gb='auto' resolved (by the planner, as `LLM` does)."""
     limit = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048
     budget = device_budget(device, args.gpu_memory_utilization, args.device_memory_gb)
     needs = measure(model, limit)
     where = f"{device} budget {format_bytes(budget)} (max_model_len {limit})"
+    ranked = []
+    if wants_plan(config):
+        ranked = planned_configs(
+            path,
+            model,
+            config,
+            device,
+            context_len=limit,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            device_memory_gb=args.device_memory_gb,
+            kv_offload=False,
+            trust_remote_code=args.trust_remote_code,
+        )
     try:
-        resolved, _ = plan_fit(model, config, needs, budget, device, kv_offload=False)
+        resolved, _ = first_fit(model, [*ranked, config], needs, budget, device, kv_offload=False)
     except ModelError as error:
         if config.uva.cpu_offload_gb == "auto":
             raise
         return f"does not fit the {where}: {error}", config
     if resolved.selected_backend == "none":
         return f"fits the {where} without offloading: {format_bytes(needs.total)} needed", resolved
-    offloaded = f" (cpu_offload_gb={resolved.uva.cpu_offload_gb:g})" if config != resolved else ""
-    return f"fits the {where} with this offloading{offloaded}", resolved
+    chosen = ""
+    if ranked:
+        chosen = " (the planner's choice)"
+    elif config != resolved:
+        chosen = f" (cpu_offload_gb={resolved.uva.cpu_offload_gb:g})"
+    return f"fits the {where} with this offloading{chosen}", resolved
 
 
 def _ranges(modules: list[str]) -> str:

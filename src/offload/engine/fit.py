@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -189,10 +190,13 @@ def plan_memory(
     max_num_batched_tokens: int | None,
     kv_offload: bool,
     swap_space_bytes: int,
+    planned: Callable[[int], list[OffloadConfig]] | None = None,
 ) -> MemoryPlan:
     """Check, with the model built on the meta device (no weights read), that the plan
     fits the device budget (see `device_budget`) and the host's RAM; `max_model_len`
-    None is the model's own limit."""
+    None is the model's own limit. `planned`, given the context length, ranks configs to
+    run instead of `config` (the planner's, fastest first): the first that fits is run,
+    and `config` where none does."""
     limit = getattr(empty.config, "max_position_embeddings", None) or 2048
     if max_model_len is not None and not 0 < max_model_len <= limit:
         raise ConfigError(
@@ -204,9 +208,24 @@ def plan_memory(
     if kv_offload:  # the device holds only the slots: two layers' keys and values
         layers = empty.config.num_hidden_layers
         needs = replace(needs, kv_cache=min(KV_SLOTS, layers) * needs.kv_cache // layers)
-    config, offloaded = plan_fit(empty, config, needs, budget_bytes, device, kv_offload)
+    ranked = planned(max_model_len) if planned is not None else []
+    config, offloaded = first_fit(empty, [*ranked, config], needs, budget_bytes, device, kv_offload)
     check_host_room(swap_space_bytes, offloaded)
     return MemoryPlan(max_model_len, needs, config)
+
+
+def first_fit(
+    empty, configs: list[OffloadConfig], needs: MemoryNeeds, budget: int, device, kv_offload: bool
+) -> tuple[OffloadConfig, int]:
+    """`plan_fit` of the first of `configs` that fits; the last one's error where none
+    does (the planner's ranked configs, then the user's own: its error is the one to
+    show)."""
+    for config in configs[:-1]:
+        try:
+            return plan_fit(empty, config, needs, budget, device, kv_offload)
+        except ModelError:  # the engine counts memory to the byte: the planner's next
+            continue
+    return plan_fit(empty, configs[-1], needs, budget, device, kv_offload)
 
 
 def available_ram_bytes() -> int:

@@ -40,6 +40,7 @@ from offload.model.configs import resolve as shipped
 from offload.model.loader import load_model
 from offload.model.sources import resolve_model
 from offload.model.tokenizer import eos_token_ids
+from offload.planner.auto import planned_configs, wants_plan
 
 
 def _serialized(method: Callable) -> Callable:
@@ -65,6 +66,11 @@ class LLM(DecodeLoop):
     (`OffloadConfig` or dict) or by vLLM's keyword names: `cpu_offload_gb`,
     `cpu_offload_params`, `offload_backend`, `offload_group_size`,
     `offload_num_in_group`, `offload_prefetch_step`, `offload_params`.
+    `cpu_offload_gb="auto"` with no backend or layout given leaves the choice to the
+    planner (`offload plan`): from this machine's measured rates (measured once per model
+    shape and cached) it picks what stays on the device, what streams with prefetch, what
+    UVA reads and what stays on disk (under `cpu_memory_gb`), and the engine runs the
+    fastest that fits; `offload_config` says what it chose.
 
     The KV cache lives in host memory, layer by layer brought to the device ahead of
     use, with `kv_offload=True` or `swap_space` > 0 (GiB of host memory it may take;
@@ -149,8 +155,10 @@ class LLM(DecodeLoop):
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_offload=self.kv_offload,
             swap_space_bytes=self.swap_space_bytes,
+            planned=self._planner(path, empty, config, device_memory_gb, gpu_memory_utilization),
         )
         self.max_model_len, self.memory_needs, config = plan
+        self.offload_config = config  # what runs: "auto" resolved, the planner's choice
         self._load(
             path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
         )
@@ -160,6 +168,25 @@ class LLM(DecodeLoop):
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
         self.seed = seed
         torch.manual_seed(seed)
+
+    def _planner(
+        self, path: Path, empty, config: OffloadConfig, device_memory_gb, gpu_memory_utilization
+    ) -> Callable[[int], list[OffloadConfig]] | None:
+        """With a budget only (cpu_offload_gb="auto", offload_backend="auto", no prefetch
+        layout), the planner's configs for a context length, fastest first."""
+        if not wants_plan(config):
+            return None
+        return lambda context_len: planned_configs(
+            path,
+            empty,
+            config,
+            self.device,
+            context_len=context_len,
+            gpu_memory_utilization=gpu_memory_utilization,
+            device_memory_gb=device_memory_gb,
+            kv_offload=self.kv_offload,
+            trust_remote_code=self.trust_remote_code,
+        )
 
     def _check_limits(
         self,

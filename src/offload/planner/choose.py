@@ -56,15 +56,21 @@ def candidates(
     budgets: Budgets,
     batch_sizes: list[int],
     disk_modes: tuple[str, ...] = DISK_IO,
+    kv_given: bool | None = None,
 ) -> list[Candidate]:
-    """Every candidate that fits the budgets, best first."""
+    """Every candidate that fits the budgets, best first; with the KV cache where the
+    planner puts it, or where `kv_given` says (True: in host memory, even if it fits on
+    the device)."""
     found = []
     fixed = [layouts.resident(shape), *_prefetch_layouts(shape, measured, budgets, disk_modes)]
+    kv_modes = (False, True) if kv_given is None else (kv_given,)
     for batch in batch_sizes:
-        for kv_offload in (False, True):
+        for kv_offload in kv_modes:
             options = [*fixed, *_uva_layouts(shape, budgets, batch, kv_offload, measured)]
             for layout in options:
-                candidate = evaluate(shape, measured, budgets, layout, batch, kv_offload)
+                candidate = evaluate(
+                    shape, measured, budgets, layout, batch, kv_offload, kv_given is not None
+                )
                 if candidate is not None:
                     found.append(candidate)
     found.sort(key=_ranking)
@@ -130,9 +136,11 @@ def evaluate(
     layout: Layout,
     batch: int,
     kv_offload: bool,
+    kv_given: bool = False,
 ) -> Candidate | None:
     """`layout` at `batch` predicted, or None where it does not fit the budgets (or keeps
-    the KV cache in host memory though it fits on the device)."""
+    the KV cache in host memory though it fits on the device, unless `kv_given`: the
+    user put it there)."""
     kv_total = shape.kv_bytes(batch, measured.context_len)
     if kv_offload and not kv_total:
         return None  # no KV cache to move
@@ -142,7 +150,8 @@ def evaluate(
     host_bytes = layout.host_bytes + (kv_total if kv_offload else 0)
     if device_bytes > budgets.device_bytes or host_bytes > budgets.host_bytes:
         return None
-    if kv_offload and device_need(shape, resident_bytes, kv_total) <= budgets.device_bytes:
+    fits = device_need(shape, resident_bytes, kv_total) <= budgets.device_bytes
+    if kv_offload and fits and not kv_given:
         return None  # the KV cache fits on the device: moving it only costs time
     layer_s, head_s = measured.compute_at(batch)
     costs = _layer_costs(shape, layout, layer_s, batch, kv_total if kv_offload else 0)
