@@ -200,7 +200,7 @@ def inspect(args: argparse.Namespace) -> str:
     lines.append(
         f"{config.selected_backend} would offload {format_bytes(planned.offloaded_bytes)} "
         f"({len(manifest)} parameters of {len(modules)} modules: {_ranges(modules)}); "
-        f"{format_bytes(total - planned.offloaded_bytes)} stays on {args.device}"
+        f"{format_bytes(total - planned.offloaded_bytes)} stays on {device}"
     )
     if config.selected_backend == "prefetch":
         lines.append(

@@ -41,6 +41,8 @@ class Limits:
     disk_read_ways_gb_per_s: dict[str, list[float]] = field(default_factory=dict)
     # The tier's way with the CPU computing meanwhile (a CPU device only), each time.
     disk_busy_read_gb_per_s: list[float] = field(default_factory=list)
+    # The memory copy, each time it was measured (`memcpy_gb_per_s`: their median).
+    memcpy_samples_gb_per_s: list[float] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
 
     def tier_disk_gb_per_s(self) -> float | None:
@@ -74,10 +76,11 @@ def measure_limits(
     layer_reads: list[tuple[Extent, ...]] | None = None,
 ) -> Limits:
     limits = Limits(
-        memcpy_gb_per_s=_copy_gb_per_s(torch.device("cpu"), copy_bytes),
+        memcpy_gb_per_s=0.0,
         host_memory_bytes=meminfo_bytes("MemTotal"),
         host_available_bytes=meminfo_bytes("MemAvailable"),
     )
+    measure_memcpy(limits, copy_bytes)
     if files:
         measure_disk(limits, files, device, read_bytes, layer_reads)
         limits.page_cache_read_gb_per_s = cached_read_gb_per_s(first_files(files, read_bytes))
@@ -88,6 +91,12 @@ def measure_limits(
         limits.h2d_pageable_gb_per_s = _copy_gb_per_s(device, copy_bytes, False)
         limits.device_free_bytes, limits.device_memory_bytes = torch.cuda.mem_get_info(device)
     return limits
+
+
+def measure_memcpy(limits: Limits, copy_bytes: int = COPY_BYTES) -> None:
+    """One more measurement of the memory copy (it drifts as the disk does)."""
+    limits.memcpy_samples_gb_per_s.append(_copy_gb_per_s(torch.device("cpu"), copy_bytes))
+    limits.memcpy_gb_per_s = statistics.median(limits.memcpy_samples_gb_per_s)
 
 
 def _copy_gb_per_s(device: torch.device, num_bytes: int, pinned: bool | None = None) -> float:

@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from offload.bench.decode import Decoded
 from offload.bench.host_io import process_memory_bytes, reset_peak_rss
-from offload.bench.limits import Limits, measure_disk, measure_limits
+from offload.bench.limits import Limits, measure_disk, measure_limits, measure_memcpy
 from offload.bench.method import Figures, Method, MethodUnavailable
 from offload.bench.predict import PlannerInputs
 from offload.bench.workload import Prepared
@@ -109,7 +109,9 @@ def _planner_inputs(prepared: Prepared) -> tuple[PlannerInputs | None, str]:
 
 
 def _between_rounds(prepared: Prepared, limits: Limits, planner: PlannerInputs | None) -> None:
-    """Before each round, the figures that drift: the disk's rate and compute per step."""
+    """Before each round, the figures that drift: the memory copy's and the disk's rates,
+    and compute per step."""
+    measure_memcpy(limits)
     reads = planner.layer_reads if planner is not None else None
     measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
     if planner is not None:
