@@ -30,6 +30,11 @@ from offload.planner.cost import Rates
 from offload.planner.shape import ModelShape
 from offload.sizes import GIB, MIB
 
+# Raised when a probe measures differently, so that figures cached by the old one are not
+# read back (2: layers timed as a difference of two cut models, the disk read in layer order
+# and beside compute).
+PROBES_VERSION = 2
+
 
 @dataclass(frozen=True)
 class MeasureSettings:
@@ -88,8 +93,10 @@ class Measurements:
 
     @property
     def key(self) -> str:
-        """The cache key: the machine, the software and the workload, not the figures."""
+        """The cache key: how it is measured, the machine, the software and the workload,
+        not the figures."""
         return cache_key(
+            PROBES_VERSION,
             self.machine,
             self.software,
             self.device_type,
