@@ -2,8 +2,8 @@
 the same run as the methods: a virtual machine's disk and memory speeds drift from one
 minute to the next, so a prediction is fair only against rates of the same minutes. The
 rates are the run's `Limits` (memory copy or host -> device link, the disk read the way
-the disk tier reads); compute comes from the planner's own probe (a model of the same
-config cut to two layers, random weights), timed before every round beside the disk."""
+the disk tier reads); compute comes from the planner's own probe (two models of the same
+config cut to a few layers, random weights), timed before every round beside the disk."""
 
 from __future__ import annotations
 
