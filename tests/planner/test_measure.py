@@ -114,3 +114,24 @@ def test_compute_is_measured_for_each_architecture(arch, tmp_path, monkeypatch):
     assert m.notes == [] and all(s > 0 for s in m.layer_s)
     if arch == "deepseek_v3":  # the layer timed is one of the experts' layers
         assert shape.timed_layer == 1
+
+
+def test_the_cut_models_stay_within_the_bytes_they_may_take(tmp_path):
+    from offload.errors import ModelError
+    from offload.planner.compute import _extra_layers
+
+    path = zoo.save_with_tokenizer(zoo.build("llama", num_layers=12), tmp_path / "model")
+    shape = shape_of(build_empty(path, "auto"), 16)
+    size, outside = shape.layer_bytes[shape.timed_layer], shape.outside_bytes
+    assert _extra_layers(shape, 2, None) == 6  # 2 layers timed against 8
+    # Room for the two models of 2 layers and two and a half more: 2 against 4.
+    assert _extra_layers(shape, 2, 2 * outside + 4 * size + 5 * size // 2) == 2
+    with pytest.raises(ModelError, match="more than the"):
+        _extra_layers(shape, 2, 2 * outside + 4 * size)
+
+
+def test_on_a_gpu_the_probes_copy_within_the_device_budget():
+    settings = MeasureSettings(max_device_bytes=100 * 2**20)
+    assert settings.on(torch.device("cuda")).copy_bytes == 25 * 2**20
+    assert settings.on(CPU) == settings  # a CPU's budget is host memory: no change
+    assert MeasureSettings().on(torch.device("cuda")) == MeasureSettings()

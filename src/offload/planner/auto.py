@@ -15,7 +15,7 @@ from torch import nn
 
 from offload.config import DISK_IO, OffloadConfig
 from offload.planner.choose import candidates
-from offload.planner.measure import measure
+from offload.planner.measure import MeasureSettings, measure
 from offload.planner.plan import budgets_for
 from offload.planner.shape import shape_of
 
@@ -48,7 +48,17 @@ def planned_configs(
     shape = shape_of(empty, context_len)
     host_gb = config.disk.cpu_memory_gb if config.disk.is_active else None
     budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, host_gb)
-    measured = measure(path, shape, device, [1], context_len, trust_remote_code=trust_remote_code)
+    # The probes stay within the device budget (a capped process must not run out).
+    settings = MeasureSettings(max_device_bytes=budgets.device_bytes)
+    measured = measure(
+        path,
+        shape,
+        device,
+        [1],
+        context_len,
+        settings=settings,
+        trust_remote_code=trust_remote_code,
+    )
     modes = DISK_IO if config.disk.disk_io == "auto" else (config.disk.disk_io,)
     found = candidates(shape, measured.measurements, budgets, [1], modes, kv_given=kv_offload)
     merged: list[OffloadConfig] = []

@@ -19,6 +19,7 @@ from offload.errors import ModelError
 from offload.model.loader import load_model
 from offload.planner.probes import Clock
 from offload.planner.shape import ModelShape
+from offload.sizes import format_bytes
 
 _EXTRA_LAYERS = 6  # the longer cut model's layers beyond the shorter's, at most
 _EXTRA_BYTES = 2**31  # and at most this many bytes of them
@@ -38,11 +39,10 @@ class DecodeTimer:
         device: torch.device,
         context_len: int,
         trust_remote_code: bool = False,
+        max_bytes: int | None = None,
     ):
         self.count = max(2, shape.timed_layer + 1)  # the shorter model's layers
-        size = max(1, shape.layer_bytes[shape.timed_layer])
-        room = min(shape.num_layers - self.count, _EXTRA_LAYERS, _EXTRA_BYTES // size)
-        self.extra = max(1, room)  # a stack of two layers is timed against one of three
+        self.extra = _extra_layers(shape, self.count, max_bytes)
         self.models = [
             _cut_model(path, count, shape.dtype, device, trust_remote_code)
             for count in (self.count, self.count + self.extra)
@@ -77,6 +77,24 @@ class DecodeTimer:
         return self._steps[which, batch]
 
 
+def _extra_layers(shape: ModelShape, count: int, max_bytes: int | None) -> int:
+    """The longer cut model's layers beyond the shorter's `count`: a few, as many as the
+    layers the model has, `_EXTRA_BYTES` and `max_bytes` (both models' weights) allow; one
+    at least (a stack of two layers is timed against one of three)."""
+    size = max(1, shape.layer_bytes[shape.timed_layer])
+    extra = min(shape.num_layers - count, _EXTRA_LAYERS, _EXTRA_BYTES // size)
+    if max_bytes is not None:
+        both = 2 * shape.outside_bytes + 2 * count * size  # the two models, before the extra
+        if both + size > max_bytes:
+            raise ModelError(
+                f"two models cut to {count} and {count + 1} layers take "
+                f"{format_bytes(both + size)}, more than the {format_bytes(max_bytes)} the "
+                f"measurement may use on the device"
+            )
+        extra = min(extra, (max_bytes - both) // size)
+    return max(1, extra)
+
+
 def time_decode(
     path: Path,
     shape: ModelShape,
@@ -87,9 +105,11 @@ def time_decode(
     warmup: int = 2,
     repeats: int = 5,
     trust_remote_code: bool = False,
+    max_bytes: int | None = None,
 ) -> tuple[list[float], list[float]]:
-    """Per batch size: (seconds of one layer, seconds of the rest of a decode step)."""
-    timer = DecodeTimer(path, shape, device, context_len, trust_remote_code)
+    """Per batch size: (seconds of one layer, seconds of the rest of a decode step), the
+    cut models' weights within `max_bytes` (None: no limit)."""
+    timer = DecodeTimer(path, shape, device, context_len, trust_remote_code, max_bytes)
     return timer.time(batch_sizes, warmup, repeats)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -49,6 +50,17 @@ class MeasureSettings:
     disk_passes: int = 3  # a virtual disk's rate varies 2x from one pass to the next
     warmup: int = 2
     repeats: int = 5
+    # The device memory the probes may take on a GPU (None: no limit): a quarter of it for
+    # a link copy, half for the cut models that time compute.
+    max_device_bytes: int | None = None
+
+    def on(self, device: torch.device) -> MeasureSettings:
+        """These settings with the copy sized to fit `max_device_bytes` on a GPU."""
+        if device.type != "cuda" or self.max_device_bytes is None:
+            return self
+        return dataclasses.replace(
+            self, copy_bytes=max(MIB, min(self.copy_bytes, self.max_device_bytes // 4))
+        )
 
 
 @dataclass
@@ -201,9 +213,15 @@ def measure(
     found = None if remeasure else _load(cached)
     if found is not None:
         return Measured(found, cached, True)
-    _measure_links(measured, device, settings)
-    _measure_disk(measured, path, shape.stack_name, settings)
-    _measure_compute(measured, path, shape, device, settings, trust_remote_code)
+    settings = settings.on(device)
+    try:
+        _measure_links(measured, device, settings)
+        _measure_disk(measured, path, shape.stack_name, settings)
+        _measure_compute(measured, path, shape, device, settings, trust_remote_code)
+    finally:
+        if device.type == "cuda":  # the probes' memory goes back before the model loads
+            gc.collect()
+            torch.cuda.empty_cache()
     _save(cached, measured)
     return Measured(measured, cached, False)
 
@@ -295,6 +313,9 @@ def _measure_compute(
             warmup=s.warmup,
             repeats=s.repeats,
             trust_remote_code=trust_remote_code,
+            max_bytes=None
+            if device.type != "cuda" or s.max_device_bytes is None
+            else s.max_device_bytes // 2,
         )
     except ModelError as error:
         measured.notes.append(f"compute not measured ({error}): predictions count bytes only")

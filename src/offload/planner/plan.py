@@ -4,6 +4,7 @@ model named as `LLM` takes it."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -170,6 +171,8 @@ def plan_for(
     shape = shape_of(empty, context_len)
     # Every input is checked before anything is measured: a bad flag costs nothing.
     budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, cpu_memory_gb)
+    if settings.max_device_bytes is None:  # the probes stay within the device budget
+        settings = dataclasses.replace(settings, max_device_bytes=budgets.device_bytes)
     measured = measure(
         path,
         shape,
