@@ -3,6 +3,7 @@
 # (see the device tool's README):
 #   run(command="bash benchmarks/gpu_session.sh tests", timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh bench", timeout_s=600)
+#   run(command="bash benchmarks/gpu_session.sh peers", timeout_s=600)   (issue 16's rows)
 # The device image already has torch, transformers, accelerate, safetensors, pytest and
 # hypothesis; nothing needs carrying. SmolLM2's GGUF cannot travel (98 MB > 64 MiB), so the
 # CUDA tests and the LLM runs use a seeded checkpoint of its shape, with a word tokenizer
@@ -36,5 +37,18 @@ if [[ $part == bench || $part == all ]]; then
   python3 benchmarks/prefetch_step.py --device cuda --shape llama-3-8b --seq 1 512 4096 --step 2 \
     2>&1 | tee "$out/prefetch-step.log"
   cp benchmarks/results/*-cuda-*.json "$out/" 2>/dev/null
+fi
+
+if [[ $part == peers ]]; then
+  # offload bench on a Llama-3-8B shape (random weights written once), bf16: half the layers
+  # off the device for UVA, prefetch, the plan and accelerate; then a 4k-token prefill.
+  # diffusers is not in the device image: its row is skipped with why unless it is carried.
+  python3 -m offload.cli bench --model llama-3-8b --dtype bfloat16 --device cuda \
+    --batch-sizes 1 16 64 --prompt-len 16 --output-len 8 --rounds 3 --no-progress \
+    --methods resident uva prefetch-half plan accelerate-map diffusers --out "$out" \
+    2>&1 | tee "$out/bench-peers.log"
+  python3 -m offload.cli bench --model llama-3-8b --dtype bfloat16 --device cuda \
+    --batch-sizes 1 --prompt-len 4096 --output-len 2 --rounds 2 --no-progress \
+    --methods resident prefetch-half --out "$out" 2>&1 | tee "$out/bench-prefill.log"
 fi
 exit 0
