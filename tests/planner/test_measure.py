@@ -135,3 +135,15 @@ def test_on_a_gpu_the_probes_copy_within_the_device_budget():
     assert settings.on(torch.device("cuda")).copy_bytes == 25 * 2**20
     assert settings.on(CPU) == settings  # a CPU's budget is host memory: no change
     assert MeasureSettings().on(torch.device("cuda")) == MeasureSettings()
+
+
+def test_the_compute_probe_times_more_steps_than_the_context_has(tiny):
+    # Each step writes the last of 4 positions again: 3 timings of 1 + 3 pairs of steps each
+    # are 24 steps of each cut model (transformers 5's static cache counts positions itself).
+    from offload.planner.compute import DecodeTimer
+
+    path, shape = tiny
+    timer = DecodeTimer(path, shape, CPU, 4)
+    for _ in range(3):
+        layer_s, head_s = timer.time([1, 2], warmup=1, repeats=3)
+        assert len(layer_s) == len(head_s) == 2 and all(s >= 0 for s in layer_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ class DecodeTimer:
             for count in (self.count, self.count + self.extra)
         ]
         self.shape, self.device, self.context_len = shape, device, context_len
-        self._steps: dict[tuple[int, int], DecodeStep] = {}
+        self._steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
 
     def time(
         self, batch_sizes: list[int], warmup: int = 2, repeats: int = 5
@@ -69,7 +70,7 @@ class DecodeTimer:
                 head_s.append(max(0.0, short_s - self.count * layer))
         return layer_s, head_s
 
-    def _step(self, which: int, batch: int) -> DecodeStep:
+    def _step(self, which: int, batch: int) -> Callable[[], torch.Tensor]:
         if (which, batch) not in self._steps:
             self._steps[which, batch] = _decode_step(
                 self.models[which], self.shape.dtype, self.device, batch, self.context_len
@@ -122,7 +123,21 @@ def _decode_step(model, dtype: torch.dtype, device: torch.device, batch: int, co
     step = DecodeStep(model, cache, mask, positions)
     step.position_ids.fill_(context_len - 1)
     step.cache_position.fill_(context_len - 1)
-    return step
+
+    def last_position() -> torch.Tensor:
+        # transformers 5's static layers count the positions written themselves: set back
+        # to the last, or each call would write the next one, and past the end fail.
+        for layer in getattr(cache, "layers", ()):
+            for name, counter in vars(layer).items():  # a tensor, and a sliding layer's int
+                if not name.startswith("cumulative_length"):
+                    continue
+                if isinstance(counter, torch.Tensor):
+                    counter.fill_(context_len - 1)
+                elif isinstance(counter, int):
+                    setattr(layer, name, context_len - 1)
+        return step()
+
+    return last_position
 
 
 def _cut_model(path: Path, count: int, dtype: torch.dtype, device, trust_remote_code: bool):
