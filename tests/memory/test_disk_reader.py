@@ -212,3 +212,31 @@ def test_a_fault_with_reads_still_queued_raises_instead_of_hanging(tmp_path, mon
     waiter.join(timeout=10)
     assert not waiter.is_alive() and outcome
     assert any(f.cancelled() for f in ticket.futures)  # the case this test is about
+
+
+def _huge_page_kib(buffer) -> int:
+    """AnonHugePages of the mapping that holds `buffer`'s first byte (/proc/self/smaps)."""
+    address, inside, found = buffer.data_ptr(), False, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end
+            start, end = (int(part, 16) for part in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            found = int(line.split()[1])
+    return found
+
+
+def test_a_large_read_buffer_starts_on_a_huge_page_and_gets_huge_pages():
+    from offload.memory.disk_layout import HUGE_PAGE
+
+    small = aligned_empty(HUGE_PAGE - ALIGN)
+    assert small.data_ptr() % ALIGN == 0 and small.numel() == HUGE_PAGE - ALIGN
+    buffer = aligned_empty(3 * HUGE_PAGE)
+    assert buffer.data_ptr() % HUGE_PAGE == 0 and buffer.numel() == 3 * HUGE_PAGE
+    buffer.fill_(1)  # the first touch: the kernel picks the pages now
+    setting = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not setting.exists() or "[never]" in setting.read_text():
+        pytest.skip("transparent huge pages are off on this machine")
+    # O_DIRECT reads into 4 KiB pages ran at half the rate (docs/benchmarks.md).
+    assert _huge_page_kib(buffer) >= 2 * HUGE_PAGE // 1024
