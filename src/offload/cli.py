@@ -179,7 +179,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--prompt-len", type=int, default=16, help="tokens per prompt")
     bench.add_argument("--output-len", type=int, default=8, help="tokens generated (>= 2)")
-    bench.add_argument("--rounds", type=int, default=3, help="timed rounds after the warm-up")
+    bench.add_argument("--rounds", type=int, default=5, help="timed rounds after the warm-up")
     bench.add_argument(
         "--methods",
         nargs="+",
