@@ -14,13 +14,13 @@ from offload.bench.host_io import (
     cached_file_bytes,
     cached_read_gb_per_s,
     direct_read_gb_per_s,
-    drop_file_cache,
     meminfo_bytes,
     process_memory_bytes,
     reset_peak_rss,
-    warm_file_cache,
 )
 from offload.bench.machine import machine, median_seconds, save_json, synchronize
+from offload.memory.page_cache import drop_cached as drop_file_cache
+from offload.memory.page_cache import read_cached as warm_file_cache
 
 __all__ = [
     "RESULTS",

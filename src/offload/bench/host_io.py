@@ -8,7 +8,7 @@ import os
 import time
 from pathlib import Path
 
-from offload.memory.page_cache import cached_bytes
+from offload.memory.page_cache import cached_bytes, drop_cached, read_cached
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
@@ -35,26 +35,6 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def drop_file_cache(paths: list[Path]) -> None:
-    """Drop the files' pages from the page cache (written pages are flushed first: the
-    kernel drops clean pages only)."""
-    for path in paths:
-        descriptor = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(descriptor)
-
-
-def warm_file_cache(paths: list[Path], chunk_bytes: int = 64 * 2**20) -> None:
-    """Read the files once through the page cache, so later reads find them there."""
-    for path in paths:
-        with open(path, "rb", buffering=0) as file:
-            while file.read(chunk_bytes):
-                pass
-
-
 def direct_read_gb_per_s(
     paths: list[Path], chunk_bytes: int = 16 * 2**20, num_threads: int = 1
 ) -> float:
@@ -62,14 +42,14 @@ def direct_read_gb_per_s(
     `O_DIRECT` (no page cache) in aligned chunks, their cached pages dropped first. With
     several threads each takes the next chunk in that order, so that many reads are in
     flight at once (as in a reader with that many I/O threads). GB/s (1e9 bytes)."""
-    drop_file_cache(paths)
+    drop_cached(paths)
     return _sequential_read_gb_per_s(paths, chunk_bytes, os.O_DIRECT, num_threads)
 
 
 def cached_read_gb_per_s(paths: list[Path], chunk_bytes: int = 16 * 2**20) -> float:
     """Read bandwidth from the page cache: the files read once to fill it, then read again
     in order, in chunks into one buffer on one thread. GB/s (1e9 bytes)."""
-    warm_file_cache(paths)
+    read_cached(paths)
     return _sequential_read_gb_per_s(paths, chunk_bytes, 0, 1)
 
 

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from offload.bench.host_io import meminfo_bytes
 from offload.bench.method import Figures, Method, MethodUnavailable, from_pretrained
+from offload.offloader.uva import UVAOffloader
 from offload.planner import layouts
 from offload.planner.layouts import Layout
 from offload.planner.shape import ModelShape
@@ -64,14 +65,31 @@ class Ours(Method):
         self.model, self.offloader = load_model(
             self.prepared.path, self.config(), device=self.device, dtype=self.prepared.dtype
         )
+        self.loaded()
+
+    def loaded(self) -> None:
+        """Note how a disk tier reads: "auto" picks a way when the model loads."""
+        self.disk_io = self.offloader.stats().get("disk_io")
+        self.reads_disk = self.disk_io == "direct"
 
     def figures(self) -> Figures:
         stats = self.offloader.stats()
-        return Figures(
-            offloaded_bytes=stats["offloaded_bytes"],
-            moved_bytes={self.copy_link: stats.get("bytes_copied", 0)},
-            stall_s=stats.get("stall_s", 0.0),
-        )
+        offloaded = stats["offloaded_bytes"]
+        if isinstance(self.offloader, UVAOffloader):
+            # A GPU kernel reads each offloaded weight from host memory at every forward (or
+            # a copy brings it in, where views are off); on a CPU it is already in place.
+            cuda = self.device.type == "cuda"
+            moved = {"h2d_pinned": offloaded * self.num_forwards} if cuda else {}
+            return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
+        moved = {self.copy_link: stats.get("bytes_copied", 0)}
+        stall_s = stats.get("stall_s", 0.0)
+        if "disk_io" in stats:  # the disk tier
+            # Mapped files are computed on in place, as resident weights are: nothing moves.
+            # Reads around the page cache are bounded by the disk, others by the page cache.
+            read_link = "disk" if stats["disk_io"] == "direct" else "page_cache"
+            moved[read_link] = moved.get(read_link, 0) + stats.get("disk_bytes_read", 0)
+            stall_s += stats.get("disk_stall_s", 0.0)
+        return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=stall_s)
 
     def close(self) -> None:
         if self.model is not None:
@@ -90,14 +108,6 @@ class UVA(Ours):
 
     def layout(self, shape: ModelShape) -> Layout | None:
         return layouts.uva(shape, sum(shape.layer_bytes[: shape.num_layers // 2]))
-
-    def figures(self) -> Figures:
-        stats = self.offloader.stats()
-        offloaded = stats["offloaded_bytes"]
-        # A GPU kernel reads each offloaded weight from host memory at every forward (or a
-        # copy brings it in, where views are off); on a CPU it is already in place.
-        moved = {"h2d_pinned": offloaded * self.num_forwards} if self.device.type == "cuda" else {}
-        return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
 
 
 class Prefetch(Ours):
@@ -132,28 +142,12 @@ class Disk(Ours):
     label = "ours disk tier, every layer off RAM (cpu_memory_gb=0, default disk_io)"
     settings: ClassVar[dict[str, Any]] = {"cpu_memory_gb": 0}
 
-    def load(self) -> None:
-        super().load()
-        # The default ("auto") picks a way to read when the model loads: say which.
-        self.disk_io = self.offloader.stats().get("disk_io")
-        self.reads_disk = self.disk_io == "direct"
-
     def setting(self) -> dict[str, Any]:
         return {**self.config(), "disk_io_chosen": self.disk_io}
 
     def layout(self, shape: ModelShape) -> Layout:
         # Every layer (group 1), in read_ahead + 1 slots, none of them in host memory.
         return layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io=self.disk_io)
-
-    def figures(self) -> Figures:
-        stats = self.offloader.stats()
-        # Mapped files are computed on in place, as resident weights are: nothing moves.
-        # Reads around the page cache are bounded by the disk, the others by the page cache.
-        moved = {self.copy_link: stats.get("bytes_copied", 0)}
-        read_link = "disk" if self.disk_io == "direct" else "page_cache"
-        moved[read_link] = moved.get(read_link, 0) + stats.get("disk_bytes_read", 0)
-        stall_s = stats.get("stall_s", 0.0) + stats.get("disk_stall_s", 0.0)
-        return Figures(offloaded_bytes=stats["offloaded_bytes"], moved_bytes=moved, stall_s=stall_s)
 
 
 class DiskDirect(Disk):

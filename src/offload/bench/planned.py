@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offload.bench.method import Figures
-from offload.bench.ours import UVA, Disk, Ours
+from offload.bench.ours import Ours
 from offload.planner.choose import device_need
 from offload.planner.layouts import Layout
 from offload.planner.shape import ModelShape
@@ -48,17 +47,7 @@ class Planned(Ours):
         self.model, self.offloader = load_model(
             prepared.path, self.plan.config, device=self.device, dtype=prepared.dtype
         )
-        self.disk_io = self.offloader.stats().get("disk_io")
-        self.reads_disk = self.disk_io == "direct"
-
-    def figures(self) -> Figures:
-        # Counted as the hand setting of the same backend counts them.
-        config = self.plan.config
-        if config.selected_backend == "uva":
-            return UVA.figures(self)
-        if config.disk.is_active:
-            return Disk.figures(self)
-        return super().figures()
+        self.loaded()
 
     def setting(self) -> dict[str, Any]:
         chosen = self.plan.chosen

@@ -12,6 +12,7 @@ from typing import Any
 from offload.bench.bound import bound_step, step_over_bound
 from offload.bench.catalog import METHODS
 from offload.bench.method import Method
+from offload.bench.planned import Planned
 from offload.bench.predict import predicted_step_s
 from offload.bench.runner import Loaded, Measured, Sample, run_methods
 from offload.bench.workload import Prepared, Workload, prepare
@@ -173,7 +174,7 @@ def _bound(
 def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per batch, the plan's tokens/s beside the best of our hand settings that fit the
     plan's budgets (as the planner counts memory); empty without a plan."""
-    planned = [e.method for e in measured.loaded if getattr(e.method, "plan", None) is not None]
+    planned = [e.method for e in measured.loaded if isinstance(e.method, Planned)]
     if not planned or measured.planner is None:
         return []
     plan, planner = planned[0].plan, measured.planner

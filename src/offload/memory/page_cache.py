@@ -1,4 +1,5 @@
-"""How much of a file's byte ranges the page cache holds (`mincore` over a mapping)."""
+"""How much of a file's byte ranges the page cache holds (`mincore` over a mapping); and
+files dropped from it or read into it, for measurements that want it one way or the other."""
 
 from __future__ import annotations
 
@@ -47,6 +48,26 @@ def cached_fraction(ranges: Sequence[tuple[Path, int, int]]) -> float:
     total = sum(num_bytes for _, _, num_bytes in ranges)
     found = sum(cached_bytes(path, pieces) for path, pieces in by_file.items())
     return found / total if total else 0.0
+
+
+def drop_cached(paths: Iterable[Path]) -> None:
+    """Drop the files' pages from the page cache (written pages are flushed first: the
+    kernel drops clean pages only)."""
+    for path in paths:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+
+
+def read_cached(paths: Iterable[Path], chunk_bytes: int = 64 * 2**20) -> None:
+    """Read the files once through the page cache, so later reads find them there."""
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            while file.read(chunk_bytes):
+                pass
 
 
 def _address(mapped: mmap.mmap) -> int:

@@ -18,7 +18,7 @@ import torch
 from offload.memory.disk_layout import ALIGN, Extent, TensorRange, aligned_empty, plan_layout
 from offload.memory.disk_reader import DiskReader, FileStamp
 from offload.memory.host import device_view
-from offload.memory.page_cache import cached_bytes
+from offload.memory.page_cache import cached_bytes, drop_cached, read_cached
 from offload.memory.safetensors import checkpoint_tensors
 
 _READ_BYTES = 64 * 2**20  # one read of the disk probe; two are in flight
@@ -93,8 +93,7 @@ def disk_gb_per_s(
     reads (on a CPU they take the cores the reads need)."""
     reads = _capped(reads, max_bytes) if reads else list(_pieces(files, max_bytes))
     touched = sorted({extent.path for extents in reads for extent in extents})
-    for path in touched:  # pages cached already would be read from memory, not the disk
-        _drop_cached(path)
+    drop_cached(touched)  # pages cached already would be read from memory, not the disk
     reader = DiskReader([FileStamp.of(p) for p in touched], num_threads=threads, io="direct")
     with _computing() if computing else contextlib.nullcontext():
         started = time.perf_counter()
@@ -197,19 +196,7 @@ def kept_warm(files: list[Path]):
     try:
         yield
     finally:
-        for path in (p for p in warm if cached_bytes(p) < p.stat().st_size):
-            with open(path, "rb", buffering=0) as file:
-                while file.read(_READ_BYTES):
-                    pass
-
-
-def _drop_cached(path: Path) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)  # the kernel drops clean pages only: a file just written has none
-        os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(descriptor)
+        read_cached(p for p in warm if cached_bytes(p) < p.stat().st_size)
 
 
 @contextlib.contextmanager
