@@ -7,8 +7,12 @@ import statistics
 import pytest
 
 from offload.bench import Workload, report, run_bench
+from offload.bench.limits import measure_limits
 from offload.bench.ours import PrefetchAll, Resident
+from offload.bench.predict import PlannerInputs
 from offload.bench.results import ESTIMATED_COMPUTE, RESIDENT_COMPUTE
+from offload.bench.workload import prepare
+from offload.planner import layouts
 
 RECORD_FIELDS = {
     "method",
@@ -42,6 +46,8 @@ RECORD_FIELDS = {
     "step_over_bound",
     "predicted_step_s",
     "predicted_over_step",
+    "round_step_s",
+    "round_predicted_s",
 }
 LIMIT_FIELDS = {
     "memcpy_gb_per_s",
@@ -59,6 +65,7 @@ LIMIT_FIELDS = {
     "notes",
 }
 BATCHES = (1, 2)
+ROUNDS = 2
 NAMED = ["resident", "uva", "prefetch-all", "disk", "disk-direct", "plan", "accelerate-disk"]
 
 
@@ -100,7 +107,7 @@ def result(tiny_llama_path):
         batch_sizes=BATCHES,
         prompt_len=4,
         output_len=3,
-        rounds=1,
+        rounds=ROUNDS,
     )
     return run_bench(workload, [*NAMED, FailingPeer, ShiftedHead], progress=False)
 
@@ -119,11 +126,15 @@ def test_one_record_per_method_and_batch_with_every_field(result):
         assert row["tokens_per_s_min"] <= row["tokens_per_s_max"]
         assert row["peak_device_bytes"] is None  # on a CPU
     assert set(result["limits"]) == LIMIT_FIELDS
-    copies = result["limits"]["memcpy_samples_gb_per_s"]  # before loading and each round
-    assert len(copies) == 2 and result["limits"]["memcpy_gb_per_s"] == statistics.median(copies)
-    # Before loading, before each round, and before each run of disk-direct (one round).
+    # The memory copy before loading, before each round and before each run the planner
+    # predicts (every method but accelerate's: a layout of the planner's).
+    copies = result["limits"]["memcpy_samples_gb_per_s"]
+    predicted = len(methods) - 1
+    assert len(copies) == 1 + ROUNDS + predicted * len(BATCHES) * ROUNDS
+    assert result["limits"]["memcpy_gb_per_s"] == statistics.median(copies)
+    # The disk before loading, before each round, and before each run of disk-direct.
     ways = result["limits"]["disk_read_ways_gb_per_s"]
-    expected = 2 + len(BATCHES)
+    expected = 1 + ROUNDS + len(BATCHES) * ROUNDS
     assert len(ways) == 2 and all(len(measured) == expected for measured in ways.values())
     assert len(result["limits"]["disk_busy_read_gb_per_s"]) == expected
     assert result["compute"]["source"] == RESIDENT_COMPUTE
@@ -167,18 +178,40 @@ def test_ours_and_resident_carry_the_planners_prediction_and_peers_do_not(result
         predicted = row["predicted_step_s"]
         if row["method"] == "accelerate-disk":  # not a layout of the planner's
             assert predicted is None and row["predicted_over_step"] is None
+            assert row["round_predicted_s"] == []
             continue
+        # One prediction per round, each set against that round's run.
+        paired = list(zip(row["round_predicted_s"], row["round_step_s"], strict=True))
+        assert len(paired) == ROUNDS
         assert predicted > 0
-        assert row["predicted_over_step"] == pytest.approx(predicted / row["step_s"])
-    # A CPU's copies take compute's cores; the mapped disk tier costs nothing; O_DIRECT
-    # reads of these small layers hide behind compute.
+        assert predicted == pytest.approx(statistics.median(p for p, _ in paired))
+        assert row["predicted_over_step"] == pytest.approx(
+            statistics.median(p / s for p, s in paired)
+        )
+
+
+def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_llama_path):
+    """From the same timing of compute and the same rates: a CPU's copies take compute's
+    cores; the mapped disk tier costs nothing; O_DIRECT reads of these small layers hide
+    behind compute."""
+    prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=BATCHES))
+    inputs = PlannerInputs.of(prepared)
+    limits = measure_limits(prepared.device, prepared.files, layer_reads=inputs.layer_reads)
+    shape = inputs.shape
+    direct = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="direct")
+    mapped = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="mmap")
     for batch in BATCHES:
-        step = {
-            r["method"]: r["predicted_step_s"] for r in result["records"] if r["batch"] == batch
-        }
-        assert step["prefetch-all"] > step["resident"]
-        assert step["disk"] == pytest.approx(step["resident"])
-        assert step["disk-direct"] >= step["resident"] * (1 - 1e-9)  # sums in another order
+        step = {"resident": inputs.predict_now(limits, layouts.resident(shape), batch, False)}
+        for name, layout in [
+            ("prefetch-all", PrefetchAll(prepared).layout(shape)),
+            ("mapped", mapped),
+            ("direct", direct),
+        ]:
+            step[name] = inputs.predict_latest(limits, layout, batch, False)
+        assert step["prefetch-all"] > step["resident"] > 0
+        assert step["mapped"] == pytest.approx(step["resident"])
+        assert step["direct"] >= step["resident"] * (1 - 1e-9)  # sums in another order
+    assert len(inputs.layer_s[BATCHES[0]]) == 1  # timed once per prediction, not per layout
 
 
 def test_the_plan_runs_beside_the_hand_settings_that_fit_its_budget(result):
@@ -197,8 +230,14 @@ def test_the_plan_runs_beside_the_hand_settings_that_fit_its_budget(result):
             r["method"]: r["tokens_per_s"] for r in result["records"] if r["batch"] == row["batch"]
         }
         assert row["best_hand_tokens_per_s"] == max(at[m] for m in row["fitting"])
+        steps = {
+            r["method"]: r["round_step_s"] for r in result["records"] if r["batch"] == row["batch"]
+        }
+        paired = list(zip(steps[row["best_hand"]], steps["plan"], strict=True))
+        assert len(paired) == ROUNDS
+        assert row["plan_over_best_hand_rounds"] == pytest.approx([h / p for h, p in paired])
         assert row["plan_over_best_hand"] == pytest.approx(
-            at["plan"] / row["best_hand_tokens_per_s"]
+            statistics.median(h / p for h, p in paired)
         )
     lines = report.table(result).splitlines()
     assert any(line.startswith("planner: predicted step within 15%") for line in lines)

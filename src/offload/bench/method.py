@@ -42,6 +42,7 @@ class Method(ABC):
     label: ClassVar[str]  # what it is, for the report
     is_ours: ClassVar[bool] = False
     reads_disk = False  # reads its weights from the disk, around the page cache, each step
+    reads_page_cache = False  # reads its weights from files through the page cache, each step
 
     def __init__(self, prepared: Prepared):
         self.prepared = prepared

@@ -71,6 +71,7 @@ class Ours(Method):
         """Note how a disk tier reads: "auto" picks a way when the model loads."""
         self.disk_io = self.offloader.stats().get("disk_io")
         self.reads_disk = self.disk_io == "direct"
+        self.reads_page_cache = self.disk_io == "page-cache"
 
     def figures(self) -> Figures:
         stats = self.offloader.stats()

@@ -53,7 +53,8 @@ def table(result: dict[str, Any]) -> str:
         "limits: " + ", ".join(_limit(name, result["limits"][key]) for name, key in _LIMITS),
         f"compute per step: {result['compute']['source']}; same tokens as "
         f"{result['reference']}; tok/s = batch / median decode step; plan: the planner's "
-        f"predicted step from this run's rates and compute",
+        f"step predicted from rates and compute measured before each run; plan/step: "
+        f"the median over rounds of each run's",
         "".join(f"{heading:>{width}}" for heading, width, _ in _COLUMNS),
     ]
     for row in result["records"]:
@@ -82,9 +83,14 @@ def _planner_lines(result: dict[str, Any]) -> list[str]:
         lines.append(
             f"plan at batch {row['batch']}: {_rate(row['plan_tokens_per_s'])} tok/s, "
             f"{row['plan_over_best_hand']:.2f}x the best hand setting in its budget "
-            f"({row['best_hand']}, {_rate(row['best_hand_tokens_per_s'])} tok/s)"
+            f"({row['best_hand']}, {_rate(row['best_hand_tokens_per_s'])} tok/s; "
+            f"median of the rounds' ratios{_spread(row.get('plan_over_best_hand_rounds'))})"
         )
     return lines
+
+
+def _spread(ratios: list[float] | None) -> str:
+    return f", {min(ratios):.2f}-{max(ratios):.2f}" if ratios and len(ratios) > 1 else ""
 
 
 def save(result: dict[str, Any], folder: Path, err: TextIO | None = None) -> list[Path]:

@@ -13,7 +13,6 @@ from offload.bench.bound import bound_step, step_over_bound
 from offload.bench.catalog import METHODS
 from offload.bench.method import Method
 from offload.bench.planned import Planned
-from offload.bench.predict import predicted_step_s
 from offload.bench.runner import Loaded, Measured, Sample, run_methods
 from offload.bench.workload import Prepared, Workload, prepare
 from offload.errors import ConfigError
@@ -83,16 +82,19 @@ def compute_per_step(prepared: Prepared, measured: Measured) -> tuple[dict[int, 
 
 
 def prediction(method: Method, batch: int, measured: Measured) -> dict[str, Any]:
-    """The planner's predicted step for the method's layout, from this run's measurements,
-    and its ratio to the measured step (None where the planner has no such layout)."""
-    planner = measured.planner
-    layout = method.layout(planner.shape) if planner is not None else None
-    if layout is None:
-        return {"predicted_step_s": None, "predicted_over_step": None}
-    reads_page_cache = getattr(method, "disk_io", None) == "page-cache"
-    predicted = predicted_step_s(planner, measured.limits, layout, batch, reads_page_cache)
-    step_s = statistics.median(measured.samples[method.name, batch].step_s)
-    return {"predicted_step_s": predicted, "predicted_over_step": predicted / step_s}
+    """The planner's predicted step for the method at `batch` and its ratio to the
+    measured step: medians over the rounds, each round's run against the prediction made
+    just before it (None where the planner has no such layout)."""
+    sample = measured.samples[method.name, batch]
+    predicted = sample.round_predicted_s
+    if not predicted:
+        return {"predicted_step_s": None, "predicted_over_step": None, "round_predicted_s": []}
+    paired = zip(predicted, sample.round_step_s, strict=True)
+    return {
+        "predicted_step_s": statistics.median(predicted),
+        "predicted_over_step": statistics.median(p / s for p, s in paired),
+        "round_predicted_s": predicted,
+    }
 
 
 def record(
@@ -137,6 +139,7 @@ def _timing(batch: int, sample: Sample, step_s: float) -> dict[str, float]:
         "step_s_min": min(sample.step_s),
         "step_s_max": max(sample.step_s),
         "prefill_s": statistics.median(sample.prefill_s),
+        "round_step_s": sample.round_step_s,
     }
 
 
@@ -173,7 +176,9 @@ def _bound(
 
 def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per batch, the plan's tokens/s beside the best of our hand settings that fit the
-    plan's budgets (as the planner counts memory); empty without a plan."""
+    plan's budgets (as the planner counts memory), and the plan's speed over the best's:
+    the median over rounds of the two runs of the same round (a drift of the machine
+    touches both alike); empty without a plan."""
     planned = [e.method for e in measured.loaded if isinstance(e.method, Planned)]
     if not planned or measured.planner is None:
         return []
@@ -192,6 +197,12 @@ def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list
     for batch in measured.planner.prepared.workload.batch_sizes:
         at = {r["method"]: r["tokens_per_s"] for r in records if r["batch"] == batch}
         best = max(sorted(fitting), key=at.__getitem__, default=None)
+        ratios = []
+        if best:
+            rounds = (
+                measured.samples[name, batch].round_step_s for name in (best, planned[0].name)
+            )
+            ratios = [hand / ours for hand, ours in zip(*rounds, strict=True)]
         rows.append(
             {
                 "batch": batch,
@@ -199,7 +210,8 @@ def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list
                 "plan_tokens_per_s": at[planned[0].name],
                 "best_hand": best,
                 "best_hand_tokens_per_s": at[best] if best else None,
-                "plan_over_best_hand": at[planned[0].name] / at[best] if best else None,
+                "plan_over_best_hand": statistics.median(ratios) if best else None,
+                "plan_over_best_hand_rounds": ratios,
             }
         )
     return rows

@@ -45,6 +45,9 @@ class Sample:
     same_tokens: bool | None = None
     step_s: list[float] = field(default_factory=list)  # every decode step of every round
     round_step_s: list[float] = field(default_factory=list)  # each round's median step
+    # The planner's step for each round's run, from compute and rates measured just before
+    # it (empty: no prediction for this method).
+    round_predicted_s: list[float] = field(default_factory=list)
     prefill_s: list[float] = field(default_factory=list)
     moved_bytes: dict[str, float] = field(default_factory=dict)
     stall_s: float | None = None
@@ -92,7 +95,7 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
                 samples,
                 bar,
                 lambda: _between_rounds(prepared, limits, planner),
-                lambda: measure_disk(limits, prepared.files, prepared.device, layer_reads=reads),
+                lambda method, batch: _before_run(prepared, limits, planner, method, batch),
             )
     finally:
         for entry in loaded:
@@ -116,6 +119,28 @@ def _between_rounds(prepared: Prepared, limits: Limits, planner: PlannerInputs |
     measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
     if planner is not None:
         planner.time_compute()
+
+
+def _before_run(
+    prepared: Prepared,
+    limits: Limits,
+    planner: PlannerInputs | None,
+    method: Method,
+    batch: int,
+) -> float | None:
+    """Just before a timed run: the disk's rate for a method that reads it (a virtual
+    disk's rate drifts within minutes), and for a method the planner can model, the
+    memory copy's rate and compute at `batch`, and the planner's step from them (None:
+    no prediction)."""
+    reads = planner.layer_reads if planner is not None else None
+    if method.reads_disk:
+        measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
+    layout = method.layout(planner.shape) if planner is not None else None
+    if layout is None:
+        return None
+    if prepared.device.type == "cpu":
+        measure_memcpy(limits)
+    return planner.predict_now(limits, layout, batch, method.reads_page_cache)
 
 
 def _attempt(
@@ -188,20 +213,23 @@ def _time_rounds(
     samples: dict[tuple[str, int], Sample],
     bar: tqdm,
     before_round: Callable[[], None],
-    before_disk_reads: Callable[[], None],
+    before_run: Callable[[Method, int], float | None],
 ) -> None:
     """Round r runs every method once per batch (interleaved: a drift in the machine's
-    speed touches every method alike), after `before_round()`; a method that reads the
-    disk runs after `before_disk_reads()` (a virtual disk's rate drifts within minutes)."""
+    speed touches every method alike), after `before_round()`; each run after
+    `before_run(method, batch)`, which measures what drifts and returns the planner's
+    step for that run (None: no prediction)."""
     for _ in range(prepared.workload.rounds):
         before_round()
         for batch in prepared.workload.batch_sizes:
             ids = prepared.prompt_ids(batch)
             for entry in loaded:
                 bar.set_postfix_str(f"{entry.method.name} batch {batch}")
-                if entry.method.reads_disk:
-                    before_disk_reads()
-                _timed_run(entry.method, ids, samples[entry.method.name, batch])
+                sample = samples[entry.method.name, batch]
+                predicted = before_run(entry.method, batch)
+                if predicted is not None:
+                    sample.round_predicted_s.append(predicted)
+                _timed_run(entry.method, ids, sample)
                 bar.update()
 
 

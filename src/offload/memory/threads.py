@@ -46,8 +46,8 @@ def advise_passive_wait_policy(idle_gb_per_s: float, busy_gb_per_s: float) -> bo
         return False
     _logger.warning(
         "offload: the CPU copy thread moves %.1f GB/s during forwards, %.1f GB/s with compute "
-        "idle: OpenMP threads spinning between parallel regions take its core; start Python "
-        "with OMP_WAIT_POLICY=PASSIVE (the offload command does)",
+        "idle: OpenMP threads spinning between parallel regions take its core; try starting "
+        "Python with OMP_WAIT_POLICY=PASSIVE (it slows compute itself on some hosts: compare)",
         busy_gb_per_s,
         idle_gb_per_s,
     )
