@@ -62,6 +62,7 @@ LIMIT_FIELDS = {
     "disk_read_ways_gb_per_s",
     "disk_busy_read_gb_per_s",
     "memcpy_samples_gb_per_s",
+    "forward_copy_samples_gb_per_s",
     "notes",
 }
 BATCHES = (1, 2)
@@ -126,15 +127,20 @@ def test_one_record_per_method_and_batch_with_every_field(result):
         assert row["tokens_per_s_min"] <= row["tokens_per_s_max"]
         assert row["peak_device_bytes"] is None  # on a CPU
     assert set(result["limits"]) == LIMIT_FIELDS
-    # The memory copy before loading, before each round and before each run the planner
-    # predicts (every method but accelerate's: a layout of the planner's).
+    # The memory copy before loading and before each round; the copies between a forward's
+    # layers before and after each run of a method that copies layers in (prefetch-all,
+    # and the plan where it chose prefetching).
     copies = result["limits"]["memcpy_samples_gb_per_s"]
-    predicted = len(methods) - 1
-    assert len(copies) == 1 + ROUNDS + predicted * len(BATCHES) * ROUNDS
+    assert len(copies) == 1 + ROUNDS
     assert result["limits"]["memcpy_gb_per_s"] == statistics.median(copies)
-    # The disk before loading, before each round, and before each run of disk-direct.
+    [plan] = {r["setting"]["chosen"] for r in _rows(result, "plan")}
+    copying = 1 + ("prefetch" in plan)
+    forward = result["limits"]["forward_copy_samples_gb_per_s"]
+    assert len(forward) == 2 * copying * len(BATCHES) * ROUNDS and min(forward) > 0
+    # The disk before loading, before each round, and before and after each run of
+    # disk-direct.
     ways = result["limits"]["disk_read_ways_gb_per_s"]
-    expected = 1 + ROUNDS + len(BATCHES) * ROUNDS
+    expected = 1 + ROUNDS + 2 * len(BATCHES) * ROUNDS
     assert len(ways) == 2 and all(len(measured) == expected for measured in ways.values())
     assert len(result["limits"]["disk_busy_read_gb_per_s"]) == expected
     assert result["compute"]["source"] == RESIDENT_COMPUTE
@@ -170,7 +176,8 @@ def test_ours_move_bytes_and_the_bound_uses_them(result):
 def test_ours_and_resident_carry_the_planners_prediction_and_peers_do_not(result):
     planner = result["planner"]
     assert planner["batch_sizes"] == list(BATCHES)
-    assert planner["link_gb_per_s"] == result["limits"]["memcpy_gb_per_s"]
+    forward = result["limits"]["forward_copy_samples_gb_per_s"]
+    assert planner["link_gb_per_s"] == statistics.median(forward)
     tier_reads = [v for k, v in result["limits"]["disk_read_ways_gb_per_s"].items() if "MiB" in k]
     assert planner["disk_gb_per_s"] in [statistics.median(v) for v in tier_reads]
     assert all(layer > 0 for layer in planner["layer_s"])
@@ -201,7 +208,8 @@ def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_lla
     direct = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="direct")
     mapped = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="mmap")
     for batch in BATCHES:
-        step = {"resident": inputs.predict_now(limits, layouts.resident(shape), batch, False)}
+        inputs.time_now(batch)
+        step = {"resident": inputs.predict_latest(limits, layouts.resident(shape), batch, False)}
         for name, layout in [
             ("prefetch-all", PrefetchAll(prepared).layout(shape)),
             ("mapped", mapped),
@@ -212,6 +220,41 @@ def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_lla
         assert step["mapped"] == pytest.approx(step["resident"])
         assert step["direct"] >= step["resident"] * (1 - 1e-9)  # sums in another order
     assert len(inputs.layer_s[BATCHES[0]]) == 1  # timed once per prediction, not per layout
+
+
+def test_bench_times_compute_as_its_methods_decode_and_rates_around_each_run(
+    tiny_llama_path, monkeypatch
+):
+    """Compute is timed through `generate` (the loop every method runs); a CPU's copies go
+    at the rate measured between a forward's layers; and a rate is the median of its last
+    three measurements: one dip does not move the prediction."""
+    from offload.bench import predict
+
+    prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=(2,)))
+    inputs = PlannerInputs.of(prepared)
+    limits = measure_limits(prepared.device, prepared.files, layer_reads=inputs.layer_reads)
+    calls = []
+    decode = predict.greedy_decode
+    monkeypatch.setattr(
+        predict,
+        "greedy_decode",
+        lambda model, ids, *a: calls.append(ids.shape) or decode(model, ids, *a),
+    )
+    inputs.time_now(2)
+    assert calls and all(shape == (2, prepared.workload.prompt_len) for shape in calls)
+    layout = PrefetchAll(prepared).layout(inputs.shape)
+
+    def predicted(copies):
+        limits.forward_copy_samples_gb_per_s = copies
+        return inputs.predict_latest(limits, layout, 2, False)
+
+    steady = predicted([1.0, 1.0, 1.0])
+    limits.memcpy_samples_gb_per_s = [50.0]  # a plain memory copy: not the link's rate
+    assert predicted([1.0, 1.0, 1.0]) == steady
+    assert predicted([50.0, 1.0, 50.0, 1.0, 1.0]) == steady  # an old rate and one spike
+    assert predicted([1.0, 50.0, 1.0]) == steady
+    assert predicted([1.0, 1.0, 50.0]) == steady  # the last one alone would say 50
+    assert predicted([1.0, 50.0, 50.0]) < steady  # the copy really got faster
 
 
 def test_the_plan_runs_beside_the_hand_settings_that_fit_its_budget(result):

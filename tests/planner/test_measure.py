@@ -147,3 +147,22 @@ def test_the_compute_probe_times_more_steps_than_the_context_has(tiny):
     for _ in range(3):
         layer_s, head_s = timer.time([1, 2], warmup=1, repeats=3)
         assert len(layer_s) == len(head_s) == 2 and all(s >= 0 for s in layer_s)
+
+
+def test_forward_copies_time_the_copies_a_streamed_forward_makes(tiny):
+    # Every layer of the cut model is copied in at each step (asked for 3 layers, it has 4:
+    # with 2 slots a third layer would sit alone in its slot, never copied again): the
+    # bytes copied per step are its layers' bytes.
+    from offload.planner.compute import ForwardCopies
+
+    path, shape = tiny
+    copies = ForwardCopies(path, shape, CPU, 4, count=3)
+    try:
+        stats = copies.offloader.stats
+        assert stats()["num_offloaded_layers"] == 4
+        copies.gb_per_s(2)
+        before = stats()["bytes_copied"]
+        assert copies.gb_per_s(2) > 0
+        assert stats()["bytes_copied"] - before == 4 * shape.layer_bytes[0]  # layers alike
+    finally:
+        copies.close()

@@ -43,6 +43,10 @@ class Limits:
     disk_busy_read_gb_per_s: list[float] = field(default_factory=list)
     # The memory copy, each time it was measured (`memcpy_gb_per_s`: their median).
     memcpy_samples_gb_per_s: list[float] = field(default_factory=list)
+    # On a CPU, the prefetch backend's copies as they run between a forward's layers (a
+    # cut model, every layer streamed), each time: they drift apart from a plain memory
+    # copy (`planner.compute.ForwardCopies`).
+    forward_copy_samples_gb_per_s: list[float] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
 
     def tier_disk_gb_per_s(self) -> float | None:

@@ -95,11 +95,13 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
                 samples,
                 bar,
                 lambda: _between_rounds(prepared, limits, planner),
-                lambda method, batch: _before_run(prepared, limits, planner, method, batch),
+                lambda method, batch: _around_run(prepared, limits, planner, method, batch),
             )
     finally:
         for entry in loaded:
             entry.method.close()
+        if planner is not None:
+            planner.close()
     return Measured(limits, loaded, skipped, reference, samples, planner)
 
 
@@ -121,26 +123,38 @@ def _between_rounds(prepared: Prepared, limits: Limits, planner: PlannerInputs |
         planner.time_compute()
 
 
-def _before_run(
+def _around_run(
     prepared: Prepared,
     limits: Limits,
     planner: PlannerInputs | None,
     method: Method,
     batch: int,
-) -> float | None:
-    """Just before a timed run: the disk's rate for a method that reads it (a virtual
-    disk's rate drifts within minutes), and for a method the planner can model, the
-    memory copy's rate and compute at `batch`, and the planner's step from them (None:
-    no prediction)."""
-    reads = planner.layer_reads if planner is not None else None
-    if method.reads_disk:
-        measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
+) -> Callable[[], float | None]:
+    """Just before a timed run, measure what drifts within minutes on a virtual machine:
+    the disk for a method that reads it, and for a method the planner can model its
+    compute at `batch` and, where it copies layers in from host memory, the copies' rate.
+    Returns what to call just after the run: the same rates measured again and the
+    planner's step for the run from rates measured around it (None: no prediction)."""
     layout = method.layout(planner.shape) if planner is not None else None
+    reads = planner.layer_reads if planner is not None else None
+    copies = layout is not None and "host" in layout.places
+
+    def measure_rates() -> None:
+        if method.reads_disk:
+            measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
+        if copies:
+            planner.measure_copies(limits, batch)
+
+    measure_rates()
     if layout is None:
-        return None
-    if prepared.device.type == "cpu":
-        measure_memcpy(limits)
-    return planner.predict_now(limits, layout, batch, method.reads_page_cache)
+        return lambda: None
+    planner.time_now(batch)
+
+    def after() -> float:
+        measure_rates()
+        return planner.predict_latest(limits, layout, batch, method.reads_page_cache)
+
+    return after
 
 
 def _attempt(
@@ -213,12 +227,12 @@ def _time_rounds(
     samples: dict[tuple[str, int], Sample],
     bar: tqdm,
     before_round: Callable[[], None],
-    before_run: Callable[[Method, int], float | None],
+    around_run: Callable[[Method, int], Callable[[], float | None]],
 ) -> None:
     """Round r runs every method once per batch (interleaved: a drift in the machine's
-    speed touches every method alike), after `before_round()`; each run after
-    `before_run(method, batch)`, which measures what drifts and returns the planner's
-    step for that run (None: no prediction)."""
+    speed touches every method alike), after `before_round()`; each run between
+    `around_run(method, batch)`, which measures what drifts, and the call it returns,
+    which gives the planner's step for that run (None: no prediction)."""
     for _ in range(prepared.workload.rounds):
         before_round()
         for batch in prepared.workload.batch_sizes:
@@ -226,10 +240,11 @@ def _time_rounds(
             for entry in loaded:
                 bar.set_postfix_str(f"{entry.method.name} batch {batch}")
                 sample = samples[entry.method.name, batch]
-                predicted = before_run(entry.method, batch)
+                after = around_run(entry.method, batch)
+                _timed_run(entry.method, ids, sample)
+                predicted = after()
                 if predicted is not None:
                     sample.round_predicted_s.append(predicted)
-                _timed_run(entry.method, ids, sample)
                 bar.update()
 
 

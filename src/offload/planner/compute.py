@@ -25,13 +25,19 @@ from offload.sizes import format_bytes
 _EXTRA_LAYERS = 6  # the longer cut model's layers beyond the shorter's, at most
 _EXTRA_BYTES = 2**31  # and at most this many bytes of them
 
+# Given a cut model and a batch size: a function that runs decode and returns the seconds
+# of one decode step. The default times the engine's step (`_decode_step`); `offload bench`
+# times steps of transformers' `generate`, the loop its methods run.
+StepTimer = Callable[[torch.nn.Module, int], Callable[[], float]]
+
 
 class DecodeTimer:
     """Times decode steps of two models of `path`'s config, cut to the layers up to the
     timed one and to a few more of its kind, built once (so that they can be timed again,
-    as `offload bench` does before each round). A layer's time is the difference of their
+    as `offload bench` does before each run). A layer's time is the difference of their
     steps over the layers between them: layers as they run back to back in the whole
-    model, with no hook or clock between them."""
+    model, with no hook or clock between them. A step is the engine's (`_decode_step`)
+    unless `step_timer` says how to time one."""
 
     def __init__(
         self,
@@ -41,21 +47,22 @@ class DecodeTimer:
         context_len: int,
         trust_remote_code: bool = False,
         max_bytes: int | None = None,
+        step_timer: StepTimer | None = None,
     ):
         self.count = max(2, shape.timed_layer + 1)  # the shorter model's layers
         self.extra = _extra_layers(shape, self.count, max_bytes)
         self.models = [
-            _cut_model(path, count, shape.dtype, device, trust_remote_code)
+            _cut_model(path, count, shape.dtype, device, trust_remote_code)[0]
             for count in (self.count, self.count + self.extra)
         ]
         self.shape, self.device, self.context_len = shape, device, context_len
-        self._steps: dict[tuple[int, int], Callable[[], torch.Tensor]] = {}
+        self._step_timer = step_timer or self._engine_step
+        self._steps: dict[tuple[int, int], Callable[[], float]] = {}
 
     def time(
         self, batch_sizes: list[int], warmup: int = 2, repeats: int = 5
     ) -> tuple[list[float], list[float]]:
         """Per batch size: (seconds of one layer, seconds of the rest of a decode step)."""
-        clock = Clock(self.device)
         layer_s, head_s = [], []
         with torch.inference_mode():
             for batch in batch_sizes:
@@ -63,19 +70,20 @@ class DecodeTimer:
                 for _ in range(warmup):
                     short(), long()
                 # Alternated, so that a drift of the machine's speed touches both alike.
-                pairs = [(clock.once(short), clock.once(long)) for _ in range(repeats)]
+                pairs = [(short(), long()) for _ in range(repeats)]
                 layer = statistics.median(max(0.0, b - a) / self.extra for a, b in pairs)
                 short_s = statistics.median(a for a, _ in pairs)
                 layer_s.append(layer)
                 head_s.append(max(0.0, short_s - self.count * layer))
         return layer_s, head_s
 
-    def _step(self, which: int, batch: int) -> Callable[[], torch.Tensor]:
+    def _step(self, which: int, batch: int) -> Callable[[], float]:
         if (which, batch) not in self._steps:
-            self._steps[which, batch] = _decode_step(
-                self.models[which], self.shape.dtype, self.device, batch, self.context_len
-            )
+            self._steps[which, batch] = self._step_timer(self.models[which], batch)
         return self._steps[which, batch]
+
+    def _engine_step(self, model: torch.nn.Module, batch: int) -> Callable[[], float]:
+        return _engine_timer(model, self.shape.dtype, self.device, batch, self.context_len)
 
 
 def _extra_layers(shape: ModelShape, count: int, max_bytes: int | None) -> int:
@@ -94,6 +102,64 @@ def _extra_layers(shape: ModelShape, count: int, max_bytes: int | None) -> int:
             )
         extra = min(extra, (max_bytes - both) // size)
     return max(1, extra)
+
+
+STREAM_EVERY_LAYER = {  # vLLM's pattern: every layer offloaded, two slots
+    "offload_group_size": 1,
+    "offload_num_in_group": 1,
+    "offload_prefetch_step": 2,
+}
+
+
+class ForwardCopies:
+    """The prefetch backend's copy rate as its copies run, between a forward's layers: a
+    model of `path`'s config cut to `count` layers, every one streamed, decoded by
+    `step_timer` (default: the engine's step); GB/s = the bytes its copy engine moved
+    over the time it spent copying. On this CPU such copies ran at 4.6 GB/s for tens of
+    seconds at a time, and at 19-24 otherwise, while a plain memory copy measured just
+    before and after read 14-22 throughout (docs/benchmarks.md)."""
+
+    def __init__(
+        self,
+        path: Path,
+        shape: ModelShape,
+        device: torch.device,
+        context_len: int,
+        count: int,
+        trust_remote_code: bool = False,
+        step_timer: StepTimer | None = None,
+    ):
+        # Two layers per slot at least: a layer alone in its slot stays there, uncopied.
+        count = max(count, 2 * STREAM_EVERY_LAYER["offload_prefetch_step"])
+        self.model, self.offloader = _cut_model(
+            path, count, shape.dtype, device, trust_remote_code, STREAM_EVERY_LAYER
+        )
+        timer = step_timer or (
+            lambda model, batch: _engine_timer(model, shape.dtype, device, batch, context_len)
+        )
+        self._timer = timer
+        self._steps: dict[int, Callable[[], float]] = {}
+
+    def gb_per_s(self, batch: int) -> float:
+        """Decode at `batch` once and return the rate of the copies it made."""
+        if batch not in self._steps:
+            self._steps[batch] = self._timer(self.model, batch)
+        before = self.offloader.stats()
+        with torch.inference_mode():
+            self._steps[batch]()
+        after = self.offloader.stats()
+        seconds = after["copy_s"] - before["copy_s"]
+        copied = after["bytes_copied"] - before["bytes_copied"]
+        return copied / seconds / 1e9 if seconds > 0 and copied > 0 else 0.0
+
+    def close(self) -> None:
+        self.offloader.close()
+
+
+def _engine_timer(model, dtype: torch.dtype, device: torch.device, batch: int, context_len: int):
+    step = _decode_step(model, dtype, device, batch, context_len)
+    clock = Clock(device)
+    return lambda: clock.once(step)
 
 
 def time_decode(
@@ -140,10 +206,17 @@ def _decode_step(model, dtype: torch.dtype, device: torch.device, batch: int, co
     return last_position
 
 
-def _cut_model(path: Path, count: int, dtype: torch.dtype, device, trust_remote_code: bool):
+def _cut_model(
+    path: Path,
+    count: int,
+    dtype: torch.dtype,
+    device,
+    trust_remote_code: bool,
+    offload: dict | None = None,
+):
     """The model of `path`'s config with its first `count` layers, random weights, loaded
-    on `device` (a config saved to a temporary folder, loaded as `load_format="dummy"`
-    loads shapes)."""
+    on `device` with `offload` (an OffloadConfig's fields; None: none), and its offloader
+    (a config saved to a temporary folder, loaded as `load_format="dummy"` loads shapes)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -159,8 +232,9 @@ def _cut_model(path: Path, count: int, dtype: torch.dtype, device, trust_remote_
         for code in Path(path).glob("*.py"):  # a checkpoint's own code, when trusted
             (Path(folder) / code.name).write_bytes(code.read_bytes())
         try:
-            model, _ = load_model(
+            return load_model(
                 folder,
+                offload,
                 device=device,
                 dtype=dtype,
                 load_format="dummy",
@@ -168,4 +242,3 @@ def _cut_model(path: Path, count: int, dtype: torch.dtype, device, trust_remote_
             )
         except ModelError as error:
             raise ModelError(f"cannot build one layer of {path} to time it: {error}") from None
-    return model
