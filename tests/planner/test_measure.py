@@ -166,3 +166,12 @@ def test_forward_copies_time_the_copies_a_streamed_forward_makes(tiny):
         assert stats()["bytes_copied"] - before == 4 * shape.layer_bytes[0]  # layers alike
     finally:
         copies.close()
+
+
+def test_a_cpus_link_is_the_rate_of_copies_in_a_forward(tiny, monkeypatch):
+    from offload.planner import compute
+
+    path, shape = tiny
+    monkeypatch.setattr(compute.ForwardCopies, "gb_per_s", lambda self, batch: 123.0)
+    m = measure(path, shape, CPU, [1, 2], 16, settings=TINY).measurements
+    assert m.link_gb_per_s == 123.0 and m.notes == []
