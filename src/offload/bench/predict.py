@@ -1,10 +1,12 @@
 """The planner's prediction of each of our methods' decode step, from measurements taken in
 the same run as the methods: a virtual machine's disk, memory and compute speeds drift
 within minutes, so a prediction is fair only against rates of the same moment. Before
-each timed run of a method the runner measures the memory copy (and the disk, for a
-method that reads it) and `time_now` times compute at that batch with the planner's own
-probe (two models of the same config cut to a few layers, random weights, decoding with
-transformers' `generate` as the methods do); after the run the rates are measured again,
+each timed run of a method the runner measures the rates it depends on (on a CPU, the
+prefetch backend's copies in a forward, `measure_copies`, for a method that copies layers
+in; the disk, for one that reads it) and `time_now` times compute at that batch with the
+planner's own probe (two models of the same config cut to a few layers, random weights,
+decoding with transformers' `generate` as the methods do); after the run the rates are
+measured again,
 and `predict_latest` predicts from rates measured around the run. Each run gets a
 prediction of its own moment, and a method's figure is the median over rounds of
 predicted / measured (`results.prediction`)."""

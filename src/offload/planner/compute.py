@@ -113,11 +113,11 @@ STREAM_EVERY_LAYER = {  # vLLM's pattern: every layer offloaded, two slots
 
 class ForwardCopies:
     """The prefetch backend's copy rate as its copies run, between a forward's layers: a
-    model of `path`'s config cut to `count` layers, every one streamed, decoded by
-    `step_timer` (default: the engine's step); GB/s = the bytes its copy engine moved
-    over the time it spent copying. On this CPU such copies ran at 4.6 GB/s for tens of
-    seconds at a time, and at 19-24 otherwise, while a plain memory copy measured just
-    before and after read 14-22 throughout (docs/benchmarks.md)."""
+    model of `path`'s config cut to `count` layers, every one streamed, taking the
+    engine's decode step; GB/s = the bytes its copy engine moved over the time it spent
+    copying. On this CPU such copies ran at 4.6 GB/s for tens of seconds at a time, and
+    at 19-24 otherwise, while a plain memory copy measured just before and after read
+    14-22 throughout (docs/benchmarks.md)."""
 
     def __init__(
         self,
@@ -127,23 +127,21 @@ class ForwardCopies:
         context_len: int,
         count: int,
         trust_remote_code: bool = False,
-        step_timer: StepTimer | None = None,
     ):
         # Two layers per slot at least: a layer alone in its slot stays there, uncopied.
         count = max(count, 2 * STREAM_EVERY_LAYER["offload_prefetch_step"])
         self.model, self.offloader = _cut_model(
             path, count, shape.dtype, device, trust_remote_code, STREAM_EVERY_LAYER
         )
-        timer = step_timer or (
-            lambda model, batch: _engine_timer(model, shape.dtype, device, batch, context_len)
-        )
-        self._timer = timer
+        self.dtype, self.device, self.context_len = shape.dtype, device, context_len
         self._steps: dict[int, Callable[[], float]] = {}
 
     def gb_per_s(self, batch: int) -> float:
         """Decode at `batch` once and return the rate of the copies it made."""
         if batch not in self._steps:
-            self._steps[batch] = self._timer(self.model, batch)
+            self._steps[batch] = _engine_timer(
+                self.model, self.dtype, self.device, batch, self.context_len
+            )
         before = self.offloader.stats()
         with torch.inference_mode():
             self._steps[batch]()
