@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 
 import offload
-from offload.demo import load_pretrained
+from offload.cli.demo import load_pretrained
 from offload.memory.copy_engine import SyncCopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.offloader.layers import find_layers

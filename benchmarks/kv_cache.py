@@ -41,8 +41,8 @@ import common
 from decode import copy_bandwidth
 
 from offload.engine.kv_shape import kv_shape_of
-from offload.engine.llm import LLM
 from offload.engine.sampling import SamplingParams
+from offload.llm.llm import LLM
 
 PROMPT_TEXT = (
     "The history of computing is a story of memory: every machine has had less of the "

@@ -13,10 +13,9 @@ import zoo
 from hypothesis import given
 from hypothesis import strategies as st
 
-from offload import commands
-from offload.cli import build_parser, main
+from offload.cli import build_parser, commands, main
 from offload.engine.sampling import find_stop
-from offload.streaming import TextStream, settled
+from offload.llm.streaming import TextStream, settled
 
 
 def _subparsers(parser):

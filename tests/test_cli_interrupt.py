@@ -1,6 +1,7 @@
 """Ctrl-C in the `offload` command: one line and the shell's status for SIGINT."""
 
-from offload import cli, commands
+from offload import cli
+from offload.cli import commands
 
 
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):

@@ -30,7 +30,7 @@ from engines import SlowEngine
 from offload import SamplingParams
 from offload.api import finish, prepare
 from offload.engine import kv_cache
-from offload.engine.llm import LLM
+from offload.llm.llm import LLM
 from offload.memory import copy_engine, slots
 from offload.offloader import (
     compiled_calls,

@@ -18,22 +18,17 @@ SRC = Path(offload.__file__).parent
 LAYERS = (
     ("offload.errors", "offload.sizes"),
     ("offload.memory",),
-    ("offload.config", "offload.config_parts", "offload.config_flags"),
+    ("offload.config",),
     ("offload.offloader",),
     ("offload.api",),
     ("offload.model",),
-    # The planner decides what the engine runs (LLM's cpu_offload_gb="auto") and times
-    # the engine's decode step: one layer.
-    ("offload.engine", "offload.planner"),
-    (
-        "offload",
-        "offload.demo",
-        "offload.streaming",
-        "offload.commands",
-        "offload.defaults",
-        "offload.bench",
-    ),
+    ("offload.engine",),
+    ("offload.planner",),
+    ("offload.probes",),
+    ("offload.llm",),
+    ("offload.bench",),
     ("offload.cli",),
+    ("offload",),
 )
 
 
@@ -87,7 +82,58 @@ def test_no_module_imports_a_higher_layer(module):
 
 
 def test_the_check_sees_imports_inside_functions():
-    source = "def late():\n    from offload.engine.llm import LLM\n    from . import api\n"
-    assert upward_imports("offload.memory.host", source) == ["offload.engine.llm"]
-    assert upward_imports("offload.config", source) == ["offload.api", "offload.engine.llm"]
-    assert upward_imports("offload.cli", source) == []
+    source = "def late():\n    from offload.llm.llm import LLM\n    from .. import api\n"
+    assert upward_imports("offload.memory.host", source) == ["offload.api", "offload.llm.llm"]
+    assert upward_imports("offload.config.flags", source) == ["offload.api", "offload.llm.llm"]
+    assert upward_imports("offload.cli.main", source) == []
+
+
+def test_no_two_packages_share_a_layer():
+    shared = [layer for layer in LAYERS[1:] if len(layer) > 1]
+    assert shared == []
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for child in sorted(graph.get(node, ())):
+            if child not in index:
+                visit(child)
+                low[node] = min(low[node], low[child])
+            elif child in stack:
+                low[node] = min(low[node], index[child])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_circle():
+    """Not even through a package's `__init__` or an import inside a function."""
+    graph = {
+        module: imported_modules(module, path.read_text()) - {module}
+        for module, path in MODULES.items()
+    }
+    assert import_cycles(graph) == []
+
+
+def test_the_cycle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"]]

@@ -7,10 +7,10 @@ Configs, flags and the offloader API follow vLLM's (`OffloadConfig`, `UVAOffload
 
 from offload.api import apply
 from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
-from offload.engine.llm import LLM, CompletionOutput, RequestOutput
 from offload.engine.logprobs import Logprob
 from offload.engine.sampling_params import SamplingParams
 from offload.errors import ConfigError, ModelError, OffloadError
+from offload.llm import LLM, CompletionOutput, RequestOutput
 from offload.offloader import (
     BaseOffloader,
     NoopOffloader,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from offload import SamplingParams
-from offload.engine.llm import LLM
+from offload.llm.llm import LLM
 
 pytestmark = pytest.mark.cuda
 PROMPTS = ["t5 t6 t7 t8 t9 t10", "t100 t200", "t3 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13"]

@@ -9,8 +9,8 @@ from transformers import AutoConfig
 import offload
 from offload import ConfigError, ModelError, SamplingParams
 from offload.cli import main
-from offload.engine.fit import MemoryNeeds, kv_cache_bytes, smallest_offload_gb
-from offload.engine.llm import LLM
+from offload.llm.llm import LLM
+from offload.planner.fit import MemoryNeeds, kv_cache_bytes, smallest_offload_gb
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

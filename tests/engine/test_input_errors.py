@@ -63,8 +63,8 @@ def _one_line_naming(error: pytest.ExceptionInfo, needle: str) -> None:
 def test_bad_llm_arguments_are_refused_before_anything_loads(
     smollm2_path, monkeypatch, kwargs, needle
 ):
-    import offload.engine.llm as llm_module
-    import offload.engine.llm_args as llm_args_module
+    import offload.llm.args as llm_args_module
+    import offload.llm.llm as llm_module
 
     for module, step in (
         (llm_module, "build_empty"),

@@ -9,9 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload import ConfigError
-from offload.engine.fit import check_host_kv
 from offload.engine.kv_cache import KVOffloader
-from offload.engine.kv_shape import KVShape
+from offload.engine.kv_shape import KVShape, check_host_kv
 from offload.engine.transformers_cache import probe_kv_dims, static_cache
 
 CPU = torch.device("cpu")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload import ConfigError, ModelError, SamplingParams
-from offload.engine.llm import LLM
+from offload.llm.llm import LLM
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a land far away,", "1, 2, 3,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -145,7 +145,7 @@ def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(smollm2_pat
 
 
 def test_swap_space_beyond_ram_is_refused_before_loading(smollm2_path, monkeypatch):
-    import offload.engine.llm as llm_module
+    import offload.llm.llm as llm_module
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("read the model before refusing swap_space")
@@ -191,8 +191,8 @@ def test_the_load_shows_progress_in_bytes(smollm2_path, capsys):
 def test_swap_space_must_leave_room_for_the_offloaded_weights(smollm2_path, monkeypatch):
     """swap_space alone fits in RAM, but not with the 0.39 GiB of weights offloading puts
     there too: refused before loading (the RAM figure is pinned, so the test is stable)."""
-    import offload.engine.fit as fit_module
-    import offload.engine.llm as llm_module
+    import offload.llm.llm as llm_module
+    import offload.planner.fit as fit_module
 
     monkeypatch.setattr(fit_module, "available_ram_bytes", lambda: 2 * 2**30)
     monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
@@ -432,7 +432,7 @@ def test_chat_takes_vllms_template_arguments(resident):
 def test_a_model_without_tokenizer_is_refused_before_its_weights_load(
     smollm2_path, tmp_path, monkeypatch
 ):
-    import offload.engine.llm as llm_module
+    import offload.llm.llm as llm_module
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("loaded the weights before finding the tokenizer missing")

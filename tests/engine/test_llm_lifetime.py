@@ -11,7 +11,7 @@ import zoo
 
 import offload
 from offload import ConfigError, SamplingParams
-from offload.engine.llm import LLM
+from offload.llm.llm import LLM
 from offload.offloader.base import NoopOffloader
 
 FLAGS = {"offload_group_size": 1, "offload_prefetch_step": 2, "kv_offload": True}

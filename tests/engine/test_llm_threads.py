@@ -6,7 +6,7 @@ import pytest
 import zoo
 
 from offload import SamplingParams
-from offload.engine.llm import LLM
+from offload.llm.llm import LLM
 
 SETTINGS = {
     "prefetch+kv": {"offload_group_size": 1, "offload_prefetch_step": 2, "kv_offload": True},

@@ -8,8 +8,8 @@ import torch
 import zoo
 
 from offload import LLM, SamplingParams
-from offload.engine.vllm_args import IGNORED
 from offload.errors import ConfigError
+from offload.llm.vllm_args import IGNORED
 from offload.memory import device as devices
 
 

@@ -9,7 +9,7 @@ import torch
 import transformers as tf
 
 from offload.model.configs import resolve
-from offload.planner.measure import Measured, Measurements
+from offload.planner.measurements import Measured, Measurements
 from offload.planner.plan import Plan, make_plan
 from offload.planner.shape import shape_of
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from offload import LLM, SamplingParams
+from offload.cli.defaults import QUESTION
 from offload.config import OffloadConfig
-from offload.defaults import QUESTION
+from offload.llm.auto import _merged, planned_configs, wants_plan
 from offload.model.build import build_empty
-from offload.planner.auto import _merged, planned_configs, wants_plan
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8)
 CPU = torch.device("cpu")

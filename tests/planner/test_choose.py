@@ -110,7 +110,7 @@ def test_experts_read_in_place_where_a_batch_touches_few(recorded, moe_shape):
 
 
 def test_on_a_cpu_warm_checkpoint_pages_are_mapped(recorded, smollm2_shape, monkeypatch):
-    from offload import config_parts
+    from offload.config import parts as config_parts
 
     # The disk tier's "mmap" mode, where this version of the config has it or not.
     monkeypatch.setattr(config_parts, "DISK_IO", (*config_parts.DISK_IO, "mmap"))

@@ -4,7 +4,7 @@ import pytest
 
 from offload.cli import build_parser
 from offload.config import OffloadConfig
-from offload.config_flags import parse_flags
+from offload.config.flags import parse_flags
 from offload.planner.choose import Budgets, candidates
 from offload.planner.flags import (
     VLLM_DESTS,

@@ -8,8 +8,9 @@ import torch
 import zoo
 
 from offload.model.build import build_empty
-from offload.planner.measure import Measurements, MeasureSettings, measure
+from offload.planner.measurements import Measurements
 from offload.planner.shape import shape_of
+from offload.probes.measure import MeasureSettings, cache_key_of, measure
 
 TINY = MeasureSettings(
     copy_bytes=2**20, disk_bytes=2**20, probe_file_bytes=2**20, disk_passes=1, warmup=1, repeats=3
@@ -65,7 +66,7 @@ def test_without_checkpoint_files_the_disk_is_measured_on_a_file_of_its_own(tiny
     (bare / "config.json").write_text((path / "config.json").read_text())
     m = measure(bare, shape, CPU, [1], 16, settings=TINY).measurements
     assert m.disk_gb_per_s > 0 and m.disk_source.startswith("a 1 MiB file in ")
-    assert [p.name for p in (tmp_path / "cache" / "plans").iterdir()] == [f"{m.key}.json"]
+    assert [p.name for p in (tmp_path / "cache" / "plans").iterdir()] == [f"{cache_key_of(m)}.json"]
 
 
 def _figures(**changes) -> Measurements:
@@ -118,7 +119,7 @@ def test_compute_is_measured_for_each_architecture(arch, tmp_path, monkeypatch):
 
 def test_the_cut_models_stay_within_the_bytes_they_may_take(tmp_path):
     from offload.errors import ModelError
-    from offload.planner.compute import _extra_layers
+    from offload.probes.compute import _extra_layers
 
     path = zoo.save_with_tokenizer(zoo.build("llama", num_layers=12), tmp_path / "model")
     shape = shape_of(build_empty(path, "auto"), 16)
@@ -140,7 +141,7 @@ def test_on_a_gpu_the_probes_copy_within_the_device_budget():
 def test_the_compute_probe_times_more_steps_than_the_context_has(tiny):
     # Each step writes the last of 4 positions again: 3 timings of 1 + 3 pairs of steps each
     # are 24 steps of each cut model (transformers 5's static cache counts positions itself).
-    from offload.planner.compute import DecodeTimer
+    from offload.probes.compute import DecodeTimer
 
     path, shape = tiny
     timer = DecodeTimer(path, shape, CPU, 4)
@@ -153,7 +154,7 @@ def test_forward_copies_time_the_copies_a_streamed_forward_makes(tiny):
     # Every layer of the cut model is copied in at each step (asked for 3 layers, it has 4:
     # with 2 slots a third layer would sit alone in its slot, never copied again): the
     # bytes copied per step are its layers' bytes.
-    from offload.planner.compute import ForwardCopies
+    from offload.probes.compute import ForwardCopies
 
     path, shape = tiny
     copies = ForwardCopies(path, shape, CPU, 4, count=3)
@@ -169,7 +170,7 @@ def test_forward_copies_time_the_copies_a_streamed_forward_makes(tiny):
 
 
 def test_a_cpus_link_is_the_rate_of_copies_in_a_forward(tiny, monkeypatch):
-    from offload.planner import compute
+    from offload.probes import compute
 
     path, shape = tiny
     monkeypatch.setattr(compute.ForwardCopies, "gb_per_s", lambda self, batch: 123.0)

@@ -15,7 +15,7 @@ from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import Extent
 from offload.memory.disk_reader import CHUNK_BYTES
-from offload.planner import probes
+from offload.probes import bandwidth as probes
 
 COPY_BYTES = 256 * 2**20  # large enough to leave the CPU caches far behind
 READ_BYTES = 2**30  # at most this much of the checkpoint is read per way of reading

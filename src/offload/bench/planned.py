@@ -28,9 +28,9 @@ class Planned(Ours):
         return device_need(shape, shape.weight_bytes - half, kv) / utilization / GIB
 
     def load(self) -> None:
+        from offload.llm.auto import plan_for
         from offload.model.build import build_empty
         from offload.model.loader import load_model
-        from offload.planner import plan_for
         from offload.planner.shape import shape_of
 
         work, prepared = self.prepared.workload, self.prepared

@@ -23,12 +23,13 @@ from offload.bench.decode import greedy_decode
 from offload.bench.limits import TIER_WAY, Limits
 from offload.bench.workload import Prepared
 from offload.model.build import build_empty
-from offload.planner import probes
 from offload.planner.choose import Budgets, evaluate
-from offload.planner.compute import DecodeTimer, ForwardCopies, StepTimer
 from offload.planner.layouts import Layout
-from offload.planner.measure import Measurements, checkpoint_reads, machine_name, software
+from offload.planner.measurements import Measurements
 from offload.planner.shape import ModelShape, shape_of
+from offload.probes import bandwidth as probes
+from offload.probes.compute import DecodeTimer, ForwardCopies, StepTimer
+from offload.probes.measure import checkpoint_reads, machine_name, software
 
 UNLIMITED = Budgets(2**62, 2**62, 2**62)  # every layout fits: bench chose them by hand
 _UVA_PROBE_BYTES = 256 * 2**20

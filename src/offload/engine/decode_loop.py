@@ -9,10 +9,9 @@ from typing import Any
 
 import torch
 
-from offload.engine.fit import check_host_kv
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
-from offload.engine.kv_shape import kv_shape_of
+from offload.engine.kv_shape import check_host_kv, kv_shape_of
 from offload.engine.sampling import TokenCounts, bad_words_token_ids, make_generator
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import (

@@ -1,12 +1,16 @@
 """The shape of a cache layer's keys and values, derived in one place from a model
-config (or from what `probe_kv_dims` saw): sizing (`fit.py`) and the host KV cache
-(`kv_cache.py`) both read it."""
+config (or from what `probe_kv_dims` saw): sizing (`planner/fit.py`) and the host KV cache
+(`kv_cache.py`) both read it; and whether the host has room for such a cache."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from offload.errors import ConfigError
+from offload.memory.host import available_ram_bytes
+from offload.sizes import GIB as _GIB
 
 
 @dataclass(frozen=True)
@@ -64,3 +68,23 @@ def kv_shape_of(
     measures them) or else from the config's usual fields."""
     heads, k_head_dim, v_head_dim = dims if dims is not None else config_kv_dims(hf_config)
     return KVShape(batch, heads, max_cache_len, k_head_dim, v_head_dim, dtype)
+
+
+def check_host_kv(
+    shape: KVShape, num_layers: int, swap_space_bytes: int, held_bytes: int = 0
+) -> None:
+    """Refuse, before allocating, a host KV cache larger than `swap_space` (when set) or
+    than the RAM available (counting the `held_bytes` a `KVHostPool` would give back)."""
+    need = shape.layer_bytes * num_layers
+    limit = swap_space_bytes or available_ram_bytes() + held_bytes
+    if need > limit:
+        what = "swap_space" if swap_space_bytes else "the RAM available"
+        raise ConfigError(
+            f"the KV cache for {shape.batch} sequence(s) of {shape.max_cache_len} positions "
+            f"needs {_size(need)} of host memory, more than {what} ({_size(limit)}); "
+            "lower max_tokens, max_model_len or the batch, or raise swap_space"
+        )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"

@@ -101,6 +101,14 @@ def meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def available_ram_bytes() -> int:
+    """Host memory that can be had now without swapping (the kernel's MemAvailable)."""
+    available = meminfo_bytes("MemAvailable")
+    if available is not None:
+        return available
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def pack_offsets(sizes: Sequence[int], align: int = ALIGN_BYTES) -> tuple[list[int], int]:
     """Byte offsets of `sizes` packed one after another at multiples of `align`, and
     the total size (the end of the last tensor: no padding after it)."""

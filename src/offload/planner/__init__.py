@@ -1,16 +1,18 @@
-"""The planner (`offload plan`): measure this machine once per model shape (the link's and
-the disk's bandwidths, a decoder layer's compute at each batch size), predict the decode
-step of every placement with a cost model of the prefetch pipeline, and choose the one,
-and the batch size, with the most tokens per second under the device and host budgets.
+"""The planner (pure decision): from a model's shape, this machine's `Measurements` (made
+by `offload.probes`) and the budgets, predict the decode step of every placement with a
+cost model of the prefetch pipeline, and choose the one, and the batch size, with the most
+tokens per second.
 
-- `measure.py`: the measurements and their cache; `probes.py`, `compute.py`: how;
-- `cost.py`: the cost model (pure functions); `shape.py`: a model's sizes;
-- `layouts.py`, `choose.py`: the placements weighed and the choice; `plan.py`: the plan
-  and `plan_for`, the entry point; `flags.py`: the plan as flags, and its warnings;
-- `command.py`: what `offload plan` prints.
+- `shape.py`: a model's sizes; `fit.py`: whether it fits a device budget;
+- `measurements.py`: what the planner is given about a machine; `cost.py`: the cost model
+  (pure functions);
+- `layouts.py`, `choose.py`: the placements weighed and the choice; `plan.py`: the plan;
+  `flags.py`: the plan as flags, and its warnings.
+
+`offload.llm.auto.plan_for` measures and plans for a model named as `LLM` takes it.
 """
 
-from offload.planner.measure import Measurements, MeasureSettings
-from offload.planner.plan import Plan, plan_for
+from offload.planner.measurements import Measured, Measurements
+from offload.planner.plan import Plan, make_plan
 
-__all__ = ["MeasureSettings", "Measurements", "Plan", "plan_for"]
+__all__ = ["Measured", "Measurements", "Plan", "make_plan"]

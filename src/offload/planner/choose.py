@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload.config import DISK_IO
-from offload.engine.fit import MemoryNeeds
 from offload.engine.kv_cache import KV_SLOTS
 from offload.errors import ModelError
 from offload.planner import layouts
 from offload.planner.cost import LayerCost, StepTime, predict_step, touched_share
+from offload.planner.fit import MemoryNeeds
 from offload.planner.layouts import Layout
-from offload.planner.measure import Measurements
+from offload.planner.measurements import Measurements
 from offload.planner.shape import ModelShape
 from offload.sizes import format_bytes
 
@@ -184,6 +184,6 @@ def _kv_on_device(shape: ModelShape, batch: int, context_len: int, kv_offload: b
 
 def device_need(shape: ModelShape, weight_bytes: int, kv_bytes: int) -> int:
     """Device bytes for these weights and KV cache, with activations and the margin as
-    the engine counts them (`engine/fit.py`)."""
+    the engine counts them (`planner/fit.py`)."""
     needs = MemoryNeeds(weight_bytes, 0, 0, kv_bytes, shape.activation_bytes)
     return needs.total

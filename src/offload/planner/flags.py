@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from offload.config import OffloadConfig
-from offload.config_flags import FLAG_DESTS, FLAG_NAMES
+from offload.config.flags import FLAG_DESTS, FLAG_NAMES
 from offload.planner.choose import candidates
 from offload.planner.plan import Plan
 
-# vLLM's own offload flags (the others in config_flags.py are ours).
+# vLLM's own offload flags (the others in config/flags.py are ours).
 VLLM_DESTS = (
     "offload_backend",
     "cpu_offload_gb",

@@ -1,25 +1,20 @@
 """A plan: the chosen candidate, the best alternatives of other kinds, and the reasons,
-from a model's shape, the measurements and the budgets. `plan_for` does it all for a
-model named as `LLM` takes it."""
+from a model's shape, the measurements and the budgets (`offload.llm.auto.plan_for`
+measures, then makes one for a model named as `LLM` takes it)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from offload.config import DISK_IO, OffloadConfig
-from offload.engine.fit import available_ram_bytes, device_budget
 from offload.errors import ConfigError
-from offload.memory.device import check_device
-from offload.model.build import build_empty
-from offload.model.configs import resolve
-from offload.model.sources import resolve_model
 from offload.planner.choose import Budgets, Candidate, candidates, nothing_fits
-from offload.planner.measure import Measured, MeasureSettings, measure
-from offload.planner.shape import ModelShape, shape_of
+from offload.planner.fit import available_ram_bytes, device_budget
+from offload.planner.measurements import Measured
+from offload.planner.shape import ModelShape
 from offload.sizes import GIB, format_bytes
 
 DEFAULT_CONTEXT_LEN = 1024
@@ -134,70 +129,6 @@ def _reasons(
             else f"batch {chosen.batch_size}: no larger batch fits the budgets (KV cache)"
         )
     return lines
-
-
-def plan_for(
-    model: str | Path | None = None,
-    device: str | torch.device = "auto",
-    *,
-    dtype: str = "auto",
-    context_len: int | None = None,
-    batch_size: int | None = None,
-    max_batch: int = DEFAULT_MAX_BATCH,
-    cpu_memory_gb: float | None = None,
-    device_memory_gb: float | None = None,
-    gpu_memory_utilization: float = 0.9,
-    remeasure: bool = False,
-    trust_remote_code: bool = False,
-    settings: MeasureSettings = MeasureSettings(),  # noqa: B008 - frozen, never mutated
-) -> Plan:
-    """Plan how to run `model` (a folder, a Hugging Face id, a shipped shape such as
-    "llama-3-8b", or None: the default model) on `device`: measure this machine (once,
-    cached; `remeasure` measures again), then choose the placement and batch size with
-    the most tokens per second under the device budget (`gpu_memory_utilization` of the
-    device, or `device_memory_gb`) and the host budget (`cpu_memory_gb`, default the RAM
-    available). Batch sizes: `batch_size`, or powers of two up to `max_batch`.
-
-    `LLM` keeps resolving `cpu_offload_gb="auto"` as before (`engine/fit.py`, the smallest
-    UVA amount that fits); to run a plan instead, pass it on from a layer above the engine:
-    `LLM(model, offload_config=plan.config, kv_offload=plan.kv_offload,
-    max_model_len=plan.context_len)` and up to `plan.batch_size` prompts a call."""
-    device = check_device(device)
-    path = resolve_model(resolve(model) if model is not None else None)
-    empty = build_empty(path, dtype, trust_remote_code)
-    limit = getattr(empty.config, "max_position_embeddings", None) or DEFAULT_CONTEXT_LEN
-    context_len = _checked_context(context_len, limit)
-    batch_sizes = batch_sizes_for(batch_size, max_batch)
-    shape = shape_of(empty, context_len)
-    # Every input is checked before anything is measured: a bad flag costs nothing.
-    budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, cpu_memory_gb)
-    if settings.max_device_bytes is None:  # the probes stay within the device budget
-        settings = dataclasses.replace(settings, max_device_bytes=budgets.device_bytes)
-    measured = measure(
-        path,
-        shape,
-        device,
-        batch_sizes,
-        context_len,
-        remeasure=remeasure,
-        settings=settings,
-        trust_remote_code=trust_remote_code,
-    )
-    return make_plan(shape, measured, budgets, batch_sizes, path)
-
-
-def _checked_context(context_len: int | None, limit: int) -> int:
-    if context_len is None:
-        return min(DEFAULT_CONTEXT_LEN, limit)
-    if (
-        isinstance(context_len, bool)
-        or not isinstance(context_len, int)
-        or not 0 < context_len <= limit
-    ):
-        raise ConfigError(
-            f"context_len must be in [1, {limit}] for this model, got {context_len!r}"
-        )
-    return context_len
 
 
 def batch_sizes_for(batch_size: int | None, max_batch: int) -> list[int]:

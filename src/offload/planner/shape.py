@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offload.engine.fit import activation_bytes, kv_cache_bytes
 from offload.offloader.layers import find_layer_stacks, find_layers
 from offload.offloader.selection import matches_segments
+from offload.planner.fit import activation_bytes, kv_cache_bytes
 from offload.sizes import parameter_bytes
 
 EXPERTS = "experts"  # the name segment of a mixture-of-experts layer's expert weights

@@ -8,8 +8,8 @@ import time
 from collections.abc import Sequence
 from importlib import metadata
 
+from offload.cli.defaults import QUESTION
 from offload.config import OffloadConfig, add_cli_args
-from offload.defaults import QUESTION
 from offload.errors import OffloadError
 
 
@@ -272,14 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
-        from offload import commands as run
+        from offload.cli import commands as run
 
         if args.command == "generate":
             run.generate(args)
         elif args.command == "bench":
             run.bench(args)
         elif args.command == "plan":
-            from offload.planner.command import run_plan
+            from offload.cli.plan import run_plan
 
             print(run_plan(args))
         else:
@@ -296,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from offload.demo import run_demo
+    from offload.cli.demo import run_demo
 
     if args.max_tokens < 1:
         raise OffloadError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -311,5 +311,5 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m offload.cli
+if __name__ == "__main__":  # python -m offload.cli.main
     sys.exit(main())

@@ -5,7 +5,6 @@ host memory that `swap_space` and the KV cache in host memory may take."""
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
@@ -16,9 +15,9 @@ from torch import nn
 from offload.api import plan
 from offload.config import OffloadConfig
 from offload.engine.kv_cache import KV_SLOTS
-from offload.engine.kv_shape import KVShape, kv_shape_of
+from offload.engine.kv_shape import kv_shape_of
 from offload.errors import ConfigError, ModelError
-from offload.memory.host import meminfo_bytes
+from offload.memory.host import available_ram_bytes, meminfo_bytes
 from offload.offloader.layers import find_layer_stacks
 
 _GIB = 1024**3
@@ -155,9 +154,9 @@ def plan_fit(
     empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device, kv_offload: bool
 ) -> tuple[OffloadConfig, int]:
     """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits; the
-    config and the bytes it moves to host memory. ('auto' is the smallest UVA amount that
-    fits: what `LLM` uses. `offload.planner.plan_for`, above the engine, chooses backend,
-    layout and batch size from measurements; its `plan.config` can be passed to `LLM`.)"""
+    config and the bytes it moves to host memory. ('auto' here is the smallest UVA amount
+    that fits; where only budgets are given, `LLM` first tries the planner's ranked configs,
+    see `plan_memory` and `offload.llm.auto`.)"""
     if config.uva.cpu_offload_gb == "auto":
         smallest = smallest_offload_gb(needs, budget)
         if smallest is None:
@@ -171,12 +170,13 @@ def plan_fit(
 
 
 class MemoryPlan(NamedTuple):
-    """What `plan_memory` settled: the context length, the device bytes it needs and
-    the config (cpu_offload_gb='auto' resolved)."""
+    """What `plan_memory` settled: the context length, the device bytes it needs, the
+    config (cpu_offload_gb='auto' resolved) and whether a planner ranked configs for it."""
 
     max_model_len: int
     needs: MemoryNeeds
     config: OffloadConfig
+    planned: bool
 
 
 def plan_memory(
@@ -211,7 +211,7 @@ def plan_memory(
     ranked = planned(max_model_len) if planned is not None else []
     config, offloaded = first_fit(empty, [*ranked, config], needs, budget_bytes, device, kv_offload)
     check_host_room(swap_space_bytes, offloaded)
-    return MemoryPlan(max_model_len, needs, config)
+    return MemoryPlan(max_model_len, needs, config, bool(ranked))
 
 
 def first_fit(
@@ -226,14 +226,6 @@ def first_fit(
         except ModelError:  # the engine counts memory to the byte: the planner's next
             continue
     return plan_fit(empty, configs[-1], needs, budget, device, kv_offload)
-
-
-def available_ram_bytes() -> int:
-    """Host memory that can be had now without swapping (the kernel's MemAvailable)."""
-    available = meminfo_bytes("MemAvailable")
-    if available is not None:
-        return available
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def check_swap_space(swap_space: float) -> int:
@@ -260,23 +252,3 @@ def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
             f"{offloaded_weight_bytes / _GIB:.2f} GiB of offloaded weights is more than the "
             f"{available / _GIB:.2f} GiB of RAM available now; lower swap_space or offload less"
         )
-
-
-def check_host_kv(
-    shape: KVShape, num_layers: int, swap_space_bytes: int, held_bytes: int = 0
-) -> None:
-    """Refuse, before allocating, a host KV cache larger than `swap_space` (when set) or
-    than the RAM available (counting the `held_bytes` a `KVHostPool` would give back)."""
-    need = shape.layer_bytes * num_layers
-    limit = swap_space_bytes or available_ram_bytes() + held_bytes
-    if need > limit:
-        what = "swap_space" if swap_space_bytes else "the RAM available"
-        raise ConfigError(
-            f"the KV cache for {shape.batch} sequence(s) of {shape.max_cache_len} positions "
-            f"needs {_size(need)} of host memory, more than {what} ({_size(limit)}); "
-            "lower max_tokens, max_model_len or the batch, or raise swap_space"
-        )
-
-
-def _size(num_bytes: int) -> str:
-    return f"{num_bytes / _GIB:.2f} GiB" if num_bytes >= _GIB else f"{num_bytes / 2**20:.1f} MiB"

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 from offload.api import apply
+from offload.cli.defaults import whole_stack_config
 from offload.config import OffloadConfig
-from offload.defaults import whole_stack_config
 from offload.errors import OffloadError
 from offload.model.build import build_empty
 from offload.model.default import default_model_path

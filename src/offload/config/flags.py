@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from offload.config_parts import BACKENDS, DISK_IO, PREFETCH_UNITS
+from offload.config.parts import BACKENDS, DISK_IO, PREFETCH_UNITS
 from offload.errors import ConfigError
 
 

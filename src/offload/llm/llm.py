@@ -15,7 +15,16 @@ from typing import Any
 import torch
 
 from offload.config import OffloadConfig
-from offload.engine.checks import (
+from offload.engine.decode_loop import DecodeLoop
+from offload.engine.kv_cache import KVHostPool
+from offload.engine.sampling_params import SamplingParams
+from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState
+from offload.engine.tokens import TokenSteps
+from offload.engine.transfer_stats import TransferStats
+from offload.errors import ConfigError
+from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of, whole
+from offload.llm.auto import planner_for
+from offload.llm.checks import (
     check_chat_args,
     check_llm_args,
     check_token_ids,
@@ -25,22 +34,13 @@ from offload.engine.checks import (
     render_chat,
     vocab_limit,
 )
-from offload.engine.decode_loop import DecodeLoop
-from offload.engine.fit import check_swap_space, plan_memory
-from offload.engine.kv_cache import KVHostPool
-from offload.engine.llm_args import check_attention_model, offload_config_of, tokenizer_of, whole
-from offload.engine.sampling_params import SamplingParams
-from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState
-from offload.engine.tokens import TokenSteps
-from offload.engine.transfer_stats import TransferStats
-from offload.errors import ConfigError
 from offload.memory.device import check_device
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
 from offload.model.loader import load_model
 from offload.model.sources import resolve_model
 from offload.model.tokenizer import eos_token_ids
-from offload.planner.auto import planned_configs, wants_plan
+from offload.planner.fit import check_swap_space, plan_memory
 
 
 def _serialized(method: Callable) -> Callable:
@@ -155,9 +155,18 @@ class LLM(DecodeLoop):
             max_num_batched_tokens=self.max_num_batched_tokens,
             kv_offload=self.kv_offload,
             swap_space_bytes=self.swap_space_bytes,
-            planned=self._planner(path, empty, config, device_memory_gb, gpu_memory_utilization),
+            planned=planner_for(
+                path,
+                empty,
+                config,
+                self.device,
+                gpu_memory_utilization=gpu_memory_utilization,
+                device_memory_gb=device_memory_gb,
+                kv_offload=self.kv_offload,
+                trust_remote_code=self.trust_remote_code,
+            ),
         )
-        self.max_model_len, self.memory_needs, config = plan
+        self.max_model_len, self.memory_needs, config = plan.max_model_len, plan.needs, plan.config
         self.offload_config = config  # what runs: "auto" resolved, the planner's choice
         self._load(
             path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
@@ -168,25 +177,6 @@ class LLM(DecodeLoop):
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
         self.seed = seed
         torch.manual_seed(seed)
-
-    def _planner(
-        self, path: Path, empty, config: OffloadConfig, device_memory_gb, gpu_memory_utilization
-    ) -> Callable[[int], list[OffloadConfig]] | None:
-        """With a budget only (cpu_offload_gb="auto", offload_backend="auto", no prefetch
-        layout), the planner's configs for a context length, fastest first."""
-        if not wants_plan(config):
-            return None
-        return lambda context_len: planned_configs(
-            path,
-            empty,
-            config,
-            self.device,
-            context_len=context_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            device_memory_gb=device_memory_gb,
-            kv_offload=self.kv_offload,
-            trust_remote_code=self.trust_remote_code,
-        )
 
     def _check_limits(
         self,

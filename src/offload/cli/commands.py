@@ -1,5 +1,5 @@
 """What `offload generate`, `offload inspect` and `offload bench` do (the parsing is in
-`cli.py`)."""
+`main.py`)."""
 
 from __future__ import annotations
 
@@ -12,22 +12,22 @@ from typing import TextIO
 import torch
 
 from offload.api import plan
+from offload.cli.defaults import QUESTION, whole_stack_config
 from offload.config import OffloadConfig
-from offload.defaults import QUESTION, whole_stack_config
-from offload.engine.fit import device_budget, first_fit, kv_cache_bytes, measure
-from offload.engine.llm import LLM
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ModelError
+from offload.llm.auto import planner_for
+from offload.llm.llm import LLM
+from offload.llm.streaming import TextStream
 from offload.memory.device import check_device
 from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.default import default_model_path
 from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layer_stacks
-from offload.planner.auto import planned_configs, wants_plan
+from offload.planner.fit import device_budget, kv_cache_bytes, plan_memory
 from offload.sizes import format_bytes, parameter_bytes
-from offload.streaming import TextStream
 
 # The `generate` flags that are SamplingParams fields of the same name.
 _SAMPLING_FLAGS = (
@@ -226,31 +226,42 @@ def _what_fits(
     and the config with cpu_offload_gb='auto' resolved (by the planner, as `LLM` does)."""
     limit = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048
     budget = device_budget(device, args.gpu_memory_utilization, args.device_memory_gb)
-    needs = measure(model, limit)
     where = f"{device} budget {format_bytes(budget)} (max_model_len {limit})"
-    ranked = []
-    if wants_plan(config):
-        ranked = planned_configs(
-            path,
+    planned = planner_for(
+        path,
+        model,
+        config,
+        device,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_memory_gb=args.device_memory_gb,
+        kv_offload=False,
+        trust_remote_code=args.trust_remote_code,
+    )
+    try:
+        memory = plan_memory(
             model,
             config,
             device,
-            context_len=limit,
+            max_model_len=args.max_model_len,
             gpu_memory_utilization=args.gpu_memory_utilization,
             device_memory_gb=args.device_memory_gb,
+            max_num_batched_tokens=None,
             kv_offload=False,
-            trust_remote_code=args.trust_remote_code,
+            swap_space_bytes=0,
+            planned=planned,
         )
-    try:
-        resolved, _ = first_fit(model, [*ranked, config], needs, budget, device, kv_offload=False)
     except ModelError as error:
         if config.uva.cpu_offload_gb == "auto":
             raise
         return f"does not fit the {where}: {error}", config
+    resolved = memory.config
     if resolved.selected_backend == "none":
-        return f"fits the {where} without offloading: {format_bytes(needs.total)} needed", resolved
+        return (
+            f"fits the {where} without offloading: {format_bytes(memory.needs.total)} needed",
+            resolved,
+        )
     chosen = ""
-    if ranked:
+    if memory.planned:
         chosen = " (the planner's choice)"
     elif config != resolved:
         chosen = f" (cpu_offload_gb={resolved.uva.cpu_offload_gb:g})"

@@ -1,4 +1,4 @@
-"""What `offload plan` does (the parsing is in `cli.py`): plan, then write the plan, its
+"""What `offload plan` does (the parsing is in `main.py`): plan, then write the plan, its
 flags, the prediction, the warnings and the best alternatives."""
 
 from __future__ import annotations
@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import shlex
 
+from offload.llm.auto import plan_for
 from offload.planner.choose import Candidate
 from offload.planner.flags import offload_flags, vllm_flags, warnings_for
-from offload.planner.plan import Plan, plan_for
+from offload.planner.plan import Plan
 from offload.sizes import format_bytes
 
 

@@ -12,8 +12,8 @@ from typing import Any
 from torch import nn
 
 from offload.config import OFFLOAD_KEYS, OffloadConfig
-from offload.engine.vllm_args import IGNORED, check_ignored
 from offload.errors import ConfigError, ModelError
+from offload.llm.vllm_args import IGNORED, check_ignored
 from offload.model.tokenizer import NoTokenizer, load_tokenizer
 from offload.offloader.factory import as_config
 

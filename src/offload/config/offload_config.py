@@ -7,8 +7,8 @@ Fields beyond vLLM's, all vLLM's behaviour by default on a GPU: `disable_uva` an
 honoured here too; see `offload.memory.host`), `prefetch_unit`, and the `disk` part (a disk
 tier, off unless `cpu_memory_gb` is set); `to_dict(vllm_only=True)` leaves them out.
 
-The parts and their field checks are in `config_parts.py`, the flags in `config_flags.py`;
-this module exports all of them.
+The parts and their field checks are in `parts.py`, the flags in `flags.py`; the package
+exports all of them.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from offload.config_flags import add_cli_args, flag_values, parse_flags
-from offload.config_parts import (
+from offload.config.flags import add_cli_args, flag_values, parse_flags
+from offload.config.parts import (
     BACKENDS,
     DISK_IO,
     PREFETCH_UNITS,

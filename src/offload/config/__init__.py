@@ -1,0 +1,29 @@
+"""Offload configuration with vLLM's field names, defaults, validation and flags:
+`OffloadConfig` (`offload_config.py`), its parts and their field checks (`parts.py`), and
+the command-line flags (`flags.py`)."""
+
+from offload.config.offload_config import (
+    BACKENDS,
+    DISK_IO,
+    OFFLOAD_KEYS,
+    PREFETCH_UNITS,
+    DiskOffloadConfig,
+    OffloadBackend,
+    OffloadConfig,
+    PrefetchOffloadConfig,
+    UVAOffloadConfig,
+    add_cli_args,
+)
+
+__all__ = [
+    "BACKENDS",
+    "DISK_IO",
+    "OFFLOAD_KEYS",
+    "PREFETCH_UNITS",
+    "DiskOffloadConfig",
+    "OffloadBackend",
+    "OffloadConfig",
+    "PrefetchOffloadConfig",
+    "UVAOffloadConfig",
+    "add_cli_args",
+]

@@ -1,0 +1,194 @@
+"""Measure, then decide: what `LLM` (and `offload inspect`) run when the offloading is left
+to them, `cpu_offload_gb="auto"` with `offload_backend="auto"` and no prefetch layout, so
+that only memory budgets are given (the device's, and `cpu_memory_gb` for host memory):
+the planner ranks the placements for one sequence at the engine's context length, from
+this machine's measurements (`offload.probes`, cached), and the first that the memory check
+(`planner.fit.plan_memory`) passes runs. `plan_for` is `offload plan`'s entry point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from offload.config import DISK_IO, OffloadConfig
+from offload.errors import ConfigError
+from offload.memory.device import check_device
+from offload.model.build import build_empty
+from offload.model.configs import resolve
+from offload.model.sources import resolve_model
+from offload.planner.choose import candidates
+from offload.planner.plan import (
+    DEFAULT_CONTEXT_LEN,
+    DEFAULT_MAX_BATCH,
+    Plan,
+    batch_sizes_for,
+    budgets_for,
+    make_plan,
+)
+from offload.planner.shape import shape_of
+from offload.probes.measure import MeasureSettings, measure
+
+
+def wants_plan(config: OffloadConfig) -> bool:
+    """Whether `config` leaves backend and layout to the planner (a budget only)."""
+    return (
+        config.uva.cpu_offload_gb == "auto"
+        and config.offload_backend == "auto"
+        and config.prefetch.offload_group_size == 0
+    )
+
+
+def planner_for(
+    path: Path,
+    empty: nn.Module,
+    config: OffloadConfig,
+    device: torch.device,
+    *,
+    gpu_memory_utilization: float,
+    device_memory_gb: float | None,
+    kv_offload: bool,
+    trust_remote_code: bool = False,
+) -> Callable[[int], list[OffloadConfig]] | None:
+    """With a budget only (see `wants_plan`), the planner's configs for a context length,
+    fastest first: what `plan_memory` tries before `config`; None otherwise."""
+    if not wants_plan(config):
+        return None
+    return lambda context_len: planned_configs(
+        path,
+        empty,
+        config,
+        device,
+        context_len=context_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        device_memory_gb=device_memory_gb,
+        kv_offload=kv_offload,
+        trust_remote_code=trust_remote_code,
+    )
+
+
+def planned_configs(
+    path: Path,
+    empty: nn.Module,
+    config: OffloadConfig,
+    device: torch.device,
+    *,
+    context_len: int,
+    gpu_memory_utilization: float,
+    device_memory_gb: float | None,
+    kv_offload: bool,
+    trust_remote_code: bool = False,
+) -> list[OffloadConfig]:
+    """`config` with each placement the planner finds for `empty` (built on the meta device
+    from `path`) at batch 1 and `context_len`, fastest first; the KV cache where
+    `kv_offload` puts it. A UVA placement asks the engine for its smallest amount
+    ("auto"): the engine counts memory to the byte."""
+    shape = shape_of(empty, context_len)
+    host_gb = config.disk.cpu_memory_gb if config.disk.is_active else None
+    budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, host_gb)
+    # The probes stay within the device budget (a capped process must not run out).
+    settings = MeasureSettings(max_device_bytes=budgets.device_bytes)
+    measured = measure(
+        path,
+        shape,
+        device,
+        [1],
+        context_len,
+        settings=settings,
+        trust_remote_code=trust_remote_code,
+    )
+    modes = DISK_IO if config.disk.disk_io == "auto" else (config.disk.disk_io,)
+    found = candidates(shape, measured.measurements, budgets, [1], modes, kv_given=kv_offload)
+    merged: list[OffloadConfig] = []
+    for candidate in found:  # the first of equal configs only
+        planned = _merged(config, candidate.layout.config)
+        if planned not in merged:
+            merged.append(planned)
+    return merged
+
+
+def _merged(user: OffloadConfig, planned: OffloadConfig) -> OffloadConfig:
+    """The planned placement with the user's other settings (pinning, prefetch unit, disk
+    folder, threads and way of reading)."""
+    backend = planned.selected_backend
+    uva = planned.uva
+    if backend == "uva" and not uva.cpu_offload_params:
+        uva = replace(uva, cpu_offload_gb="auto")
+    # The host budget (the user's cpu_memory_gb) is met by the plan: the disk tier is on
+    # only where the plan puts layers on disk.
+    disk = replace(user.disk, cpu_memory_gb=planned.disk.cpu_memory_gb)
+    return replace(
+        user,
+        offload_backend="auto" if backend == "none" else backend,
+        uva=uva,
+        prefetch=planned.prefetch,
+        disk=disk,
+    )
+
+
+def plan_for(
+    model: str | Path | None = None,
+    device: str | torch.device = "auto",
+    *,
+    dtype: str = "auto",
+    context_len: int | None = None,
+    batch_size: int | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    cpu_memory_gb: float | None = None,
+    device_memory_gb: float | None = None,
+    gpu_memory_utilization: float = 0.9,
+    remeasure: bool = False,
+    trust_remote_code: bool = False,
+    settings: MeasureSettings = MeasureSettings(),  # noqa: B008 - frozen, never mutated
+) -> Plan:
+    """Plan how to run `model` (a folder, a Hugging Face id, a shipped shape such as
+    "llama-3-8b", or None: the default model) on `device`: measure this machine (once,
+    cached; `remeasure` measures again), then choose the placement and batch size with
+    the most tokens per second under the device budget (`gpu_memory_utilization` of the
+    device, or `device_memory_gb`) and the host budget (`cpu_memory_gb`, default the RAM
+    available). Batch sizes: `batch_size`, or powers of two up to `max_batch`.
+
+    To run a plan: `LLM(model, offload_config=plan.config, kv_offload=plan.kv_offload,
+    max_model_len=plan.context_len)` and up to `plan.batch_size` prompts a call (an `LLM`
+    given only budgets plans for batch 1 itself, see `planner_for`)."""
+    device = check_device(device)
+    path = resolve_model(resolve(model) if model is not None else None)
+    empty = build_empty(path, dtype, trust_remote_code)
+    limit = getattr(empty.config, "max_position_embeddings", None) or DEFAULT_CONTEXT_LEN
+    context_len = _checked_context(context_len, limit)
+    batch_sizes = batch_sizes_for(batch_size, max_batch)
+    shape = shape_of(empty, context_len)
+    # Every input is checked before anything is measured: a bad flag costs nothing.
+    budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, cpu_memory_gb)
+    if settings.max_device_bytes is None:  # the probes stay within the device budget
+        settings = dataclasses.replace(settings, max_device_bytes=budgets.device_bytes)
+    measured = measure(
+        path,
+        shape,
+        device,
+        batch_sizes,
+        context_len,
+        remeasure=remeasure,
+        settings=settings,
+        trust_remote_code=trust_remote_code,
+    )
+    return make_plan(shape, measured, budgets, batch_sizes, path)
+
+
+def _checked_context(context_len: int | None, limit: int) -> int:
+    if context_len is None:
+        return min(DEFAULT_CONTEXT_LEN, limit)
+    if (
+        isinstance(context_len, bool)
+        or not isinstance(context_len, int)
+        or not 0 < context_len <= limit
+    ):
+        raise ConfigError(
+            f"context_len must be in [1, {limit}] for this model, got {context_len!r}"
+        )
+    return context_len
