@@ -10,17 +10,12 @@ from pathlib import Path
 import torch
 
 from offload.bench.checkpoint import write_random_checkpoint
-from offload.bench.host_io import (
-    cached_file_bytes,
-    cached_read_gb_per_s,
-    direct_read_gb_per_s,
-    meminfo_bytes,
-    process_memory_bytes,
-    reset_peak_rss,
-)
-from offload.bench.machine import machine, median_seconds, save_json, synchronize
+from offload.bench.machine import median_seconds, save_json, synchronize
+from offload.memory.host import meminfo_bytes
 from offload.memory.page_cache import drop_cached as drop_file_cache
 from offload.memory.page_cache import read_cached as warm_file_cache
+from offload.probes.disk import cached_file_bytes, cached_read_gb_per_s, disk_gb_per_s
+from offload.probes.host import machine, process_memory_bytes, reset_peak_rss
 
 __all__ = [
     "RESULTS",
@@ -48,4 +43,11 @@ def save(name: str, device: torch.device, payload: dict[str, object]) -> Path:
 
 def meminfo_cached_bytes() -> int:
     """The machine's page cache (`Cached` in /proc/meminfo), in bytes."""
-    return meminfo_bytes("Cached")
+    return meminfo_bytes("Cached") or 0
+
+
+def direct_read_gb_per_s(files: list[Path], chunk_bytes: int, num_threads: int) -> float:
+    """The files read once, in order, around the page cache (`O_DIRECT`) by the disk tier's
+    reader on `num_threads` threads in `chunk_bytes` requests; GB/s (1e9 bytes)."""
+    total = sum(path.stat().st_size for path in files)
+    return disk_gb_per_s(files, total, num_threads, chunk_bytes=chunk_bytes)

@@ -7,12 +7,12 @@ import statistics
 import pytest
 
 from offload.bench import Workload, report, run_bench
-from offload.bench.limits import measure_limits
 from offload.bench.ours import PrefetchAll, Resident
-from offload.bench.predict import PlannerInputs
+from offload.bench.predict import predict_latest, run_probes
 from offload.bench.results import ESTIMATED_COMPUTE, RESIDENT_COMPUTE
 from offload.bench.workload import prepare
 from offload.planner import layouts
+from offload.probes.limits import measure_limits
 
 RECORD_FIELDS = {
     "method",
@@ -202,20 +202,21 @@ def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_lla
     cores; the mapped disk tier costs nothing; O_DIRECT reads of these small layers hide
     behind compute."""
     prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=BATCHES))
-    inputs = PlannerInputs.of(prepared)
+    inputs = run_probes(prepared)
     limits = measure_limits(prepared.device, prepared.files, layer_reads=inputs.layer_reads)
     shape = inputs.shape
     direct = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="direct")
     mapped = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="mmap")
     for batch in BATCHES:
         inputs.time_now(batch)
-        step = {"resident": inputs.predict_latest(limits, layouts.resident(shape), batch, False)}
+        resident = layouts.resident(shape)
+        step = {"resident": predict_latest(inputs, limits, resident, batch, False)}
         for name, layout in [
             ("prefetch-all", PrefetchAll(prepared).layout(shape)),
             ("mapped", mapped),
             ("direct", direct),
         ]:
-            step[name] = inputs.predict_latest(limits, layout, batch, False)
+            step[name] = predict_latest(inputs, limits, layout, batch, False)
         assert step["prefetch-all"] > step["resident"] > 0
         assert step["mapped"] == pytest.approx(step["resident"])
         assert step["direct"] >= step["resident"] * (1 - 1e-9)  # sums in another order
@@ -231,7 +232,7 @@ def test_bench_times_compute_as_its_methods_decode_and_rates_around_each_run(
     from offload.bench import predict
 
     prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=(2,)))
-    inputs = PlannerInputs.of(prepared)
+    inputs = run_probes(prepared)
     limits = measure_limits(prepared.device, prepared.files, layer_reads=inputs.layer_reads)
     calls = []
     decode = predict.greedy_decode
@@ -246,7 +247,7 @@ def test_bench_times_compute_as_its_methods_decode_and_rates_around_each_run(
 
     def predicted(copies):
         limits.forward_copy_samples_gb_per_s = copies
-        return inputs.predict_latest(limits, layout, 2, False)
+        return predict_latest(inputs, limits, layout, 2, False)
 
     steady = predicted([1.0, 1.0, 1.0])
     limits.memcpy_samples_gb_per_s = [50.0]  # a plain memory copy: not the link's rate

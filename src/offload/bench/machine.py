@@ -1,12 +1,10 @@
-"""Timing with the device synchronised, what machine a result came from, and where it is
-saved: every result file says its machine and date (`machine()` fields)."""
+"""Timing with the device synchronised, and where a result is saved: every result file
+says its machine and date (`probes.host.machine()`)."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from offload.offloader.units import last_level_cache_bytes
+from offload.probes.host import machine
 
 
 def synchronize(device: torch.device) -> None:
@@ -37,33 +35,6 @@ def median_seconds(
         synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
-
-
-def machine(device: torch.device) -> dict[str, object]:
-    info: dict[str, object] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
-        "cpu_model": _cpu_model(),
-        # Decides the CPU's prefetch unit; two hosts of this VM differed 15x.
-        "last_level_cache_bytes": last_level_cache_bytes(),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-    return info
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def save_json(folder: Path, name: str, device: torch.device, payload: dict[str, object]) -> Path:

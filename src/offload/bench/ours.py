@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from offload.bench.host_io import meminfo_bytes
 from offload.bench.method import Figures, Method, MethodUnavailable, from_pretrained
+from offload.memory.host import meminfo_bytes
 from offload.offloader.uva import UVAOffloader
 from offload.planner import layouts
 from offload.planner.layouts import Layout
@@ -32,7 +32,7 @@ class Resident(Method):
         if self.device.type == "cuda":
             free_bytes = torch.cuda.mem_get_info(self.device)[0]
         else:
-            free_bytes = meminfo_bytes("MemAvailable")
+            free_bytes = meminfo_bytes("MemAvailable") or 0
         needed = self.prepared.total_bytes
         if needed > _RESIDENT_SHARE[self.device.type] * free_bytes:
             raise MethodUnavailable(

@@ -194,7 +194,7 @@ def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list
         ):
             fitting.add(method.name)
     rows = []
-    for batch in measured.planner.prepared.workload.batch_sizes:
+    for batch in measured.planner.batch_sizes:
         at = {r["method"]: r["tokens_per_s"] for r in records if r["batch"] == batch}
         best = max(sorted(fitting), key=at.__getitem__, default=None)
         ratios = []

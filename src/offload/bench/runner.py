@@ -15,12 +15,13 @@ import torch
 from tqdm import tqdm
 
 from offload.bench.decode import Decoded
-from offload.bench.host_io import process_memory_bytes, reset_peak_rss
-from offload.bench.limits import Limits, measure_disk, measure_limits, measure_memcpy
 from offload.bench.method import Figures, Method, MethodUnavailable
-from offload.bench.predict import PlannerInputs
+from offload.bench.predict import predict_latest, run_probes
 from offload.bench.workload import Prepared
 from offload.errors import ModelError
+from offload.probes.around import RunProbes
+from offload.probes.host import process_memory_bytes, reset_peak_rss
+from offload.probes.limits import Limits, measure_disk, measure_limits, measure_memcpy
 
 T = TypeVar("T")
 
@@ -63,7 +64,7 @@ class Measured:
     skipped: dict[str, str]
     reference: str | None
     samples: dict[tuple[str, int], Sample]
-    planner: PlannerInputs | None = None  # None: the planner cannot time this model
+    planner: RunProbes | None = None  # None: the planner cannot time this model
 
 
 def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = True) -> Measured:
@@ -105,15 +106,15 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
     return Measured(limits, loaded, skipped, reference, samples, planner)
 
 
-def _planner_inputs(prepared: Prepared) -> tuple[PlannerInputs | None, str]:
+def _planner_inputs(prepared: Prepared) -> tuple[RunProbes | None, str]:
     """The planner's view of the model, or None and why."""
     try:
-        return PlannerInputs.of(prepared), ""
+        return run_probes(prepared), ""
     except ModelError as error:
         return None, f"no prediction: {error}"
 
 
-def _between_rounds(prepared: Prepared, limits: Limits, planner: PlannerInputs | None) -> None:
+def _between_rounds(prepared: Prepared, limits: Limits, planner: RunProbes | None) -> None:
     """Before each round, the figures that drift: the memory copy's and the disk's rates,
     and compute per step."""
     measure_memcpy(limits)
@@ -126,7 +127,7 @@ def _between_rounds(prepared: Prepared, limits: Limits, planner: PlannerInputs |
 def _around_run(
     prepared: Prepared,
     limits: Limits,
-    planner: PlannerInputs | None,
+    planner: RunProbes | None,
     method: Method,
     batch: int,
 ) -> Callable[[], float | None]:
@@ -152,7 +153,7 @@ def _around_run(
 
     def after() -> float:
         measure_rates()
-        return planner.predict_latest(limits, layout, batch, method.reads_page_cache)
+        return predict_latest(planner, limits, layout, batch, method.reads_page_cache)
 
     return after
 

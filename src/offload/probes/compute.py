@@ -19,7 +19,7 @@ from offload.engine.transformers_cache import static_cache
 from offload.errors import ModelError
 from offload.model.loader import load_model
 from offload.planner.shape import ModelShape
-from offload.probes.bandwidth import Clock
+from offload.probes.link import Clock
 from offload.sizes import format_bytes
 
 _EXTRA_LAYERS = 6  # the longer cut model's layers beyond the shorter's, at most

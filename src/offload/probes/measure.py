@@ -12,8 +12,6 @@ import gc
 import hashlib
 import json
 import os
-import platform
-import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +20,12 @@ import torch
 
 from offload.config import DiskOffloadConfig
 from offload.errors import ModelError
-from offload.memory.threads import available_cores
 from offload.model.default import cache_dir
 from offload.planner.measurements import Measured, Measurements
 from offload.planner.shape import ModelShape
-from offload.probes import bandwidth as probes
+from offload.probes import disk, link
 from offload.probes.compute import ForwardCopies, time_decode
+from offload.probes.host import machine_name, software
 from offload.sizes import GIB, MIB
 
 # Raised when a probe measures differently, so that figures cached by the old one are not
@@ -86,23 +84,28 @@ def plans_dir() -> Path:
     return cache_dir() / "plans"
 
 
-def machine_name(device: torch.device) -> str:
-    """The GPU's name, or the CPU's model and the cores this process may use."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.machine()
-    try:
-        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
-        model = found.group(1).strip() if found else model
-    except OSError:
-        pass
-    return f"{model} ({available_cores()} cores)"
-
-
-def software() -> str:
-    import transformers
-
-    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+def record(
+    device: torch.device,
+    shape: ModelShape,
+    context_len: int,
+    batch_sizes: list[int],
+    **figures: object,
+) -> Measurements:
+    """A `Measurements` of this machine and software for `shape` at `context_len`, stamped
+    now, with `figures` (its fields) as given and the others empty: what `measure` fills
+    in, and what `offload bench` makes from the rates and compute it measured in a run."""
+    empty = {"layer_s": [], "head_s": [], "link_gb_per_s": 0.0, "disk_gb_per_s": 0.0}
+    return Measurements(
+        machine=machine_name(device),
+        software=software(),
+        device_type=device.type,
+        model_digest=shape.digest,
+        dtype=str(shape.dtype).removeprefix("torch."),
+        context_len=context_len,
+        batch_sizes=list(batch_sizes),
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **{**empty, **figures},
+    )
 
 
 def measure(
@@ -118,20 +121,7 @@ def measure(
 ) -> Measured:
     """The measurements for this machine and workload: from the cache, or measured now
     (`remeasure`: always) and cached."""
-    measured = Measurements(
-        machine=machine_name(device),
-        software=software(),
-        device_type=device.type,
-        model_digest=shape.digest,
-        dtype=str(shape.dtype).removeprefix("torch."),
-        context_len=context_len,
-        batch_sizes=list(batch_sizes),
-        layer_s=[],
-        head_s=[],
-        link_gb_per_s=0.0,
-        disk_gb_per_s=0.0,
-        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    )
+    measured = record(device, shape, context_len, batch_sizes)
     cached = plans_dir() / f"{cache_key_of(measured)}.json"
     found = None if remeasure else _load(cached)
     if found is not None:
@@ -167,8 +157,8 @@ def _save(path: Path, measured: Measurements) -> None:
 
 
 def _measure_links(measured: Measurements, device: torch.device, s: MeasureSettings) -> None:
-    measured.link_gb_per_s = probes.link_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
-    measured.uva_gb_per_s = probes.uva_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
+    measured.link_gb_per_s = link.link_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
+    measured.uva_gb_per_s = link.uva_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
 
 
 def _measure_forward_copies(
@@ -209,7 +199,7 @@ def _measure_disk(measured: Measurements, path: Path, stack_name: str, s: Measur
                 ", its layers in the order they run" if reads else ""
             )
             return
-        with probes.probe_file(plans_dir(), s.probe_file_bytes) as probe:
+        with disk.probe_file(plans_dir(), s.probe_file_bytes) as probe:
             _read_rates(measured, [probe], s.probe_file_bytes, threads, s.disk_passes, None)
         measured.disk_source = f"a {s.probe_file_bytes // MIB} MiB file in {plans_dir()}"
     except (OSError, ModelError) as error:  # the disk tier could not read here either
@@ -220,7 +210,7 @@ def checkpoint_reads(path: Path, stack_name: str) -> list | None:
     """The disk tier's reads of the checkpoint's layers in execution order (None where
     its tensor names do not say the layers: read the files in order)."""
     try:
-        return probes.layer_reads(path, stack_name) or None
+        return disk.layer_reads(path, stack_name) or None
     except ModelError:  # not a checkpoint this reads: its files in order
         return None
 
@@ -237,9 +227,9 @@ def _read_rates(
     alternated (a virtual disk's rate drifts). The files' pages cached before are read
     back in after, so that a warm checkpoint stays warm."""
     computing = [False, True] if measured.device_type == "cpu" else [False]
-    with probes.kept_warm(files):
+    with disk.kept_warm(files):
         rates = [
-            [probes.disk_gb_per_s(files, max_bytes, threads, busy, reads) for busy in computing]
+            [disk.disk_gb_per_s(files, max_bytes, threads, busy, reads) for busy in computing]
             for _ in range(passes)
         ]
     measured.disk_gb_per_s = statistics.median(alone for alone, *_ in rates)

@@ -1,6 +1,7 @@
-"""The machine's limits, measured in the same run as the methods: host memory copy, the
-disk's sequential `O_DIRECT` read and reads from the page cache over the checkpoint's own
-files, and on a GPU host-to-device copies from pinned and from pageable memory."""
+"""The machine's limits, measured again and again in the same run as `offload bench`'s
+methods (a virtual machine's rates drift within minutes): host memory copy, the disk's
+sequential `O_DIRECT` read and reads from the page cache over the checkpoint's own files,
+and on a GPU host-to-device copies from pinned and from pageable memory."""
 
 from __future__ import annotations
 
@@ -10,16 +11,18 @@ from pathlib import Path
 
 import torch
 
-from offload.bench.host_io import cached_read_gb_per_s, direct_read_gb_per_s, meminfo_bytes
 from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import Extent
 from offload.memory.disk_reader import CHUNK_BYTES
-from offload.probes import bandwidth as probes
+from offload.memory.host import meminfo_bytes
+from offload.probes import disk, link
+from offload.probes.disk import cached_read_gb_per_s, first_files
 
 COPY_BYTES = 256 * 2**20  # large enough to leave the CPU caches far behind
 READ_BYTES = 2**30  # at most this much of the checkpoint is read per way of reading
 TIER_WAY = f"{OffloadConfig().disk.io_threads} threads, {CHUNK_BYTES // 2**20} MiB reads"
+SEQUENTIAL_WAY = "1 thread, 16 MiB reads"
 
 
 @dataclass
@@ -81,8 +84,8 @@ def measure_limits(
 ) -> Limits:
     limits = Limits(
         memcpy_gb_per_s=0.0,
-        host_memory_bytes=meminfo_bytes("MemTotal"),
-        host_available_bytes=meminfo_bytes("MemAvailable"),
+        host_memory_bytes=meminfo_bytes("MemTotal") or 0,
+        host_available_bytes=meminfo_bytes("MemAvailable") or 0,
     )
     measure_memcpy(limits, copy_bytes)
     if files:
@@ -106,18 +109,7 @@ def measure_memcpy(limits: Limits, copy_bytes: int = COPY_BYTES) -> None:
 def _copy_gb_per_s(device: torch.device, num_bytes: int, pinned: bool | None = None) -> float:
     """GB/s of one large host -> `device` copy (a memory copy on a CPU), the planner's
     own probe: each byte counts once, not for its read and its write."""
-    return probes.link_gb_per_s(device, num_bytes, 1, 5, pinned)
-
-
-def first_files(files: list[Path], max_bytes: int) -> list[Path]:
-    """The first of `files` whose sizes add up to `max_bytes` (at least one file)."""
-    chosen, total = [], 0
-    for path in files:
-        if chosen and total >= max_bytes:
-            break
-        chosen.append(path)
-        total += path.stat().st_size
-    return chosen
+    return link.link_gb_per_s(device, num_bytes, 1, 5, pinned)
 
 
 def measure_disk(
@@ -140,14 +132,14 @@ def measure_disk(
     try:
         # O_DIRECT reads drop the files' cached pages: those cached before are read back
         # in after, so that a method reading through the page cache finds it as it was.
-        with probes.kept_warm(files):
+        with disk.kept_warm(files):
             ways = {
-                "1 thread, 16 MiB reads": direct_read_gb_per_s(chosen, 16 * 2**20, 1),
+                SEQUENTIAL_WAY: disk.disk_gb_per_s(chosen, read_bytes, 1, chunk_bytes=16 * 2**20),
                 # The planner's probe: the disk tier's own reader, threads and read size.
-                TIER_WAY: probes.disk_gb_per_s(files, read_bytes, threads, reads=layer_reads),
+                TIER_WAY: disk.disk_gb_per_s(files, read_bytes, threads, reads=layer_reads),
             }
             if device.type == "cpu":  # computing on the CPU
-                busy = probes.disk_gb_per_s(files, read_bytes, threads, True, layer_reads)
+                busy = disk.disk_gb_per_s(files, read_bytes, threads, True, layer_reads)
     except (OSError, ModelError) as error:  # no O_DIRECT here (tmpfs refuses the open)
         why = getattr(error, "strerror", None) or error
         limits.notes["disk"] = f"O_DIRECT reads failed: {why}"

@@ -1,82 +1,25 @@
-"""The machine's rates, measured for the planner: host -> device copies (a memory copy on
-a CPU), kernels reading host memory in place (GPU), and the disk's sequential read with
-`O_DIRECT` through the disk tier's own reader. Each is a median of a few repeats."""
+"""The disk's rates, read the way the disk tier reads (its own `DiskReader`, with
+`O_DIRECT`, around the page cache; alone or beside compute, a checkpoint's layers in the
+order they run), and reads from the page cache. Every O_DIRECT read of the package goes
+through `memory.disk_reader`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from offload.memory.disk_layout import ALIGN, Extent, TensorRange, aligned_empty, plan_layout
-from offload.memory.disk_reader import DiskReader, FileStamp
-from offload.memory.host import device_view
+from offload.memory.disk_reader import CHUNK_BYTES, DiskReader, FileStamp
 from offload.memory.page_cache import cached_bytes, drop_cached, read_cached
 from offload.memory.safetensors import checkpoint_tensors
 
 _READ_BYTES = 64 * 2**20  # one read of the disk probe; two are in flight
-
-
-class Clock:
-    """Times a callable on `device`: CUDA events on a GPU (no host round trip inside the
-    timed span), the wall clock on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def seconds(self, fn: Callable[[], object], warmup: int, repeats: int) -> float:
-        """The median of `repeats` timed calls of `fn`, after `warmup` untimed ones."""
-        for _ in range(warmup):
-            fn()
-        return statistics.median(self.once(fn) for _ in range(repeats))
-
-    def once(self, fn: Callable[[], object]) -> float:
-        if self.device.type != "cuda":
-            started = time.perf_counter()
-            fn()
-            return time.perf_counter() - started
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()  # the span is over only when the device has run it
-        return start.elapsed_time(end) / 1e3
-
-
-def link_gb_per_s(
-    device: torch.device, num_bytes: int, warmup: int, repeats: int, pinned: bool | None = None
-) -> float:
-    """Host -> `device` copies of `num_bytes` from pinned memory (pageable where `pinned`
-    is False), GB/s; on a CPU, a memory copy (each byte counted once)."""
-    pinned = device.type == "cuda" if pinned is None else pinned
-    source = torch.ones(num_bytes, dtype=torch.uint8, pin_memory=pinned)
-    target = torch.empty(num_bytes, dtype=torch.uint8, device=device)
-    seconds = Clock(device).seconds(
-        lambda: target.copy_(source, non_blocking=bool(pinned)), warmup, repeats
-    )
-    return num_bytes / seconds / 1e9
-
-
-def uva_gb_per_s(device: torch.device, num_bytes: int, warmup: int, repeats: int) -> float:
-    """A kernel reading pinned host memory in place through a zero-copy view (GPU), GB/s;
-    0 where there is no such view (a CPU reads host memory as its own)."""
-    if device.type != "cuda":
-        return 0.0
-    host = torch.ones(num_bytes // 4, dtype=torch.float32, pin_memory=True)
-    try:
-        view = device_view(host, device)
-    except RuntimeError:  # no zero-copy views here: UVA reads are not an option
-        return 0.0
-    target = torch.empty_like(view, device=device)
-    seconds = Clock(device).seconds(lambda: torch.neg(view, out=target), warmup, repeats)
-    return host.numel() * 4 / seconds / 1e9
 
 
 def disk_gb_per_s(
@@ -85,16 +28,22 @@ def disk_gb_per_s(
     threads: int,
     computing: bool = False,
     reads: list[tuple[Extent, ...]] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
 ) -> float:
-    """Reads around the page cache by the disk tier's reader on `threads` I/O threads, two
-    in flight, up to `max_bytes`: `reads` in their order (each one layer's extents, see
-    `layer_reads`), else `files` sequentially; GB/s. With `computing`, matrix products
-    run on the compute threads meanwhile, as a layer's compute does beside the tier's
-    reads (on a CPU they take the cores the reads need)."""
+    """Reads around the page cache by the disk tier's reader on `threads` I/O threads (each
+    request `chunk_bytes`), two in flight, up to `max_bytes`: `reads` in their order (each
+    one layer's extents, see `layer_reads`), else `files` sequentially; GB/s. With
+    `computing`, matrix products run on the compute threads meanwhile, as a layer's compute
+    does beside the tier's reads (on a CPU they take the cores the reads need)."""
     reads = _capped(reads, max_bytes) if reads else list(_pieces(files, max_bytes))
     touched = sorted({extent.path for extents in reads for extent in extents})
     drop_cached(touched)  # pages cached already would be read from memory, not the disk
-    reader = DiskReader([FileStamp.of(p) for p in touched], num_threads=threads, io="direct")
+    reader = DiskReader(
+        [FileStamp.of(p) for p in touched],
+        num_threads=threads,
+        io="direct",
+        chunk_bytes=chunk_bytes,
+    )
     with _computing() if computing else contextlib.nullcontext():
         started = time.perf_counter()
         num_bytes = _read_all(reader, reads)
@@ -216,3 +165,33 @@ def probe_file(folder: Path, num_bytes: int):
         yield path
     finally:
         path.unlink(missing_ok=True)
+
+
+def cached_read_gb_per_s(paths: list[Path], chunk_bytes: int = 16 * 2**20) -> float:
+    """Read bandwidth from the page cache: the files read once to fill it, then read again
+    in order, in chunks into one buffer on one thread. GB/s (1e9 bytes)."""
+    read_cached(paths)
+    buffer = bytearray(chunk_bytes)
+    num_bytes = 0
+    started = time.perf_counter()
+    for path in paths:
+        with open(path, "rb", buffering=0) as file:
+            while read := file.readinto(buffer):
+                num_bytes += read
+    return num_bytes / (time.perf_counter() - started) / 1e9
+
+
+def cached_file_bytes(paths: list[Path]) -> int:
+    """Bytes of the files that are in the page cache now (`mincore` over a mapping)."""
+    return sum(cached_bytes(path) for path in paths)
+
+
+def first_files(files: list[Path], max_bytes: int) -> list[Path]:
+    """The first of `files` whose sizes add up to `max_bytes` (at least one file)."""
+    chosen, total = [], 0
+    for path in files:
+        if chosen and total >= max_bytes:
+            break
+        chosen.append(path)
+        total += path.stat().st_size
+    return chosen

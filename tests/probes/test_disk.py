@@ -7,7 +7,7 @@ import zoo
 
 from offload.memory.page_cache import cached_bytes
 from offload.memory.safetensors import checkpoint_tensors
-from offload.probes import bandwidth as probes
+from offload.probes import disk as probes
 
 
 @pytest.fixture

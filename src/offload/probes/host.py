@@ -1,0 +1,77 @@
+"""What machine this is (its CPU or GPU, the software) and this process's memory: every
+measurement and result says where it came from."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import gc
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+from offload.memory.threads import available_cores
+from offload.offloader.units import last_level_cache_bytes
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where it does not say)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def machine_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's model and the cores this process may use."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_model() or platform.machine()} ({available_cores()} cores)"
+
+
+def software() -> str:
+    import transformers
+
+    return f"torch {torch.__version__}, transformers {transformers.__version__}"
+
+
+def machine(device: torch.device) -> dict[str, object]:
+    """The fields every result file carries: the date, the software and the machine."""
+    info: dict[str, object] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+        "cpu_model": cpu_model(),
+        # It decides the CPU's prefetch unit, and hosts of one kind of VM differ in it.
+        "last_level_cache_bytes": last_level_cache_bytes(),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def process_memory_bytes() -> dict[str, int]:
+    """This process's resident set now (`VmRSS`) and its peak (`VmHWM`), in bytes."""
+    fields = {"VmRSS": "rss_bytes", "VmHWM": "peak_rss_bytes"}
+    found = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in fields:
+            found[fields[key]] = int(value.split()[0]) * 1024  # the kernel reports kB
+    return found
+
+
+def reset_peak_rss() -> None:
+    """Start `VmHWM` again from the current RSS (Linux's clear_refs value 5), after
+    freeing what Python and glibc still hold, so that a peak belongs to what follows."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # returns freed heap pages to the kernel
+    Path("/proc/self/clear_refs").write_text("5")
