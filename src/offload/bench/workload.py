@@ -35,7 +35,7 @@ class Workload:
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 16
     output_len: int = 8
-    rounds: int = 5  # medians over 5 interleaved rounds: a 2-core VM drifts 10-20% within minutes
+    rounds: int = 5  # medians over interleaved rounds: a virtual machine's speed drifts
 
     def __post_init__(self) -> None:
         sizes = tuple(self.batch_sizes)

@@ -22,10 +22,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from offload.config.flags import add_cli_args, flag_values, parse_flags
+from offload.config.flags import flag_values, parse_flags
 from offload.config.parts import (
     BACKENDS,
-    DISK_IO,
     PREFETCH_UNITS,
     DiskOffloadConfig,
     OffloadBackend,
@@ -34,19 +33,6 @@ from offload.config.parts import (
     as_bool,
 )
 from offload.errors import ConfigError, shown
-
-__all__ = [
-    "BACKENDS",
-    "DISK_IO",
-    "OFFLOAD_KEYS",
-    "PREFETCH_UNITS",
-    "DiskOffloadConfig",
-    "OffloadBackend",
-    "OffloadConfig",
-    "PrefetchOffloadConfig",
-    "UVAOffloadConfig",
-    "add_cli_args",
-]
 
 _VLLM_TOP_FIELDS = ("offload_backend", "uva", "prefetch")
 _EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit", "disk")

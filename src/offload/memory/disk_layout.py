@@ -100,8 +100,8 @@ HUGE_PAGE = 2 * 2**20  # x86-64's transparent huge page
 def _huge_page_buffer(num_bytes: int) -> torch.Tensor:
     """`num_bytes` of a fresh anonymous mapping (never touched: memory the allocator hands
     back again would keep its small pages), aligned to a huge page and advised to use
-    them. O_DIRECT reads pin every page of their buffer: into 4 KiB pages this VM's disk
-    gave the tier's reads 1.3 GB/s, into huge pages 2.9 (docs/benchmarks.md). Where the
+    them. O_DIRECT reads pin every page of their buffer, page by page, so reads into huge
+    pages go faster than into small ones (docs/benchmarks.md). Where the
     kernel has them off, the advice is refused and the pages stay small. The mapping
     lives as long as the tensor."""
     # Private: a shared anonymous mapping is shmem, which gets no huge pages by default.

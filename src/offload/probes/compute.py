@@ -115,9 +115,9 @@ class ForwardCopies:
     """The prefetch backend's copy rate as its copies run, between a forward's layers: a
     model of `path`'s config cut to `count` layers, every one streamed, taking the
     engine's decode step; GB/s = the bytes its copy engine moved over the time it spent
-    copying. On this CPU such copies ran at 4.6 GB/s for tens of seconds at a time, and
-    at 19-24 otherwise, while a plain memory copy measured just before and after read
-    14-22 throughout (docs/benchmarks.md)."""
+    copying. On a CPU such copies can run far slower than a plain memory copy measured just
+    before and after, for long spells, so the copies themselves are timed
+    (docs/benchmarks.md)."""
 
     def __init__(
         self,

@@ -15,6 +15,7 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -28,10 +29,8 @@ from offload.probes.compute import ForwardCopies, time_decode
 from offload.probes.host import machine_name, software
 from offload.sizes import GIB, MIB
 
-# Raised when a probe measures differently, so that figures cached by the old one are not
-# read back (2: layers timed as a difference of two cut models, the disk read in layer order
-# and beside compute; 3: a CPU's link is the prefetch backend's copies between a forward's
-# layers).
+# Raised whenever a probe measures differently, so that figures cached by the old one are
+# not read back (its history is in docs/design.md).
 PROBES_VERSION = 3
 
 
@@ -45,7 +44,7 @@ class MeasureSettings:
     copy_bytes: int = 256 * MIB
     disk_bytes: int = GIB
     probe_file_bytes: int = 256 * MIB
-    disk_passes: int = 3  # a virtual disk's rate varies 2x from one pass to the next
+    disk_passes: int = 3  # a virtual disk's rate varies from one pass to the next
     warmup: int = 2
     repeats: int = 5
     # The device memory the probes may take on a GPU (None: no limit): a quarter of it for
@@ -126,13 +125,13 @@ def measure(
     found = None if remeasure else _load(cached)
     if found is not None:
         return Measured(found, cached, True)
-    settings = settings.on(device)
+    target = _Target(path, shape, device, settings.on(device), trust_remote_code)
     try:
-        _measure_links(measured, device, settings)
-        _measure_disk(measured, path, shape.stack_name, settings)
-        _measure_compute(measured, path, shape, device, settings, trust_remote_code)
+        _measure_links(measured, target)
+        _measure_disk(measured, target)
+        _measure_compute(measured, target)
         if device.type == "cpu":
-            _measure_forward_copies(measured, path, shape, device, settings, trust_remote_code)
+            _measure_forward_copies(measured, target)
     finally:
         if device.type == "cuda":  # the probes' memory goes back before the model loads
             gc.collect()
@@ -156,23 +155,28 @@ def _save(path: Path, measured: Measurements) -> None:
     partial.replace(path)
 
 
-def _measure_links(measured: Measurements, device: torch.device, s: MeasureSettings) -> None:
+class _Target(NamedTuple):
+    """What is measured, where, and how much each probe moves."""
+
+    path: Path
+    shape: ModelShape
+    device: torch.device
+    settings: MeasureSettings
+    trust_remote_code: bool
+
+
+def _measure_links(measured: Measurements, target: _Target) -> None:
+    device, s = target.device, target.settings
     measured.link_gb_per_s = link.link_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
     measured.uva_gb_per_s = link.uva_gb_per_s(device, s.copy_bytes, s.warmup, s.repeats)
 
 
-def _measure_forward_copies(
-    measured: Measurements,
-    path: Path,
-    shape: ModelShape,
-    device: torch.device,
-    s: MeasureSettings,
-    trust_remote_code: bool,
-) -> None:
+def _measure_forward_copies(measured: Measurements, target: _Target) -> None:
     """On a CPU, the link is what the prefetch backend's copies get between a forward's
-    layers at the largest batch (a cut model, every layer streamed): 19-24 GB/s on this
-    VM where a plain memory copy read 14-22, and 4.6 in spells a plain copy never saw
-    (docs/benchmarks.md). Where the cut model cannot stream, the memory copy stays."""
+    layers at the largest batch (a cut model, every layer streamed): such copies drift
+    apart from a plain memory copy's rate (docs/benchmarks.md). Where the cut model cannot
+    stream, the memory copy stays."""
+    path, shape, device, s, trust_remote_code = target
     try:
         copies = ForwardCopies(path, shape, device, measured.context_len, 4, trust_remote_code)
     except ModelError as error:
@@ -188,7 +192,8 @@ def _measure_forward_copies(
         copies.close()
 
 
-def _measure_disk(measured: Measurements, path: Path, stack_name: str, s: MeasureSettings) -> None:
+def _measure_disk(measured: Measurements, target: _Target) -> None:
+    path, stack_name, s = target.path, target.shape.stack_name, target.settings
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     threads = DiskOffloadConfig().io_threads  # as many as the disk tier reads with
     try:
@@ -237,14 +242,8 @@ def _read_rates(
         measured.disk_busy_gb_per_s = statistics.median(busy for _, busy in rates)
 
 
-def _measure_compute(
-    measured: Measurements,
-    path: Path,
-    shape: ModelShape,
-    device: torch.device,
-    s: MeasureSettings,
-    trust_remote_code: bool,
-) -> None:
+def _measure_compute(measured: Measurements, target: _Target) -> None:
+    path, shape, device, s, trust_remote_code = target
     try:
         measured.layer_s, measured.head_s = time_decode(
             path,
