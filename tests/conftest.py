@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 # Before torch starts OpenMP: its idle workers then sleep instead of spinning, so a test
 # run beside another CPU-heavy process (or a test's own copy thread) is not slowed 10-100x
@@ -15,6 +17,27 @@ from offload.offloader.base import NoopOffloader, set_offloader
 # a deadline would then fail (or call "flaky") a test that found nothing wrong.
 settings.register_profile("offload", deadline=None)
 settings.load_profile("offload")
+
+
+def pytest_configure(config):
+    """The suite's own cache folder (the default model converted, the planner's
+    measurements), new for each session: it never reads or writes the user's cache, so its
+    results and its time do not depend on what an earlier run left there. Set before any
+    test or fixture runs, and inherited by the commands that tests start."""
+    config.offload_cache_dir = tempfile.mkdtemp(prefix="offload-test-cache-")
+    config.offload_user_cache_dir = os.environ.get("OFFLOAD_CACHE_DIR")
+    os.environ["OFFLOAD_CACHE_DIR"] = config.offload_cache_dir
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "offload_cache_dir", None)
+    if folder is None:
+        return
+    if config.offload_user_cache_dir is None:
+        os.environ.pop("OFFLOAD_CACHE_DIR", None)
+    else:
+        os.environ["OFFLOAD_CACHE_DIR"] = config.offload_user_cache_dir
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,63 +7,77 @@ import sys
 import pytest
 
 from offload.bench import report
+from offload.bench.records import BenchResult, Compute, Record, RunWorkload
+from offload.probes.limits import Limits
 
 
 def _row(method, batch, tokens_per_s, bound_tokens_per_s, predicted_over_step=None):
     step_s = batch / tokens_per_s
     bound_s = batch / bound_tokens_per_s
-    return {
-        "predicted_step_s": step_s * predicted_over_step if predicted_over_step else None,
-        "predicted_over_step": predicted_over_step,
-        "method": method,
-        "batch": batch,
-        "tokens_per_s": tokens_per_s,
-        "tokens_per_s_min": tokens_per_s * 0.9,
-        "tokens_per_s_max": tokens_per_s * 1.1,
-        "step_s": step_s,
-        "bound_step_s": bound_s,
-        "bound_limit": "memcpy",
-        "bound_tokens_per_s": bound_tokens_per_s,
-        "step_over_bound": step_s / bound_s,
-        "offloaded_bytes": 2**20,
-        "moved_bytes_per_forward": 2**20,
-        "achieved_gb_per_s": 2**20 / step_s / 1e9,
-        "stall_s_per_step": None,
-        "peak_device_bytes": None,
-        "peak_rss_bytes": 2**30,
-        "same_tokens": True,
-    }
+    return Record(
+        predicted_step_s=step_s * predicted_over_step if predicted_over_step else None,
+        predicted_over_step=predicted_over_step,
+        method=method,
+        label=method,
+        is_ours=method != "resident",
+        setting={},
+        batch=batch,
+        tokens_per_s=tokens_per_s,
+        tokens_per_s_min=tokens_per_s * 0.9,
+        tokens_per_s_max=tokens_per_s * 1.1,
+        step_s=step_s,
+        step_s_min=step_s,
+        step_s_max=step_s,
+        prefill_s=step_s,
+        round_step_s=[step_s],
+        bound_step_s=bound_s,
+        bound_limit="memcpy",
+        bound_link_s={"memcpy": bound_s},
+        bound_tokens_per_s=bound_tokens_per_s,
+        step_over_bound=step_s / bound_s,
+        compute_s=step_s / 2,
+        offloaded_bytes=2**20,
+        moved_bytes_per_forward=2**20,
+        moved_bytes_per_forward_by_link={"memcpy": 2**20},
+        achieved_gb_per_s=2**20 / step_s / 1e9,
+        stall_s_per_step=None,
+        peak_device_bytes=None,
+        peak_rss_bytes=2**30,
+        load_s=0.1,
+        load_rss_bytes=2**20,
+        load_device_bytes=None,
+        same_tokens=True,
+    )
 
 
-RESULT = {
-    "workload": {
-        "model": "tiny",
-        "dtype": "float32",
-        "device": "cpu",
-        "prompt_len": 4,
-        "output_len": 3,
-        "rounds": 1,
-        "total_bytes": 2**21,
-        "num_layers": 4,
-        "batch_sizes": [1, 8],
-    },
-    "limits": {
-        "memcpy_gb_per_s": 10.0,
-        "disk_read_gb_per_s": 2.0,
-        "page_cache_read_gb_per_s": 5.0,
-        "h2d_pinned_gb_per_s": None,
-        "h2d_pageable_gb_per_s": None,
-    },
-    "compute": {"source": "resident step", "step_s": {1: 0.01, 8: 0.02}},
-    "reference": "resident",
-    "skipped": {"diffusers": "group offloading with a stream needs a CUDA device"},
-    "records": [
+RESULT = BenchResult(
+    workload=RunWorkload(
+        model="tiny",
+        path="/nowhere/tiny",
+        dtype="float32",
+        device="cpu",
+        prompt_len=4,
+        output_len=3,
+        rounds=1,
+        total_bytes=2**21,
+        num_layers=4,
+        layer_bytes=[2**19] * 4,
+        checkpoint_bytes=2**21,
+        batch_sizes=[1, 8],
+    ),
+    limits=Limits(memcpy_gb_per_s=10.0, disk_read_gb_per_s=2.0, page_cache_read_gb_per_s=5.0),
+    compute=Compute("resident step", {1: 0.01, 8: 0.02}),
+    planner=None,
+    reference="resident",
+    skipped={"diffusers": "group offloading with a stream needs a CUDA device"},
+    records=[
         _row("resident", 1, 100.0, 100.0),
         _row("resident", 8, 400.0, 400.0),
         _row("prefetch-all", 1, 50.0, 80.0, 1.1),
         _row("prefetch-all", 8, 300.0, 400.0, 0.8),
     ],
-}
+    plan_against_hand=[],
+)
 
 
 def test_the_table_has_a_row_per_record_and_the_skipped_methods():

@@ -1,6 +1,7 @@
 """A bench run over a tiny Llama: every record field there, our methods give the
 reference's tokens, and a method that really differs is caught."""
 
+import dataclasses
 import json
 import statistics
 
@@ -9,6 +10,7 @@ import pytest
 from offload.bench import Workload, report, run_bench
 from offload.bench.ours import PrefetchAll, Resident
 from offload.bench.predict import predict_latest, run_probes
+from offload.bench.records import BenchResult
 from offload.bench.results import ESTIMATED_COMPUTE, RESIDENT_COMPUTE
 from offload.bench.workload import prepare
 from offload.planner import layouts
@@ -113,88 +115,90 @@ def result(tiny_llama_path):
     return run_bench(workload, [*NAMED, FailingPeer, ShiftedHead], progress=False)
 
 
+def fields_of(record) -> set[str]:
+    return {field.name for field in dataclasses.fields(record)}
+
+
 def _rows(result, method):
-    return [row for row in result["records"] if row["method"] == method]
+    return [row for row in result.records if row.method == method]
 
 
 def test_one_record_per_method_and_batch_with_every_field(result):
-    pairs = [(row["method"], row["batch"]) for row in result["records"]]
+    pairs = [(row.method, row.batch) for row in result.records]
     methods = [*NAMED, "shifted-head"]  # the failing peer has no record
     assert pairs == [(method, batch) for method in methods for batch in BATCHES]
-    for row in result["records"]:
-        assert set(row) == RECORD_FIELDS
-        assert row["tokens_per_s"] > 0 and row["step_s"] > 0
-        assert row["tokens_per_s_min"] <= row["tokens_per_s_max"]
-        assert row["peak_device_bytes"] is None  # on a CPU
-    assert set(result["limits"]) == LIMIT_FIELDS
+    for row in result.records:
+        assert fields_of(row) == RECORD_FIELDS
+        assert row.tokens_per_s > 0 and row.step_s > 0
+        assert row.tokens_per_s_min <= row.tokens_per_s_max
+        assert row.peak_device_bytes is None  # on a CPU
+    assert fields_of(result.limits) == LIMIT_FIELDS
     # The memory copy before loading and before each round; the copies between a forward's
     # layers before and after each run of a method that copies layers in (prefetch-all,
     # and the plan where it chose prefetching).
-    copies = result["limits"]["memcpy_samples_gb_per_s"]
+    copies = result.limits.memcpy_samples_gb_per_s
     assert len(copies) == 1 + ROUNDS
-    assert result["limits"]["memcpy_gb_per_s"] == statistics.median(copies)
-    [plan] = {r["setting"]["chosen"] for r in _rows(result, "plan")}
+    assert result.limits.memcpy_gb_per_s == statistics.median(copies)
+    [plan] = {r.setting["chosen"] for r in _rows(result, "plan")}
     copying = 1 + ("prefetch" in plan)
-    forward = result["limits"]["forward_copy_samples_gb_per_s"]
+    forward = result.limits.forward_copy_samples_gb_per_s
     assert len(forward) == 2 * copying * len(BATCHES) * ROUNDS and min(forward) > 0
     # The disk before loading, before each round, and before and after each run of
     # disk-direct.
-    ways = result["limits"]["disk_read_ways_gb_per_s"]
+    ways = result.limits.disk_read_ways_gb_per_s
     expected = 1 + ROUNDS + 2 * len(BATCHES) * ROUNDS
     assert len(ways) == 2 and all(len(measured) == expected for measured in ways.values())
-    assert len(result["limits"]["disk_busy_read_gb_per_s"]) == expected
-    assert result["compute"]["source"] == RESIDENT_COMPUTE
-    assert result["reference"] == "resident"
+    assert len(result.limits.disk_busy_read_gb_per_s) == expected
+    assert result.compute.source == RESIDENT_COMPUTE
+    assert result.reference == "resident"
 
 
 def test_ours_give_the_reference_tokens_and_a_broken_method_does_not(result):
     for method in ("prefetch-all", "disk", "disk-direct", "accelerate-disk"):
-        assert [row["same_tokens"] for row in _rows(result, method)] == [True, True], method
-    assert [row["same_tokens"] for row in _rows(result, "shifted-head")] == [False, False]
+        assert [row.same_tokens for row in _rows(result, method)] == [True, True], method
+    assert [row.same_tokens for row in _rows(result, "shifted-head")] == [False, False]
 
 
 def test_ours_move_bytes_and_the_bound_uses_them(result):
-    layers_bytes = sum(result["workload"]["layer_bytes"])
+    layers_bytes = sum(result.workload.layer_bytes)
     for row in _rows(result, "prefetch-all"):
-        assert row["offloaded_bytes"] == layers_bytes
-        assert row["moved_bytes_per_forward_by_link"]["memcpy"] == pytest.approx(layers_bytes)
-        assert row["stall_s_per_step"] is not None
+        assert row.offloaded_bytes == layers_bytes
+        assert row.moved_bytes_per_forward_by_link["memcpy"] == pytest.approx(layers_bytes)
+        assert row.stall_s_per_step is not None
     for row in _rows(result, "disk-direct"):  # read from the checkpoint around the cache
-        assert row["setting"]["disk_io_chosen"] == "direct"
-        assert row["moved_bytes_per_forward_by_link"]["disk"] > 0
+        assert row.setting["disk_io_chosen"] == "direct"
+        assert row.moved_bytes_per_forward_by_link["disk"] > 0
     for row in _rows(result, "disk"):  # the default: a checkpoint just written is mapped
-        assert row["setting"]["disk_io_chosen"] == "mmap"
-        assert not any(row["moved_bytes_per_forward_by_link"].values())  # computed in place
+        assert row.setting["disk_io_chosen"] == "mmap"
+        assert not any(row.moved_bytes_per_forward_by_link.values())  # computed in place
     for row in _rows(result, "accelerate-disk"):  # every weight, every forward
-        total = result["workload"]["total_bytes"]
-        assert row["moved_bytes_per_forward_by_link"] == {"page_cache": pytest.approx(total)}
-    for row in result["records"]:
-        assert row["bound_step_s"] >= row["compute_s"] > 0
-        assert row["step_over_bound"] == pytest.approx(row["step_s"] / row["bound_step_s"])
+        total = result.workload.total_bytes
+        assert row.moved_bytes_per_forward_by_link == {"page_cache": pytest.approx(total)}
+    for row in result.records:
+        assert row.bound_step_s >= row.compute_s > 0
+        assert row.step_over_bound == pytest.approx(row.step_s / row.bound_step_s)
 
 
 def test_ours_and_resident_carry_the_planners_prediction_and_peers_do_not(result):
-    planner = result["planner"]
-    assert planner["batch_sizes"] == list(BATCHES)
-    forward = result["limits"]["forward_copy_samples_gb_per_s"]
-    assert planner["link_gb_per_s"] == statistics.median(forward)
-    tier_reads = [v for k, v in result["limits"]["disk_read_ways_gb_per_s"].items() if "MiB" in k]
-    assert planner["disk_gb_per_s"] in [statistics.median(v) for v in tier_reads]
-    assert all(layer > 0 for layer in planner["layer_s"])
-    for row in result["records"]:
-        predicted = row["predicted_step_s"]
-        if row["method"] == "accelerate-disk":  # not a layout of the planner's
-            assert predicted is None and row["predicted_over_step"] is None
-            assert row["round_predicted_s"] == []
+    planner = result.planner
+    assert planner.batch_sizes == list(BATCHES)
+    forward = result.limits.forward_copy_samples_gb_per_s
+    assert planner.link_gb_per_s == statistics.median(forward)
+    tier_reads = [v for k, v in result.limits.disk_read_ways_gb_per_s.items() if "MiB" in k]
+    assert planner.disk_gb_per_s in [statistics.median(v) for v in tier_reads]
+    assert all(layer > 0 for layer in planner.layer_s)
+    for row in result.records:
+        predicted = row.predicted_step_s
+        if row.method == "accelerate-disk":  # not a layout of the planner's
+            assert predicted is None and row.predicted_over_step is None
+            assert row.round_predicted_s == []
             continue
         # One prediction per round, each set against that round's run.
-        paired = list(zip(row["round_predicted_s"], row["round_step_s"], strict=True))
+        paired = list(zip(row.round_predicted_s, row.round_step_s, strict=True))
         assert len(paired) == ROUNDS
         assert predicted > 0
         assert predicted == pytest.approx(statistics.median(p for p, _ in paired))
-        assert row["predicted_over_step"] == pytest.approx(
-            statistics.median(p / s for p, s in paired)
-        )
+        assert row.predicted_over_step == pytest.approx(statistics.median(p / s for p, s in paired))
 
 
 def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_llama_path):
@@ -259,30 +263,24 @@ def test_bench_times_compute_as_its_methods_decode_and_rates_around_each_run(
 
 
 def test_the_plan_runs_beside_the_hand_settings_that_fit_its_budget(result):
-    [setting] = {json.dumps(r["setting"]) for r in _rows(result, "plan")}
+    [setting] = {json.dumps(r.setting) for r in _rows(result, "plan")}
     setting = json.loads(setting)
     assert setting["chosen"] and setting["predicted_step_s"] > 0 and setting["config"]
-    assert all(row["same_tokens"] for row in _rows(result, "plan"))
-    rows = result["plan_against_hand"]
-    assert [row["batch"] for row in rows] == list(BATCHES)
+    assert all(row.same_tokens for row in _rows(result, "plan"))
+    rows = result.plan_against_hand
+    assert [row.batch for row in rows] == list(BATCHES)
     for row in rows:
         # Resident does not fit a device budget that holds all but half the layers; UVA
         # of half the layers does (the slots of the others take more than one layer here).
-        assert "uva" in row["fitting"] and "resident" not in row["fitting"]
-        assert "plan" not in row["fitting"] and "accelerate-disk" not in row["fitting"]
-        at = {
-            r["method"]: r["tokens_per_s"] for r in result["records"] if r["batch"] == row["batch"]
-        }
-        assert row["best_hand_tokens_per_s"] == max(at[m] for m in row["fitting"])
-        steps = {
-            r["method"]: r["round_step_s"] for r in result["records"] if r["batch"] == row["batch"]
-        }
-        paired = list(zip(steps[row["best_hand"]], steps["plan"], strict=True))
+        assert "uva" in row.fitting and "resident" not in row.fitting
+        assert "plan" not in row.fitting and "accelerate-disk" not in row.fitting
+        at = {r.method: r.tokens_per_s for r in result.records if r.batch == row.batch}
+        assert row.best_hand_tokens_per_s == max(at[m] for m in row.fitting)
+        steps = {r.method: r.round_step_s for r in result.records if r.batch == row.batch}
+        paired = list(zip(steps[row.best_hand], steps["plan"], strict=True))
         assert len(paired) == ROUNDS
-        assert row["plan_over_best_hand_rounds"] == pytest.approx([h / p for h, p in paired])
-        assert row["plan_over_best_hand"] == pytest.approx(
-            statistics.median(h / p for h, p in paired)
-        )
+        assert row.plan_over_best_hand_rounds == pytest.approx([h / p for h, p in paired])
+        assert row.plan_over_best_hand == pytest.approx(statistics.median(h / p for h, p in paired))
     lines = report.table(result).splitlines()
     assert any(line.startswith("planner: predicted step within 15%") for line in lines)
     assert sum(line.startswith("plan at batch") for line in lines) == len(BATCHES)
@@ -293,12 +291,12 @@ def test_the_result_is_json_with_the_machine_and_date(result, tmp_path):
     loaded = json.loads(saved[0].read_text())
     assert {"date", "torch", "cpu_model"} <= set(loaded["machine"])
     assert set(loaded["records"][0]) == RECORD_FIELDS
-    lines = report.table(loaded).splitlines()
+    lines = report.table(BenchResult.from_dict(loaded)).splitlines()
     assert any(line.split()[:2] == ["shifted-head", "1"] and line.endswith("NO") for line in lines)
 
 
 def test_a_failing_peer_is_skipped_with_why_and_ours_are_not(result, tiny_llama_path):
-    assert result["skipped"] == {
+    assert result.skipped == {
         "failing-peer": "failed in its warm-up: RuntimeError: no kernel image is available for "
         "this device"
     }
@@ -312,10 +310,10 @@ def test_without_resident_compute_is_estimated_and_ours_are_the_reference(tiny_l
         model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), output_len=2, rounds=1
     )
     result = run_bench(workload, ["prefetch-half"], progress=False)
-    assert result["reference"] == "prefetch-half"
-    assert result["compute"]["source"] == ESTIMATED_COMPUTE
-    [row] = result["records"]
-    assert row["same_tokens"] is True and row["compute_s"] > 0
+    assert result.reference == "prefetch-half"
+    assert result.compute.source == ESTIMATED_COMPUTE
+    [row] = result.records
+    assert row.same_tokens is True and row.compute_s > 0
 
 
 def test_diffusers_is_skipped_on_a_cpu_with_why(tiny_llama_path):
@@ -323,5 +321,5 @@ def test_diffusers_is_skipped_on_a_cpu_with_why(tiny_llama_path):
         model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), output_len=2, rounds=1
     )
     result = run_bench(workload, ["resident", "diffusers"], progress=False)
-    assert "needs a CUDA device" in result["skipped"]["diffusers"]
-    assert [row["method"] for row in result["records"]] == ["resident"]
+    assert "needs a CUDA device" in result.skipped["diffusers"]
+    assert [row.method for row in result.records] == ["resident"]

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
 from offload.bench.machine import save_json
+from offload.bench.records import BenchResult, Record
 from offload.bench.results import RESIDENT_COMPUTE
 from offload.sizes import format_bytes
 
@@ -20,55 +21,55 @@ _LIMITS = (
     ("host->device pinned", "h2d_pinned_gb_per_s"),
     ("pageable", "h2d_pageable_gb_per_s"),
 )
-# (heading, width, the cell's text from a record)
+# (heading, width, the cell's text from a `Record`)
 _COLUMNS = (
-    ("method", 16, lambda r: r["method"]),
-    ("batch", 6, lambda r: str(r["batch"])),
-    ("tok/s", 9, lambda r: _rate(r["tokens_per_s"])),
-    ("min-max", 14, lambda r: f"{_rate(r['tokens_per_s_min'])}-{_rate(r['tokens_per_s_max'])}"),
-    ("step ms", 9, lambda r: _ms(r["step_s"])),
-    ("bound ms", 9, lambda r: _ms(r["bound_step_s"])),
-    ("limit", 11, lambda r: r["bound_limit"]),
-    ("step/bound", 11, lambda r: _number(r["step_over_bound"], ".2f")),
-    ("plan ms", 9, lambda r: _ms(r.get("predicted_step_s"))),
-    ("plan/step", 10, lambda r: _number(r.get("predicted_over_step"), ".2f")),
-    ("offloaded", 11, lambda r: format_bytes(r["offloaded_bytes"])),
-    ("moved/fwd", 11, lambda r: format_bytes(r["moved_bytes_per_forward"])),
-    ("GB/s", 7, lambda r: f"{r['achieved_gb_per_s']:.2f}"),
-    ("stall ms", 9, lambda r: _ms(r["stall_s_per_step"])),
-    ("peak dev", 11, lambda r: _bytes(r["peak_device_bytes"])),
-    ("peak RSS", 11, lambda r: format_bytes(r["peak_rss_bytes"])),
-    ("same", 5, lambda r: "yes" if r["same_tokens"] else "NO"),
+    ("method", 16, lambda r: r.method),
+    ("batch", 6, lambda r: str(r.batch)),
+    ("tok/s", 9, lambda r: _rate(r.tokens_per_s)),
+    ("min-max", 14, lambda r: f"{_rate(r.tokens_per_s_min)}-{_rate(r.tokens_per_s_max)}"),
+    ("step ms", 9, lambda r: _ms(r.step_s)),
+    ("bound ms", 9, lambda r: _ms(r.bound_step_s)),
+    ("limit", 11, lambda r: r.bound_limit),
+    ("step/bound", 11, lambda r: _number(r.step_over_bound, ".2f")),
+    ("plan ms", 9, lambda r: _ms(r.predicted_step_s)),
+    ("plan/step", 10, lambda r: _number(r.predicted_over_step, ".2f")),
+    ("offloaded", 11, lambda r: format_bytes(r.offloaded_bytes)),
+    ("moved/fwd", 11, lambda r: format_bytes(r.moved_bytes_per_forward)),
+    ("GB/s", 7, lambda r: f"{r.achieved_gb_per_s:.2f}"),
+    ("stall ms", 9, lambda r: _ms(r.stall_s_per_step)),
+    ("peak dev", 11, lambda r: _bytes(r.peak_device_bytes)),
+    ("peak RSS", 11, lambda r: format_bytes(r.peak_rss_bytes)),
+    ("same", 5, lambda r: "yes" if r.same_tokens else "NO"),
 )
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: BenchResult) -> str:
     """The result as lines of text: the workload, the limits, one row per method and
     batch, and the methods skipped with why."""
-    work = result["workload"]
+    work = result.workload
     lines = [
-        f"{work['model']} {work['dtype']} on {work['device']}: prompt {work['prompt_len']}, "
-        f"output {work['output_len']} tokens, {work['rounds']} round(s); "
-        f"weights {format_bytes(work['total_bytes'])}, {work['num_layers']} layers",
-        "limits: " + ", ".join(_limit(name, result["limits"][key]) for name, key in _LIMITS),
-        f"compute per step: {result['compute']['source']}; same tokens as "
-        f"{result['reference']}; tok/s = batch / median decode step; plan: the planner's "
+        f"{work.model} {work.dtype} on {work.device}: prompt {work.prompt_len}, "
+        f"output {work.output_len} tokens, {work.rounds} round(s); "
+        f"weights {format_bytes(work.total_bytes)}, {work.num_layers} layers",
+        "limits: " + ", ".join(_limit(name, getattr(result.limits, key)) for name, key in _LIMITS),
+        f"compute per step: {result.compute.source}; same tokens as "
+        f"{result.reference}; tok/s = batch / median decode step; plan: the planner's "
         f"step predicted from rates and compute measured before each run; plan/step: "
         f"the median over rounds of each run's",
         "".join(f"{heading:>{width}}" for heading, width, _ in _COLUMNS),
     ]
-    for row in result["records"]:
+    for row in result.records:
         lines.append("".join(f"{cell(row):>{width}}" for _, width, cell in _COLUMNS))
-    lines += [f"{name}: skipped, {why}" for name, why in result["skipped"].items()]
+    lines += [f"{name}: skipped, {why}" for name, why in result.skipped.items()]
     return "\n".join(lines + _planner_lines(result))
 
 
 PREDICTION_TOLERANCE = 0.15  # issue 16: the planner's step within 15% of the measured one
 
 
-def _planner_lines(result: dict[str, Any]) -> list[str]:
+def _planner_lines(result: BenchResult) -> list[str]:
     """How well the planner predicted, and the plan against the best hand setting."""
-    ratios = [r.get("predicted_over_step") for r in result["records"]]
+    ratios = [r.predicted_over_step for r in result.records]
     ratios = [ratio for ratio in ratios if ratio is not None]
     lines = []
     if ratios:
@@ -77,14 +78,14 @@ def _planner_lines(result: dict[str, Any]) -> list[str]:
             f"planner: predicted step within {PREDICTION_TOLERANCE:.0%} of the measured one "
             f"for {within} of {len(ratios)} (plan/step {min(ratios):.2f}-{max(ratios):.2f})"
         )
-    for row in result.get("plan_against_hand", []):
-        if row["best_hand"] is None:
+    for row in result.plan_against_hand:
+        if row.best_hand is None:
             continue
         lines.append(
-            f"plan at batch {row['batch']}: {_rate(row['plan_tokens_per_s'])} tok/s, "
-            f"{row['plan_over_best_hand']:.2f}x the best hand setting in its budget "
-            f"({row['best_hand']}, {_rate(row['best_hand_tokens_per_s'])} tok/s; "
-            f"median of the rounds' ratios{_spread(row.get('plan_over_best_hand_rounds'))})"
+            f"plan at batch {row.batch}: {_rate(row.plan_tokens_per_s)} tok/s, "
+            f"{row.plan_over_best_hand:.2f}x the best hand setting in its budget "
+            f"({row.best_hand}, {_rate(row.best_hand_tokens_per_s)} tok/s; "
+            f"median of the rounds' ratios{_spread(row.plan_over_best_hand_rounds)})"
         )
     return lines
 
@@ -93,11 +94,11 @@ def _spread(ratios: list[float] | None) -> str:
     return f", {min(ratios):.2f}-{max(ratios):.2f}" if ratios and len(ratios) > 1 else ""
 
 
-def save(result: dict[str, Any], folder: Path, err: TextIO | None = None) -> list[Path]:
+def save(result: BenchResult, folder: Path, err: TextIO | None = None) -> list[Path]:
     """The JSON (machine and date added) and, where matplotlib is installed, the PNG
     beside it; a one-line notice on `err` (stderr) when the PNG is skipped."""
-    device = torch.device(result["workload"]["device"])
-    path = save_json(folder, "bench", device, result)
+    device = torch.device(result.workload.device)
+    path = save_json(folder, "bench", device, result.to_dict())
     saved = [path]
     try:
         saved.append(plot(result, path.with_suffix(".png")))
@@ -109,7 +110,7 @@ def save(result: dict[str, Any], folder: Path, err: TextIO | None = None) -> lis
     return saved
 
 
-def plot(result: dict[str, Any], path: Path) -> Path:
+def plot(result: BenchResult, path: Path) -> Path:
     """Tokens/s against batch size, one line per method, its bound dashed in its colour.
     Drawn on a figure of its own (no pyplot: the caller's backend is left as it is)."""
     from matplotlib import ticker
@@ -117,24 +118,24 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
     figure = Figure(figsize=(8, 5))
     axes = figure.subplots()
-    for number, method in enumerate(dict.fromkeys(r["method"] for r in result["records"])):
-        rows = [r for r in result["records"] if r["method"] == method]
+    for number, method in enumerate(dict.fromkeys(r.method for r in result.records)):
+        rows: list[Record] = [r for r in result.records if r.method == method]
         colour = f"C{number % 10}"
         axes.plot(
-            [r["batch"] for r in rows],
-            [r["tokens_per_s"] for r in rows],
+            [r.batch for r in rows],
+            [r.tokens_per_s for r in rows],
             "o-",
             color=colour,
             label=method,
         )
-        bounded = [(r["batch"], r["bound_tokens_per_s"]) for r in rows if r["bound_tokens_per_s"]]
+        bounded = [(r.batch, r.bound_tokens_per_s) for r in rows if r.bound_tokens_per_s]
         if bounded and not _is_compute_reference(method, result):
             axes.plot(*zip(*bounded, strict=True), "--", color=colour, alpha=0.6)
-    work = result["workload"]
+    work = result.workload
     axes.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s")
-    axes.set_title(f"{work['model']} {work['dtype']} on {work['device']} (dashed: bound)")
+    axes.set_title(f"{work.model} {work.dtype} on {work.device} (dashed: bound)")
     axes.xaxis.set_minor_locator(ticker.NullLocator())
-    axes.set_xticks(work["batch_sizes"], [str(b) for b in work["batch_sizes"]])
+    axes.set_xticks(work.batch_sizes, [str(b) for b in work.batch_sizes])
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize="small")
     figure.tight_layout()
@@ -142,9 +143,9 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def _is_compute_reference(method: str, result: dict[str, Any]) -> bool:
+def _is_compute_reference(method: str, result: BenchResult) -> bool:
     """Resident's bound is its own step (it is the compute figure): no line of its own."""
-    return method == "resident" and result["compute"]["source"] == RESIDENT_COMPUTE
+    return method == "resident" and result.compute.source == RESIDENT_COMPUTE
 
 
 def _rate(per_s: float) -> str:

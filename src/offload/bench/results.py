@@ -1,10 +1,9 @@
-"""From measurements to the result: one record per method and batch size, with its bound,
-plus the workload, the machine's limits and where compute per step came from. The whole
-result is plain JSON, for the report and for a planner to read back."""
+"""From measurements to the result (`records.py`): one record per method and batch size,
+with its bound, plus the workload, the machine's limits and where compute per step came
+from."""
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +12,7 @@ from offload.bench.bound import bound_step, step_over_bound
 from offload.bench.catalog import METHODS
 from offload.bench.method import Method
 from offload.bench.planned import Planned
+from offload.bench.records import BenchResult, Compute, PlanAgainstHand, Record, RunWorkload
 from offload.bench.runner import Loaded, Measured, Sample, run_methods
 from offload.bench.workload import Prepared, Workload, prepare
 from offload.errors import ConfigError
@@ -26,7 +26,7 @@ def run_bench(
     workload: Workload,
     methods: Sequence[str | type[Method]] | None = None,
     progress: bool = True,
-) -> dict[str, Any]:
+) -> BenchResult:
     """Run `methods` (names from `METHODS` or Method classes; default: all) on `workload`
     and return the result (see `result`)."""
     chosen = [_method(m) for m in (methods or list(METHODS))]
@@ -43,28 +43,28 @@ def _method(method: str | type[Method]) -> type[Method]:
     return METHODS[method]
 
 
-def result(prepared: Prepared, measured: Measured) -> dict[str, Any]:
+def result(prepared: Prepared, measured: Measured) -> BenchResult:
     compute_s, source = compute_per_step(prepared, measured)
     links = measured.limits.link_gb_per_s()
     records = [
-        {
+        Record(
             **record(entry, batch, measured.samples[entry.method.name, batch], compute_s, links),
             **prediction(entry.method, batch, measured),
-        }
+        )
         for entry in measured.loaded
         for batch in prepared.workload.batch_sizes
     ]
     planner = measured.planner
-    return {
-        "plan_against_hand": plan_against_hand(measured, records),
-        "workload": workload_fields(prepared),
-        "limits": dataclasses.asdict(measured.limits),
-        "compute": {"source": source, "step_s": compute_s},
-        "planner": (dataclasses.asdict(planner.measurements(measured.limits)) if planner else None),
-        "reference": measured.reference,
-        "skipped": measured.skipped,
-        "records": records,
-    }
+    return BenchResult(
+        workload=workload_fields(prepared),
+        limits=measured.limits,
+        compute=Compute(source, compute_s),
+        planner=planner.measurements(measured.limits) if planner else None,
+        reference=measured.reference,
+        skipped=measured.skipped,
+        records=records,
+        plan_against_hand=plan_against_hand(measured, records),
+    )
 
 
 def compute_per_step(prepared: Prepared, measured: Measured) -> tuple[dict[int, float], str]:
@@ -174,7 +174,7 @@ def _bound(
     }
 
 
-def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def plan_against_hand(measured: Measured, records: list[Record]) -> list[PlanAgainstHand]:
     """Per batch, the plan's tokens/s beside the best of our hand settings that fit the
     plan's budgets (as the planner counts memory), and the plan's speed over the best's:
     the median over rounds of the two runs of the same round (a drift of the machine
@@ -195,7 +195,7 @@ def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list
             fitting.add(method.name)
     rows = []
     for batch in measured.planner.batch_sizes:
-        at = {r["method"]: r["tokens_per_s"] for r in records if r["batch"] == batch}
+        at = {r.method: r.tokens_per_s for r in records if r.batch == batch}
         best = max(sorted(fitting), key=at.__getitem__, default=None)
         ratios = []
         if best:
@@ -204,32 +204,32 @@ def plan_against_hand(measured: Measured, records: list[dict[str, Any]]) -> list
             )
             ratios = [hand / ours for hand, ours in zip(*rounds, strict=True)]
         rows.append(
-            {
-                "batch": batch,
-                "fitting": sorted(fitting),
-                "plan_tokens_per_s": at[planned[0].name],
-                "best_hand": best,
-                "best_hand_tokens_per_s": at[best] if best else None,
-                "plan_over_best_hand": statistics.median(ratios) if best else None,
-                "plan_over_best_hand_rounds": ratios,
-            }
+            PlanAgainstHand(
+                batch=batch,
+                fitting=sorted(fitting),
+                plan_tokens_per_s=at[planned[0].name],
+                best_hand=best,
+                best_hand_tokens_per_s=at[best] if best else None,
+                plan_over_best_hand=statistics.median(ratios) if best else None,
+                plan_over_best_hand_rounds=ratios,
+            )
         )
     return rows
 
 
-def workload_fields(prepared: Prepared) -> dict[str, Any]:
+def workload_fields(prepared: Prepared) -> RunWorkload:
     workload = prepared.workload
-    return {
-        "model": prepared.name,
-        "path": str(prepared.path),
-        "dtype": str(prepared.dtype).removeprefix("torch."),
-        "device": str(prepared.device),
-        "batch_sizes": list(workload.batch_sizes),
-        "prompt_len": workload.prompt_len,
-        "output_len": workload.output_len,
-        "rounds": workload.rounds,
-        "total_bytes": prepared.total_bytes,
-        "num_layers": len(prepared.layer_bytes),
-        "layer_bytes": prepared.layer_bytes,
-        "checkpoint_bytes": sum(path.stat().st_size for path in prepared.files),
-    }
+    return RunWorkload(
+        model=prepared.name,
+        path=str(prepared.path),
+        dtype=str(prepared.dtype).removeprefix("torch."),
+        device=str(prepared.device),
+        batch_sizes=list(workload.batch_sizes),
+        prompt_len=workload.prompt_len,
+        output_len=workload.output_len,
+        rounds=workload.rounds,
+        total_bytes=prepared.total_bytes,
+        num_layers=len(prepared.layer_bytes),
+        layer_bytes=prepared.layer_bytes,
+        checkpoint_bytes=sum(path.stat().st_size for path in prepared.files),
+    )
