@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+from small_probes import SMALL_PROBES
 
 from offload.bench import Workload, report, run_bench
 from offload.bench.ours import PrefetchAll, Resident
@@ -112,7 +113,9 @@ def result(tiny_llama_path):
         output_len=3,
         rounds=ROUNDS,
     )
-    return run_bench(workload, [*NAMED, FailingPeer, ShiftedHead], progress=False)
+    return run_bench(
+        workload, [*NAMED, FailingPeer, ShiftedHead], progress=False, settings=SMALL_PROBES
+    )
 
 
 def fields_of(record) -> set[str]:
@@ -206,8 +209,8 @@ def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_lla
     cores; the mapped disk tier costs nothing; O_DIRECT reads of these small layers hide
     behind compute."""
     prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=BATCHES))
-    inputs = run_probes(prepared)
-    limits = measure_limits(prepared.device, prepared.files, layer_reads=inputs.layer_reads)
+    inputs = run_probes(prepared, SMALL_PROBES)
+    limits = measure_limits(prepared.device, prepared.files, SMALL_PROBES, inputs.layer_reads)
     shape = inputs.shape
     direct = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="direct")
     mapped = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="mmap")
@@ -236,8 +239,8 @@ def test_bench_times_compute_as_its_methods_decode_and_rates_around_each_run(
     from offload.bench import predict
 
     prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=(2,)))
-    inputs = run_probes(prepared)
-    limits = measure_limits(prepared.device, prepared.files, layer_reads=inputs.layer_reads)
+    inputs = run_probes(prepared, SMALL_PROBES)
+    limits = measure_limits(prepared.device, prepared.files, SMALL_PROBES, inputs.layer_reads)
     calls = []
     decode = predict.greedy_decode
     monkeypatch.setattr(
@@ -302,14 +305,14 @@ def test_a_failing_peer_is_skipped_with_why_and_ours_are_not(result, tiny_llama_
     }
     workload = Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), rounds=1)
     with pytest.raises(RuntimeError, match="our bug"):
-        run_bench(workload, ["resident", FailingOurs], progress=False)
+        run_bench(workload, ["resident", FailingOurs], progress=False, settings=SMALL_PROBES)
 
 
 def test_without_resident_compute_is_estimated_and_ours_are_the_reference(tiny_llama_path):
     workload = Workload(
         model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), output_len=2, rounds=1
     )
-    result = run_bench(workload, ["prefetch-half"], progress=False)
+    result = run_bench(workload, ["prefetch-half"], progress=False, settings=SMALL_PROBES)
     assert result.reference == "prefetch-half"
     assert result.compute.source == ESTIMATED_COMPUTE
     [row] = result.records
@@ -320,6 +323,6 @@ def test_diffusers_is_skipped_on_a_cpu_with_why(tiny_llama_path):
     workload = Workload(
         model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), output_len=2, rounds=1
     )
-    result = run_bench(workload, ["resident", "diffusers"], progress=False)
+    result = run_bench(workload, ["resident", "diffusers"], progress=False, settings=SMALL_PROBES)
     assert "needs a CUDA device" in result.skipped["diffusers"]
     assert [row.method for row in result.records] == ["resident"]

@@ -17,6 +17,7 @@ from offload.bench.runner import Loaded, Measured, Sample, run_methods
 from offload.bench.workload import Prepared, Workload, prepare
 from offload.errors import ConfigError
 from offload.planner.choose import evaluate
+from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 
 RESIDENT_COMPUTE = "resident step"
 ESTIMATED_COMPUTE = "the planner's compute probe (the model cut to 2 layers, random weights)"
@@ -26,12 +27,15 @@ def run_bench(
     workload: Workload,
     methods: Sequence[str | type[Method]] | None = None,
     progress: bool = True,
+    settings: MeasureSettings = DEFAULT_SETTINGS,
 ) -> BenchResult:
     """Run `methods` (names from `METHODS` or Method classes; default: all) on `workload`
-    and return the result (see `result`)."""
+    and return the result (see `result`); `settings`: how much the probes of the machine
+    move and how often they repeat."""
     chosen = [_method(m) for m in (methods or list(METHODS))]
     prepared = prepare(workload)
-    measured = run_methods(prepared, [method(prepared) for method in chosen], progress)
+    loaded = [method(prepared) for method in chosen]
+    measured = run_methods(prepared, loaded, progress, settings)
     return result(prepared, measured)
 
 

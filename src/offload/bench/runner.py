@@ -22,6 +22,7 @@ from offload.errors import ModelError
 from offload.probes.around import RunProbes
 from offload.probes.host import process_memory_bytes, reset_peak_rss
 from offload.probes.limits import Limits, measure_disk, measure_limits, measure_memcpy
+from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 
 T = TypeVar("T")
 
@@ -67,13 +68,19 @@ class Measured:
     planner: RunProbes | None = None  # None: the planner cannot time this model
 
 
-def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = True) -> Measured:
-    """Measure the machine, load every method, warm up and time them; the methods are
-    closed at the end whatever happens. A method that cannot run here, or a peer that
-    fails to load or in its warm-up, is skipped with why (our own failures are raised)."""
-    planner, why = _planner_inputs(prepared)
+def run_methods(
+    prepared: Prepared,
+    methods: Sequence[Method],
+    progress: bool = True,
+    settings: MeasureSettings = DEFAULT_SETTINGS,
+) -> Measured:
+    """Measure the machine (`settings`: how much the probes move), load every method, warm
+    up and time them; the methods are closed at the end whatever happens. A method that
+    cannot run here, or a peer that fails to load or in its warm-up, is skipped with why
+    (our own failures are raised)."""
+    planner, why = _planner_inputs(prepared, settings)
     reads = planner.layer_reads if planner is not None else None
-    limits = measure_limits(prepared.device, prepared.files, layer_reads=reads)
+    limits = measure_limits(prepared.device, prepared.files, settings, layer_reads=reads)
     if why:
         limits.notes["planner"] = why
     loaded: list[Loaded] = []
@@ -95,8 +102,10 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
                 loaded,
                 samples,
                 bar,
-                lambda: _between_rounds(prepared, limits, planner),
-                lambda method, batch: _around_run(prepared, limits, planner, method, batch),
+                lambda: _between_rounds(prepared, limits, planner, settings),
+                lambda method, batch: _around_run(
+                    prepared, limits, planner, settings, method, batch
+                ),
             )
     finally:
         for entry in loaded:
@@ -106,20 +115,22 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
     return Measured(limits, loaded, skipped, reference, samples, planner)
 
 
-def _planner_inputs(prepared: Prepared) -> tuple[RunProbes | None, str]:
+def _planner_inputs(prepared: Prepared, settings: MeasureSettings) -> tuple[RunProbes | None, str]:
     """The planner's view of the model, or None and why."""
     try:
-        return run_probes(prepared), ""
+        return run_probes(prepared, settings), ""
     except ModelError as error:
         return None, f"no prediction: {error}"
 
 
-def _between_rounds(prepared: Prepared, limits: Limits, planner: RunProbes | None) -> None:
+def _between_rounds(
+    prepared: Prepared, limits: Limits, planner: RunProbes | None, settings: MeasureSettings
+) -> None:
     """Before each round, the figures that drift: the memory copy's and the disk's rates,
     and compute per step."""
-    measure_memcpy(limits)
+    measure_memcpy(limits, settings)
     reads = planner.layer_reads if planner is not None else None
-    measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
+    measure_disk(limits, prepared.files, prepared.device, settings, layer_reads=reads)
     if planner is not None:
         planner.time_compute()
 
@@ -128,6 +139,7 @@ def _around_run(
     prepared: Prepared,
     limits: Limits,
     planner: RunProbes | None,
+    settings: MeasureSettings,
     method: Method,
     batch: int,
 ) -> Callable[[], float | None]:
@@ -142,7 +154,7 @@ def _around_run(
 
     def measure_rates() -> None:
         if method.reads_disk:
-            measure_disk(limits, prepared.files, prepared.device, layer_reads=reads)
+            measure_disk(limits, prepared.files, prepared.device, settings, layer_reads=reads)
         if copies:
             planner.measure_copies(limits, batch)
 

@@ -32,7 +32,8 @@ from offload.planner.plan import (
     make_plan,
 )
 from offload.planner.shape import shape_of
-from offload.probes.measure import MeasureSettings, measure
+from offload.probes.measure import measure
+from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 
 
 def wants_plan(config: OffloadConfig) -> bool:
@@ -144,7 +145,7 @@ def plan_for(
     gpu_memory_utilization: float = 0.9,
     remeasure: bool = False,
     trust_remote_code: bool = False,
-    settings: MeasureSettings = MeasureSettings(),  # noqa: B008 - frozen, never mutated
+    settings: MeasureSettings = DEFAULT_SETTINGS,
 ) -> Plan:
     """Plan how to run `model` (a folder, a Hugging Face id, a shipped shape such as
     "llama-3-8b", or None: the default model) on `device`: measure this machine (once,

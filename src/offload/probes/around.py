@@ -24,10 +24,8 @@ from offload.probes import link
 from offload.probes.compute import DecodeTimer, ForwardCopies, StepTimer
 from offload.probes.limits import TIER_WAY, Limits
 from offload.probes.measure import checkpoint_reads, record
+from offload.probes.settings import MeasureSettings
 
-_UVA_PROBE_BYTES = 256 * 2**20
-# Compute timed before each run: two pairs of steps (the warm-ups were each round's),
-# medians over the rounds.
 _PAIRED_REPEATS = 2
 _RATE_WINDOW = 3  # a rate around a run: the median of its last measurements
 _COPY_REPEATS = 3  # decode steps of the streamed cut model per measurement of its copies
@@ -41,6 +39,7 @@ class RunProbes:
     path: Path
     device: torch.device
     batch_sizes: list[int]  # timed before each round
+    settings: MeasureSettings  # how much the probes move, how often they repeat
     shape: ModelShape
     timer: DecodeTimer
     layer_reads: list | None  # the disk tier's reads, layer by layer (None: files in order)
@@ -58,25 +57,29 @@ class RunProbes:
         context_len: int,
         batch_sizes: list[int],
         step_timer: StepTimer,
+        settings: MeasureSettings,
     ) -> RunProbes:
         shape = shape_of(build_empty(path, dtype), context_len)
         timer = DecodeTimer(path, shape, device, context_len, step_timer=step_timer)
-        uva = link.uva_gb_per_s(device, _UVA_PROBE_BYTES, 1, 3)
+        uva = link.uva_gb_per_s(device, settings.copy_bytes, 1, 3)
         reads = checkpoint_reads(path, shape.stack_name)
-        return cls(path, device, list(batch_sizes), shape, timer, reads, uva)
+        return cls(path, device, list(batch_sizes), settings, shape, timer, reads, uva)
 
     def time_compute(
-        self, batches: list[int] | None = None, warmup: int = 1, repeats: int = 5
+        self, batches: list[int] | None = None, warmup: int = 1, repeats: int | None = None
     ) -> None:
-        """Time compute at `batches` (default: every batch size) and keep the figures."""
+        """Time compute at `batches` (default: every batch size; `repeats` default: the
+        settings') and keep the figures."""
         batches = list(batches or self.batch_sizes)
+        repeats = repeats or self.settings.repeats
         layer_s, head_s = self.timer.time(batches, warmup=warmup, repeats=repeats)
         for batch, layer, head in zip(batches, layer_s, head_s, strict=True):
             self.layer_s.setdefault(batch, []).append(layer)
             self.head_s.setdefault(batch, []).append(head)
 
     def time_now(self, batch: int) -> None:
-        """Time compute at `batch` now, just before a run it is set against."""
+        """Time compute at `batch` now, just before a run it is set against: two pairs of
+        steps (the warm-ups were each round's); medians over the rounds."""
         self.time_compute([batch], warmup=0, repeats=_PAIRED_REPEATS)
 
     def step_s(self) -> dict[int, float]:

@@ -18,9 +18,8 @@ from offload.memory.disk_reader import CHUNK_BYTES
 from offload.memory.host import meminfo_bytes
 from offload.probes import disk, link
 from offload.probes.disk import cached_read_gb_per_s, first_files
+from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 
-COPY_BYTES = 256 * 2**20  # large enough to leave the CPU caches far behind
-READ_BYTES = 2**30  # at most this much of the checkpoint is read per way of reading
 TIER_WAY = f"{OffloadConfig().disk.io_threads} threads, {CHUNK_BYTES // 2**20} MiB reads"
 SEQUENTIAL_WAY = "1 thread, 16 MiB reads"
 
@@ -78,19 +77,22 @@ class Limits:
 def measure_limits(
     device: torch.device,
     files: list[Path],
-    copy_bytes: int = COPY_BYTES,
-    read_bytes: int = READ_BYTES,
+    settings: MeasureSettings = DEFAULT_SETTINGS,
     layer_reads: list[tuple[Extent, ...]] | None = None,
 ) -> Limits:
+    """The limits, each measured once (`settings`: how much each probe moves; at most
+    `disk_bytes` of the checkpoint is read per way of reading)."""
     limits = Limits(
         memcpy_gb_per_s=0.0,
         host_memory_bytes=meminfo_bytes("MemTotal") or 0,
         host_available_bytes=meminfo_bytes("MemAvailable") or 0,
     )
-    measure_memcpy(limits, copy_bytes)
+    copy_bytes = settings.copy_bytes
+    measure_memcpy(limits, settings)
     if files:
-        measure_disk(limits, files, device, read_bytes, layer_reads)
-        limits.page_cache_read_gb_per_s = cached_read_gb_per_s(first_files(files, read_bytes))
+        measure_disk(limits, files, device, settings, layer_reads)
+        chosen = first_files(files, settings.disk_bytes)
+        limits.page_cache_read_gb_per_s = cached_read_gb_per_s(chosen)
     else:
         limits.notes["disk"] = "no checkpoint files to read"
     if device.type == "cuda":
@@ -100,9 +102,10 @@ def measure_limits(
     return limits
 
 
-def measure_memcpy(limits: Limits, copy_bytes: int = COPY_BYTES) -> None:
+def measure_memcpy(limits: Limits, settings: MeasureSettings) -> None:
     """One more measurement of the memory copy (it drifts as the disk does)."""
-    limits.memcpy_samples_gb_per_s.append(_copy_gb_per_s(torch.device("cpu"), copy_bytes))
+    cpu = torch.device("cpu")
+    limits.memcpy_samples_gb_per_s.append(_copy_gb_per_s(cpu, settings.copy_bytes))
     limits.memcpy_gb_per_s = statistics.median(limits.memcpy_samples_gb_per_s)
 
 
@@ -116,10 +119,10 @@ def measure_disk(
     limits: Limits,
     files: list[Path],
     device: torch.device,
-    read_bytes: int = READ_BYTES,
+    settings: MeasureSettings,
     layer_reads: list[tuple[Extent, ...]] | None = None,
 ) -> None:
-    """Measure the disk's O_DIRECT bandwidth over the first `read_bytes` of `files` two
+    """Measure the disk's O_DIRECT bandwidth over the first `disk_bytes` of `files` two
     ways: one thread of 16 MiB reads in file order, and the disk tier's way (its reader,
     threads and read size, the layers in the order they run: `layer_reads`, see
     `probes.layer_reads`); and the tier's way again with the CPU computing beside (where
@@ -128,6 +131,7 @@ def measure_disk(
     if not files or "disk" in limits.notes:  # nothing to read, or O_DIRECT refused
         return
     threads = OffloadConfig().disk.io_threads
+    read_bytes = settings.disk_bytes
     chosen = first_files(files, read_bytes)
     try:
         # O_DIRECT reads drop the files' cached pages: those cached before are read back

@@ -6,14 +6,12 @@ workload; `remeasure=True` measures again and replaces the cached file."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import gc
 import hashlib
 import json
 import os
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,37 +25,12 @@ from offload.planner.shape import ModelShape
 from offload.probes import disk, link
 from offload.probes.compute import ForwardCopies, time_decode
 from offload.probes.host import machine_name, software
-from offload.sizes import GIB, MIB
+from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
+from offload.sizes import MIB
 
 # Raised whenever a probe measures differently, so that figures cached by the old one are
 # not read back (its history is in docs/design.md).
 PROBES_VERSION = 3
-
-
-@dataclass(frozen=True)
-class MeasureSettings:
-    """How much each probe moves: bytes copied per link sample, at most `disk_bytes` of
-    the checkpoint read in each of `disk_passes` passes (a `probe_file_bytes` file written
-    and read where there is no checkpoint), and the untimed and timed repeats of the
-    other figures. Each figure is the median of its samples."""
-
-    copy_bytes: int = 256 * MIB
-    disk_bytes: int = GIB
-    probe_file_bytes: int = 256 * MIB
-    disk_passes: int = 3  # a virtual disk's rate varies from one pass to the next
-    warmup: int = 2
-    repeats: int = 5
-    # The device memory the probes may take on a GPU (None: no limit): a quarter of it for
-    # a link copy, half for the cut models that time compute.
-    max_device_bytes: int | None = None
-
-    def on(self, device: torch.device) -> MeasureSettings:
-        """These settings with the copy sized to fit `max_device_bytes` on a GPU."""
-        if device.type != "cuda" or self.max_device_bytes is None:
-            return self
-        return dataclasses.replace(
-            self, copy_bytes=max(MIB, min(self.copy_bytes, self.max_device_bytes // 4))
-        )
 
 
 def cache_key_of(measured: Measurements) -> str:
@@ -115,7 +88,7 @@ def measure(
     context_len: int,
     *,
     remeasure: bool = False,
-    settings: MeasureSettings = MeasureSettings(),
+    settings: MeasureSettings = DEFAULT_SETTINGS,
     trust_remote_code: bool = False,
 ) -> Measured:
     """The measurements for this machine and workload: from the cache, or measured now
