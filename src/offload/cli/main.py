@@ -10,6 +10,8 @@ from importlib import metadata
 
 from offload.cli.defaults import QUESTION
 from offload.config import OffloadConfig, add_cli_args
+from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
+from offload.config.validate import integer
 from offload.errors import OffloadError
 
 
@@ -206,10 +208,15 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     batch = plan.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=int, help="plan for this batch size only")
     batch.add_argument(
-        "--max-batch", type=int, default=64, help="weigh batch sizes 1, 2, 4, ... up to this"
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="weigh batch sizes 1, 2, 4, ... up to this",
     )
     plan.add_argument(
-        "--context-len", type=int, help="positions each sequence's KV cache holds (default: 1024)"
+        "--context-len",
+        type=int,
+        help=f"positions each sequence's KV cache holds (default: {DEFAULT_CONTEXT_LEN})",
     )
     plan.add_argument(
         "--cpu-memory-gb",
@@ -242,7 +249,7 @@ def _budget_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
+        default=GPU_MEMORY_UTILIZATION,
         help="share of the device's memory that weights, KV cache and activations may use",
     )
     parser.add_argument(
@@ -298,8 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from offload.cli.demo import run_demo
 
-    if args.max_tokens < 1:
-        raise OffloadError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    integer("--max-tokens", args.max_tokens, 1, what=">= 1")
     from offload.memory.device import check_device
 
     config = OffloadConfig.from_cli_args(args)

@@ -14,6 +14,7 @@ from torch import nn
 
 from offload.api import plan
 from offload.config import OffloadConfig
+from offload.config.validate import gib, integer, real
 from offload.engine.kv_cache import KV_SLOTS
 from offload.engine.kv_shape import kv_shape_of
 from offload.errors import ConfigError, ModelError
@@ -79,20 +80,25 @@ def measure(model: nn.Module, max_model_len: int, chunk_tokens: int | None = Non
     )
 
 
+def check_budget_args(
+    gpu_memory_utilization: object, device_memory_gb: object
+) -> tuple[float, float | None]:
+    """The device budget's two settings, checked: a share of the device's memory in
+    (0, 1], and the GiB of an emulated device (None: the real one)."""
+    share = real("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True, finite=True)
+    if device_memory_gb is None:
+        return share, None
+    what = "a positive, finite number of GiB"
+    return share, gib("device_memory_gb", device_memory_gb, low_open=True, what=what)
+
+
 def device_budget(
     device: torch.device, gpu_memory_utilization: float, device_memory_gb: float | None
 ) -> int:
     """Bytes the model may use on `device`: `gpu_memory_utilization` of the device's
     memory (`device_memory_gb` emulates a smaller device, e.g. on the CPU)."""
+    share, device_memory_gb = check_budget_args(gpu_memory_utilization, device_memory_gb)
     if device_memory_gb is not None:
-        if (
-            isinstance(device_memory_gb, bool)
-            or not isinstance(device_memory_gb, int | float)
-            or not 0 < device_memory_gb < math.inf
-        ):
-            raise ConfigError(
-                f"device_memory_gb must be a positive, finite number of GiB, got {device_memory_gb!r}"
-            )
         total = device_memory_gb * _GIB
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
@@ -101,7 +107,7 @@ def device_budget(
         total *= get_fraction(device) if get_fraction is not None else 1.0
     else:
         total = meminfo_bytes("MemTotal") or 2**63
-    return int(total * gpu_memory_utilization)
+    return int(total * share)
 
 
 def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:
@@ -169,6 +175,16 @@ def plan_fit(
     return config, planned.offloaded_bytes
 
 
+def model_len_limit(hf_config) -> int:
+    """The most positions a model takes: its config's, else 2048."""
+    return getattr(hf_config, "max_position_embeddings", None) or 2048
+
+
+def checked_context_len(name: str, value: object, limit: int) -> int:
+    """A context length (`max_model_len`, `context_len`) the model takes: in [1, `limit`]."""
+    return integer(name, value, 1, limit, what=f"in [1, {limit}] for this model")
+
+
 class MemoryPlan(NamedTuple):
     """What `plan_memory` settled: the context length, the device bytes it needs, the
     config (cpu_offload_gb='auto' resolved) and whether a planner ranked configs for it."""
@@ -197,11 +213,9 @@ def plan_memory(
     None is the model's own limit. `planned`, given the context length, ranks configs to
     run instead of `config` (the planner's, fastest first): the first that fits is run,
     and `config` where none does."""
-    limit = getattr(empty.config, "max_position_embeddings", None) or 2048
-    if max_model_len is not None and not 0 < max_model_len <= limit:
-        raise ConfigError(
-            f"max_model_len must be in [1, {limit}] for this model, got {max_model_len}"
-        )
+    limit = model_len_limit(empty.config)
+    if max_model_len is not None:
+        max_model_len = checked_context_len("max_model_len", max_model_len, limit)
     max_model_len = max_model_len or limit
     budget_bytes = device_budget(device, gpu_memory_utilization, device_memory_gb)
     needs = measure(empty, max_model_len, max_num_batched_tokens)
@@ -228,11 +242,11 @@ def first_fit(
     return plan_fit(empty, configs[-1], needs, budget, device, kv_offload)
 
 
-def check_swap_space(swap_space: float) -> int:
-    """`swap_space` GiB as bytes, refused (before anything is allocated) when negative
-    or larger than the RAM available now."""
-    if isinstance(swap_space, bool) or not isinstance(swap_space, int | float):
-        raise ConfigError(f"swap_space must be a number of GiB, got {swap_space!r}")
+def check_swap_space(swap_space: object) -> int:
+    """`swap_space` GiB as bytes, refused (before anything is allocated) when not a finite
+    number, negative or larger than the RAM available now."""
+    what = "a number of GiB (finite, >= 0)"  # the range is the RAM's, said below
+    swap_space = gib("swap_space", swap_space, -math.inf, what=what)
     available = available_ram_bytes()
     if not 0 <= swap_space * _GIB <= available:
         raise ConfigError(
