@@ -20,8 +20,8 @@ from offload.engine.kv_shape import kv_shape_of
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import available_ram_bytes, meminfo_bytes
 from offload.offloader.layers import find_layer_stacks
+from offload.sizes import GIB
 
-_GIB = 1024**3
 _MARGIN_BYTES = 64 * 2**20  # allocator slack, small kernels' workspaces
 
 
@@ -99,7 +99,7 @@ def device_budget(
     memory (`device_memory_gb` emulates a smaller device, e.g. on the CPU)."""
     share, device_memory_gb = check_budget_args(gpu_memory_utilization, device_memory_gb)
     if device_memory_gb is not None:
-        total = device_memory_gb * _GIB
+        total = device_memory_gb * GIB
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # A cap set with torch.cuda.set_per_process_memory_fraction is a smaller device.
@@ -120,7 +120,7 @@ def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:
     # asking for `excess` therefore offloads at least `excess`.
     if excess > needs.layer_stack:
         return None
-    return math.ceil(excess / _GIB * 100) / 100
+    return math.ceil(excess / GIB * 100) / 100
 
 
 def check_fit(
@@ -131,9 +131,9 @@ def check_fit(
     if need <= budget:
         return
     numbers = (
-        f"needs {need / _GIB:.2f} GiB on the device (weights {resident_weights / _GIB:.2f}, "
-        f"KV cache {needs.kv_cache / _GIB:.2f}, activations {needs.activations / _GIB:.2f}) "
-        f"but the budget is {budget / _GIB:.2f} GiB"
+        f"needs {need / GIB:.2f} GiB on the device (weights {resident_weights / GIB:.2f}, "
+        f"KV cache {needs.kv_cache / GIB:.2f}, activations {needs.activations / GIB:.2f}) "
+        f"but the budget is {budget / GIB:.2f} GiB"
     )
     smallest = smallest_offload_gb(needs, budget)
     kv_fix = (
@@ -151,7 +151,7 @@ def check_fit(
     raise ModelError(
         f"the model does not fit: it {numbers}; --cpu-offload-gb {smallest:.2f} (or "
         f"cpu_offload_gb='auto') makes it fit, as would --offload-group-size 1 "
-        f"--offload-prefetch-step 2 if {2 * needs.largest_layer / _GIB:.2f} GiB of staging "
+        f"--offload-prefetch-step 2 if {2 * needs.largest_layer / GIB:.2f} GiB of staging "
         f"fits{kv_fix}"
     )
 
@@ -248,12 +248,12 @@ def check_swap_space(swap_space: object) -> int:
     what = "a number of GiB (finite, >= 0)"  # the range is the RAM's, said below
     swap_space = gib("swap_space", swap_space, -math.inf, what=what)
     available = available_ram_bytes()
-    if not 0 <= swap_space * _GIB <= available:
+    if not 0 <= swap_space * GIB <= available:
         raise ConfigError(
             f"swap_space={swap_space:g} GiB is not possible: it must be between 0 and the "
-            f"{available / _GIB:.2f} GiB of RAM available now"
+            f"{available / GIB:.2f} GiB of RAM available now"
         )
-    return int(swap_space * _GIB)
+    return int(swap_space * GIB)
 
 
 def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
@@ -262,7 +262,7 @@ def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
     available = available_ram_bytes()
     if swap_space_bytes and swap_space_bytes + offloaded_weight_bytes > available:
         raise ConfigError(
-            f"swap_space={swap_space_bytes / _GIB:g} GiB plus the "
-            f"{offloaded_weight_bytes / _GIB:.2f} GiB of offloaded weights is more than the "
-            f"{available / _GIB:.2f} GiB of RAM available now; lower swap_space or offload less"
+            f"swap_space={swap_space_bytes / GIB:g} GiB plus the "
+            f"{offloaded_weight_bytes / GIB:.2f} GiB of offloaded weights is more than the "
+            f"{available / GIB:.2f} GiB of RAM available now; lower swap_space or offload less"
         )
