@@ -15,5 +15,10 @@ class ModelError(OffloadError, ValueError):
 
 def shown(value: object) -> str:
     """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an int of more digits than Python writes out (10**5000)
+        if not isinstance(value, int):
+            raise
+        return f"an integer of {value.bit_length()} bits"
     return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"

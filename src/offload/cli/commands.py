@@ -26,7 +26,7 @@ from offload.model.configs import resolve
 from offload.model.default import default_model_path
 from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layer_stacks
-from offload.planner.fit import device_budget, kv_cache_bytes, plan_memory
+from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
 from offload.sizes import format_bytes, parameter_bytes
 
 # The `generate` flags that are SamplingParams fields of the same name.
@@ -224,7 +224,7 @@ def _what_fits(
 ) -> tuple[str, OffloadConfig]:
     """Whether `config` fits the device budget, and if not what would (no weights read);
     and the config with cpu_offload_gb='auto' resolved (by the planner, as `LLM` does)."""
-    limit = args.max_model_len or getattr(model.config, "max_position_embeddings", None) or 2048
+    limit = args.max_model_len or model_len_limit(model.config)
     budget = device_budget(device, args.gpu_memory_utilization, args.device_memory_gb)
     where = f"{device} budget {format_bytes(budget)} (max_model_len {limit})"
     planned = planner_for(

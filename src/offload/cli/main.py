@@ -9,7 +9,10 @@ from collections.abc import Sequence
 from importlib import metadata
 
 from offload.cli.defaults import QUESTION
+from offload.cli.options import DEVICE_HELP, SAMPLING_FLAGS, add_budget_flags, add_device_flags
 from offload.config import OffloadConfig, add_cli_args
+from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH
+from offload.config.validate import integer
 from offload.errors import OffloadError
 
 
@@ -69,7 +72,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--prompt", default=QUESTION, help="the user message (chat template applied)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
-    demo.add_argument("--device", default="auto", help=_DEVICE_HELP)
+    demo.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_cli_args(demo)
 
 
@@ -93,7 +96,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--chat", action="store_true", help="apply the chat template to the prompts"
     )
     generate.add_argument("--max-tokens", type=int, default=64, help="new tokens at most")
-    for flag, kind, default, text in _SAMPLING_FLAGS:
+    for flag, kind, default, text in SAMPLING_FLAGS:
         generate.add_argument(flag, type=kind, default=default, help=text)
     generate.add_argument("--seed", type=int, help="make sampling reproducible")
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
@@ -104,14 +107,14 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens", type=int, help="prefill prompts in chunks of this many tokens"
     )
     _run_flags(generate)
-    _device_flags(generate)
+    add_device_flags(generate)
     add_cli_args(generate)
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
     """How `generate` runs: offloading off, memory budgets, the KV cache's place, output."""
     parser.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
-    _budget_flags(parser)
+    add_budget_flags(parser)
     parser.add_argument(
         "--swap-space",
         type=float,
@@ -148,8 +151,8 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
     inspect.add_argument(
         "--max-model-len", type=int, help="positions the KV cache holds (default: the model's)"
     )
-    _budget_flags(inspect)
-    _device_flags(inspect)
+    add_budget_flags(inspect)
+    add_device_flags(inspect)
     add_cli_args(inspect)
 
 
@@ -173,7 +176,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         choices=("auto", "float32", "bfloat16", "float16"),
         help="weights' dtype (auto: the checkpoint's)",
     )
-    bench.add_argument("--device", default="auto", help=_DEVICE_HELP)
+    bench.add_argument("--device", default="auto", help=DEVICE_HELP)
     bench.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts decoded at once"
     )
@@ -206,10 +209,15 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     batch = plan.add_mutually_exclusive_group()
     batch.add_argument("--batch-size", type=int, help="plan for this batch size only")
     batch.add_argument(
-        "--max-batch", type=int, default=64, help="weigh batch sizes 1, 2, 4, ... up to this"
+        "--max-batch",
+        type=int,
+        default=DEFAULT_MAX_BATCH,
+        help="weigh batch sizes 1, 2, 4, ... up to this",
     )
     plan.add_argument(
-        "--context-len", type=int, help="positions each sequence's KV cache holds (default: 1024)"
+        "--context-len",
+        type=int,
+        help=f"positions each sequence's KV cache holds (default: {DEFAULT_CONTEXT_LEN})",
     )
     plan.add_argument(
         "--cpu-memory-gb",
@@ -221,50 +229,8 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--remeasure", action="store_true", help="measure again instead of using the cache"
     )
-    _budget_flags(plan)
-    _device_flags(plan)
-
-
-# The sampling flags of `generate` with a default: (flag, type, default, help).
-_SAMPLING_FLAGS = (
-    ("--temperature", float, 0.0, "0: greedy"),
-    ("--top-p", float, 1.0, "sample from this much probability mass"),
-    ("--top-k", int, 0, "sample from this many tokens (0: all)"),
-    ("--min-p", float, 0.0, "drop tokens below this share of the best"),
-    ("--repetition-penalty", float, 1.0, "> 1 discourages tokens seen in the prompt or output"),
-    ("--presence-penalty", float, 0.0, "in [-2, 2], once per generated token"),
-    ("--frequency-penalty", float, 0.0, "in [-2, 2], times how often a token was generated"),
-)
-_DEVICE_HELP = "compute device: auto (a GPU if one is usable, else the CPU), cpu, cuda, cuda:N"
-
-
-def _budget_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=0.9,
-        help="share of the device's memory that weights, KV cache and activations may use",
-    )
-    parser.add_argument(
-        "--device-memory-gb",
-        type=float,
-        help="pretend the device has this many GiB (to plan for a smaller GPU)",
-    )
-
-
-def _device_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help=_DEVICE_HELP)
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights' dtype (auto: the checkpoint's)",
-    )
-    parser.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="run the Python code a checkpoint ships (its auto_map); off: never run it",
-    )
+    add_budget_flags(plan)
+    add_device_flags(plan)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -298,8 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from offload.cli.demo import run_demo
 
-    if args.max_tokens < 1:
-        raise OffloadError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    integer("--max-tokens", args.max_tokens, 1, what=">= 1")
     from offload.memory.device import check_device
 
     config = OffloadConfig.from_cli_args(args)

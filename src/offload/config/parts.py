@@ -4,43 +4,16 @@ field, the value and what is allowed."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from offload.config.validate import flag, gib, whole_number
 from offload.errors import ConfigError, shown
 
 OffloadBackend = Literal["auto", "uva", "prefetch"]
 BACKENDS: tuple[str, ...] = ("auto", "uva", "prefetch")
 PREFETCH_UNITS = ("auto", "layer", "module")
-
-
-def _as_number(owner: str, name: str, value: Any, minimum: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ConfigError(f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range (10**400) is not finite
-        number = math.inf
-    except ValueError:
-        raise ConfigError(
-            f"{owner}.{name} must be a number >= {minimum}, got {shown(value)}"
-        ) from None
-    if not math.isfinite(number) or number < minimum:
-        raise ConfigError(
-            f"{owner}.{name} must be a finite number >= {minimum}, got {shown(value)}"
-        )
-    return number
-
-
-def _as_int(owner: str, name: str, value: Any, minimum: int) -> int:
-    number = _as_number(owner, name, value, minimum)
-    if isinstance(value, int):  # exact, not through float
-        return value
-    if number != int(number):
-        raise ConfigError(f"{owner}.{name} must be an integer >= {minimum}, got {shown(value)}")
-    return int(number)
 
 
 def _as_segments(owner: str, name: str, value: Any) -> set[str]:
@@ -69,9 +42,7 @@ def _as_segments(owner: str, name: str, value: Any) -> set[str]:
 
 
 def as_bool(owner: str, name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{owner}.{name} must be true or false, got {shown(value)}")
-    return value
+    return flag(f"{owner}.{name}", value, "true or false")
 
 
 @dataclass
@@ -90,7 +61,7 @@ class UVAOffloadConfig:
 
     def __post_init__(self) -> None:
         if self.cpu_offload_gb != "auto":  # "auto": the smallest amount that fits (see LLM)
-            self.cpu_offload_gb = _as_number("uva", "cpu_offload_gb", self.cpu_offload_gb, 0)
+            self.cpu_offload_gb = gib("uva.cpu_offload_gb", self.cpu_offload_gb, text=True)
         self.cpu_offload_params = _as_segments("uva", "cpu_offload_params", self.cpu_offload_params)
 
 
@@ -108,15 +79,16 @@ class PrefetchOffloadConfig:
     offload_params: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        owner = "prefetch"
-        self.offload_group_size = _as_int(owner, "offload_group_size", self.offload_group_size, 0)
-        self.offload_num_in_group = _as_int(
-            owner, "offload_num_in_group", self.offload_num_in_group, 1
+        self.offload_group_size = whole_number(
+            "prefetch.offload_group_size", self.offload_group_size, 0
         )
-        self.offload_prefetch_step = _as_int(
-            owner, "offload_prefetch_step", self.offload_prefetch_step, 0
+        self.offload_num_in_group = whole_number(
+            "prefetch.offload_num_in_group", self.offload_num_in_group, 1
         )
-        self.offload_params = _as_segments(owner, "offload_params", self.offload_params)
+        self.offload_prefetch_step = whole_number(
+            "prefetch.offload_prefetch_step", self.offload_prefetch_step, 0
+        )
+        self.offload_params = _as_segments("prefetch", "offload_params", self.offload_params)
 
 
 DISK_IO = ("auto", "direct", "page-cache", "mmap")
@@ -147,13 +119,13 @@ class DiskOffloadConfig:
     def __post_init__(self) -> None:
         owner = "disk"
         if self.cpu_memory_gb is not None:
-            self.cpu_memory_gb = _as_number(owner, "cpu_memory_gb", self.cpu_memory_gb, 0)
+            self.cpu_memory_gb = gib("disk.cpu_memory_gb", self.cpu_memory_gb, text=True)
         if self.offload_folder is not None and not isinstance(self.offload_folder, str):
             raise ConfigError(
                 f"{owner}.offload_folder must be a folder path, got {shown(self.offload_folder)}"
             )
-        self.read_ahead = _as_int(owner, "read_ahead", self.read_ahead, 1)
-        self.io_threads = _as_int(owner, "io_threads", self.io_threads, 1)
+        self.read_ahead = whole_number("disk.read_ahead", self.read_ahead, 1)
+        self.io_threads = whole_number("disk.io_threads", self.io_threads, 1)
         if self.disk_io not in DISK_IO:
             raise ConfigError(
                 f"{owner}.disk_io must be one of {', '.join(DISK_IO)}, got {shown(self.disk_io)}"

@@ -4,12 +4,13 @@ to stop. The sampler that reads them is `sampling.py`."""
 from __future__ import annotations
 
 import math
-import numbers
 import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from offload.config.limits import SEED_RANGE
+from offload.config.validate import flag, integer, real, refusal
 from offload.errors import ConfigError, shown
 
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below this is greedy decoding
@@ -18,47 +19,6 @@ GREEDY_EPS = 1e-5  # vLLM's: a temperature below this is greedy decoding
 MIN_TEMPERATURE = 1e-2
 MAX_TEMPERATURE = 2.0
 MAX_N = 16384  # vLLM's default VLLM_MAX_N_SEQUENCES
-
-
-def _number(
-    name: str,
-    value: object,
-    low: float,
-    high: float,
-    *,
-    low_open: bool = False,
-    high_open: bool = False,
-) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{name} must be a number, got {shown(value)}")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range (10**400) counts as infinite
-        number = math.inf if value > 0 else -math.inf
-    if math.isnan(number):
-        raise ConfigError(f"{name} must be a number, got {shown(value)}")
-    if (
-        number < low
-        or number > high
-        or (low_open and number == low)
-        or (high_open and number == high)
-    ):
-        bracket, close = "(" if low_open else "[", ")" if high_open else "]"
-        raise ConfigError(f"{name} must be in {bracket}{low}, {high}{close}, got {shown(value)}")
-    return number
-
-
-def _integer(name: str, value: object, low: int, high: float = math.inf) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        allowed = f">= {low}" if high == math.inf else f"in [{low}, {high}]"
-        raise ConfigError(f"{name} must be an integer {allowed}, got {shown(value)}")
-    return value
-
-
-def _flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ConfigError(f"{name} must be True or False, got {shown(value)}")
-    return value
 
 
 def _items(name: str, value: object, what: str) -> list:
@@ -117,17 +77,16 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.n = _integer("n", self.n, 1, MAX_N)
+        self.n = integer("n", self.n, 1, MAX_N)
         self._check_temperature()
-        self.top_p = _number("top_p", self.top_p, 0.0, 1.0, low_open=True)
-        self.top_k = _integer("top_k", self.top_k, -1)
-        self.min_p = _number("min_p", self.min_p, 0.0, 1.0)
+        self.top_p = real("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        self.top_k = integer("top_k", self.top_k, -1)
+        self.min_p = real("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            self.seed = _integer("seed", self.seed, -(2**63), 2**64 - 1)
+            self.seed = integer("seed", self.seed, *SEED_RANGE)
         if self.max_tokens is not None:
-            self.max_tokens = _integer("max_tokens", self.max_tokens, 1)
-        most = math.inf if self.max_tokens is None else self.max_tokens
-        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, most)
+            self.max_tokens = integer("max_tokens", self.max_tokens, 1)
+        self.min_tokens = integer("min_tokens", self.min_tokens, 0, self.max_tokens)
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         if stops is None:
             stops = []
@@ -138,19 +97,18 @@ class SamplingParams:
         self.stop_strings = tuple(stops)
         ids = [] if self.stop_token_ids is None else self.stop_token_ids
         ids = _items("stop_token_ids", ids, "token ids")
-        self.stop_token_ids = [_integer("stop_token_ids[]", i, 0) for i in ids]
+        self.stop_token_ids = [integer("stop_token_ids[]", i, 0) for i in ids]
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            setattr(self, name, _flag(name, getattr(self, name)))
+            setattr(self, name, flag(name, getattr(self, name)))
         self._check_logit_rules()
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
-                setattr(self, name, _integer(name, getattr(self, name), -1))
+                setattr(self, name, integer(name, getattr(self, name), -1))
         if self.truncate_prompt_tokens is not None:
             keep = self.truncate_prompt_tokens
-            if isinstance(keep, bool) or not isinstance(keep, int) or keep == 0 or keep < -1:
-                raise ConfigError(
-                    f"truncate_prompt_tokens must be an integer >= 1 or -1, got {shown(keep)}"
-                )
+            allowed = "an integer >= 1 or -1"
+            if integer("truncate_prompt_tokens", keep, -1, what=allowed) == 0:
+                raise refusal("truncate_prompt_tokens", keep, allowed)
         words = self.bad_words
         if words is not None and (
             isinstance(words, str)
@@ -164,7 +122,7 @@ class SamplingParams:
     def _check_temperature(self) -> None:
         """vLLM's range; a tiny temperature is raised (with a warning, as vLLM does) so
         the logits divided by it stay finite in float32."""
-        temperature = _number("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        temperature = real("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         if 0.0 < temperature < MIN_TEMPERATURE:
             warnings.warn(
                 f"temperature {temperature:g} is below {MIN_TEMPERATURE}, which may make the "
@@ -176,9 +134,9 @@ class SamplingParams:
         self.temperature = temperature
 
     def _check_logit_rules(self) -> None:
-        self.presence_penalty = _number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        self.repetition_penalty = _number(
+        self.presence_penalty = real("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = real("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = real(
             "repetition_penalty",
             self.repetition_penalty,
             0.0,
@@ -194,7 +152,7 @@ class SamplingParams:
             # Keys may be strings, as JSON has them; biases clamped as OpenAI's API does.
             self.logit_bias = {
                 _token_id("logit_bias", token): min(
-                    100.0, max(-100.0, _number("logit_bias[]", bias, -math.inf, math.inf))
+                    100.0, max(-100.0, real("logit_bias[]", bias, -math.inf, math.inf))
                 )
                 for token, bias in self.logit_bias.items()
             }
@@ -204,7 +162,7 @@ class SamplingParams:
                 raise ConfigError(
                     f"allowed_token_ids must be a non-empty list of token ids, got {shown(ids)}"
                 )
-            self.allowed_token_ids = [_integer("allowed_token_ids[]", i, 0) for i in ids]
+            self.allowed_token_ids = [integer("allowed_token_ids[]", i, 0) for i in ids]
 
     @property
     def is_greedy(self) -> bool:

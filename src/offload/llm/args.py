@@ -1,7 +1,6 @@
 """`LLM`'s arguments that need more than a type check: the offload settings (an
 `OffloadConfig`, or vLLM's flag names beside vLLM's arguments that change nothing
-here), whole-number limits, the kind of model, and the tokenizer that goes with a
-model directory."""
+here), the kind of model, and the tokenizer that goes with a model directory."""
 
 from __future__ import annotations
 
@@ -49,13 +48,6 @@ def offload_config_of(
     if offload_config is not None and flags:
         raise ConfigError("pass offload settings either as offload_config or as flags, not both")
     return as_config(offload_config if offload_config is not None else flags)
-
-
-def whole(name: str, value: object, low: int) -> int:
-    """`value`, refused unless an integer >= `low`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    return value
 
 
 def check_attention_model(empty: nn.Module) -> None:

@@ -17,20 +17,14 @@ import torch
 from torch import nn
 
 from offload.config import DISK_IO, OffloadConfig
-from offload.errors import ConfigError
+from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
 from offload.memory.device import check_device
 from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.sources import resolve_model
 from offload.planner.choose import candidates
-from offload.planner.plan import (
-    DEFAULT_CONTEXT_LEN,
-    DEFAULT_MAX_BATCH,
-    Plan,
-    batch_sizes_for,
-    budgets_for,
-    make_plan,
-)
+from offload.planner.fit import checked_context_len, model_len_limit
+from offload.planner.plan import Plan, batch_sizes_for, budgets_for, make_plan
 from offload.planner.shape import shape_of
 from offload.probes.measure import measure
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
@@ -142,7 +136,7 @@ def plan_for(
     max_batch: int = DEFAULT_MAX_BATCH,
     cpu_memory_gb: float | None = None,
     device_memory_gb: float | None = None,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     remeasure: bool = False,
     trust_remote_code: bool = False,
     settings: MeasureSettings = DEFAULT_SETTINGS,
@@ -160,8 +154,9 @@ def plan_for(
     device = check_device(device)
     path = resolve_model(resolve(model) if model is not None else None)
     empty = build_empty(path, dtype, trust_remote_code)
-    limit = getattr(empty.config, "max_position_embeddings", None) or DEFAULT_CONTEXT_LEN
-    context_len = _checked_context(context_len, limit)
+    limit = model_len_limit(empty.config)
+    context_len = min(DEFAULT_CONTEXT_LEN, limit) if context_len is None else context_len
+    context_len = checked_context_len("context_len", context_len, limit)
     batch_sizes = batch_sizes_for(batch_size, max_batch)
     shape = shape_of(empty, context_len)
     # Every input is checked before anything is measured: a bad flag costs nothing.
@@ -179,17 +174,3 @@ def plan_for(
         trust_remote_code=trust_remote_code,
     )
     return make_plan(shape, measured, budgets, batch_sizes, path)
-
-
-def _checked_context(context_len: int | None, limit: int) -> int:
-    if context_len is None:
-        return min(DEFAULT_CONTEXT_LEN, limit)
-    if (
-        isinstance(context_len, bool)
-        or not isinstance(context_len, int)
-        or not 0 < context_len <= limit
-    ):
-        raise ConfigError(
-            f"context_len must be in [1, {limit}] for this model, got {context_len!r}"
-        )
-    return context_len

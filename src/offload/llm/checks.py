@@ -4,8 +4,6 @@ exception from deeper down (torch, jinja2, Python's own TypeError)."""
 
 from __future__ import annotations
 
-import math
-import numbers
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -14,9 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from offload.config.limits import SEED_RANGE
+from offload.config.validate import flag, integer
 from offload.errors import ConfigError, ModelError, shown
 from offload.model.build import DTYPES
 from offload.model.loader import LOAD_FORMATS
+from offload.planner.fit import check_budget_args
 
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -41,7 +42,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "tokenizer_kwargs",
     }
 )
-_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed takes
 
 
 # -- LLM(...) ---------------------------------------------------------------------
@@ -55,7 +55,6 @@ def check_llm_args(
     max_model_len: object,
     gpu_memory_utilization: object,
     device_memory_gb: object,
-    swap_space: object,
     seed: object,
     load_format: object,
     kv_offload: object,
@@ -73,37 +72,15 @@ def check_llm_args(
         raise ModelError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {shown(load_format)}"
         )
-    if max_model_len is not None and not (_is_integer(max_model_len) and max_model_len >= 1):
-        raise ConfigError(
-            "max_model_len must be an integer >= 1 (or None: the model's own limit), "
-            f"got {shown(max_model_len)}"
-        )
-    share = _finite(gpu_memory_utilization)
-    if share is None or not 0 < share <= 1:
-        raise ConfigError(
-            f"gpu_memory_utilization must be a number in (0, 1], got {shown(gpu_memory_utilization)}"
-        )
-    if device_memory_gb is not None and not (_finite(device_memory_gb) or 0) > 0:
-        raise ConfigError(
-            "device_memory_gb must be a positive, finite number of GiB, "
-            f"got {shown(device_memory_gb)}"
-        )
-    if _finite(swap_space) is None:  # its range (the RAM free now) is check_swap_space's
-        raise ConfigError(
-            f"swap_space must be a number of GiB (finite, >= 0), got {shown(swap_space)}"
-        )
-    if not (_is_integer(seed) and _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):
-        raise ConfigError(
-            f"seed must be an integer in [{_SEED_RANGE[0]}, {_SEED_RANGE[1]}], got {shown(seed)}"
-        )
-    for name, value in (("kv_offload", kv_offload), ("enforce_eager", enforce_eager)):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True or False, got {shown(value)}")
-    if progress is not None and not isinstance(progress, bool):
-        raise ConfigError(
-            f"progress must be True, False or None (a bar when stderr is a terminal), "
-            f"got {shown(progress)}"
-        )
+    if max_model_len is not None:
+        what = "an integer >= 1 (or None: the model's own limit)"
+        integer("max_model_len", max_model_len, 1, what=what)
+    check_budget_args(gpu_memory_utilization, device_memory_gb)
+    integer("seed", seed, *SEED_RANGE)
+    flag("kv_offload", kv_offload)
+    flag("enforce_eager", enforce_eager)
+    if progress is not None:
+        flag("progress", progress, "True, False or None (a bar when stderr is a terminal)")
 
 
 def _check_path(name: str, value: object) -> None:
@@ -112,21 +89,6 @@ def _check_path(name: str, value: object) -> None:
     text = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(text, str) or not text.strip():
         raise ConfigError(f"{name} must be a model directory (a str or Path), got {shown(value)}")
-
-
-def _is_integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _finite(value: object) -> float | None:
-    """`value` as a float when it is a real, finite number (not a bool); else None."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float's range
-        return None
-    return number if math.isfinite(number) else None
 
 
 # -- generate(prompts) ------------------------------------------------------------
@@ -285,12 +247,8 @@ def check_chat_args(
         raise ConfigError(
             f"chat_template must be a Jinja template string, got {shown(chat_template)}"
         )
-    for name, value in (
-        ("add_generation_prompt", add_generation_prompt),
-        ("continue_final_message", continue_final_message),
-    ):
-        if not isinstance(value, bool):
-            raise ConfigError(f"{name} must be True or False, got {shown(value)}")
+    flag("add_generation_prompt", add_generation_prompt)
+    flag("continue_final_message", continue_final_message)
     if tools is not None and (
         isinstance(tools, str | bytes | Mapping)
         or not isinstance(tools, Sequence)

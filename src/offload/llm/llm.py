@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from offload.config import OffloadConfig
+from offload.config.limits import GPU_MEMORY_UTILIZATION
+from offload.config.validate import flag, integer
 from offload.engine.decode_loop import DecodeLoop
 from offload.engine.kv_cache import KVHostPool
 from offload.engine.sampling_params import SamplingParams
@@ -22,7 +24,7 @@ from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceSt
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError
-from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of, whole
+from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of
 from offload.llm.auto import planner_for
 from offload.llm.checks import (
     check_chat_args,
@@ -93,7 +95,7 @@ class LLM(DecodeLoop):
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
         max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
         device_memory_gb: float | None = None,
         swap_space: float = 0,
         kv_offload: bool = False,
@@ -120,7 +122,6 @@ class LLM(DecodeLoop):
             max_model_len=max_model_len,
             gpu_memory_utilization=gpu_memory_utilization,
             device_memory_gb=device_memory_gb,
-            swap_space=swap_space,
             seed=seed,
             load_format=load_format,
             kv_offload=kv_offload,
@@ -191,21 +192,16 @@ class LLM(DecodeLoop):
     ) -> None:
         """The limits and host memory settings, refused before anything is read or
         allocated."""
-        if tensor_parallel_size != 1:
-            raise ConfigError(
-                f"tensor_parallel_size must be 1 (offload runs a model on one device), "
-                f"got {tensor_parallel_size!r}"
-            )
-        self.max_logprobs = whole("max_logprobs", max_logprobs, -1)  # -1: no limit, as vLLM
-        self.max_num_seqs = whole("max_num_seqs", max_num_seqs, 1)
+        one_device = "1 (offload runs a model on one device)"
+        integer("tensor_parallel_size", tensor_parallel_size, 1, 1, what=one_device)
+        self.max_logprobs = integer("max_logprobs", max_logprobs, -1)  # -1: no limit, as vLLM
+        self.max_num_seqs = integer("max_num_seqs", max_num_seqs, 1)
         self.max_num_batched_tokens = (
             None
             if max_num_batched_tokens is None
-            else whole("max_num_batched_tokens", max_num_batched_tokens, 1)
+            else integer("max_num_batched_tokens", max_num_batched_tokens, 1)
         )
-        if not isinstance(trust_remote_code, bool):
-            raise ConfigError(f"trust_remote_code must be True or False, got {trust_remote_code!r}")
-        self.trust_remote_code = trust_remote_code
+        self.trust_remote_code = flag("trust_remote_code", trust_remote_code)
         self.swap_space_bytes = check_swap_space(swap_space)
         self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from offload.config.validate import is_integer
 from offload.errors import ConfigError, shown
 
 
@@ -27,17 +28,13 @@ def _empty(value: object) -> bool:
     return value is None or (isinstance(value, Mapping | list | tuple) and not value)
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
 # name -> (accepts(value), what the accepted values mean / why others are refused).
 _SPEED_ONLY = "tunes vLLM's scheduler or memory only; ignored"
 IGNORED: dict[str, tuple[Callable[[object], bool], str]] = {
     "enable_prefix_caching": (_one_of(True, False, None), _SPEED_ONLY),
     "enable_chunked_prefill": (_one_of(True, False, None), _SPEED_ONLY),
-    "block_size": (lambda v: v is None or _positive_int(v), _SPEED_ONLY),
-    "max_seq_len_to_capture": (lambda v: v is None or _positive_int(v), _SPEED_ONLY),
+    "block_size": (lambda v: v is None or is_integer(v, 1), _SPEED_ONLY),
+    "max_seq_len_to_capture": (lambda v: v is None or is_integer(v, 1), _SPEED_ONLY),
     "disable_log_stats": (_one_of(True, False), _SPEED_ONLY),
     "disable_custom_all_reduce": (_one_of(True, False), _SPEED_ONLY),
     "disable_async_output_proc": (_one_of(True, False), _SPEED_ONLY),

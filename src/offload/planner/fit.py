@@ -14,13 +14,14 @@ from torch import nn
 
 from offload.api import plan
 from offload.config import OffloadConfig
+from offload.config.validate import gib, integer, real
 from offload.engine.kv_cache import KV_SLOTS
 from offload.engine.kv_shape import kv_shape_of
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import available_ram_bytes, meminfo_bytes
 from offload.offloader.layers import find_layer_stacks
+from offload.sizes import GIB
 
-_GIB = 1024**3
 _MARGIN_BYTES = 64 * 2**20  # allocator slack, small kernels' workspaces
 
 
@@ -79,21 +80,26 @@ def measure(model: nn.Module, max_model_len: int, chunk_tokens: int | None = Non
     )
 
 
+def check_budget_args(
+    gpu_memory_utilization: object, device_memory_gb: object
+) -> tuple[float, float | None]:
+    """The device budget's two settings, checked: a share of the device's memory in
+    (0, 1], and the GiB of an emulated device (None: the real one)."""
+    share = real("gpu_memory_utilization", gpu_memory_utilization, 0, 1, low_open=True, finite=True)
+    if device_memory_gb is None:
+        return share, None
+    what = "a positive, finite number of GiB"
+    return share, gib("device_memory_gb", device_memory_gb, low_open=True, what=what)
+
+
 def device_budget(
     device: torch.device, gpu_memory_utilization: float, device_memory_gb: float | None
 ) -> int:
     """Bytes the model may use on `device`: `gpu_memory_utilization` of the device's
     memory (`device_memory_gb` emulates a smaller device, e.g. on the CPU)."""
+    share, device_memory_gb = check_budget_args(gpu_memory_utilization, device_memory_gb)
     if device_memory_gb is not None:
-        if (
-            isinstance(device_memory_gb, bool)
-            or not isinstance(device_memory_gb, int | float)
-            or not 0 < device_memory_gb < math.inf
-        ):
-            raise ConfigError(
-                f"device_memory_gb must be a positive, finite number of GiB, got {device_memory_gb!r}"
-            )
-        total = device_memory_gb * _GIB
+        total = device_memory_gb * GIB
     elif device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         # A cap set with torch.cuda.set_per_process_memory_fraction is a smaller device.
@@ -101,7 +107,7 @@ def device_budget(
         total *= get_fraction(device) if get_fraction is not None else 1.0
     else:
         total = meminfo_bytes("MemTotal") or 2**63
-    return int(total * gpu_memory_utilization)
+    return int(total * share)
 
 
 def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:
@@ -114,7 +120,7 @@ def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:
     # asking for `excess` therefore offloads at least `excess`.
     if excess > needs.layer_stack:
         return None
-    return math.ceil(excess / _GIB * 100) / 100
+    return math.ceil(excess / GIB * 100) / 100
 
 
 def check_fit(
@@ -125,9 +131,9 @@ def check_fit(
     if need <= budget:
         return
     numbers = (
-        f"needs {need / _GIB:.2f} GiB on the device (weights {resident_weights / _GIB:.2f}, "
-        f"KV cache {needs.kv_cache / _GIB:.2f}, activations {needs.activations / _GIB:.2f}) "
-        f"but the budget is {budget / _GIB:.2f} GiB"
+        f"needs {need / GIB:.2f} GiB on the device (weights {resident_weights / GIB:.2f}, "
+        f"KV cache {needs.kv_cache / GIB:.2f}, activations {needs.activations / GIB:.2f}) "
+        f"but the budget is {budget / GIB:.2f} GiB"
     )
     smallest = smallest_offload_gb(needs, budget)
     kv_fix = (
@@ -145,7 +151,7 @@ def check_fit(
     raise ModelError(
         f"the model does not fit: it {numbers}; --cpu-offload-gb {smallest:.2f} (or "
         f"cpu_offload_gb='auto') makes it fit, as would --offload-group-size 1 "
-        f"--offload-prefetch-step 2 if {2 * needs.largest_layer / _GIB:.2f} GiB of staging "
+        f"--offload-prefetch-step 2 if {2 * needs.largest_layer / GIB:.2f} GiB of staging "
         f"fits{kv_fix}"
     )
 
@@ -167,6 +173,16 @@ def plan_fit(
     resident = needs.weights - planned.offloaded_bytes + planned.staging_bytes
     check_fit(needs, budget, resident, not kv_offload)
     return config, planned.offloaded_bytes
+
+
+def model_len_limit(hf_config) -> int:
+    """The most positions a model takes: its config's, else 2048."""
+    return getattr(hf_config, "max_position_embeddings", None) or 2048
+
+
+def checked_context_len(name: str, value: object, limit: int) -> int:
+    """A context length (`max_model_len`, `context_len`) the model takes: in [1, `limit`]."""
+    return integer(name, value, 1, limit, what=f"in [1, {limit}] for this model")
 
 
 class MemoryPlan(NamedTuple):
@@ -197,11 +213,9 @@ def plan_memory(
     None is the model's own limit. `planned`, given the context length, ranks configs to
     run instead of `config` (the planner's, fastest first): the first that fits is run,
     and `config` where none does."""
-    limit = getattr(empty.config, "max_position_embeddings", None) or 2048
-    if max_model_len is not None and not 0 < max_model_len <= limit:
-        raise ConfigError(
-            f"max_model_len must be in [1, {limit}] for this model, got {max_model_len}"
-        )
+    limit = model_len_limit(empty.config)
+    if max_model_len is not None:
+        max_model_len = checked_context_len("max_model_len", max_model_len, limit)
     max_model_len = max_model_len or limit
     budget_bytes = device_budget(device, gpu_memory_utilization, device_memory_gb)
     needs = measure(empty, max_model_len, max_num_batched_tokens)
@@ -228,18 +242,18 @@ def first_fit(
     return plan_fit(empty, configs[-1], needs, budget, device, kv_offload)
 
 
-def check_swap_space(swap_space: float) -> int:
-    """`swap_space` GiB as bytes, refused (before anything is allocated) when negative
-    or larger than the RAM available now."""
-    if isinstance(swap_space, bool) or not isinstance(swap_space, int | float):
-        raise ConfigError(f"swap_space must be a number of GiB, got {swap_space!r}")
+def check_swap_space(swap_space: object) -> int:
+    """`swap_space` GiB as bytes, refused (before anything is allocated) when not a finite
+    number, negative or larger than the RAM available now."""
+    what = "a number of GiB (finite, >= 0)"  # the range is the RAM's, said below
+    swap_space = gib("swap_space", swap_space, -math.inf, what=what)
     available = available_ram_bytes()
-    if not 0 <= swap_space * _GIB <= available:
+    if not 0 <= swap_space * GIB <= available:
         raise ConfigError(
             f"swap_space={swap_space:g} GiB is not possible: it must be between 0 and the "
-            f"{available / _GIB:.2f} GiB of RAM available now"
+            f"{available / GIB:.2f} GiB of RAM available now"
         )
-    return int(swap_space * _GIB)
+    return int(swap_space * GIB)
 
 
 def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
@@ -248,7 +262,7 @@ def check_host_room(swap_space_bytes: int, offloaded_weight_bytes: int) -> None:
     available = available_ram_bytes()
     if swap_space_bytes and swap_space_bytes + offloaded_weight_bytes > available:
         raise ConfigError(
-            f"swap_space={swap_space_bytes / _GIB:g} GiB plus the "
-            f"{offloaded_weight_bytes / _GIB:.2f} GiB of offloaded weights is more than the "
-            f"{available / _GIB:.2f} GiB of RAM available now; lower swap_space or offload less"
+            f"swap_space={swap_space_bytes / GIB:g} GiB plus the "
+            f"{offloaded_weight_bytes / GIB:.2f} GiB of offloaded weights is more than the "
+            f"{available / GIB:.2f} GiB of RAM available now; lower swap_space or offload less"
         )

@@ -10,15 +10,13 @@ from pathlib import Path
 import torch
 
 from offload.config import DISK_IO, OffloadConfig
-from offload.errors import ConfigError
+from offload.config.validate import gib, integer
 from offload.planner.choose import Budgets, Candidate, candidates, nothing_fits
 from offload.planner.fit import available_ram_bytes, device_budget
 from offload.planner.measurements import Measured
 from offload.planner.shape import ModelShape
 from offload.sizes import GIB, format_bytes
 
-DEFAULT_CONTEXT_LEN = 1024
-DEFAULT_MAX_BATCH = 64
 NUM_ALTERNATIVES = 3
 
 
@@ -133,11 +131,9 @@ def _reasons(
 
 def batch_sizes_for(batch_size: int | None, max_batch: int) -> list[int]:
     """`[batch_size]`, or the powers of two up to `max_batch`."""
-    for name, value in (("batch_size", batch_size), ("max_batch", max_batch)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+    if batch_size is not None:
+        batch_size = integer("batch_size", batch_size, 1)
+    max_batch = integer("max_batch", max_batch, 1)
     if batch_size is not None:
         return [batch_size]
     return [2**k for k in range(max_batch.bit_length()) if 2**k <= max_batch]
@@ -152,12 +148,8 @@ def budgets_for(
     """The device budget as the engine counts it; the host budget: `cpu_memory_gb`, else
     the RAM available (on a CPU, less the device budget: it is the same memory). On a CPU,
     the RAM left beside both keeps mapped checkpoint pages warm."""
-    if cpu_memory_gb is not None and (
-        isinstance(cpu_memory_gb, bool)
-        or not isinstance(cpu_memory_gb, int | float)
-        or not 0 <= cpu_memory_gb < float("inf")
-    ):
-        raise ConfigError(f"cpu_memory_gb must be a finite number >= 0, got {cpu_memory_gb!r}")
+    if cpu_memory_gb is not None:
+        cpu_memory_gb = gib("cpu_memory_gb", cpu_memory_gb)
     device_bytes = device_budget(device, gpu_memory_utilization, device_memory_gb)
     available = available_ram_bytes()
     on_cpu = device.type == "cpu"

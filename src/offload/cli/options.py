@@ -1,0 +1,68 @@
+"""Flags that several commands share (budgets, device) and `generate`'s sampling flags,
+each default taken from where it is defined."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from offload.config.limits import GPU_MEMORY_UTILIZATION
+from offload.engine.sampling_params import SamplingParams
+
+_SAMPLING = {field.name: field.default for field in dataclasses.fields(SamplingParams)}
+# The sampling flags of `generate` with a default: (flag, type, default, help).
+# SamplingParams' defaults, except that the command decodes greedily unless told.
+SAMPLING_FLAGS = (
+    ("--temperature", float, 0.0, "0: greedy"),
+    ("--top-p", float, _SAMPLING["top_p"], "sample from this much probability mass"),
+    ("--top-k", int, _SAMPLING["top_k"], "sample from this many tokens (0: all)"),
+    ("--min-p", float, _SAMPLING["min_p"], "drop tokens below this share of the best"),
+    (
+        "--repetition-penalty",
+        float,
+        _SAMPLING["repetition_penalty"],
+        "> 1 discourages tokens seen in the prompt or output",
+    ),
+    (
+        "--presence-penalty",
+        float,
+        _SAMPLING["presence_penalty"],
+        "in [-2, 2], once per generated token",
+    ),
+    (
+        "--frequency-penalty",
+        float,
+        _SAMPLING["frequency_penalty"],
+        "in [-2, 2], times how often a token was generated",
+    ),
+)
+DEVICE_HELP = "compute device: auto (a GPU if one is usable, else the CPU), cpu, cuda, cuda:N"
+
+
+def add_budget_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=GPU_MEMORY_UTILIZATION,
+        help="share of the device's memory that weights, KV cache and activations may use",
+    )
+    parser.add_argument(
+        "--device-memory-gb",
+        type=float,
+        help="pretend the device has this many GiB (to plan for a smaller GPU)",
+    )
+
+
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="weights' dtype (auto: the checkpoint's)",
+    )
+    parser.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="run the Python code a checkpoint ships (its auto_map); off: never run it",
+    )
