@@ -209,7 +209,8 @@ def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_lla
     cores; the mapped disk tier costs nothing; O_DIRECT reads of these small layers hide
     behind compute."""
     prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=BATCHES))
-    inputs = run_probes(prepared, SMALL_PROBES)
+    prepared = dataclasses.replace(prepared, settings=SMALL_PROBES)
+    inputs = run_probes(prepared)
     limits = measure_limits(prepared.device, prepared.files, SMALL_PROBES, inputs.layer_reads)
     shape = inputs.shape
     direct = layouts.prefetch(shape, 1, 1, 1, host_budget_bytes=0, disk_io="direct")
@@ -239,7 +240,8 @@ def test_bench_times_compute_as_its_methods_decode_and_rates_around_each_run(
     from offload.bench import predict
 
     prepared = prepare(Workload(model=str(tiny_llama_path), device="cpu", batch_sizes=(2,)))
-    inputs = run_probes(prepared, SMALL_PROBES)
+    prepared = dataclasses.replace(prepared, settings=SMALL_PROBES)
+    inputs = run_probes(prepared)
     limits = measure_limits(prepared.device, prepared.files, SMALL_PROBES, inputs.layer_reads)
     calls = []
     decode = predict.greedy_decode

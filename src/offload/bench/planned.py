@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from offload.bench.ours import Ours
+from offload.config.limits import GPU_MEMORY_UTILIZATION
 from offload.planner.choose import device_need
 from offload.planner.layouts import Layout
 from offload.planner.shape import ModelShape
@@ -24,8 +25,8 @@ class Planned(Ours):
         work = self.prepared.workload
         half = sum(shape.layer_bytes[: shape.num_layers // 2])
         kv = shape.kv_bytes(max(work.batch_sizes), work.prompt_len + work.output_len)
-        utilization = 0.9  # the planner's default gpu_memory_utilization
-        return device_need(shape, shape.weight_bytes - half, kv) / utilization / GIB
+        need = device_need(shape, shape.weight_bytes - half, kv)
+        return need / GPU_MEMORY_UTILIZATION / GIB
 
     def load(self) -> None:
         from offload.llm.auto import plan_for
@@ -43,6 +44,7 @@ class Planned(Ours):
             context_len=context_len,
             batch_size=max(work.batch_sizes),
             device_memory_gb=self.device_budget_gb(shape),
+            settings=prepared.settings,
         )
         self.model, self.offloader = load_model(
             prepared.path, self.plan.config, device=self.device, dtype=prepared.dtype

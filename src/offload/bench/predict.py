@@ -18,12 +18,11 @@ from offload.planner.layouts import Layout
 from offload.probes.around import RunProbes
 from offload.probes.compute import StepTimer
 from offload.probes.limits import Limits
-from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 
 UNLIMITED = Budgets(2**62, 2**62, 2**62)  # every layout fits: bench chose them by hand
 
 
-def run_probes(prepared: Prepared, settings: MeasureSettings = DEFAULT_SETTINGS) -> RunProbes:
+def run_probes(prepared: Prepared) -> RunProbes:
     """The probes of a bench run of `prepared`'s workload."""
     work = prepared.workload
     return RunProbes.of(
@@ -33,7 +32,7 @@ def run_probes(prepared: Prepared, settings: MeasureSettings = DEFAULT_SETTINGS)
         work.prompt_len + work.output_len,
         list(work.batch_sizes),
         _generate_steps(prepared),
-        settings,
+        prepared.settings,
     )
 
 

@@ -4,6 +4,7 @@ from."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -33,9 +34,8 @@ def run_bench(
     and return the result (see `result`); `settings`: how much the probes of the machine
     move and how often they repeat."""
     chosen = [_method(m) for m in (methods or list(METHODS))]
-    prepared = prepare(workload)
-    loaded = [method(prepared) for method in chosen]
-    measured = run_methods(prepared, loaded, progress, settings)
+    prepared = dataclasses.replace(prepare(workload), settings=settings)
+    measured = run_methods(prepared, [method(prepared) for method in chosen], progress)
     return result(prepared, measured)
 
 

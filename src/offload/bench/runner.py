@@ -22,7 +22,7 @@ from offload.errors import ModelError
 from offload.probes.around import RunProbes
 from offload.probes.host import process_memory_bytes, reset_peak_rss
 from offload.probes.limits import Limits, measure_disk, measure_limits, measure_memcpy
-from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
+from offload.probes.settings import MeasureSettings
 
 T = TypeVar("T")
 
@@ -68,17 +68,13 @@ class Measured:
     planner: RunProbes | None = None  # None: the planner cannot time this model
 
 
-def run_methods(
-    prepared: Prepared,
-    methods: Sequence[Method],
-    progress: bool = True,
-    settings: MeasureSettings = DEFAULT_SETTINGS,
-) -> Measured:
-    """Measure the machine (`settings`: how much the probes move), load every method, warm
-    up and time them; the methods are closed at the end whatever happens. A method that
-    cannot run here, or a peer that fails to load or in its warm-up, is skipped with why
-    (our own failures are raised)."""
-    planner, why = _planner_inputs(prepared, settings)
+def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = True) -> Measured:
+    """Measure the machine (`prepared.settings`: how much the probes move), load every
+    method, warm up and time them; the methods are closed at the end whatever happens. A
+    method that cannot run here, or a peer that fails to load or in its warm-up, is
+    skipped with why (our own failures are raised)."""
+    settings = prepared.settings
+    planner, why = _planner_inputs(prepared)
     reads = planner.layer_reads if planner is not None else None
     limits = measure_limits(prepared.device, prepared.files, settings, layer_reads=reads)
     if why:
@@ -115,10 +111,10 @@ def run_methods(
     return Measured(limits, loaded, skipped, reference, samples, planner)
 
 
-def _planner_inputs(prepared: Prepared, settings: MeasureSettings) -> tuple[RunProbes | None, str]:
+def _planner_inputs(prepared: Prepared) -> tuple[RunProbes | None, str]:
     """The planner's view of the model, or None and why."""
     try:
-        return run_probes(prepared, settings), ""
+        return run_probes(prepared), ""
     except ModelError as error:
         return None, f"no prediction: {error}"
 

@@ -18,6 +18,7 @@ from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
 from offload.model.default import cache_dir, default_model_path
 from offload.offloader.layers import find_layers
+from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 from offload.sizes import parameter_bytes
 
 SHARD_BYTES = 10**9  # not a multiple of a layer: layers span files, as in real checkpoints
@@ -70,6 +71,7 @@ class Prepared:
     total_bytes: int
     layer_bytes: list[int]
     vocab_size: int
+    settings: MeasureSettings = DEFAULT_SETTINGS  # how much the probes of the machine move
 
     @property
     def outside_layers_bytes(self) -> int:
