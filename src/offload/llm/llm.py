@@ -16,7 +16,6 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
-from offload.config.validate import flag, integer
 from offload.engine.decode_loop import DecodeLoop
 from offload.engine.kv_cache import KVHostPool
 from offload.engine.sampling_params import SamplingParams
@@ -24,16 +23,14 @@ from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceSt
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError
-from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of
+from offload.llm.args import check_attention_model, engine_limits, offload_config_of, tokenizer_of
 from offload.llm.auto import planner_for
+from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
-    check_chat_args,
     check_llm_args,
     check_token_ids,
     check_use_tqdm,
-    conversations_of,
     parse_prompts,
-    render_chat,
     vocab_limit,
 )
 from offload.memory.device import check_device
@@ -42,7 +39,7 @@ from offload.model.configs import resolve as shipped
 from offload.model.loader import load_model
 from offload.model.sources import resolve_model
 from offload.model.tokenizer import eos_token_ids
-from offload.planner.fit import check_swap_space, plan_memory
+from offload.planner.fit import plan_memory
 
 
 def _serialized(method: Callable) -> Callable:
@@ -129,7 +126,7 @@ class LLM(DecodeLoop):
             progress=progress,
         )
         config = offload_config_of(offload_config, offload_flags, _own_argument_names())
-        self._check_limits(
+        limits = engine_limits(
             tensor_parallel_size=tensor_parallel_size,
             max_logprobs=max_logprobs,
             max_num_seqs=max_num_seqs,
@@ -138,6 +135,8 @@ class LLM(DecodeLoop):
             swap_space=swap_space,
             kv_offload=kv_offload,
         )
+        self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
+        self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:]
         # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
         path = resolve_model(
             shipped(model) if load_format == "dummy" and model else model,
@@ -178,32 +177,6 @@ class LLM(DecodeLoop):
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
         self.seed = seed
         torch.manual_seed(seed)
-
-    def _check_limits(
-        self,
-        *,
-        tensor_parallel_size: int,
-        max_logprobs: int,
-        max_num_seqs: int,
-        max_num_batched_tokens: int | None,
-        trust_remote_code: bool,
-        swap_space: float,
-        kv_offload: bool,
-    ) -> None:
-        """The limits and host memory settings, refused before anything is read or
-        allocated."""
-        one_device = "1 (offload runs a model on one device)"
-        integer("tensor_parallel_size", tensor_parallel_size, 1, 1, what=one_device)
-        self.max_logprobs = integer("max_logprobs", max_logprobs, -1)  # -1: no limit, as vLLM
-        self.max_num_seqs = integer("max_num_seqs", max_num_seqs, 1)
-        self.max_num_batched_tokens = (
-            None
-            if max_num_batched_tokens is None
-            else integer("max_num_batched_tokens", max_num_batched_tokens, 1)
-        )
-        self.trust_remote_code = flag("trust_remote_code", trust_remote_code)
-        self.swap_space_bytes = check_swap_space(swap_space)
-        self.kv_offload = bool(kv_offload) or self.swap_space_bytes > 0
 
     def _load(
         self,
@@ -270,35 +243,16 @@ class LLM(DecodeLoop):
         """Answer one conversation (a list of {"role", "content"} messages) or several,
         with the model's chat template or `chat_template`; the other arguments are
         vLLM's and go to the template (`chat_template_kwargs`, e.g. enable_thinking)."""
-        conversations = conversations_of(messages)
-        check_chat_args(
-            chat_template,
-            add_generation_prompt,
-            continue_final_message,
-            tools,
-            chat_template_kwargs,
-        )
         check_use_tqdm(use_tqdm)
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError(
-                "this model's tokenizer has no chat template; pass chat_template= or use "
-                "generate() with a plain prompt"
-            )
-        if add_generation_prompt and continue_final_message:
-            raise ConfigError(
-                "continue_final_message=True needs add_generation_prompt=False: the reply "
-                "either continues the last message or starts a new one"
-            )
-        texts = render_chat(
+        texts, ids = chat_token_ids(
             self.tokenizer,
-            conversations,
+            messages,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
             tools=tools,
-            **(chat_template_kwargs or {}),
+            chat_template_kwargs=chat_template_kwargs,
         )
-        ids = [self.tokenizer(t, add_special_tokens=False).input_ids for t in texts]
         check_token_ids(ids, vocab_limit(self.model), [True] * len(ids))
         return self._generate(texts, ids, sampling_params, use_tqdm)
 
