@@ -7,6 +7,17 @@ import pytest
 from offload.cli import main
 
 
+def _in_process(argv, capsys):
+    """`offload argv` in this process (no interpreter to start): its exit status and all it
+    wrote on stderr."""
+    capsys.readouterr()  # what the test itself wrote before is not the command's
+    try:
+        status = main(argv)
+    except SystemExit as done:  # argparse's own errors
+        status = done.code
+    return status, capsys.readouterr().err
+
+
 def _run(*argv):
     return subprocess.run(
         [sys.executable, "-m", "offload.cli", *argv], capture_output=True, text=True, timeout=300
@@ -35,12 +46,24 @@ def test_demo_answers_and_reports_what_moved(capsys, smollm2_path):
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(argv, needle, smollm2_path):
-    result = _run(*argv)
-    assert result.returncode == 2
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert "Traceback" not in result.stderr
+def test_bad_input_is_one_line_and_exit_2(argv, needle, smollm2_path, capsys):
+    status, err = _in_process(argv, capsys)
+    assert status == 2
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert "Traceback" not in err
     assert lines[-1].startswith("offload: error: ") and needle in lines[-1]
+
+
+def test_in_a_fresh_process_bad_input_is_one_line_and_exit_2(smollm2_path):
+    """The command as a shell runs it: its own imports and warnings, then one line."""
+    for argv, needle in [
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["generate", "--swap-space", "1e6"], "swap_space=1e+06 GiB is not possible"),
+    ]:
+        result = _run(*argv)
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert lines[-1].startswith("offload: error: ") and needle in lines[-1]
 
 
 def test_generate_with_no_arguments_answers(capsys, smollm2_path):
@@ -156,10 +179,11 @@ def _damaged(tmp_path, smollm2_path, damage):
         (lambda p: (p / "model.safetensors").unlink(), "has no model.safetensors"),
     ],
 )
-def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
-    result = _run("generate", "--model", _damaged(tmp_path, smollm2_path, damage))
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert needle in result.stderr.strip().splitlines()[-1]
+def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle, capsys):
+    argv = ["generate", "--model", _damaged(tmp_path, smollm2_path, damage)]
+    status, err = _in_process(argv, capsys)
+    assert status == 2 and "Traceback" not in err
+    assert needle in err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -188,33 +212,35 @@ def test_generate_bad_model_folders(tmp_path, smollm2_path, damage, needle):
         ),
     ],
 )
-def test_generate_and_inspect_bad_input(argv, needle):
-    result = _run(*argv)
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert needle in result.stderr.strip().splitlines()[-1]
+def test_generate_and_inspect_bad_input(argv, needle, capsys):
+    status, err = _in_process(argv, capsys)
+    assert status == 2 and "Traceback" not in err
+    assert needle in err.strip().splitlines()[-1]
 
 
-def test_generate_without_a_chat_template_asks_the_plain_question(smollm2_path, tmp_path):
+def test_generate_without_a_chat_template_asks_the_plain_question(smollm2_path, tmp_path, capsys):
     for item in smollm2_path.iterdir():
         if item.name != "chat_template.jinja":
             (tmp_path / item.name).symlink_to(item)
-    result = _run("generate", "--model", str(tmp_path), "--max-tokens", "4", "--no-progress")
-    assert result.returncode == 0 and "Traceback" not in result.stderr
-    assert "tokens in" in result.stdout.splitlines()[-1]
-    chat = _run("generate", "--model", str(tmp_path), "--chat", "--prompt", "Hi")
-    assert chat.returncode == 2 and "no chat template" in chat.stderr.strip().splitlines()[-1]
+    argv = ["generate", "--model", str(tmp_path), "--max-tokens", "4", "--no-progress"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert "tokens in" in captured.out.splitlines()[-1]
+    status, err = _in_process(["generate", "--model", str(tmp_path), "--chat"], capsys)
+    assert status == 2 and "no chat template" in err.strip().splitlines()[-1]
 
 
-def test_a_state_space_model_is_inspected_and_refused_by_generate_in_one_line(tmp_path):
+def test_a_state_space_model_is_inspected_and_refused_by_generate_in_one_line(tmp_path, capsys):
     import zoo
 
     zoo.save_with_tokenizer(zoo.build("mamba"), tmp_path)
-    inspected = _run("inspect", str(tmp_path), "--offload-group-size", "2")
-    assert inspected.returncode == 0, inspected.stderr
-    assert "KV cache: none" in inspected.stdout and "backbone.layers.1" in inspected.stdout
-    result = _run("generate", "--model", str(tmp_path), "--no-progress")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "keeps a recurrent state" in result.stderr.strip().splitlines()[-1]
+    assert main(["inspect", str(tmp_path), "--offload-group-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "KV cache: none" in out and "backbone.layers.1" in out
+    status, err = _in_process(["generate", "--model", str(tmp_path), "--no-progress"], capsys)
+    assert status == 2 and "Traceback" not in err
+    assert "keeps a recurrent state" in err.strip().splitlines()[-1]
 
 
 def _main(argv, capsys):
@@ -253,15 +279,16 @@ def test_numbers_from_flags_are_one_line_and_exit_2(argv, needle, capsys):
     assert status == 2 and last.startswith("offload: error: ") and needle in last, last
 
 
-def test_a_tokenizer_larger_than_the_model_is_one_line_not_a_traceback(tmp_path):
+def test_a_tokenizer_larger_than_the_model_is_one_line_not_a_traceback(tmp_path, capsys):
     """The prompt's ids beyond the model's embedding were a 67-line IndexError traceback."""
     import zoo
 
     zoo.build("llama").save_pretrained(tmp_path)
     zoo._word_tokenizer(2 * zoo.VOCAB).save_pretrained(tmp_path)
-    result = _run("generate", "--model", str(tmp_path), "--prompt", "t5 t200", "--no-progress")
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    [line] = [line for line in result.stderr.splitlines() if line.strip()]
+    argv = ["generate", "--model", str(tmp_path), "--prompt", "t5 t200", "--no-progress"]
+    status, err = _in_process(argv, capsys)
+    assert status == 2 and "Traceback" not in err
+    [line] = [line for line in err.splitlines() if line.strip()]
     assert line.startswith("offload: error: prompt 0 holds a token id the model cannot embed")
     assert "token ids in [0, 128), got 200" in line
 
