@@ -176,3 +176,24 @@ def test_a_cpus_link_is_the_rate_of_copies_in_a_forward(tiny, monkeypatch):
     monkeypatch.setattr(compute.ForwardCopies, "gb_per_s", lambda self, batch: 123.0)
     m = measure(path, shape, CPU, [1, 2], 16, settings=TINY).measurements
     assert m.link_gb_per_s == 123.0 and m.notes == []
+
+
+def test_a_layer_timed_as_no_time_is_timed_again(tiny):
+    """Noise can make the longer cut model's step no slower than the shorter's: a layer
+    takes time, so more pairs are timed rather than a layer of 0 s reported."""
+    from offload.probes.compute import DecodeTimer
+
+    path, shape = tiny
+    timer = DecodeTimer(path, shape, CPU, 16)
+    calls = {0: 0, 1: 0}
+
+    def step(which, batch):
+        def timed():
+            calls[which] += 1
+            return 1.0 + (0.5 if which == 1 and calls[1] > 3 else 0.0)  # equal at first
+
+        return timed
+
+    timer._step = step
+    [layer], [head] = timer.time([1], warmup=0, repeats=3)
+    assert calls == {0: 6, 1: 6} and layer == pytest.approx(0.25 / timer.extra)

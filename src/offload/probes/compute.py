@@ -24,6 +24,7 @@ from offload.sizes import format_bytes
 
 _EXTRA_LAYERS = 6  # the longer cut model's layers beyond the shorter's, at most
 _EXTRA_BYTES = 2**31  # and at most this many bytes of them
+_RETRIES = 3  # more pairs of steps, while the layer's time reads as none
 
 # Given a cut model and a batch size: a function that runs decode and returns the seconds
 # of one decode step. The default times the engine's step (`_decode_step`); `offload bench`
@@ -71,7 +72,11 @@ class DecodeTimer:
                     short(), long()
                 # Alternated, so that a drift of the machine's speed touches both alike.
                 pairs = [(short(), long()) for _ in range(repeats)]
-                layer = statistics.median(max(0.0, b - a) / self.extra for a, b in pairs)
+                for _ in range(_RETRIES):  # a layer takes time: a difference <= 0 is noise
+                    if _layer_s(pairs, self.extra) > 0:
+                        break
+                    pairs += [(short(), long()) for _ in range(repeats)]
+                layer = _layer_s(pairs, self.extra)
                 short_s = statistics.median(a for a, _ in pairs)
                 layer_s.append(layer)
                 head_s.append(max(0.0, short_s - self.count * layer))
@@ -84,6 +89,12 @@ class DecodeTimer:
 
     def _engine_step(self, model: torch.nn.Module, batch: int) -> Callable[[], float]:
         return _engine_timer(model, self.shape.dtype, self.device, batch, self.context_len)
+
+
+def _layer_s(pairs: list[tuple[float, float]], extra: int) -> float:
+    """One layer's seconds from timed (shorter, longer) steps: the median difference over
+    the `extra` layers between them."""
+    return statistics.median(max(0.0, long - short) / extra for short, long in pairs)
 
 
 def _extra_layers(shape: ModelShape, count: int, max_bytes: int | None) -> int:
