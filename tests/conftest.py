@@ -24,14 +24,27 @@ def pytest_configure(config):
     measurements), new for each session: it never reads or writes the user's cache, so its
     results and its time do not depend on what an earlier run left there. Set before any
     test or fixture runs, and inherited by the commands that tests start."""
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker: the session's folder
+        config.offload_cache_dir = config.workerinput["offload_cache_dir"]
+        config.offload_user_cache_dir = config.workerinput["offload_user_cache_dir"]
+        os.environ["OFFLOAD_CACHE_DIR"] = config.offload_cache_dir
+        return
     config.offload_cache_dir = tempfile.mkdtemp(prefix="offload-test-cache-")
     config.offload_user_cache_dir = os.environ.get("OFFLOAD_CACHE_DIR")
     os.environ["OFFLOAD_CACHE_DIR"] = config.offload_cache_dir
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """pytest-xdist: every worker shares the session's cache folder (the default model is
+    converted once, under its lock)."""
+    node.workerinput["offload_cache_dir"] = node.config.offload_cache_dir
+    node.workerinput["offload_user_cache_dir"] = node.config.offload_user_cache_dir
+
+
 def pytest_unconfigure(config):
     folder = getattr(config, "offload_cache_dir", None)
-    if folder is None:
+    if folder is None or hasattr(config, "workerinput"):
         return
     if config.offload_user_cache_dir is None:
         os.environ.pop("OFFLOAD_CACHE_DIR", None)
