@@ -21,6 +21,7 @@ from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import TensorRange
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.placement import DiskIO
 from offload.memory.safetensors import StoredTensor, checkpoint_tensors, read_into
 from offload.model.build import build_empty
 from offload.model.checkpoint import checkpoint_targets
@@ -63,7 +64,7 @@ def load_model(
     offloader = prepare(model, config, device, deferred=True, checkpoint=ranges)
     # With a disk tier around the page cache, loading leaves nothing there either: the
     # bytes read are in their final memory, and the budget holds for the machine.
-    _fill(model, offloader, targets, device, progress, offloader.disk_io == "direct")
+    _fill(model, offloader, targets, device, progress, offloader.disk_io == DiskIO.DIRECT)
     return model, finish(offloader)
 
 

@@ -9,7 +9,7 @@ for the copy on the stream. A staging buffer is reused only once the copy out of
 done. Slots are loaded by the offloader's slot table as for units in host memory, so
 units are read `read_ahead` = slots - 1 ahead of the one computing.
 
-With `io="mmap"` (the CPU only; what "auto" picks when the streamed bytes are in the page
+With `DiskIO.MMAP` (the CPU only; what AUTO picks when the streamed bytes are in the page
 cache already) nothing is read: each streamed parameter is a view of a guarded mapping of
 its file (`memory/mapped_files.py`) and compute reads the page cache in place, with no
 copy; the kernel is asked to read a unit ahead where its pages are missing. Such units
@@ -36,6 +36,7 @@ from offload.memory.disk_reader import DiskReader, FileStamp, ReadTicket
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.memory.mapped_files import MappedFiles, MappingRefused, leases_supported
 from offload.memory.page_cache import cached_fraction
+from offload.memory.placement import DiskIO
 from offload.memory.safetensors import checkpoint_tensors
 from offload.offloader.disk_placement import choose_io, place_on_disk
 
@@ -50,7 +51,7 @@ class DiskSettings:
     ranges: Mapping[str, TensorRange]  # qualified parameter name -> its bytes in a file
     budget_bytes: int  # host memory for offloaded units; the rest stream from disk
     read_ahead: int = 2  # units read ahead of the one computing (slots - 1)
-    io: str = "auto"  # one of IO_CHOICES (see DiskOffloadConfig)
+    io: DiskIO = DiskIO.AUTO  # see DiskOffloadConfig
     num_threads: int = 2
 
 
@@ -118,10 +119,10 @@ class DiskTier:
         self._staged: list[Future | None] = []  # per slot: its staging buffer's last load
         self._issuer: ThreadPoolExecutor | None = None
         self._names: dict[int, str] = {}  # id of a streamed parameter -> its checkpoint name
-        self._mapped: MappedFiles | None = None  # io="mmap": the files, mapped
+        self._mapped: MappedFiles | None = None  # DiskIO.MMAP: the files, mapped
         self._mapped_bytes = 0  # bytes of mapped units brought to compute so far
         self.num_units = 0  # units placed on disk
-        self.io = settings.io  # "auto" resolved by `place`
+        self.io = DiskIO(settings.io)  # AUTO resolved by `place`
 
     def place(self, units: Sequence[Any], device: torch.device) -> bool:
         """Give the units that do not fit the host budget a disk layout (`unit.disk`), of
@@ -150,32 +151,32 @@ class DiskTier:
         self.num_units = len(streamed)
         self.io = self._resolve_io(streamed, device)
         for unit in streamed:
-            unit.mapped = self.io == "mmap"
+            unit.mapped = self.io == DiskIO.MMAP
         return self.num_units > 0
 
-    def _resolve_io(self, streamed: Sequence[Any], device: torch.device) -> str:
+    def _resolve_io(self, streamed: Sequence[Any], device: torch.device) -> DiskIO:
         requested = self.settings.io
         if FORCE_STAGING:  # the GPU's path, which always reads
             device = torch.device("meta")
         cached = 0.0
-        if requested == "auto" and device.type == "cpu" and streamed:
+        if requested == DiskIO.AUTO and device.type == "cpu" and streamed:
             extents = [e for unit in streamed for e in unit.disk.extents]
             cached = cached_fraction([(e.path, e.file_offset, e.num_bytes) for e in extents])
         return choose_io(requested, device, cached, leases_supported())
 
     def map_files(self, units: Sequence[Any]) -> None:
-        """With io="mmap": map the files the streamed units live in (before the slots are
-        sized: mapped units need none). Where the files cannot be mapped safely, "auto"
-        reads them through the page cache instead; an explicit "mmap" is an error."""
-        if self.io != "mmap" or self._mapped is not None:
+        """With DiskIO.MMAP: map the files the streamed units live in (before the slots are
+        sized: mapped units need none). Where the files cannot be mapped safely, AUTO
+        reads them through the page cache instead; an explicit MMAP is an error."""
+        if self.io != DiskIO.MMAP or self._mapped is not None:
             return
         paths = {e.path for unit in units if unit.disk is not None for e in unit.disk.extents}
         try:
             self._mapped = MappedFiles([s for s in self._stamps if s.path in paths])
         except MappingRefused as refused:
-            if self.settings.io != "auto":
+            if self.settings.io != DiskIO.AUTO:
                 raise ModelError(f"disk_io='mmap': {refused}; use 'page-cache'") from None
-            self.io = "page-cache"
+            self.io = DiskIO.PAGE_CACHE
             for unit in units:
                 unit.mapped = False
 

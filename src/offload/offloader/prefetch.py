@@ -12,6 +12,7 @@ from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.disk_layout import slot_buffer
 from offload.memory.host import should_pin_memory
+from offload.memory.placement import DiskIO, Placement
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
@@ -90,7 +91,9 @@ class PrefetchOffloader(BaseOffloader):
         device = self.device or self._layers[0].params[0][1].device
         location = OffloadedParam.location_of(should_pin_memory(device, self.disable_pin_memory))
         return [
-            OffloadedParam.of(layer.name, n, p, "disk" if layer.disk else location, "prefetch")
+            OffloadedParam.of(
+                layer.name, n, p, Placement.DISK if layer.disk else location, "prefetch"
+            )
             for layer in self._layers
             for n, p in layer.params
         ]
@@ -276,7 +279,7 @@ class PrefetchOffloader(BaseOffloader):
         return self._disk is not None and self._disk.num_units > 0
 
     @property
-    def disk_io(self) -> str | None:
+    def disk_io(self) -> DiskIO | None:
         return self._disk.io if self._streams() else None
 
     def _restore(self, param: nn.Parameter) -> torch.Tensor:
