@@ -19,9 +19,6 @@ class StrChoice(str, enum.Enum):
     def __format__(self, spec: str) -> str:
         return str.__format__(str.__str__(self), spec)
 
-    # Equal to its string, so it must hash as it: a member finds a string's dict entry.
-    __hash__ = str.__hash__
-
 
 class Placement(StrChoice):
     """Where a weight's bytes live while the model runs."""

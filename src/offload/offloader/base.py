@@ -30,9 +30,7 @@ class OffloadedParam:
     num_bytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    # Where the bytes live now: HOST_PINNED or HOST (a host slab), or DISK (the checkpoint's
-    # file, read in or mapped each time the layer runs).
-    location: Placement
+    location: Placement  # now: HOST_PINNED or HOST (a host slab), or DISK (its file)
     access: str  # how compute reaches them: "zero-copy", "copy-per-forward" or "prefetch"
 
     @staticmethod
