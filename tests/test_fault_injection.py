@@ -38,6 +38,7 @@ from offload.offloader import (
     hooks,
     module_units,
     prefetch,
+    sources,
     unit_check,
     units,
 )
@@ -65,6 +66,8 @@ PROTOCOL = _code_objects(
     hooks.CopyOnForwardHook,
     unit_check.UnitReadCheck,
     module_units.ModuleUnits,
+    module_units.LayerUnits,
+    sources.SlabSource,
     compiled_calls.CompiledCalls,
     units.Unit,
     forward_lock.ForwardLock,

@@ -10,11 +10,13 @@ import zoo
 
 from offload.memory import disk_reader, mapped_files
 from offload.model.loader import load_model
-from offload.offloader import disk_tier
+from offload.offloader import disk_tier, sources
+from offload.offloader.disk_tier import ReadHooks
 
+DISK_SOURCES = (sources.DirectRead, sources.StagedRead, sources.MappedRead, sources.DiskSource)
 DISK_CODE = sweep._code_objects(
-    disk_tier.DiskTier, disk_reader.DiskReader, mapped_files.MappedFiles
-) - {disk_tier.DiskTier.stats.__code__}
+    disk_tier.DiskTier, *DISK_SOURCES, disk_reader.DiskReader, mapped_files.MappedFiles
+) - {disk_tier.DiskTier.stats.__code__, *(source.stats.__code__ for source in DISK_SOURCES)}
 
 
 @pytest.mark.parametrize(("layers_in_ram", "io"), [(0, "direct"), (2, "direct"), (2, "mmap")])
@@ -34,14 +36,14 @@ def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_
         "disk_io": io,
     }
     monkeypatch.setattr(sweep, "PROTOCOL", sweep.PROTOCOL | DISK_CODE)
-    monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.0002)  # reads still in flight at a Ctrl-C
     moved, opened = [], []
 
     def make():
         for offloader in opened:  # end the I/O threads of the models done with
             offloader.close()
         opened.clear()
-        model, offloader = load_model(tmp_path, {**config, "read_ahead": 1})
+        hooks = ReadHooks(delay_s=0.0002)  # reads still in flight at a Ctrl-C
+        model, offloader = load_model(tmp_path, {**config, "read_ahead": 1}, read_hooks=hooks)
         opened.append(offloader)
         counter = "disk_bytes_mapped" if io == "mmap" else "disk_bytes_read"
         return sweep.forwards_and_check(model, offloader, ids, expected, moved, counter)

@@ -24,7 +24,7 @@ from offload.offloader.base import (
     set_offloader,
     set_param_data,
 )
-from offload.offloader.disk_tier import checkpoint_ranges
+from offload.offloader.disk_tier import ReadHooks, checkpoint_ranges
 from offload.offloader.factory import as_config, create_offloader
 from offload.offloader.layers import find_layers, resolve_layers
 
@@ -87,14 +87,16 @@ def prepare(
     deferred: bool = False,
     checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
     copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
+    read_hooks: ReadHooks | None = None,
 ) -> BaseOffloader:
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
     device memory, and a loader then reads the checkpoint into them. If anything fails,
     what was done is undone: the model is left as it was. `copy_engine_factory`: as for
-    `apply` (a hook for tests and custom engines)."""
+    `apply` (a hook for tests and custom engines); `read_hooks`: the disk tier's switches
+    for tests."""
     offloader, blocks = _offloader_for(
-        model, config, device, layers, checkpoint, copy_engine_factory
+        model, config, device, layers, checkpoint, copy_engine_factory, read_hooks
     )
     try:
         offloader.wrap_modules(iter(blocks), deferred=deferred)
@@ -147,6 +149,7 @@ def _offloader_for(
     layers: str | nn.Module | Iterable[nn.Module] | None,
     checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
     copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
+    read_hooks: ReadHooks | None = None,
 ) -> tuple[BaseOffloader, list[nn.Module]]:
     """The offloader `config` selects, told the model's names and what must stay
     resident, and the layers it is to wrap."""
@@ -160,7 +163,11 @@ def _offloader_for(
     config = as_config(config)
     ranges = checkpoint_ranges(model, checkpoint) if config.disk.is_active else None
     offloader = create_offloader(
-        config, device=device, checkpoint=ranges, copy_engine_factory=copy_engine_factory
+        config,
+        device=device,
+        checkpoint=ranges,
+        copy_engine_factory=copy_engine_factory,
+        read_hooks=read_hooks,
     )
     offloader.name_modules(model)
     offloader.keep_resident(_params_outside(model, blocks))

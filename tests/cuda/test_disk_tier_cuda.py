@@ -5,7 +5,7 @@ import torch
 import zoo
 
 from offload.model.loader import load_model
-from offload.offloader import disk_tier
+from offload.offloader.disk_tier import ReadHooks
 
 pytestmark = pytest.mark.cuda
 EVERY_LAYER = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}
@@ -14,12 +14,12 @@ EVERY_LAYER = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_pref
 @pytest.mark.parametrize("io", ["direct", "page-cache"])
 @pytest.mark.parametrize("delay_s", [0.0, 0.002])
 def test_streamed_layers_on_the_gpu_give_the_resident_logits_and_tokens(
-    checkpoint, reference, io, delay_s, monkeypatch
+    checkpoint, reference, io, delay_s
 ):
-    monkeypatch.setattr(disk_tier, "READ_DELAY_S", delay_s)
     ids, logits, tokens = reference
     config = {**EVERY_LAYER, "cpu_memory_gb": 0.1, "disk_io": io, "read_ahead": 2}
-    model, offloader = load_model(checkpoint, config, device="cuda")
+    hooks = ReadHooks(delay_s=delay_s)
+    model, offloader = load_model(checkpoint, config, device="cuda", read_hooks=hooks)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
         out = model.generate(

@@ -19,6 +19,8 @@ from offload.memory import disk_reader
 from offload.memory.disk_reader import DiskReadError
 from offload.model.loader import load_model
 from offload.offloader import disk_tier
+from offload.offloader.disk_tier import ReadHooks
+from offload.offloader.sources import DirectRead, MappedRead
 
 NUM_LAYERS = 6
 EVERY_LAYER = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}
@@ -91,14 +93,13 @@ def test_apply_streams_a_from_pretrained_model_from_its_own_files(sharded, io):
 
 
 @pytest.mark.parametrize("staged", [False, True])
-def test_delayed_reads_still_give_the_resident_logits(sharded, monkeypatch, staged):
+def test_delayed_reads_still_give_the_resident_logits(sharded, staged):
     """Also the GPU's path, run on the CPU: each read lands in a staging buffer and a
     staging thread queues the copy into the slot."""
     path, resident = sharded
-    monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.002)
-    monkeypatch.setattr(disk_tier, "FORCE_STAGING", staged)
     config = {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2, "disk_io": "direct"}
-    model, offloader = load_model(path, config)
+    hooks = ReadHooks(delay_s=0.002, force_staging=staged)
+    model, offloader = load_model(path, config, read_hooks=hooks)
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
     stats = offloader.stats()
@@ -190,12 +191,30 @@ def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(
             failures += 1
     assert failures >= 2
     if io == "mmap":
-        threads = [offloader._disk._mapped._watcher]  # the lease watcher has ended
+        threads = [offloader._disk._source._mapped._watcher]  # the lease watcher has ended
     else:
-        threads = list(offloader._disk._reader._pool._threads)  # the I/O threads have ended
+        threads = list(offloader._disk._source._reader._pool._threads)  # the I/O threads ended
     for thread in threads:
         thread.join(timeout=5)
     assert threads and not any(t.is_alive() for t in threads)
+    offloader.close()
+
+
+def test_state_dict_reads_every_streamed_weight_with_one_reader(sharded, monkeypatch):
+    """Not a reader (a thread pool) per tensor: one, kept for every value read."""
+    path, _ = sharded
+    model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "direct"})
+    made = []
+
+    class Counted(disk_tier.DiskReader):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(disk_tier, "DiskReader", Counted)
+    model.state_dict()
+    model.state_dict()
+    assert len(made) == 1
     offloader.close()
 
 
@@ -223,12 +242,12 @@ def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkey
     path, resident = sharded
     gib = _budgets(resident)[budget]
     config = {**EVERY_LAYER, "cpu_memory_gb": gib, "read_ahead": 2, "disk_io": io}
-    model, offloader = load_model(path, config)
-    monkeypatch.setattr(disk_tier, "READ_DELAY_S", 0.03)  # reads still in flight
+    model, offloader = load_model(path, config, read_hooks=ReadHooks(delay_s=0.03))  # in flight
     ids = zoo.inputs()
     expected = zoo.logits(resident, ids)
     waits = {"count": 0, "at": 0}  # interrupt the `at`-th wait of a forward (0: never)
-    original = disk_tier.DiskTier.wait
+    source = {"direct": DirectRead, "mmap": MappedRead}[io]  # where units on disk wait
+    original = source.wait
 
     def interrupting(self, ticket):
         waits["count"] += 1
@@ -236,7 +255,7 @@ def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkey
             raise KeyboardInterrupt
         return original(self, ticket)
 
-    monkeypatch.setattr(disk_tier.DiskTier, "wait", interrupting)
+    monkeypatch.setattr(source, "wait", interrupting)
     for at in range(1, offloader.stats()["num_disk_units"] + 1):
         waits.update(count=0, at=at)
         with pytest.raises(KeyboardInterrupt):
@@ -263,7 +282,7 @@ def test_recovering_from_an_abandoned_forward_waits_for_its_reads_in_flight(shar
         return pread(self, *args)
 
     monkeypatch.setattr(disk_reader.DiskReader, "_pread", held)
-    original, waits = disk_tier.DiskTier.wait, []
+    original, waits = DirectRead.wait, []
 
     def interrupted(self, ticket):
         waits.append(ticket)
@@ -273,10 +292,10 @@ def test_recovering_from_an_abandoned_forward_waits_for_its_reads_in_flight(shar
             raise KeyboardInterrupt
         return original(self, ticket)
 
-    monkeypatch.setattr(disk_tier.DiskTier, "wait", interrupted)
+    monkeypatch.setattr(DirectRead, "wait", interrupted)
     with pytest.raises(KeyboardInterrupt):
         zoo.logits(model, zoo.inputs())
-    monkeypatch.setattr(disk_tier.DiskTier, "wait", original)
+    monkeypatch.setattr(DirectRead, "wait", original)
     recovering = threading.Thread(target=offloader.recover)
     recovering.start()
     recovering.join(timeout=0.3)

@@ -21,6 +21,7 @@ from offload.llm.auto import planner_for
 from offload.llm.llm import LLM
 from offload.llm.streaming import TextStream
 from offload.memory.device import check_device
+from offload.memory.placement import DiskIO, Placement
 from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.default import default_model_path
@@ -208,9 +209,13 @@ def inspect(args: argparse.Namespace) -> str:
             f"{format_bytes(planned.staging_bytes)} in all"
         )
     if config.disk.is_active:
-        streamed = sum(e.num_bytes for e in manifest if e.location == "disk")
+        streamed = sum(e.num_bytes for e in manifest if e.location == Placement.DISK)
         kept = planned.offloaded_bytes - streamed
-        how = "computed on in place (mapped) from" if offloader.disk_io == "mmap" else "read from"
+        how = (
+            "computed on in place (mapped) from"
+            if offloader.disk_io == DiskIO.MMAP
+            else "read from"
+        )
         lines.append(
             f"disk tier ({offloader.disk_io} io): {format_bytes(streamed)} {how} the checkpoint's "
             f"files per forward, {format_bytes(kept)} kept in host memory "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import hashlib
 import json
 import warnings
@@ -217,9 +218,14 @@ def _allowed_keys() -> str:
 
 def _plain(part: UVAOffloadConfig | PrefetchOffloadConfig) -> dict[str, Any]:
     return {
-        key: sorted(value) if isinstance(value, set) else value
+        key: sorted(value) if isinstance(value, set) else _text(value)
         for key, value in dataclasses.asdict(part).items()
     }
+
+
+def _text(value: Any) -> Any:
+    """An enum member as its plain string (JSON-ready, as the user wrote it)."""
+    return value.value if isinstance(value, enum.Enum) else value
 
 
 def _sub_config(kind: type, name: str, value: Any) -> Any:

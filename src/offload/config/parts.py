@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from offload.config.validate import flag, gib, whole_number
 from offload.errors import ConfigError, shown
+from offload.memory.placement import DiskIO
 
 OffloadBackend = Literal["auto", "uva", "prefetch"]
 BACKENDS: tuple[str, ...] = ("auto", "uva", "prefetch")
@@ -91,7 +92,7 @@ class PrefetchOffloadConfig:
         self.offload_params = _as_segments("prefetch", "offload_params", self.offload_params)
 
 
-DISK_IO = ("auto", "direct", "page-cache", "mmap")
+DISK_IO: tuple[DiskIO, ...] = tuple(DiskIO)
 
 
 @dataclass
@@ -113,7 +114,7 @@ class DiskOffloadConfig:
     cpu_memory_gb: float | None = None
     offload_folder: str | None = None
     read_ahead: int = 2
-    disk_io: str = "auto"
+    disk_io: DiskIO = DiskIO.AUTO  # a string is parsed into its member
     io_threads: int = 2
 
     def __post_init__(self) -> None:
@@ -130,6 +131,7 @@ class DiskOffloadConfig:
             raise ConfigError(
                 f"{owner}.disk_io must be one of {', '.join(DISK_IO)}, got {shown(self.disk_io)}"
             )
+        self.disk_io = DiskIO(self.disk_io)
 
     @property
     def is_active(self) -> bool:

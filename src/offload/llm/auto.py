@@ -19,6 +19,7 @@ from torch import nn
 from offload.config import DISK_IO, OffloadConfig
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
 from offload.memory.device import check_device
+from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.sources import resolve_model
@@ -97,7 +98,7 @@ def planned_configs(
         settings=settings,
         trust_remote_code=trust_remote_code,
     )
-    modes = DISK_IO if config.disk.disk_io == "auto" else (config.disk.disk_io,)
+    modes = DISK_IO if config.disk.disk_io == DiskIO.AUTO else (config.disk.disk_io,)
     found = candidates(shape, measured.measurements, budgets, [1], modes, kv_given=kv_offload)
     merged: list[OffloadConfig] = []
     for candidate in found:  # the first of equal configs only

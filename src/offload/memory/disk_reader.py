@@ -24,9 +24,9 @@ import torch
 
 from offload.errors import ModelError
 from offload.memory.disk_layout import ALIGN, Extent
+from offload.memory.placement import READ_MODES, DiskIO
 
 CHUNK_BYTES = 4 * 2**20  # one read request: large enough to stream, small enough to spread
-IO_MODES = ("direct", "page-cache")
 
 
 class DiskReadError(ModelError):
@@ -89,9 +89,9 @@ class ReadTicket:
 class DiskReader:
     """Reads extents into host buffers on `num_threads` I/O threads.
 
-    `io="direct"` opens files with `O_DIRECT` (falling back to buffered reads where the
+    `DiskIO.DIRECT` opens files with `O_DIRECT` (falling back to buffered reads where the
     file system refuses it) and, for buffered reads, drops the pages it read from the
-    page cache, so streamed weights do not pile up there; `io="page-cache"` reads
+    page cache, so streamed weights do not pile up there; `DiskIO.PAGE_CACHE` reads
     through the page cache and leaves the pages (a warm cache serves the next pass).
     `delay_s` (tests only) sleeps before each read."""
 
@@ -100,13 +100,13 @@ class DiskReader:
         stamps: Sequence[FileStamp],
         *,
         num_threads: int = 2,
-        io: str = "direct",
+        io: DiskIO = DiskIO.DIRECT,
         chunk_bytes: int = CHUNK_BYTES,
         delay_s: float = 0.0,
     ):
-        if io not in IO_MODES:
-            raise ModelError(f"disk io must be one of {', '.join(IO_MODES)}, got {io!r}")
-        self.io = io
+        if io not in READ_MODES:
+            raise ModelError(f"disk io must be one of {', '.join(READ_MODES)}, got {io!r}")
+        self.io = DiskIO(io)
         self.stats = ReadStats()
         self._stamps = {stamp.path: stamp for stamp in stamps}
         self._chunk_bytes = chunk_bytes
@@ -263,7 +263,7 @@ class DiskReader:
             raise DiskReadError(
                 f"{path} is truncated: a read at byte {offset + done} came back short"
             )
-        if self.io == "direct" and not direct:  # keep streamed pages out of the page cache
+        if self.io == DiskIO.DIRECT and not direct:  # keep streamed pages out of the page cache
             os.posix_fadvise(source, offset, expected, os.POSIX_FADV_DONTNEED)
 
     def _check(self, path: Path, fd: int) -> None:
@@ -295,7 +295,7 @@ class DiskReader:
             return self._fds[key][0]
 
     def _open(self, path: Path) -> tuple[int, bool]:
-        if self.io == "direct" and hasattr(os, "O_DIRECT"):
+        if self.io == DiskIO.DIRECT and hasattr(os, "O_DIRECT"):
             try:
                 return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as error:

@@ -21,12 +21,14 @@ from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import TensorRange
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.placement import DiskIO
 from offload.memory.safetensors import StoredTensor, checkpoint_tensors, read_into
 from offload.model.build import build_empty
 from offload.model.checkpoint import checkpoint_targets
 from offload.model.configs import resolve
 from offload.model.merges import Assembled
 from offload.offloader.base import BaseOffloader
+from offload.offloader.disk_tier import ReadHooks
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -40,12 +42,14 @@ def load_model(
     load_format: str = "auto",
     progress: bool = False,
     trust_remote_code: bool = False,
+    read_hooks: ReadHooks | None = None,
 ) -> tuple[nn.Module, BaseOffloader]:
     """Load a causal LM from a safetensors directory with `config`'s offloading already in
     place. `load_format="dummy"` (vLLM's name) fills random weights of the right shapes
     instead, for benchmarks of large shapes without a checkpoint (only `config.json` is read;
     `path` may also name a shipped config, e.g. "llama-3-8b": see `offload.model.configs`).
-    The checkpoint's own code runs only with `trust_remote_code=True` (see `build_empty`)."""
+    The checkpoint's own code runs only with `trust_remote_code=True` (see `build_empty`).
+    `read_hooks`: the disk tier's switches for tests."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
@@ -60,10 +64,12 @@ def load_model(
         for name, entry in targets.items()
         if isinstance(entry, StoredTensor)
     }
-    offloader = prepare(model, config, device, deferred=True, checkpoint=ranges)
+    offloader = prepare(
+        model, config, device, deferred=True, checkpoint=ranges, read_hooks=read_hooks
+    )
     # With a disk tier around the page cache, loading leaves nothing there either: the
     # bytes read are in their final memory, and the budget holds for the machine.
-    _fill(model, offloader, targets, device, progress, offloader.disk_io == "direct")
+    _fill(model, offloader, targets, device, progress, offloader.disk_io == DiskIO.DIRECT)
     return model, finish(offloader)
 
 

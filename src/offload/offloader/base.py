@@ -16,6 +16,7 @@ from torch import nn
 from offload.errors import ConfigError, ModelError
 from offload.memory.copy_engine import capture
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.placement import DiskIO, Placement
 from offload.offloader.forward_lock import ForwardLock, ForwardLockHooks
 from offload.offloader.selection import unmatched_segments
 
@@ -29,16 +30,16 @@ class OffloadedParam:
     num_bytes: int
     shape: tuple[int, ...]
     dtype: torch.dtype
-    location: str  # where the bytes live now: "host-pinned" or "host"
+    location: Placement  # now: HOST_PINNED or HOST (a host slab), or DISK (its file)
     access: str  # how compute reaches them: "zero-copy", "copy-per-forward" or "prefetch"
 
     @staticmethod
-    def location_of(pinned: bool) -> str:
-        return "host-pinned" if pinned else "host"
+    def location_of(pinned: bool) -> Placement:
+        return Placement.HOST_PINNED if pinned else Placement.HOST
 
     @classmethod
     def of(
-        cls, module: str, name: str, tensor: torch.Tensor, location: str, access: str
+        cls, module: str, name: str, tensor: torch.Tensor, location: Placement, access: str
     ) -> OffloadedParam:
         return cls(
             name=f"{module}.{name}",
@@ -186,8 +187,8 @@ class BaseOffloader(ABC):
         return id(param) in self._host_views or id(param) in self._on_disk
 
     @property
-    def disk_io(self) -> str | None:
-        """How weights on disk are brought in (a disk tier's `disk_io`, "auto" resolved),
+    def disk_io(self) -> DiskIO | None:
+        """How weights on disk are brought in (a disk tier's `disk_io`, AUTO resolved),
         or None: no weight streams from disk."""
         return None
 

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import torch
 
 from offload.errors import ModelError
+from offload.memory.placement import DiskIO
 
 MAX_GRAINS = 2**20  # the budget in at most this many grains
-IO_CHOICES = ("auto", "direct", "page-cache", "mmap")
+IO_CHOICES = tuple(DiskIO)
 AUTO_MAP_CACHED = 0.9  # share of the streamed bytes in the page cache for "auto" to map them
 
 
@@ -80,8 +81,8 @@ def _spread(num_items: int, count: int) -> list[int]:
 
 
 def choose_io(
-    requested: str, device: torch.device, cached_fraction: float, can_map: bool = True
-) -> str:
+    requested: DiskIO, device: torch.device, cached_fraction: float, can_map: bool = True
+) -> DiskIO:
     """How units on disk are read, "auto" resolved: on the CPU, a checkpoint whose
     streamed bytes are (nearly) all in the page cache already is mapped and computed from
     in place (no copy, and no memory the cache does not hold anyway); otherwise direct
@@ -89,13 +90,14 @@ def choose_io(
     `can_map`: this system can guard a mapping (file leases)."""
     if requested not in IO_CHOICES:
         raise ModelError(f"disk io must be one of {', '.join(IO_CHOICES)}, got {requested!r}")
-    if requested == "mmap" and device.type != "cpu":
+    requested = DiskIO(requested)
+    if requested == DiskIO.MMAP and device.type != "cpu":
         raise ModelError(
             f"disk_io='mmap' computes on mapped files and needs the CPU as compute device, "
             f"not {device.type}: use 'direct' or 'page-cache'"
         )
-    if requested != "auto":
+    if requested != DiskIO.AUTO:
         return requested
     if device.type == "cpu" and cached_fraction >= AUTO_MAP_CACHED and can_map:
-        return "mmap"
-    return "direct"
+        return DiskIO.MMAP
+    return DiskIO.DIRECT

@@ -1,27 +1,22 @@
 """The disk tier of the prefetch offloader: units that do not fit the host budget are read
 from the model's own safetensors files into their slot each time they are needed.
 
-With the CPU as the compute device, a unit on disk is read straight into its slot by the
-I/O threads (the slot ring is the staging ring; compute reads the slot). With a GPU, it
-is read into a pinned host staging buffer of its slot, and a staging thread then queues
-the host -> device copy on the copy stream; compute waits for the read on the host and
-for the copy on the stream. A staging buffer is reused only once the copy out of it is
-done. Slots are loaded by the offloader's slot table as for units in host memory, so
-units are read `read_ahead` = slots - 1 ahead of the one computing.
-
-With `io="mmap"` (the CPU only; what "auto" picks when the streamed bytes are in the page
-cache already) nothing is read: each streamed parameter is a view of a guarded mapping of
-its file (`memory/mapped_files.py`) and compute reads the page cache in place, with no
-copy; the kernel is asked to read a unit ahead where its pages are missing. Such units
-need no slot.
+The tier decides which units stream (`place`) and how (`DiskIO`, AUTO resolved), then
+opens the one source they all come from (`sources/`): with the CPU as the compute device,
+a read straight into the slot (the slot ring is the staging ring); with a GPU, a read
+into a pinned staging buffer of the slot, then a copy on the copy stream; with
+`DiskIO.MMAP` (the CPU only; what AUTO picks when the streamed bytes are in the page cache
+already), no read at all: compute reads a guarded mapping of the files in place, and such
+units need no slot. Slots are loaded by the offloader's slot table as for units in host
+memory, so units are read `read_ahead` = slots - 1 ahead of the one computing.
 """
 
 from __future__ import annotations
 
-import time
+import functools
+import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,15 +27,22 @@ from torch import nn
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine
 from offload.memory.disk_layout import DiskLayout, TensorRange, aligned_empty, plan_layout
-from offload.memory.disk_reader import DiskReader, FileStamp, ReadTicket
+from offload.memory.disk_reader import DiskReader, FileStamp
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.memory.mapped_files import MappedFiles, MappingRefused, leases_supported
 from offload.memory.page_cache import cached_fraction
+from offload.memory.placement import READ_MODES, DiskIO
 from offload.memory.safetensors import checkpoint_tensors
 from offload.offloader.disk_placement import choose_io, place_on_disk
+from offload.offloader.sources import DirectRead, DiskSource, MappedRead, StagedRead, Unopened
 
-READ_DELAY_S = 0.0  # tests: sleep before every read, to shake out ordering bugs
-FORCE_STAGING = False  # tests: the GPU's path (staging buffer, then a copy) on the CPU
+
+@dataclass(frozen=True)
+class ReadHooks:
+    """Switches for tests (the defaults are what runs otherwise)."""
+
+    delay_s: float = 0.0  # sleep before every read, to shake out ordering bugs
+    force_staging: bool = False  # the GPU's path (staging buffer, then a copy) on the CPU
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class DiskSettings:
     ranges: Mapping[str, TensorRange]  # qualified parameter name -> its bytes in a file
     budget_bytes: int  # host memory for offloaded units; the rest stream from disk
     read_ahead: int = 2  # units read ahead of the one computing (slots - 1)
-    io: str = "auto"  # one of IO_CHOICES (see DiskOffloadConfig)
+    io: DiskIO = DiskIO.AUTO  # see DiskOffloadConfig
     num_threads: int = 2
 
 
@@ -106,22 +108,22 @@ def disk_layout(
 
 
 class DiskTier:
-    """Places units on disk and reads them into their slots (see the module docstring)."""
+    """Places units on disk and opens the source they are brought in from (see the module
+    docstring): a read into the slot, a staged read, or a mapping, chosen once."""
 
-    def __init__(self, settings: DiskSettings):
+    reads_whole_layers = True  # one read of a layer's runs, not seven small ones
+
+    def __init__(self, settings: DiskSettings, hooks: ReadHooks = ReadHooks()):
         self.settings = settings
+        self.hooks = hooks
         files = sorted({stored.path for stored in settings.ranges.values()})
         self._stamps = [FileStamp.of(Path(path)) for path in files]
-        self._reader: DiskReader | None = None
-        self._engine: CopyEngine | None = None
-        self._staging: list[torch.Tensor] = []
-        self._staged: list[Future | None] = []  # per slot: its staging buffer's last load
-        self._issuer: ThreadPoolExecutor | None = None
         self._names: dict[int, str] = {}  # id of a streamed parameter -> its checkpoint name
-        self._mapped: MappedFiles | None = None  # io="mmap": the files, mapped
-        self._mapped_bytes = 0  # bytes of mapped units brought to compute so far
+        self._source: DiskSource = Unopened()  # what `map_files` or `start` opens
+        self._single: DiskReader | None = None  # reads values one by one (`read_tensor`)
+        self._single_lock = threading.Lock()
         self.num_units = 0  # units placed on disk
-        self.io = settings.io  # "auto" resolved by `place`
+        self.io = DiskIO(settings.io)  # AUTO resolved by `place`
 
     def place(self, units: Sequence[Any], device: torch.device) -> bool:
         """Give the units that do not fit the host budget a disk layout (`unit.disk`), of
@@ -150,179 +152,146 @@ class DiskTier:
         self.num_units = len(streamed)
         self.io = self._resolve_io(streamed, device)
         for unit in streamed:
-            unit.mapped = self.io == "mmap"
+            unit.mapped = self.io == DiskIO.MMAP
         return self.num_units > 0
 
-    def _resolve_io(self, streamed: Sequence[Any], device: torch.device) -> str:
+    def _resolve_io(self, streamed: Sequence[Any], device: torch.device) -> DiskIO:
         requested = self.settings.io
-        if FORCE_STAGING:  # the GPU's path, which always reads
+        if self.hooks.force_staging:  # the GPU's path, which always reads
             device = torch.device("meta")
         cached = 0.0
-        if requested == "auto" and device.type == "cpu" and streamed:
+        if requested == DiskIO.AUTO and device.type == "cpu" and streamed:
             extents = [e for unit in streamed for e in unit.disk.extents]
             cached = cached_fraction([(e.path, e.file_offset, e.num_bytes) for e in extents])
         return choose_io(requested, device, cached, leases_supported())
 
     def map_files(self, units: Sequence[Any]) -> None:
-        """With io="mmap": map the files the streamed units live in (before the slots are
-        sized: mapped units need none). Where the files cannot be mapped safely, "auto"
-        reads them through the page cache instead; an explicit "mmap" is an error."""
-        if self.io != "mmap" or self._mapped is not None:
-            return
+        """With DiskIO.MMAP: map the files the streamed units live in (before the slots are
+        sized: mapped units need none). Where the files cannot be mapped safely, AUTO
+        reads them through the page cache instead; an explicit MMAP is an error."""
+        if self.io != DiskIO.MMAP or not self.num_units or not isinstance(self._source, Unopened):
+            return  # (once)
         paths = {e.path for unit in units if unit.disk is not None for e in unit.disk.extents}
         try:
-            self._mapped = MappedFiles([s for s in self._stamps if s.path in paths])
+            mapped = MappedFiles([s for s in self._stamps if s.path in paths])
         except MappingRefused as refused:
-            if self.settings.io != "auto":
+            if self.settings.io != DiskIO.AUTO:
                 raise ModelError(f"disk_io='mmap': {refused}; use 'page-cache'") from None
-            self.io = "page-cache"
+            self.io = DiskIO.PAGE_CACHE
             for unit in units:
                 unit.mapped = False
+            return
+        self._source = MappedRead(mapped, self._stored)
 
-    def mapped_views(self, unit: Any) -> list[torch.Tensor]:
-        """Each parameter of a mapped unit: its bytes, a uint8 view of its file's mapping."""
-        views = []
-        for _, param in unit.params:
-            stored = self.settings.ranges[self._names[id(param)]]
-            views.append(self._mapped.view(Path(stored.path), stored.offset, stored.num_bytes))
-        return views
+    @property
+    def disk_io(self) -> DiskIO | None:
+        """How units on disk are brought in; None where no unit streams."""
+        return self.io if self.num_units else None
 
-    def start(self, device: torch.device, engine: CopyEngine, slot_bytes: Sequence[int]) -> None:
-        """Open the files and, on a GPU, make one pinned staging buffer per slot."""
-        settings = self.settings
-        self._engine = engine
-        if self._mapped is not None:
-            return  # nothing is read: compute reads the mappings
-        self._reader = DiskReader(self._stamps, num_threads=settings.num_threads, io=self.io)
-        if device.type != "cpu" or FORCE_STAGING:
+    def start(
+        self, device: torch.device, engine: CopyEngine, slot_bytes: Sequence[int]
+    ) -> DiskSource:
+        """Open the files for reading (unless no unit streams, or they are mapped) and
+        return the source of the units on disk: on a GPU, a staged read through one
+        pinned staging buffer per slot; on the CPU, a read straight into the slot."""
+        if not self.num_units or self.io not in READ_MODES:
+            return self._source
+        num_threads, delay_s = self.settings.num_threads, self.hooks.delay_s
+        reader = DiskReader(self._stamps, num_threads=num_threads, io=self.io, delay_s=delay_s)
+        if device.type != "cpu" or self.hooks.force_staging:
             # Exact-size, page-aligned (O_DIRECT reads into it) and pinned where a GPU
             # copies from it; not the caching host allocator's power-of-two blocks.
             pin_for = device if should_pin_memory(device) else None
-            self._staging = [_staging_buffer(size, pin_for) for size in slot_bytes]
-            self._staged = [None] * len(slot_bytes)
-            # Queues each unit's copy once its read is done, in the order units are loaded.
-            self._issuer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-stage")
-
-    def load(self, slot_index: int, slot: torch.Tensor, layout: DiskLayout) -> Any:
-        """Start bringing a unit into `slot` (its bytes from the slot's first); return a
-        ticket for `wait`."""
-        if self._mapped is not None:  # mapped: only ask the kernel for missing pages
-            self._mapped.hint(layout.extents)
-            self._mapped_bytes += layout.read_bytes
-            return None
-        if not self._staging:
-            return self._reader.read(slot[: layout.num_bytes], layout.extents, after=_delay())
-        staging = self._staging[slot_index][: layout.num_bytes]
-        previous = self._staged[slot_index]
-        released = self._engine.mark_released()  # the slot's last reader, on the compute side
-        after = _after_copy_out(self._engine, previous)
-        read = self._reader.read(staging, layout.extents, after=after)
-        copy = self._issuer.submit(self._copy_in, read, slot[: layout.num_bytes], staging, released)
-        self._staged[slot_index] = copy
-        return copy
-
-    def _copy_in(self, read: ReadTicket, slot, staging, released) -> Any:
-        self._reader.wait(read, count_stall=False)
-        return self._engine.copy(slot, staging, after=released)
-
-    def wait(self, ticket: Any) -> None:
-        """Make compute wait until the unit of `ticket` is in its slot (a read's fault is
-        raised here, in the thread that runs the model)."""
-        if self._mapped is not None:  # a changed file is raised here; else the mapping stays
-            self._mapped.enter()
-            return
-        if isinstance(ticket, ReadTicket):
-            self._reader.wait(ticket)
-            return
-        if not ticket.done():
-            started = time.perf_counter()
-            ticket.exception()
-            self._reader.stats.stall_s += time.perf_counter() - started
-            self._reader.stats.num_stalls += 1
-        self._engine.wait(ticket.result())
+            staging = [_staging_buffer(size, pin_for) for size in slot_bytes]
+            self._source = StagedRead(reader, engine, staging)
+        else:
+            self._source = DirectRead(reader)
+        return self._source
 
     def invalidate(self) -> None:
-        """Forget every read and staged copy in flight (after an abandoned forward): none
-        lands after this returns, so the slots must all be loaded again."""
-        if self._reader is not None:
-            self._reader.invalidate()
-        if self._issuer is not None:
-            self._issuer.submit(_nothing).result()  # stale copies are queued before it
-            self._staged = [None] * len(self._staged)
+        """Forget every load in flight (after an abandoned forward): none lands after
+        this returns, so the slots must all be loaded again."""
+        self._source.invalidate()
 
     def leave(self) -> None:
         """No forward runs now (it ended or was abandoned): a mapping of a changed file
         may go."""
-        if self._mapped is not None:
-            self._mapped.leave()
+        self._source.leave()
 
     def close(self) -> None:
-        if self._mapped is not None:
-            self._mapped.close()
-        if self._issuer is not None:
-            self._issuer.shutdown(wait=True)
-        if self._reader is not None:
-            self._reader.close()
+        self._source.close()
+        with self._single_lock:
+            if self._single is not None:
+                self._single.close()
+                self._single = None
 
     def read_tensor(self, like: torch.Tensor) -> torch.Tensor:
         """A streamed parameter's value, read from the checkpoint (for `state_dict()`)."""
-        stored = self.settings.ranges[self._names[id(like)]]
-        if self._mapped is not None:
-            self._mapped.enter()  # the mapping stays while it is copied
-            try:
-                return like.detach().clone()
-            finally:
-                self._mapped.leave()
+        stored = self._stored(like)
+        return self._source.value_of(like, functools.partial(self._read_value, stored))
+
+    def _read_value(self, stored: TensorRange, like: torch.Tensor) -> torch.Tensor:
         layout = plan_layout([stored])
         buffer = aligned_empty(layout.num_bytes)
-        reader = DiskReader(self._stamps, num_threads=1, io=self.io)
+        with self._single_lock:  # one reader (one thread) kept for every value read
+            if self._single is None:
+                self._single = DiskReader(self._stamps, num_threads=1, io=self.io)
+            reader = self._single
         try:
             reader.wait(reader.read(buffer, layout.extents))
-        finally:
-            reader.close()
+        except BaseException:
+            self._drop_single(reader)  # a fault ends a reader: the next read opens another
+            raise
         start = layout.tensor_offsets[0]
         raw = buffer[start : start + stored.num_bytes].clone()
         return raw.view(like.dtype).view(like.shape)
 
+    def _drop_single(self, reader: DiskReader) -> None:
+        with self._single_lock:
+            if self._single is reader:
+                self._single = None
+        reader.close()
+
     def stats(self) -> dict[str, float | int]:
-        mapped = {"disk_io": self.io, "disk_bytes_mapped": self._mapped_bytes}
-        if self._reader is None:
-            return {"num_disk_units": self.num_units, **mapped}
-        read = self._reader.stats
-        return {
-            "num_disk_units": self.num_units,
-            **mapped,
-            "disk_bytes_read": read.bytes_read,
-            "disk_read_s": read.busy_s,
-            "disk_read_gb_per_s": read.read_gb_per_s,
-            "disk_stall_s": read.stall_s,
-            "disk_num_stalls": read.num_stalls,
-            "staging_bytes": sum(buffer.numel() for buffer in self._staging),
-        }
+        return {"num_disk_units": self.num_units, "disk_io": self.io, **self._source.stats()}
+
+    def _stored(self, param: torch.Tensor) -> TensorRange:
+        return self.settings.ranges[self._names[id(param)]]
+
+
+class NoDiskTier:
+    """No disk tier: every offloaded unit stays in host memory."""
+
+    reads_whole_layers = False
+    num_units = 0
+    disk_io = None
+
+    def place(self, units: Sequence[Any], device: torch.device) -> bool:
+        return False
+
+    def map_files(self, units: Sequence[Any]) -> None:
+        pass
+
+    def start(
+        self, device: torch.device, engine: CopyEngine, slot_bytes: Sequence[int]
+    ) -> DiskSource:
+        return Unopened()
+
+    def invalidate(self) -> None:
+        pass
+
+    def leave(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def read_tensor(self, like: torch.Tensor) -> torch.Tensor:
+        raise KeyError("no host copy of an offloaded parameter")
+
+    def stats(self) -> dict[str, float | int]:
+        return {}
 
 
 def _staging_buffer(num_bytes: int, pin_for: torch.device | None) -> torch.Tensor:
     return HostSlab([TensorSpec((num_bytes,), torch.uint8)], pin_for=pin_for).buffer
-
-
-def _delay() -> Callable[[], None] | None:
-    delay_s = READ_DELAY_S
-    return (lambda: time.sleep(delay_s)) if delay_s else None
-
-
-def _after_copy_out(engine: CopyEngine, previous: Future | None) -> Callable[[], None]:
-    """Runs on an I/O thread before a read into a staging buffer: the copy out of the
-    buffer's last unit has finished (so the read does not overwrite bytes in flight)."""
-    delay = _delay()
-
-    def wait_for_copy_out() -> None:
-        if previous is not None:
-            engine.host_wait(previous.result())
-        if delay is not None:
-            delay()
-
-    return wait_for_copy_out
-
-
-def _nothing() -> None:
-    return None

@@ -12,7 +12,7 @@ from offload.errors import ConfigError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.disk_layout import TensorRange
 from offload.offloader.base import BaseOffloader, NoopOffloader
-from offload.offloader.disk_tier import DiskSettings, DiskTier
+from offload.offloader.disk_tier import DiskSettings, DiskTier, ReadHooks
 from offload.offloader.prefetch import PrefetchOffloader
 from offload.offloader.uva import UVAOffloader
 from offload.sizes import GIB
@@ -24,6 +24,7 @@ def create_offloader(
     *,
     checkpoint: Mapping[str, TensorRange] | None = None,
     copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
+    read_hooks: ReadHooks | None = None,
 ) -> BaseOffloader:
     """Build the offloader `config` selects (vLLM's rule for `offload_backend="auto"`).
 
@@ -31,7 +32,7 @@ def create_offloader(
     `checkpoint` (for a disk tier) gives each parameter's bytes in the model's files.
     `copy_engine_factory` (device -> CopyEngine) makes the engine the prefetch backend
     copies layers with, in place of the library's choice: a hook for tests and custom
-    engines. Other backends ignore it.
+    engines. Other backends ignore it. `read_hooks`: the disk tier's switches for tests.
     """
     config = as_config(config)
     device = torch.device(device) if device is not None else None
@@ -66,13 +67,17 @@ def create_offloader(
             device=device,
             disable_pin_memory=config.disable_pin_memory,
             unit=config.prefetch_unit,
-            disk=_disk_tier(config, checkpoint) if config.disk.is_active else None,
+            disk=_disk_tier(config, checkpoint, read_hooks) if config.disk.is_active else None,
             copy_engine_factory=copy_engine_factory or make_copy_engine,
         )
     return NoopOffloader()
 
 
-def _disk_tier(config: OffloadConfig, checkpoint: Mapping[str, TensorRange] | None) -> DiskTier:
+def _disk_tier(
+    config: OffloadConfig,
+    checkpoint: Mapping[str, TensorRange] | None,
+    hooks: ReadHooks | None,
+) -> DiskTier:
     if not checkpoint:
         raise ConfigError(
             "cpu_memory_gb (the disk tier) streams layers from the model's own safetensors "
@@ -87,7 +92,7 @@ def _disk_tier(config: OffloadConfig, checkpoint: Mapping[str, TensorRange] | No
         io=disk.disk_io,
         num_threads=disk.io_threads,
     )
-    return DiskTier(settings)
+    return DiskTier(settings, hooks or ReadHooks())
 
 
 def as_config(config: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:

@@ -3,7 +3,7 @@ into the weight modules that hold its parameters, the read checks those units ne
 `unit_check.py`), and which units are running.
 
 `PrefetchOffloader` composes one `ModuleUnits` when the resolved unit is "module"; with
-layer units it has none, and nothing here runs.
+layer units it composes a `LayerUnits`, which does nothing.
 """
 
 from __future__ import annotations
@@ -126,3 +126,36 @@ def split_into_modules(layer: Unit) -> list[Unit]:
             units.append(Unit.of(sub, name, params, layer.layer_index))
     total = sum(spec.num_bytes for unit in units for spec in unit.specs)
     return [u for u in units if sum(s.num_bytes for s in u.specs) >= total * _SMALL_UNIT_SHARE]
+
+
+class LayerUnits:
+    """Layer units (`prefetch_unit="layer"`): each unit is its layer, which needs no read
+    check and no running set; what `ModuleUnits` does for module units is nothing here."""
+
+    def __init__(self) -> None:
+        self.num_layers = 0
+
+    def split(self, layers: list[Unit]) -> list[Unit]:
+        self.num_layers = len(layers)
+        return layers
+
+    def attach_read_checks(self, units: list[Unit]) -> list[UnitReadCheck]:
+        return []
+
+    def check_compiled(self, position: int) -> None:
+        pass
+
+    def started(self, position: int) -> None:
+        pass
+
+    def released(self, position: int) -> None:
+        pass
+
+    def slot_refilled(self, position: int, num_slots: int) -> None:
+        pass
+
+    def forget_running(self) -> None:
+        pass
+
+    def recover(self) -> None:
+        pass

@@ -12,14 +12,16 @@ from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.disk_layout import slot_buffer
 from offload.memory.host import should_pin_memory
+from offload.memory.placement import DiskIO, Placement
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
 from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
 from offload.offloader.compiled_calls import CompiledCalls
-from offload.offloader.disk_tier import DiskTier
+from offload.offloader.disk_tier import DiskTier, NoDiskTier
 from offload.offloader.hooks import PrefetchHook, StateDictHooks
-from offload.offloader.module_units import ModuleUnits
+from offload.offloader.module_units import LayerUnits, ModuleUnits
 from offload.offloader.prefetch_plan import LayerChoice
+from offload.offloader.sources import SlabSource, UnitSource
 from offload.offloader.units import UNITS, Unit, resolve_unit, units_ahead
 
 
@@ -67,13 +69,14 @@ class PrefetchOffloader(BaseOffloader):
         self._copy_engine_factory = copy_engine_factory
         self._warned_grad = False
         self._layers: list[Unit] = []  # by position, in execution order
-        self._module_units: ModuleUnits | None = None  # with module units only
+        self._units: ModuleUnits | LayerUnits = LayerUnits()  # what module units need more
         self._slots: list[torch.Tensor] = []
         self._tickets: list[object] = []
+        self._sources: list[UnitSource] = []  # by position: where its bytes come from
         self._table: SlotTable | None = None
         self._engine: CopyEngine | None = None
         self._compiled_calls = CompiledCalls()
-        self._disk = disk  # units beyond the host budget stream from the checkpoint
+        self._disk = disk or NoDiskTier()  # units beyond the host budget stream from disk
         self._wrapped = False
         self._id = ops.register(self)
 
@@ -90,7 +93,9 @@ class PrefetchOffloader(BaseOffloader):
         device = self.device or self._layers[0].params[0][1].device
         location = OffloadedParam.location_of(should_pin_memory(device, self.disable_pin_memory))
         return [
-            OffloadedParam.of(layer.name, n, p, "disk" if layer.disk else location, "prefetch")
+            OffloadedParam.of(
+                layer.name, n, p, Placement.DISK if layer.disk else location, "prefetch"
+            )
             for layer in self._layers
             for n, p in layer.params
         ]
@@ -103,7 +108,7 @@ class PrefetchOffloader(BaseOffloader):
         units = self._into_units(layers, modules)
         choice.check_some_offloaded(units, len(modules))
         device = self.device or units[0].params[0][1].device
-        if self._disk is not None and self._disk.place(units, device):  # some units stream
+        if self._disk.place(units, device):  # some units stream
             self.prefetch_step = max(self.prefetch_step, self._disk.settings.read_ahead + 1)
         return units
 
@@ -113,11 +118,10 @@ class PrefetchOffloader(BaseOffloader):
         device = self.device or next(params, torch.empty(0)).device
         largest_layer = max((layer.num_bytes for layer in layers), default=0)
         unit = resolve_unit(self.unit, device, largest_layer, self.prefetch_step)
-        if self._disk is not None and self.unit == "auto":
-            unit = "layer"  # one read of a layer's runs, not seven small ones
-        self._module_units = ModuleUnits(self) if unit == "module" else None
-        if self._module_units is not None:
-            layers = self._module_units.split(layers)
+        if self._disk.reads_whole_layers and self.unit == "auto":
+            unit = "layer"
+        self._units = ModuleUnits(self) if unit == "module" else LayerUnits()
+        layers = self._units.split(layers)
         sizes = [layer.num_bytes for layer in layers]
         self.prefetch_step = units_ahead(self.unit, unit, self.prefetch_step, sizes, largest_layer)
         self.unit = unit
@@ -154,8 +158,7 @@ class PrefetchOffloader(BaseOffloader):
             weights = [p for _, p in layer.params]
             self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
             self._hooks.append(StateDictHooks(self, layer).attach(layer.module))
-        if self._module_units is not None:
-            self._hooks += self._module_units.attach_read_checks(self._layers)
+        self._hooks += self._units.attach_read_checks(self._layers)
         self._manifest += self._planned_entries()
         return modules
 
@@ -165,16 +168,16 @@ class PrefetchOffloader(BaseOffloader):
         if not self._layers or self._slots:
             return
         self._engine = self._copy_engine_factory(self.device)
-        if self._streams():
-            self._disk.map_files(self._layers)  # mapped units need no slot
+        self._disk.map_files(self._layers)  # mapped units need no slot
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         sizes = slot_sizes([layer.slot_bytes for layer in self._layers], self._table.slots)
         self._slots = [slot_buffer(size, self.device, self._streams()) for size in sizes]
-        if self._streams():
-            self._disk.start(self.device, self._engine, sizes)
+        on_disk = self._disk.start(self.device, self._engine, sizes)
+        in_host = SlabSource(self._engine)
+        self._sources = [in_host if lay.disk is None else on_disk for lay in self._layers]
         for position, layer in enumerate(self._layers):
             slot = self._slots[slot_of(position, self._table.slots)]
-            raws = self._disk.mapped_views(layer) if layer.mapped else layer.slot_views(slot)
+            raws = self._sources[position].views(layer, slot)
             for (_, param), spec, raw in zip(layer.params, layer.specs, raws, strict=True):
                 set_param_data(param, spec.view_of(raw))
             layer.address = layer.params[0][1].data_ptr()
@@ -187,32 +190,23 @@ class PrefetchOffloader(BaseOffloader):
         until the copy is queued and its ticket kept, so an exception or Ctrl-C at any
         point in here makes the slot's next user load it again (see `SlotTable`)."""
         layer = self._layers[position]
-        num_bytes = layer.slot_bytes
         slot_index = slot_of(position, self._table.slots)
         slot = self._slots[slot_index]
         self._table.start_load(position)
-        if self._module_units is not None:
-            self._module_units.slot_refilled(position, self._table.slots)
+        self._units.slot_refilled(position, self._table.slots)
         if torch.is_grad_enabled():
             # Autograd may have saved the slot's previous weights: mark them overwritten, so that
             # backward fails loudly (each parameter has its own version counter, not the slot).
             for other in self._layers[slot_index :: self._table.slots]:
                 other.mark_overwritten()
-        if layer.disk is not None:
-            self._tickets[position] = self._disk.load(slot_index, slot, layer.disk)
-        else:
-            # The copy waits until every read issued so far (the slot's last user) is done.
-            self._tickets[position] = self._engine.copy(
-                slot[:num_bytes], layer.slab.buffer[:num_bytes], after=self._engine.mark_released()
-            )
+        self._tickets[position] = self._sources[position].load(layer, slot_index, slot)
         self._table.finish_load(position)
 
     def wait(self, position: int) -> None:
         """Before unit `position` runs (eager, or after `check_compiled`): its bytes are in
         its slot when compute reads them."""
         self.ensure_loaded(position)
-        if self._module_units is not None:  # only once its bytes are there
-            self._module_units.started(position)
+        self._units.started(position)  # only once its bytes are there
 
     def ensure_loaded(self, position: int) -> None:
         """Load `position` now if its slot holds another unit, then make compute wait
@@ -222,17 +216,13 @@ class PrefetchOffloader(BaseOffloader):
         self._warn_if_grad()
         if self._table.needs_load(position):
             self._load(position)
-        if self._layers[position].disk is not None:
-            self._disk.wait(self._tickets[position])
-        else:
-            self._engine.wait(self._tickets[position])
+        self._sources[position].wait(self._tickets[position])
 
     def check_compiled(self, position: int, weights: list[torch.Tensor]) -> None:
         """What a compiled graph's wait checks before `wait`: it runs alone, its layer
         passed the read check (module units), and it passes the slot's own weights."""
         self._compiled_calls.claim(position)
-        if self._module_units is not None:
-            self._module_units.check_compiled(position)
+        self._units.check_compiled(position)
         if weights and weights[0].data_ptr() != self._layers[position].params[0][1].data_ptr():
             raise RuntimeError(
                 "the compiled graph passed a copy of an offloaded weight, not its slot"
@@ -265,27 +255,24 @@ class PrefetchOffloader(BaseOffloader):
         self._forget_slots()
 
     def _forget_slots(self) -> None:
-        if self._streams():
-            self._disk.invalidate()  # no read issued so far lands after this
+        self._disk.invalidate()  # no read issued so far lands after this
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         self._tickets = [None] * len(self._layers)
-        if self._module_units is not None:
-            self._module_units.forget_running()
+        self._units.forget_running()
 
     def _streams(self) -> bool:  # the disk tier: some unit streams from the checkpoint
-        return self._disk is not None and self._disk.num_units > 0
+        return self._disk.num_units > 0
 
     @property
-    def disk_io(self) -> str | None:
-        return self._disk.io if self._streams() else None
+    def disk_io(self) -> DiskIO | None:
+        return self._disk.disk_io
 
     def _restore(self, param: nn.Parameter) -> torch.Tensor:
         return self._disk.read_tensor(param)
 
     def layer_done(self, position: int, *, compiled: bool = False) -> None:
         """After layer `position` has run: refill its slot with the next layer using it."""
-        if self._module_units is not None:
-            self._module_units.released(position)
+        self._units.released(position)
         if compiled:
             self._compiled_calls.release()
         following = self._table.next_load(position)
@@ -296,8 +283,7 @@ class PrefetchOffloader(BaseOffloader):
         """After an abandoned forward: nothing is running, no read check is active. The
         slot table is consistent after an interrupt at any point; with a disk tier, the
         reads left in flight are forgotten and every slot is loaded again."""
-        if self._module_units is not None:
-            self._module_units.recover()
+        self._units.recover()
         if self._streams() and self._engine is not None:
             self._forget_slots()
         self.forward_finished()
@@ -310,14 +296,12 @@ class PrefetchOffloader(BaseOffloader):
     def forward_finished(self) -> None:
         if self._engine is not None:
             self._engine.compute_busy = False
-        if self._streams():
-            self._disk.leave()  # no forward reads a mapped file now
+        self._disk.leave()  # no forward reads a mapped file now
 
     def close(self) -> None:
         if self._engine is not None:
             self._engine.close()
-        if self._disk is not None:
-            self._disk.close()
+        self._disk.close()
 
     def sync_prev_onload(self) -> None:
         if self._engine is not None:
@@ -338,12 +322,10 @@ class PrefetchOffloader(BaseOffloader):
 
     def stats(self) -> dict[str, float | int]:
         copies = self._engine.collect_stats().as_dict() if self._engine else {}
-        copies |= self._disk.stats() if self._disk is not None else {}
+        copies |= self._disk.stats()
         return {
             **super().stats(),
-            "num_offloaded_layers": (
-                self._module_units.num_layers if self._module_units else len(self._layers)
-            ),
+            "num_offloaded_layers": self._units.num_layers,
             "num_units": len(self._layers),
             "unit": self.unit,
             "num_slots": len(self._slots),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from offload.config import DISK_IO
 from offload.engine.kv_cache import KV_SLOTS
 from offload.errors import ModelError
+from offload.memory.placement import DiskIO, Placement
 from offload.planner import layouts
 from offload.planner.cost import LayerCost, StepTime, predict_step, touched_share
 from offload.planner.fit import MemoryNeeds
@@ -55,7 +56,7 @@ def candidates(
     measured: Measurements,
     budgets: Budgets,
     batch_sizes: list[int],
-    disk_modes: tuple[str, ...] = DISK_IO,
+    disk_modes: tuple[DiskIO, ...] = DISK_IO,
     kv_given: bool | None = None,
 ) -> list[Candidate]:
     """Every candidate that fits the budgets, best first; with the KV cache where the
@@ -98,20 +99,20 @@ def nothing_fits(shape: ModelShape, budgets: Budgets, batch: int, context_len: i
 
 
 def _prefetch_layouts(
-    shape: ModelShape, measured: Measurements, budgets: Budgets, disk_modes: tuple[str, ...]
+    shape: ModelShape, measured: Measurements, budgets: Budgets, disk_modes: tuple[DiskIO, ...]
 ) -> list[Layout]:
     """Prefetch layouts: with the disk tier where the disk was measured, and on a CPU with
     its disk layers mapped where the page cache keeps them warm."""
-    io = "direct" if "direct" in disk_modes else disk_modes[0]
+    io = DiskIO.DIRECT if DiskIO.DIRECT in disk_modes else disk_modes[0]
     found = [
         layout
         for layout in layouts.prefetch_layouts(shape, budgets.host_bytes, io)
         if not layout.disk_bytes or measured.disk_gb_per_s > 0
     ]
-    if measured.device_type == "cpu" and "mmap" in disk_modes:
+    if measured.device_type == "cpu" and DiskIO.MMAP in disk_modes:
         found += [
             layout
-            for layout in layouts.prefetch_layouts(shape, budgets.host_bytes, "mmap")
+            for layout in layouts.prefetch_layouts(shape, budgets.host_bytes, DiskIO.MMAP)
             if 0 < layout.disk_bytes <= budgets.page_cache_bytes
         ]
     return found
@@ -166,9 +167,9 @@ def _layer_costs(
     per_layer_kv = kv_bytes // max(1, shape.num_layers)
     costs = []
     for place, num_bytes in zip(layout.places, layout.off_bytes, strict=True):
-        if place == "uva" and layout.experts_only:
+        if place == Placement.UVA and layout.experts_only:
             num_bytes = int(num_bytes * share)  # the experts this batch routes to
-        elif place in ("mapped", "resident"):
+        elif place in (Placement.MAPPED, Placement.RESIDENT):
             num_bytes = 0
         costs.append(LayerCost(layer_s, place, num_bytes, per_layer_kv))
     return costs

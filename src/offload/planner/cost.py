@@ -15,7 +15,7 @@ Where bytes cost time:
   layer's compute. A layer read from disk with O_DIRECT lands in its slot on I/O threads,
   beside compute; while compute runs, the reads get the disk's rate measured beside
   compute (the I/O threads wait for the cores), else its rate alone.
-- Mapped disk layers (disk_io "mmap", a warm page cache) are computed on in place: nothing
+- Mapped disk layers (DiskIO.MMAP, a warm page cache) are computed on in place: nothing
   beyond compute.
 - UVA: kernels read the bytes they touch over the link as they run, which lengthens the
   layer: touched bytes / UVA bandwidth, sharing the link with the copies (on a CPU host
@@ -30,9 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from offload.engine.kv_cache import KV_SLOTS
+from offload.memory.placement import Placement
 from offload.memory.slots import next_in_slot, num_slots
 
-PLACES = ("resident", "host", "disk", "mapped", "uva")
+# What the planner weighs (pinning aside: a prefetch copy or a UVA read costs the same).
+PLACES = (Placement.RESIDENT, Placement.HOST, Placement.DISK, Placement.MAPPED, Placement.UVA)
 _FORWARDS = 3  # the first forward fills the pipeline; the last is the steady state
 
 
@@ -60,17 +62,17 @@ class Rates:
 @dataclass(frozen=True)
 class LayerCost:
     """One layer of a step: its compute, where its weights are, the bytes that cost time
-    (moved in for "host"/"disk", touched in place for "uva", none for "resident" and
-    "mapped") and the bytes of its KV cache brought in from host memory (0: on device)."""
+    (moved in for HOST/DISK, touched in place for UVA, none for RESIDENT and MAPPED) and the bytes of its KV cache brought in from host memory (0: on device)."""
 
     compute_s: float
-    place: str = "resident"
+    place: Placement = Placement.RESIDENT
     num_bytes: int = 0
     kv_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.place not in PLACES:
             raise ValueError(f"place must be one of {', '.join(PLACES)}, got {self.place!r}")
+        object.__setattr__(self, "place", Placement(self.place))  # a string, parsed
         if self.compute_s < 0 or self.num_bytes < 0 or self.kv_bytes < 0:
             raise ValueError(
                 f"compute_s, num_bytes and kv_bytes must be >= 0, got {self.compute_s}, "
@@ -178,7 +180,9 @@ class _Pipeline:
 
     def __init__(self, layers: list[LayerCost], rates: Rates, step: int, kv_slots: int):
         self.layers, self.rates = layers, rates
-        self.weights = _Ring([i for i, c in enumerate(layers) if c.place in ("host", "disk")], step)
+        self.weights = _Ring(
+            [i for i, c in enumerate(layers) if c.place in (Placement.HOST, Placement.DISK)], step
+        )
         self.kv = _Ring([i for i, c in enumerate(layers) if c.kv_bytes], kv_slots)
         self.now = 0.0
         self.link_free = self.disk_free = 0.0
@@ -197,7 +201,7 @@ class _Pipeline:
                 landed = self.ready[kind, ring.serving(position, forward), position]
                 self.stall[forward] += max(0.0, landed - self.now)
                 self.now = max(self.now, landed)
-        if cost.place == "uva" and self.rates.on_gpu:
+        if cost.place == Placement.UVA and self.rates.on_gpu:
             self._read_in_place(forward, cost)
         serial = self._copied_on_compute_cores(cost)
         self._slow_reads(forward, cost.compute_s + serial)
@@ -238,14 +242,14 @@ class _Pipeline:
         """A CPU copies host memory into its slots on the cores that compute."""
         if self.rates.on_gpu:
             return 0.0
-        copied = cost.kv_bytes + (cost.num_bytes if cost.place == "host" else 0)
+        copied = cost.kv_bytes + (cost.num_bytes if cost.place == Placement.HOST else 0)
         return transfer_s(copied, self.rates.link_gb_per_s)
 
     def _load(self, kind: str, ring: _Ring, forward: int, position: int, issued: float) -> None:
         cost = self.layers[ring.members[position]]
         num_bytes = cost.kv_bytes if kind == "kv" else cost.num_bytes
         at = issued
-        if kind == "weights" and cost.place == "disk":
+        if kind == "weights" and cost.place == Placement.DISK:
             at = max(at, self.disk_free)
             self.disk_free = at + transfer_s(num_bytes, self.rates.disk_gb_per_s)
             self.disk_busy[forward] += self.disk_free - at

@@ -15,6 +15,7 @@ from offload.config import (
     PrefetchOffloadConfig,
     UVAOffloadConfig,
 )
+from offload.memory.placement import DiskIO, Placement
 from offload.memory.slots import num_slots, slot_sizes
 from offload.offloader.disk_placement import place_on_disk
 from offload.offloader.selection import offloaded_layer_indices
@@ -31,7 +32,7 @@ class Layout:
     kept in host memory, and the config that does it."""
 
     config: OffloadConfig
-    places: tuple[str, ...]  # per layer, see `cost.PLACES`
+    places: tuple[Placement, ...]  # per layer, see `cost.PLACES`
     off_bytes: tuple[int, ...]  # per layer, the bytes off the device
     prefetch_step: int  # the slots (raised to read_ahead + 1 where layers are on disk)
     staging_bytes: int
@@ -45,19 +46,22 @@ class Layout:
 
     @property
     def disk_bytes(self) -> int:
-        return sum(b for p, b in zip(self.places, self.off_bytes, strict=True) if p != "host")
+        return sum(
+            b for p, b in zip(self.places, self.off_bytes, strict=True) if p != Placement.HOST
+        )
 
 
 def resident(shape: ModelShape) -> Layout:
     count = shape.num_layers
-    return Layout(OffloadConfig(), ("resident",) * count, (0,) * count, 1, 0, 0, "resident")
+    places = (Placement.RESIDENT,) * count
+    return Layout(OffloadConfig(), places, (0,) * count, 1, 0, 0, "resident")
 
 
-def prefetch_layouts(shape: ModelShape, host_budget_bytes: int, disk_io: str) -> list[Layout]:
+def prefetch_layouts(shape: ModelShape, host_budget_bytes: int, disk_io: DiskIO) -> list[Layout]:
     """A prefetch layout for each number of layers vLLM's pattern can offload (the pattern
     that spreads them most) and each step up to `MAX_PREFETCH_STEP`, where the slots take
     less device memory than the layers leave; offloaded layers beyond the host budget
-    stream from disk with `disk_io` ("mmap": computed on in place)."""
+    stream from disk with `disk_io` (MMAP: computed on in place)."""
     found: dict[tuple, Layout] = {}
     for group, num in spread_patterns(shape.num_layers):
         for step in range(1, MAX_PREFETCH_STEP + 1):
@@ -82,7 +86,7 @@ def spread_patterns(num_layers: int) -> list[tuple[int, int]]:
 
 
 def prefetch(
-    shape: ModelShape, group: int, num: int, step: int, host_budget_bytes: int, disk_io: str
+    shape: ModelShape, group: int, num: int, step: int, host_budget_bytes: int, disk_io: DiskIO
 ) -> Layout:
     """vLLM's pattern with `step` slots; the disk tier takes what the host budget cannot."""
     indices = offloaded_layer_indices(shape.num_layers, group, num)
@@ -95,10 +99,10 @@ def prefetch(
         on_disk = place_on_disk(sizes, int(cpu_memory_gb * GIB))
     # Layers read from disk need read_ahead + 1 slots (the offloader raises the step).
     slots = max(step, _READ_AHEAD + 1) if any(on_disk) else step
-    places, off = ["resident"] * shape.num_layers, [0] * shape.num_layers
-    streamed = "mapped" if disk_io == "mmap" else "disk"
+    places, off = [Placement.RESIDENT] * shape.num_layers, [0] * shape.num_layers
+    streamed = Placement.MAPPED if disk_io == DiskIO.MMAP else Placement.DISK
     for index, size, disk_layer in zip(indices, sizes, on_disk, strict=True):
-        places[index], off[index] = streamed if disk_layer else "host", size
+        places[index], off[index] = streamed if disk_layer else Placement.HOST, size
     config = OffloadConfig(
         offload_backend="prefetch",
         prefetch=PrefetchOffloadConfig(
@@ -124,11 +128,11 @@ def hundredths(gib: float, rounding) -> float:
     return rounding(round(gib * 100, 6)) / 100
 
 
-def _prefetch_label(group: int, num: int, slots: int, count: int, on_disk: int, io: str) -> str:
+def _prefetch_label(group: int, num: int, slots: int, count: int, on_disk: int, io: DiskIO) -> str:
     text = f"prefetch {num} of every {_count(group, 'layer')} ({_count(count, 'layer')}), "
     text += _count(slots, "slot")
     if on_disk:
-        text += f", {on_disk} of them {'mapped from' if io == 'mmap' else 'read from'} disk"
+        text += f", {on_disk} of them {'mapped from' if io == DiskIO.MMAP else 'read from'} disk"
     return text
 
 
@@ -153,7 +157,7 @@ def uva(shape: ModelShape, needed_bytes: int, experts_only: bool = False) -> Lay
             cpu_offload_gb=cpu_offload_gb, cpu_offload_params={EXPERTS} if experts_only else set()
         ),
     )
-    places = tuple("uva" if b else "resident" for b in off)
+    places = tuple(Placement.UVA if b else Placement.RESIDENT for b in off)
     what = "experts" if experts_only else "weights"
     label = (
         f"UVA of {cpu_offload_gb:g} GiB of layer {what} ({_count(sum(map(bool, off)), 'layer')})"

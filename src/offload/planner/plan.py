@@ -11,6 +11,7 @@ import torch
 
 from offload.config import DISK_IO, OffloadConfig
 from offload.config.validate import gib, integer
+from offload.memory.placement import DiskIO
 from offload.planner.choose import Budgets, Candidate, candidates, nothing_fits
 from offload.planner.fit import available_ram_bytes, device_budget
 from offload.planner.measurements import Measured
@@ -58,7 +59,7 @@ def make_plan(
     budgets: Budgets,
     batch_sizes: list[int],
     path: Path,
-    disk_modes: tuple[str, ...] = DISK_IO,
+    disk_modes: tuple[DiskIO, ...] = DISK_IO,
 ) -> Plan:
     """The plan from a model's shape and the measurements, under the budgets; a
     `ModelError` with the numbers where nothing fits."""
