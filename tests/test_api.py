@@ -113,7 +113,7 @@ def test_a_failure_halfway_through_is_undone(config, monkeypatch):
             raise MemoryError("no host memory left")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("offload.offloader.base.HostSlab", failing)  # both backends' slabs
+    monkeypatch.setattr("offload.offloader.ledger.HostSlab", failing)  # both backends' slabs
     with pytest.raises(MemoryError):
         offload.apply(model, config)
     assert len(made) == 3

@@ -16,17 +16,11 @@ from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine
 from offload.memory.device import check_device, cuda_usable
 from offload.memory.disk_layout import TensorRange
-from offload.offloader.base import (
-    BaseOffloader,
-    NoopOffloader,
-    OffloadedParam,
-    offloaded_params,
-    set_offloader,
-    set_param_data,
-)
+from offload.offloader.base import BaseOffloader, NoopOffloader, set_offloader
 from offload.offloader.disk_tier import ReadHooks, checkpoint_ranges
 from offload.offloader.factory import as_config, create_offloader
 from offload.offloader.layers import find_layers, resolve_layers
+from offload.offloader.manifest import OffloadedParam, offloaded_params, set_param_data
 
 
 def apply(
@@ -101,7 +95,7 @@ def prepare(
     try:
         offloader.wrap_modules(iter(blocks), deferred=deferred)
     except BaseException:
-        offloader.undo()
+        offloader.ledger.undo(offloader.restore)
         raise
     _move_resident(model, offloader, device)
     offloader.serialize_forwards(model)
@@ -169,9 +163,9 @@ def _offloader_for(
         copy_engine_factory=copy_engine_factory,
         read_hooks=read_hooks,
     )
-    offloader.name_modules(model)
-    offloader.keep_resident(_params_outside(model, blocks))
-    offloader.keep_resident(p for p in model.parameters() if _self_overlapping(p))
+    offloader.ledger.name_modules(model)
+    offloader.ledger.keep_resident(_params_outside(model, blocks))
+    offloader.ledger.keep_resident(p for p in model.parameters() if _self_overlapping(p))
     return offloader, blocks
 
 
@@ -232,7 +226,7 @@ def _move_resident(model: nn.Module, offloader: BaseOffloader, device: torch.dev
     model anywhere); offloaded parameters are left where the offloader put them."""
     for module in model.modules():
         for param in module.parameters(recurse=False):
-            if param.device == device or offloader.is_offloaded(param):
+            if param.device == device or offloader.ledger.is_offloaded(param):
                 continue
             if param.is_meta:  # deferred loading: the loader fills it in
                 set_param_data(param, torch.empty_like(param, device=device))

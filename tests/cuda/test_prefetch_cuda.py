@@ -139,7 +139,7 @@ def test_smollm2_prefetch_exact_with_bounded_device_memory(checkpoint, reference
     resident = sum(
         t.numel() * t.element_size()
         for t in (
-            *[p for p in model.parameters() if not offloader.is_offloaded(p)],
+            *[p for p in model.parameters() if not offloader.ledger.is_offloaded(p)],
             *model.buffers(),
         )
     )

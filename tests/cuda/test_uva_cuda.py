@@ -13,7 +13,7 @@ MIB = 2**20
 
 
 def _resident_bytes(model, offloader):
-    params = [p for p in model.parameters() if not offloader.is_offloaded(p)]
+    params = [p for p in model.parameters() if not offloader.ledger.is_offloaded(p)]
     return sum(t.numel() * t.element_size() for t in (*params, *model.buffers()))
 
 

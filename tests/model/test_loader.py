@@ -51,7 +51,7 @@ def test_smollm2_loads_bitwise_equal_to_transformers(smollm2_path, smollm2_refer
     if SETTINGS[setting]:
         assert offloader.offloaded_bytes > 0
         entry = offloader.manifest()[0]
-        assert offloader.host_view(model.get_parameter(entry.name)) is not None
+        assert offloader.ledger.host_view(model.get_parameter(entry.name)) is not None
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ def prefetch(
     }
     factory = (lambda device: engine) if engine is not None else None
     offloader = offload.create_offloader(config, copy_engine_factory=factory)
-    offloader.name_modules(model)
+    offloader.ledger.name_modules(model)
     offloader.wrap_modules(layers if layers is not None else model.model.layers)
     offloader.post_init()
     return offloader
@@ -197,7 +197,9 @@ def test_memory_bounds_and_host_slabs():
             slot.data_ptr() <= param.data_ptr() < slot.data_ptr() + slot.numel()
             for slot in offloader._slots
         )
-        assert torch.equal(offloader.host_tensor(entry.name), original[entry.name])
+        assert torch.equal(
+            offloader.ledger.host_tensor(entry.name, offloader.restore), original[entry.name]
+        )
 
 
 def test_addresses_never_change():
@@ -501,9 +503,12 @@ def test_module_units_are_the_weight_modules_and_norms_stay_resident():
         f"model.layers.0.{p}.{n}.weight" for p, n in zip(parents, names, strict=True)
     ]
     up = model.model.layers[0].mlp.up_proj.weight
-    assert offloader.host_tensor("model.layers.0.mlp.up_proj.weight").shape == up.shape
+    assert (
+        offloader.ledger.host_tensor("model.layers.0.mlp.up_proj.weight", offloader.restore).shape
+        == up.shape
+    )
     assert not any("norm" in e.name for e in manifest)  # a few hundred bytes: resident
-    assert not offloader.is_offloaded(model.model.layers[0].input_layernorm.weight)
+    assert not offloader.ledger.is_offloaded(model.model.layers[0].input_layernorm.weight)
     # One unit per linear layer, named by it.
     assert [e.module for e in manifest[:7]] == [e.name[: -len(".weight")] for e in manifest[:7]]
     stats = offloader.stats()
@@ -646,7 +651,7 @@ def test_module_units_of_ordinary_layers_are_checked_only_on_their_first_calls()
     model = zoo.build("llama", num_layers=3)
     x = zoo.inputs()
     offloader = prefetch(model, step=2, unit="module")
-    checks = [hook for hook in offloader._hooks if isinstance(hook, UnitReadCheck)]
+    checks = [hook for hook in offloader.ledger.hooks if isinstance(hook, UnitReadCheck)]
     assert len(checks) == 3  # one per offloaded layer
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no read outside a module's own forward

@@ -91,9 +91,9 @@ def _fill(model, offloader, targets, device: torch.device, progress: bool, drop:
         if bar is not None and entry is not None:
             bar.update(entry.num_bytes)
         tensor = tensors[name]
-        if offloader.on_disk(tensor):  # read from the checkpoint each time it runs
+        if offloader.ledger.on_disk(tensor):  # read from the checkpoint each time it runs
             continue
-        host = offloader.host_view(tensor)
+        host = offloader.ledger.host_view(tensor)
         destination = host if host is not None else tensor.data
         if entry is None:
             _dummy(destination, generator)

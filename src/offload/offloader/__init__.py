@@ -2,14 +2,9 @@
 those of vLLM's `vllm.model_executor.offloader`, so code written against it runs with only
 the import changed."""
 
-from offload.offloader.base import (
-    BaseOffloader,
-    NoopOffloader,
-    OffloadedParam,
-    get_offloader,
-    set_offloader,
-)
+from offload.offloader.base import BaseOffloader, NoopOffloader, get_offloader, set_offloader
 from offload.offloader.factory import as_config, create_offloader
+from offload.offloader.manifest import OffloadedParam
 from offload.offloader.prefetch import PrefetchOffloader
 from offload.offloader.uva import UVAOffloader
 

@@ -151,7 +151,9 @@ class StateDictHooks(ModuleHooks):
     def _saved(self, module, state_dict, prefix, local_metadata) -> None:
         for name, param in self._layer.params:
             if prefix + name in state_dict:
-                state_dict[prefix + name] = self._offloader.saved_value(param).detach()
+                state_dict[prefix + name] = self._offloader.ledger.saved_value(
+                    param, self._offloader.restore
+                ).detach()
 
     def _loading(self, state_dict, prefix, *args) -> None:
         if self._layer.disk is not None and any(
@@ -166,7 +168,7 @@ class StateDictHooks(ModuleHooks):
         self._offloader.reload()
         for name, param in self._layer.params:
             value = state_dict.get(prefix + name)
-            host = self._offloader.host_view(param)
+            host = self._offloader.ledger.host_view(param)
             if isinstance(value, torch.Tensor) and value.shape == host.shape:
                 host.copy_(value)
 

@@ -15,10 +15,11 @@ from offload.memory.host import should_pin_memory
 from offload.memory.placement import DiskIO, Placement
 from offload.memory.slots import SlotTable, slot_of, slot_sizes
 from offload.offloader import ops
-from offload.offloader.base import BaseOffloader, OffloadedParam, set_param_data
+from offload.offloader.base import BaseOffloader
 from offload.offloader.compiled_calls import CompiledCalls
 from offload.offloader.disk_tier import DiskTier, NoDiskTier
 from offload.offloader.hooks import PrefetchHook, StateDictHooks
+from offload.offloader.manifest import OffloadedParam, set_param_data
 from offload.offloader.module_units import LayerUnits, ModuleUnits
 from offload.offloader.prefetch_plan import LayerChoice
 from offload.offloader.sources import SlabSource, UnitSource
@@ -102,7 +103,7 @@ class PrefetchOffloader(BaseOffloader):
 
     def _plan(self, modules: list[nn.Module], deferred: bool) -> list[Unit]:
         choice = self.layer_choice
-        layers = choice.layers(modules, self._resident_param_ids, self.module_name, deferred)
+        layers = choice.layers(modules, self.ledger.resident_ids, self.ledger.module_name, deferred)
         if layers is None:  # the layout picks no layer (and said so)
             return []
         units = self._into_units(layers, modules)
@@ -150,16 +151,18 @@ class PrefetchOffloader(BaseOffloader):
         for position, layer in enumerate(self._layers):
             if layer.disk is not None:
                 for _, param in layer.params:
-                    self._take(param, None)  # its bytes stay in the checkpoint's file
+                    self.ledger.take(param, None)  # its bytes stay in the checkpoint's file
             else:
-                layer.slab = self._pack_into_slab(layer.params, self.device)
+                layer.slab = self.ledger.pack_into_slab(layer.params, self.device)
                 for (_, param), host in zip(layer.params, layer.slab.views, strict=True):
                     set_param_data(param, host)  # frees the device copy; the slot: post_init
             weights = [p for _, p in layer.params]
-            self._hooks.append(PrefetchHook(self, self._id, position, weights).attach(layer.module))
-            self._hooks.append(StateDictHooks(self, layer).attach(layer.module))
-        self._hooks += self._units.attach_read_checks(self._layers)
-        self._manifest += self._planned_entries()
+            self.ledger.hooks.append(
+                PrefetchHook(self, self._id, position, weights).attach(layer.module)
+            )
+            self.ledger.hooks.append(StateDictHooks(self, layer).attach(layer.module))
+        self.ledger.hooks += self._units.attach_read_checks(self._layers)
+        self.ledger.entries += self._planned_entries()
         return modules
 
     def post_init(self) -> None:
@@ -267,7 +270,7 @@ class PrefetchOffloader(BaseOffloader):
     def disk_io(self) -> DiskIO | None:
         return self._disk.disk_io
 
-    def _restore(self, param: nn.Parameter) -> torch.Tensor:
+    def restore(self, param: nn.Parameter) -> torch.Tensor:
         return self._disk.read_tensor(param)
 
     def layer_done(self, position: int, *, compiled: bool = False) -> None:
@@ -331,7 +334,7 @@ class PrefetchOffloader(BaseOffloader):
             "num_slots": len(self._slots),
             "device_staging_bytes": self.device_staging_bytes,
             "largest_layer_bytes": max((lay.slot_bytes for lay in self._layers), default=0),
-            "host_bytes": self.host_bytes,
-            "pinned_bytes": self.pinned_bytes,
+            "host_bytes": self.ledger.host_bytes,
+            "pinned_bytes": self.ledger.pinned_bytes,
             **copies,
         }

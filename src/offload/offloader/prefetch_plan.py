@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from torch import nn
 
 from offload.errors import ModelError
-from offload.offloader.base import check_not_meta, warn_unmatched_segments
+from offload.offloader.manifest import check_not_meta, warn_unmatched_segments
 from offload.offloader.selection import matches_segments, offloaded_layer_indices
 from offload.offloader.units import Unit
 

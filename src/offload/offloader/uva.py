@@ -11,14 +11,14 @@ from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.host import HostSlab, device_view, should_pin_memory, zero_copy_available
-from offload.offloader.base import (
-    BaseOffloader,
+from offload.offloader.base import BaseOffloader
+from offload.offloader.hooks import CopyOnForwardHook
+from offload.offloader.manifest import (
     OffloadedParam,
     check_not_meta,
     set_param_data,
     warn_unmatched_segments,
 )
-from offload.offloader.hooks import CopyOnForwardHook
 from offload.offloader.selection import matches_segments, select_within_budget
 
 
@@ -76,7 +76,7 @@ class UVAOffloader(BaseOffloader):
         makes eligible. A parameter shared by several modules is planned once, with the
         first; resident-pinned ones never."""
         used = self.offloaded_bytes
-        seen = set(self._host_views) | self._resident_param_ids
+        seen = set(self.ledger.host_views) | self.ledger.resident_ids
         plan: list[_Chosen] = []
         names_seen: list[str] = []
         eligible_bytes = 0
@@ -97,7 +97,7 @@ class UVAOffloader(BaseOffloader):
                 size for name, size in sizes if _eligible(name, self.cpu_offload_params)
             )
             params = [(n, p) for n, p in named if n in taken]
-            plan.append(_Chosen(module, self.module_name(module, index), params))
+            plan.append(_Chosen(module, self.ledger.module_name(module, index), params))
         self._check_segments(names_seen)
         return plan, eligible_bytes
 
@@ -150,19 +150,19 @@ class UVAOffloader(BaseOffloader):
 
     def _offload(self, part: _Chosen) -> None:
         device = self._device_of(part)
-        slab = self._pack_into_slab(part.params, device)
+        slab = self.ledger.pack_into_slab(part.params, device)
         zero_copy = zero_copy_available(device, slab.is_pinned, self.disable_uva)
         for (_, param), host in zip(part.params, slab.views, strict=True):
             view = device_view(host, device) if zero_copy and device.type == "cuda" else host
             set_param_data(param, view)  # the old storage is freed here
-        self._manifest += self._entries(part, slab.is_pinned)
+        self.ledger.entries += self._entries(part, slab.is_pinned)
         if not zero_copy:
-            mine = [p for p in part.module.parameters() if id(p) in self._host_views]
+            mine = [p for p in part.module.parameters() if id(p) in self.ledger.host_views]
             hook = CopyOnForwardHook(mine, device, self._count_copy)
-            self._hooks.append(hook.attach(part.module))
+            self.ledger.hooks.append(hook.attach(part.module))
 
     def recover(self) -> None:
-        for hook in self._hooks:
+        for hook in self.ledger.hooks:
             if isinstance(hook, CopyOnForwardHook):
                 hook.recover()
 
@@ -184,14 +184,14 @@ class UVAOffloader(BaseOffloader):
     @property
     def slabs(self) -> tuple[HostSlab, ...]:
         """The host slabs holding the offloaded parameters, one per wrapped module."""
-        return tuple(self._slabs)
+        return tuple(self.ledger.slabs)
 
     def _still_offloaded(self) -> list[OffloadedParam]:
         """Entries whose parameter still reads its host slab (a zero-copy device view has
         the slab's address): `model.to()` or an assignment makes a parameter resident."""
         still, moved = [], []
-        for entry, (param, _) in zip(self._manifest, self._taken, strict=True):
-            same = param.data_ptr() == self._host_views[id(param)].data_ptr()
+        for entry, (param, _) in zip(self.ledger.entries, self.ledger.taken, strict=True):
+            same = param.data_ptr() == self.ledger.host_views[id(param)].data_ptr()
             (still if same else moved).append(entry)
         if moved and not self._warned_moved:
             self._warned_moved = True
@@ -207,8 +207,8 @@ class UVAOffloader(BaseOffloader):
     def stats(self) -> dict[str, int]:
         return {
             **super().stats(),
-            "host_bytes": self.host_bytes,
-            "pinned_bytes": self.pinned_bytes,
+            "host_bytes": self.ledger.host_bytes,
+            "pinned_bytes": self.ledger.pinned_bytes,
             "bytes_copied": self.bytes_copied,
             "num_copies": self.num_copies,
         }
