@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from offload.bench.method import Figures, Method, MethodUnavailable, from_pretrained
 from offload.memory.host import meminfo_bytes
+from offload.memory.placement import DiskIO
 from offload.offloader.uva import UVAOffloader
 from offload.planner import layouts
 from offload.planner.layouts import Layout
@@ -69,9 +70,9 @@ class Ours(Method):
 
     def loaded(self) -> None:
         """Note how a disk tier reads: "auto" picks a way when the model loads."""
-        self.disk_io = self.offloader.stats().get("disk_io")
-        self.reads_disk = self.disk_io == "direct"
-        self.reads_page_cache = self.disk_io == "page-cache"
+        self.disk_io = self.offloader.disk_io
+        self.reads_disk = self.disk_io == DiskIO.DIRECT
+        self.reads_page_cache = self.disk_io == DiskIO.PAGE_CACHE
 
     def figures(self) -> Figures:
         stats = self.offloader.stats()
@@ -84,10 +85,10 @@ class Ours(Method):
             return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
         moved = {self.copy_link: stats.get("bytes_copied", 0)}
         stall_s = stats.get("stall_s", 0.0)
-        if "disk_io" in stats:  # the disk tier
+        if self.disk_io is not None:  # the disk tier streams some layers
             # Mapped files are computed on in place, as resident weights are: nothing moves.
             # Reads around the page cache are bounded by the disk, others by the page cache.
-            read_link = "disk" if stats["disk_io"] == "direct" else "page_cache"
+            read_link = "disk" if self.disk_io == DiskIO.DIRECT else "page_cache"
             moved[read_link] = moved.get(read_link, 0) + stats.get("disk_bytes_read", 0)
             stall_s += stats.get("disk_stall_s", 0.0)
         return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=stall_s)
@@ -125,7 +126,9 @@ class Prefetch(Ours):
         }
 
     def layout(self, shape: ModelShape) -> Layout:
-        return layouts.prefetch(shape, *self.pattern, host_budget_bytes=2**62, disk_io="direct")
+        return layouts.prefetch(
+            shape, *self.pattern, host_budget_bytes=2**62, disk_io=DiskIO.DIRECT
+        )
 
 
 class PrefetchAll(Prefetch):
@@ -156,4 +159,4 @@ class DiskDirect(Disk):
 
     name = "disk-direct"
     label = "ours disk tier, every layer off RAM, O_DIRECT reads (a cold checkpoint)"
-    settings: ClassVar[dict[str, Any]] = {"cpu_memory_gb": 0, "disk_io": "direct"}
+    settings: ClassVar[dict[str, Any]] = {"cpu_memory_gb": 0, "disk_io": DiskIO.DIRECT}

@@ -19,6 +19,7 @@ from offload.bench.method import Figures, Method, MethodUnavailable
 from offload.bench.predict import predict_latest, run_probes
 from offload.bench.workload import Prepared
 from offload.errors import ModelError
+from offload.memory.placement import Placement
 from offload.probes.around import RunProbes
 from offload.probes.host import process_memory_bytes, reset_peak_rss
 from offload.probes.limits import Limits, measure_disk, measure_limits, measure_memcpy
@@ -146,7 +147,7 @@ def _around_run(
     planner's step for the run from rates measured around it (None: no prediction)."""
     layout = method.layout(planner.shape) if planner is not None else None
     reads = planner.layer_reads if planner is not None else None
-    copies = layout is not None and "host" in layout.places
+    copies = layout is not None and Placement.HOST in layout.places
 
     def measure_rates() -> None:
         if method.reads_disk:

@@ -17,6 +17,7 @@ import torch
 from offload.memory.disk_layout import ALIGN, Extent, TensorRange, aligned_empty, plan_layout
 from offload.memory.disk_reader import CHUNK_BYTES, DiskReader, FileStamp
 from offload.memory.page_cache import cached_bytes, drop_cached, read_cached
+from offload.memory.placement import DiskIO
 from offload.memory.safetensors import checkpoint_tensors
 
 _READ_BYTES = 64 * 2**20  # one read of the disk probe; two are in flight
@@ -41,7 +42,7 @@ def disk_gb_per_s(
     reader = DiskReader(
         [FileStamp.of(p) for p in touched],
         num_threads=threads,
-        io="direct",
+        io=DiskIO.DIRECT,
         chunk_bytes=chunk_bytes,
     )
     with _computing() if computing else contextlib.nullcontext():
