@@ -435,3 +435,38 @@ def test_files_that_cannot_be_leased_are_read_or_refused(sharded, tmp_path):
             load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "mmap"})
     finally:
         os.close(writer)
+
+
+@pytest.mark.parametrize("io", ["direct", "page-cache", "mmap"])
+def test_a_failure_halfway_through_gives_back_the_layers_on_disk_too(tmp_path, monkeypatch, io):
+    """The second layer's host slab cannot be made after the layers beyond the host budget
+    were left in their file: `apply` gives every parameter back, those read back from the
+    checkpoint included (they were left on the meta device, and a mapped tier's reader
+    refused to read them back)."""
+    import offload
+    import offload.memory.host as host
+
+    model = zoo.build("llama", num_layers=4)
+    model.save_pretrained(tmp_path)
+    expected = zoo.logits(model, zoo.inputs())
+    real, made = host.HostSlab, []
+
+    def failing(*args, **kwargs):
+        made.append(1)
+        if len(made) == 2:
+            raise MemoryError("no host memory left")
+        return real(*args, **kwargs)
+
+    layer_bytes = zoo.layer_param_bytes(model) // 4
+    budget = 2.5 * layer_bytes / 2**30  # two layers in host memory, two on disk
+    config = {**EVERY_LAYER, "cpu_memory_gb": budget, "disk_io": io}
+    monkeypatch.setattr("offload.offloader.ledger.HostSlab", failing)
+    with pytest.raises(MemoryError):
+        offload.apply(model, config, checkpoint=tmp_path)
+    monkeypatch.undo()
+    assert not any(p.is_meta for p in model.parameters())
+    assert torch.equal(zoo.logits(model, zoo.inputs()), expected)
+    offloader = offload.apply(model, config, checkpoint=tmp_path)  # and after all, it can be
+    assert offloader.stats()["num_disk_units"] == 2
+    assert torch.equal(zoo.logits(model, zoo.inputs()), expected)
+    offloader.close()

@@ -235,7 +235,9 @@ class DiskTier:
         buffer = aligned_empty(layout.num_bytes)
         with self._single_lock:  # one reader (one thread) kept for every value read
             if self._single is None:
-                self._single = DiskReader(self._stamps, num_threads=1, io=self.io)
+                # A value read whole: mapped (or not yet resolved) files through the cache.
+                io = self.io if self.io in (DiskIO.DIRECT, DiskIO.PAGE_CACHE) else DiskIO.PAGE_CACHE
+                self._single = DiskReader(self._stamps, num_threads=1, io=io)
             reader = self._single
         try:
             reader.wait(reader.read(buffer, layout.extents))

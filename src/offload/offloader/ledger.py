@@ -49,6 +49,7 @@ class Ledger:
     def take(self, param: nn.Parameter, host: torch.Tensor | None) -> None:
         """Record that `param`'s bytes now live in `host` (this offloader owns it), or,
         without a host tensor, in the checkpoint's file on disk."""
+        device = param.device  # before its data moves: where undo puts it back
         if host is None:
             self._on_disk.add(id(param))
             if not param.is_meta:  # its memory is freed now; a backend points it elsewhere
@@ -56,7 +57,7 @@ class Ledger:
                 torch.utils.swap_tensors(param, empty)
         else:
             self.host_views[id(param)] = host
-        self.taken.append((param, param.device))
+        self.taken.append((param, device))
         param._offload_taken = True  # (an attribute: it survives swap_tensors, no weakref)
 
     def pack_into_slab(
