@@ -32,6 +32,7 @@ from offload.cli.demo import load_pretrained
 from offload.memory.copy_engine import SyncCopyEngine, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
 from offload.offloader.layers import find_layers
+from offload.offloader.stats import OffloadStats
 
 PROMPT = "Write a short story about a dragon who learns to fly."
 DEFAULTS = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}
@@ -136,7 +137,12 @@ def main() -> None:
         assert name in DIAGNOSTIC or torch.equal(tokens, reference), (
             f"{name}: tokens differ from the resident run"
         )
-        setups[name] = (model, inputs, offloader, offloader.stats() if offloader else {})
+        setups[name] = (
+            model,
+            inputs,
+            offloader,
+            offloader.stats() if offloader else OffloadStats(),
+        )
     times: dict[str, list[float]] = {name: [] for name in setups}
     for _ in range(args.repeats):
         for name, (model, inputs, _, _) in setups.items():
@@ -149,7 +155,7 @@ def main() -> None:
     torch.set_num_threads(default_threads)
     results: dict[str, dict[str, float]] = {}
     for name, (_, _, offloader, before) in setups.items():
-        after = offloader.stats() if offloader else {}
+        after = offloader.stats() if offloader else OffloadStats()
         results[name] = {
             "compute_threads": threads_of(name),
             "tokens_per_s": args.tokens / statistics.median(times[name]),
@@ -158,14 +164,14 @@ def main() -> None:
                 args.tokens / min(times[name]),
             ],
             "offloaded_bytes": offloader.offloaded_bytes if offloader else 0,
-            "bytes_copied_per_token": (after.get("bytes_copied", 0) - before.get("bytes_copied", 0))
+            "bytes_copied_per_token": (after.bytes_copied - before.bytes_copied)
             / (args.repeats * args.tokens),
-            "stall_s_per_token": (after.get("stall_s", 0) - before.get("stall_s", 0))
+            "stall_s_per_token": (after.copies.stall_s - before.copies.stall_s)
             / (args.repeats * args.tokens),
-            "device_staging_bytes": after.get("device_staging_bytes", 0),
-            "prefetch_unit": after.get("unit"),
+            "device_staging_bytes": after.device_staging_bytes,
+            "prefetch_unit": after.unit,
             "copy_engine": type(getattr(offloader, "_engine", None)).__name__,
-            "num_slots": after.get("num_slots"),
+            "num_slots": after.num_slots or None,
         }
 
     bandwidth = copy_bandwidth(max(layer_bytes), device)

@@ -40,7 +40,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 
 from offload.model.default import default_model_path
+from offload.offloader.stats import DiskStats, OffloadStats
 
 PROMPT = "Write a short story about a dragon who learns to fly."
 PREFETCH = {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 2}
@@ -94,7 +95,7 @@ def load_disk_tier(folder: Path, config: dict[str, object]):
             raise TierMissing(str(error)) from None
         raise
     # Every configuration here leaves layers on disk: without disk figures, nothing streams.
-    if not offloader.stats().get("num_disk_units"):
+    if not offloader.stats().disk.num_units:
         raise TierMissing("load_model accepts the disk settings but streams nothing yet")
     return model, offloader
 
@@ -103,12 +104,18 @@ def checkpoint_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
-def stats_of(offloader) -> dict[str, float]:
-    return offloader.stats() if offloader is not None else {}
+def stats_of(offloader) -> OffloadStats:
+    return offloader.stats() if offloader is not None else OffloadStats()
 
 
-def delta(after: dict, before: dict, key: str) -> float:
-    return after.get(key, 0) - before.get(key, 0)
+def delta(after: OffloadStats, before: OffloadStats) -> DiskStats:
+    """What the disk tier moved between two readings."""
+    a, b = after.disk, before.disk
+    return DiskStats(
+        bytes_read=a.bytes_read - b.bytes_read,
+        stall_s=a.stall_s - b.stall_s,
+        bytes_mapped=a.bytes_mapped - b.bytes_mapped,
+    )
 
 
 # --- warm: SmolLM2, page cache warm ---
@@ -193,8 +200,9 @@ def warm_results(runs, args, offload_bytes: int, cached_gb_per_s: float) -> dict
     results = {}
     for name, run in runs.items():
         after = stats_of(run.offloader)
-        read_bytes = delta(after, run.before, "disk_bytes_read") / num_tokens
-        mapped_bytes = delta(after, run.before, "disk_bytes_mapped") / num_tokens
+        moved = delta(after, run.before)
+        read_bytes = moved.bytes_read / num_tokens
+        mapped_bytes = moved.bytes_mapped / num_tokens
         if name == ACCELERATE:
             read_bytes = offload_bytes  # np.memmap: every weight is mapped at every forward
         results[name] = {
@@ -204,12 +212,12 @@ def warm_results(runs, args, offload_bytes: int, cached_gb_per_s: float) -> dict
                 args.tokens / min(run.seconds),
             ],
             "same_tokens_as_resident": bool(torch.equal(run.tokens, reference)),
-            "disk_io": after.get("disk_io"),
+            "disk_io": after.disk.io,
             "bytes_read_per_token": read_bytes,
             "bytes_mapped_per_token": mapped_bytes,
-            "disk_stall_s_per_token": delta(after, run.before, "disk_stall_s") / num_tokens,
-            "disk_read_gb_per_s": after.get("disk_read_gb_per_s"),
-            "staging_bytes": after.get("staging_bytes", 0),
+            "disk_stall_s_per_token": moved.stall_s / num_tokens,
+            "disk_read_gb_per_s": after.disk.read_gb_per_s,
+            "staging_bytes": after.disk.staging_bytes,
         }
     resident_s = 1 / results[RESIDENT]["tokens_per_s"]
     for name, row in results.items():
@@ -388,8 +396,9 @@ def stream(folder: Path, files: list[Path], args) -> dict[str, object]:
             totals["steps_s"][batch] += [s for s, _ in timed_decode_steps(model, batch, args)]
             end = offloader.stats()
             forwards = args.steps + 1  # the prefill streams every layer too
-            totals["read"][batch].append(delta(end, start, "disk_bytes_read") / forwards)
-            totals["stall"][batch].append(delta(end, start, "disk_stall_s") / forwards)
+            moved = delta(end, start)
+            totals["read"][batch].append(moved.bytes_read / forwards)
+            totals["stall"][batch].append(moved.stall_s / forwards)
         decode_growth_bytes += common.cached_file_bytes(files) - cached_bytes
     final = memory_snapshot(files)
     stats = offloader.stats()
@@ -401,7 +410,7 @@ def stream(folder: Path, files: list[Path], args) -> dict[str, object]:
         "direct_read_gb_per_s": bandwidths,
         "memory": {"before_load": before, "after_load": loaded, "after_decode": final},
         "decode_cached_growth_bytes": decode_growth_bytes,
-        "stats": stats,
+        "stats": asdict(stats),
     }
 
 
@@ -437,7 +446,7 @@ def memory_results(streamed: dict, compute: dict) -> dict[str, dict]:
     stats = streamed["stats"]
     # On a CPU the slot ring ("device" staging) is host RAM as well, and the layers read
     # from disk land there: it is the staging ring.
-    staging_bytes = stats.get("staging_bytes", 0) + stats.get("device_staging_bytes", 0)
+    staging_bytes = stats["disk"]["staging_bytes"] + stats["device_staging_bytes"]
     host_bytes = COLD_TIER["cpu_memory_gb"] * _GIB + staging_bytes
     rss = {
         "after_load_growth_bytes": loaded["rss_bytes"] - before["rss_bytes"],

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 # OpenMP workers that spin between parallel regions starve the CPU copy thread; this must
@@ -98,12 +99,12 @@ def main() -> None:
         model, {"offload_group_size": 1, "offload_prefetch_step": args.step}, device=device
     )
     stats = offloader.stats()
-    link = link_bandwidth(stats["largest_layer_bytes"], device)
-    offloaded = stats["offloaded_bytes"]
+    link = link_bandwidth(stats.largest_layer_bytes, device)
+    offloaded = stats.offloaded_bytes
     rows = {}
     print(
         f"{args.shape} {args.dtype} on {device}: {offloaded / 2**30:.2f} GiB offloaded, "
-        f"staging {stats['device_staging_bytes'] / 2**20:.0f} MiB, "
+        f"staging {stats.device_staging_bytes / 2**20:.0f} MiB, "
         f"plain copy {link['slab']:.1f} GB/s (torch pinned {link['torch_pinned']:.1f} GB/s)"
     )
     print(
@@ -113,8 +114,8 @@ def main() -> None:
         before = offloader.stats()
         seconds = step_time(model, seq, device, args.repeats)
         after = offloader.stats()
-        copied = after["bytes_copied"] - before["bytes_copied"]
-        copy_s = after["copy_s"] - before["copy_s"]
+        copied = after.bytes_copied - before.bytes_copied
+        copy_s = after.copies.copy_s - before.copies.copy_s
         achieved = copied / copy_s / 1e9 if copy_s else 0.0
         bound = max(resident[seq], offloaded / (link["slab"] * 1e9))
         rows[seq] = {
@@ -124,7 +125,7 @@ def main() -> None:
             "ratio_to_bound": seconds / bound,
             "achieved_copy_gb_per_s": achieved,
             "achieved_of_plain_copy": achieved / link["slab"],
-            "stall_s_per_step": (after["stall_s"] - before["stall_s"]) / (args.repeats + 3),
+            "stall_s_per_step": (after.copies.stall_s - before.copies.stall_s) / (args.repeats + 3),
         }
         print(
             f"{seq:>6}{resident[seq] * 1e3:>13.2f}{seconds * 1e3:>13.2f}{bound * 1e3:>10.2f}"
@@ -139,7 +140,7 @@ def main() -> None:
             "prefetch_step": args.step,
             "offloaded_bytes": offloaded,
             "link_gb_per_s": link,
-            "stats": stats,
+            "stats": asdict(stats),
             "rows": rows,
         },
     )

@@ -159,9 +159,9 @@ def _sweep(make, every: bool) -> int:
     return interrupted
 
 
-def forwards_and_check(model, offloader, ids, expected, moved: list, counter: str):
+def forwards_and_check(model, offloader, ids, expected, moved: list, counter):
     """A workload of two forwards, and the check after an interrupt: the next forward
-    gives `expected` bit for bit, and the offloader's `counter` of bytes moved is noted."""
+    gives `expected` bit for bit, and `counter(offloader.stats())`, bytes moved, is noted."""
 
     def two_forwards():
         zoo.logits(model, ids)
@@ -171,7 +171,7 @@ def forwards_and_check(model, offloader, ids, expected, moved: list, counter: st
         out = zoo.logits(model, ids)
         where = f"{site[0].co_qualname}+{site[1]}"
         assert torch.equal(out, expected), f"wrong after an interrupt at {where}"
-        moved.append(offloader.stats()[counter])
+        moved.append(counter(offloader.stats()))
 
     return two_forwards, check
 
@@ -200,7 +200,9 @@ def test_an_interrupt_at_any_step_of_a_forward_leaves_the_next_forward_exact(uni
             copy_engine_factory=lambda device: SlowEngine(delay_s=0.0002),
         )
         finish(offloader)
-        return forwards_and_check(model, offloader, ids, expected, moved, "bytes_copied")
+        return forwards_and_check(
+            model, offloader, ids, expected, moved, lambda stats: stats.bytes_copied
+        )
 
     shared = make()
     assert _sweep(make if fresh else lambda: shared, every) > 50

@@ -45,7 +45,7 @@ def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_
         hooks = ReadHooks(delay_s=0.0002)  # reads still in flight at a Ctrl-C
         model, offloader = load_model(tmp_path, {**config, "read_ahead": 1}, read_hooks=hooks)
         opened.append(offloader)
-        counter = "disk_bytes_mapped" if io == "mmap" else "disk_bytes_read"
+        counter = (lambda s: s.disk.bytes_mapped) if io == "mmap" else (lambda s: s.disk.bytes_read)
         return sweep.forwards_and_check(model, offloader, ids, expected, moved, counter)
 
     assert sweep._sweep(make, every=False) > 30

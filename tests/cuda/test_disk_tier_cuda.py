@@ -27,8 +27,8 @@ def test_streamed_layers_on_the_gpu_give_the_resident_logits_and_tokens(
         )
     assert torch.equal(out, tokens)
     stats = offloader.stats()
-    assert stats["num_disk_units"] > 0 and stats["disk_bytes_read"] > 0
-    assert stats["staging_bytes"] > 0 and stats["bytes_copied"] > 0  # staged, then copied
+    assert stats.disk.num_units > 0 and stats.disk.bytes_read > 0
+    assert stats.disk.staging_bytes > 0 and stats.bytes_copied > 0  # staged, then copied
     offloader.close()
 
 

@@ -118,13 +118,13 @@ def test_cuda_graph_replays_the_copies():
     graph = torch.cuda.CUDAGraph()
     with offloader.graph_capture(graph):
         static_out = model(static_in)
-    copies = offloader.stats()["num_copies"]
+    copies = offloader.stats().copies.num_copies
     for x, want in zip(inputs, expected, strict=True):
         static_in.copy_(x)
         with offloader.graph_capture():
             graph.replay()
         assert torch.equal(static_out, want)
-    assert offloader.stats()["num_copies"] == copies  # replays do not go through Python
+    assert offloader.stats().copies.num_copies == copies  # replays do not go through Python
 
 
 def test_smollm2_prefetch_exact_with_bounded_device_memory(checkpoint, reference):
@@ -143,9 +143,9 @@ def test_smollm2_prefetch_exact_with_bounded_device_memory(checkpoint, reference
             *model.buffers(),
         )
     )
-    assert torch.cuda.memory_allocated() - base <= resident + stats["device_staging_bytes"] + 2**20
-    assert stats["device_staging_bytes"] <= 2 * stats["largest_layer_bytes"]
-    assert stats["pinned_bytes"] <= 1.02 * stats["offloaded_bytes"]
+    assert torch.cuda.memory_allocated() - base <= resident + stats.device_staging_bytes + 2**20
+    assert stats.device_staging_bytes <= 2 * stats.largest_layer_bytes
+    assert stats.pinned_bytes <= 1.02 * stats.offloaded_bytes
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
     with torch.no_grad():
@@ -155,7 +155,7 @@ def test_smollm2_prefetch_exact_with_bounded_device_memory(checkpoint, reference
     assert torch.equal(new_tokens, tokens)
     stats = offloader.stats()
     assert (
-        stats["bytes_copied"] > 30 * stats["largest_layer_bytes"] and stats["achieved_gb_per_s"] > 0
+        stats.bytes_copied > 30 * stats.largest_layer_bytes and stats.copies.achieved_gb_per_s > 0
     )
 
 

@@ -60,7 +60,7 @@ def test_smollm2_offloaded_from_cpu_is_exact_without_a_device_spike(
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
     if disable_uva:
-        assert offloader.stats()["bytes_copied"] == offloader.offloaded_bytes
+        assert offloader.stats().bytes_copied == offloader.offloaded_bytes
     with torch.no_grad():
         new_tokens = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False

@@ -52,7 +52,7 @@ def test_exact_on_every_architecture(arch):
     expected, _ = decode(model, ids, 5, offload=False)
     got, kv = decode(model, ids, 5, offload=True)
     assert equal(got, expected)
-    assert kv.stats()["bytes_copied"] > 0  # the cache really went through the host
+    assert kv.stats().bytes_copied > 0  # the cache really went through the host
 
 
 def test_latent_attention_is_sized_by_what_it_caches():
@@ -65,7 +65,7 @@ def test_latent_attention_is_sized_by_what_it_caches():
     ids = zoo.inputs()
     expected, _ = decode(model, ids, 4, offload=False)
     got, kv = decode(model, ids, 4, offload=True, kv_dims=dims)
-    assert equal(got, expected) and kv.stats()["bytes_copied"] > 0
+    assert equal(got, expected) and kv.stats().bytes_copied > 0
     llama = zoo.build("llama", num_layers=2)
     heads, head_dim = llama.config.num_key_value_heads, llama.config.head_dim
     assert probe_kv_dims(llama) == (heads, head_dim, head_dim)
@@ -104,12 +104,12 @@ def test_bytes_moved_are_the_written_prefix_and_the_new_rows():
     expected = sum(4 * (width + s - 1) * row for s in range(1, steps + 1))
     expected += (width + steps) * row
     stats = kv.stats()
-    assert stats["bytes_copied"] == expected
-    assert stats["bytes_written_back"] == 4 * (width + steps) * row
+    assert stats.bytes_copied == expected
+    assert stats.bytes_written_back == 4 * (width + steps) * row
     # transformers' offloaded static cache moves every layer's whole cache both ways
     # each forward; this is far less.
     whole_cache_both_ways = 2 * 4 * kv.shape.layer_bytes * (steps + 1)
-    assert stats["bytes_copied"] + stats["bytes_written_back"] < whole_cache_both_ways / 2
+    assert stats.bytes_copied + stats.bytes_written_back < whole_cache_both_ways / 2
 
 
 @pytest.mark.parametrize(("num_layers", "num_slots"), [(4, 2), (5, 2), (5, 3), (3, 1)])
@@ -122,7 +122,7 @@ def test_delayed_copies_still_give_exact_outputs(num_layers, num_slots):
     # Copies run only when compute waits for them: the same on any machine, however busy.
     got, kv = decode(model, ids, 4, offload=True, num_slots=num_slots, engine=LateEngine())
     assert equal(got, expected)
-    assert kv.stats()["num_stalls"] > 0  # compute really waited for late copies
+    assert kv.stats().copies.num_stalls > 0  # compute really waited for late copies
 
 
 def test_the_delayed_check_catches_a_missing_wait():
@@ -220,4 +220,4 @@ def test_mixed_sliding_and_full_layers():
     expected, _ = decode(model, ids, 5, offload=False)
     got, kv = decode(model, ids, 5, offload=True, num_slots=1)  # one slot: refills
     assert equal(got, expected)
-    assert kv.num_layers == 2 and kv.stats()["bytes_copied"] > 0
+    assert kv.num_layers == 2 and kv.stats().bytes_copied > 0

@@ -83,5 +83,5 @@ def test_llm_runs_the_planners_first_config_that_fits(smollm2_path, resident_tok
     assert chosen.prefetch == ranked[0].prefetch and chosen.disk == ranked[0].disk
     assert llm.offloader.offloaded_bytes > 0
     if "cpu_memory_gb" in budgets:  # what host memory cannot hold stays on disk
-        assert chosen.disk.is_active and llm.offloader.stats()["num_disk_units"] > 0
+        assert chosen.disk.is_active and llm.offloader.stats().disk.num_units > 0
     assert _answer(llm) == resident_tokens

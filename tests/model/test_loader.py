@@ -70,7 +70,7 @@ def test_sharded_checkpoint(tmp_path):
         tmp_path / "sharded", {"offload_group_size": 2, "offload_prefetch_step": 1}
     )
     assert torch.equal(zoo.logits(loaded, ids), zoo.logits(model, ids))
-    assert offloader.stats()["num_offloaded_layers"] == 2
+    assert offloader.stats().num_offloaded_layers == 2
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", torch.bfloat16])

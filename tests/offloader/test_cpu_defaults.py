@@ -76,7 +76,7 @@ def test_default_prefetch_on_a_small_cache_cpu_copies_modules_exactly(small_cach
     ids = zoo.inputs()
     offloader = offload.apply(model, DEFAULTS, device="cpu")
     stats = offloader.stats()
-    assert stats["unit"] == "module" and stats["num_slots"] == AUTO_MODULES_AHEAD
+    assert stats.unit == "module" and stats.num_slots == AUTO_MODULES_AHEAD
     # The staging memory stays within vLLM's meaning of the step: two layers.
     largest_layer = max(
         sum(p.numel() * p.element_size() for p in layer.parameters())
@@ -84,7 +84,7 @@ def test_default_prefetch_on_a_small_cache_cpu_copies_modules_exactly(small_cach
     )
     assert offloader.device_staging_bytes <= 2 * largest_layer
     assert torch.equal(zoo.logits(model, ids), zoo.logits(reference, ids))
-    assert offloader.stats()["bytes_copied"] > stats["bytes_copied"]
+    assert offloader.stats().bytes_copied > stats.bytes_copied
 
 
 class _Probe:
@@ -131,7 +131,7 @@ def test_compute_keeps_the_users_threads_and_the_copies_use_a_free_core_if_any(
     assert probe.seen == [2] and torch.get_num_threads() == 2
     engine = type(offloader.copy_engine)
     assert engine is (SyncCopyEngine if cores == 2 else ThreadCopyEngine)
-    assert offloader.stats()["bytes_copied"] > 0
+    assert offloader.stats().bytes_copied > 0
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])

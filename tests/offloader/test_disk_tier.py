@@ -66,14 +66,14 @@ def test_streamed_layers_give_the_resident_logits_and_tokens(sharded, budget, re
     assert torch.equal(zoo.greedy(model, ids), zoo.greedy(resident, ids))
     stats = offloader.stats()
     on_disk = {"none": NUM_LAYERS, "half": NUM_LAYERS // 2, "all but one": 1}[budget]
-    assert stats["num_disk_units"] == on_disk
-    assert stats["host_bytes"] <= config["cpu_memory_gb"] * 2**30
-    assert stats["disk_io"] == io
-    streamed = stats["disk_bytes_mapped" if io == "mmap" else "disk_bytes_read"]
+    assert stats.disk.num_units == on_disk
+    assert stats.host_bytes <= config["cpu_memory_gb"] * 2**30
+    assert stats.disk.io == io
+    streamed = stats.disk.bytes_mapped if io == "mmap" else stats.disk.bytes_read
     assert streamed >= on_disk * _layer_bytes(resident)
     if io == "mmap":  # computed on in place: no read, and no slot when all are mapped
-        assert "disk_bytes_read" not in stats
-        assert (stats["device_staging_bytes"] == 0) == (budget == "none")
+        assert stats.disk.bytes_read == 0
+        assert (stats.device_staging_bytes == 0) == (budget == "none")
     offloader.close()
 
 
@@ -86,8 +86,8 @@ def test_apply_streams_a_from_pretrained_model_from_its_own_files(sharded, io):
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
     stats = offloader.stats()
-    assert stats["disk_io"] == ("mmap" if io == "auto" else io)
-    assert stats["disk_bytes_mapped" if io == "auto" else "disk_bytes_read"] > 0
+    assert stats.disk.io == ("mmap" if io == "auto" else io)
+    assert (stats.disk.bytes_mapped if io == "auto" else stats.disk.bytes_read) > 0
     assert offloader.host_bytes == 0
     offloader.close()
 
@@ -103,8 +103,8 @@ def test_delayed_reads_still_give_the_resident_logits(sharded, staged):
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
     stats = offloader.stats()
-    assert stats["disk_num_stalls"] > 0  # compute did wait for slow reads
-    assert (stats["staging_bytes"] > 0) == staged
+    assert stats.disk.num_stalls > 0  # compute did wait for slow reads
+    assert (stats.disk.staging_bytes > 0) == staged
     assert torch.equal(zoo.greedy(model, ids), zoo.greedy(resident, ids))
     offloader.close()
 
@@ -256,7 +256,7 @@ def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkey
         return original(self, ticket)
 
     monkeypatch.setattr(source, "wait", interrupting)
-    for at in range(1, offloader.stats()["num_disk_units"] + 1):
+    for at in range(1, offloader.stats().disk.num_units + 1):
         waits.update(count=0, at=at)
         with pytest.raises(KeyboardInterrupt):
             zoo.logits(model, ids)
@@ -320,8 +320,8 @@ def test_smollm2_with_every_layer_on_disk_gives_transformers_tokens(io):
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 2644, 47]])
     assert torch.equal(zoo.greedy(model, ids, 8), zoo.greedy(resident, ids, 8))
     stats = offloader.stats()
-    assert stats["num_disk_units"] == 30 and stats["host_bytes"] == 0
-    streamed = stats["disk_bytes_mapped" if io == "mmap" else "disk_bytes_read"]
+    assert stats.disk.num_units == 30 and stats.host_bytes == 0
+    streamed = stats.disk.bytes_mapped if io == "mmap" else stats.disk.bytes_read
     assert streamed >= 8 * zoo.layer_param_bytes(resident)
     offloader.close()
 
@@ -407,7 +407,7 @@ def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(sharded, tmp_path):
     files = sorted(_copy_of(source, tmp_path).glob("*.safetensors"))
     config = {**EVERY_LAYER, "cpu_memory_gb": 0}
     model, offloader = load_model(tmp_path, config)  # just written: in the page cache
-    assert offloader.stats()["disk_io"] == "mmap"
+    assert offloader.stats().disk.io == "mmap"
     offloader.close()
     for path in files:
         fd = os.open(path, os.O_RDONLY)
@@ -415,7 +415,7 @@ def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(sharded, tmp_path):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
     model, offloader = load_model(tmp_path, config)
-    assert offloader.stats()["disk_io"] == "direct"
+    assert offloader.stats().disk.io == "direct"
     assert torch.equal(zoo.logits(model, zoo.inputs()), zoo.logits(resident, zoo.inputs()))
     offloader.close()
 
@@ -428,7 +428,7 @@ def test_files_that_cannot_be_leased_are_read_or_refused(sharded, tmp_path):
     writer = os.open(files[-1], os.O_WRONLY)
     try:
         model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0})
-        assert offloader.stats()["disk_io"] == "page-cache"
+        assert offloader.stats().disk.io == "page-cache"
         assert torch.equal(zoo.logits(model, zoo.inputs()), zoo.logits(resident, zoo.inputs()))
         offloader.close()
         with pytest.raises(ModelError, match=r"disk_io='mmap': cannot hold a read lease on"):
@@ -467,6 +467,6 @@ def test_a_failure_halfway_through_gives_back_the_layers_on_disk_too(tmp_path, m
     assert not any(p.is_meta for p in model.parameters())
     assert torch.equal(zoo.logits(model, zoo.inputs()), expected)
     offloader = offload.apply(model, config, checkpoint=tmp_path)  # and after all, it can be
-    assert offloader.stats()["num_disk_units"] == 2
+    assert offloader.stats().disk.num_units == 2
     assert torch.equal(zoo.logits(model, zoo.inputs()), expected)
     offloader.close()

@@ -76,19 +76,16 @@ def test_exact_for_every_layout(arch, num_layers, group, data):
     }
     offloader = offload.apply(model, config, layers=STACK[arch])  # a 1-layer "stack" too
     offloader.sync_prev_onload()  # the initial loads have landed
-    first = offloader.stats()["bytes_copied"]
+    first = offloader.stats().bytes_copied
     for forward in range(3):  # the prefetch wraps around from the last layers to the first
         assert torch.equal(zoo.logits(model, ids), expected), f"forward {forward}"
     offloader.sync_prev_onload()
     stats = offloader.stats()
-    assert stats["bytes_copied"] - first == 3 * _expected_bytes_per_forward(offloader)
+    assert stats.bytes_copied - first == 3 * _expected_bytes_per_forward(offloader)
     # (with module units, the "layers" of this bound are the units: smaller)
-    assert (
-        stats["device_staging_bytes"]
-        <= min(step, stats["num_units"]) * stats["largest_layer_bytes"]
-    )
+    assert stats.device_staging_bytes <= min(step, stats.num_units) * stats.largest_layer_bytes
     if unit == "module":
-        assert stats["num_units"] >= stats["num_offloaded_layers"]
+        assert stats.num_units >= stats.num_offloaded_layers
     manifest = offloader.manifest()
     assert manifest and all(e.access == "prefetch" for e in manifest)
     if params:
@@ -107,7 +104,7 @@ def test_greedy_and_logits_exact_across_architectures(arch, unit):
     assert torch.equal(zoo.logits(model, ids), expected)
     if expected_tokens is not None:
         assert torch.equal(zoo.greedy(model, ids), expected_tokens)
-    assert offloader.stats()["bytes_copied"] > 0
+    assert offloader.stats().bytes_copied > 0
 
 
 @pytest.mark.parametrize("unit", ["layer", "module"])
@@ -121,7 +118,7 @@ def test_delayed_copies_still_give_exact_outputs(num_layers, step, unit, engine)
     for _ in range(3):
         assert torch.equal(zoo.logits(model, ids), expected)
     if engine is LateEngine:  # (a SlowEngine's copy may be done before its wait on a busy machine)
-        assert offloader.stats()["num_stalls"] > 0  # compute really waited for late copies
+        assert offloader.stats().copies.num_stalls > 0  # compute really waited for late copies
 
 
 def test_the_delayed_check_catches_a_missing_wait():
@@ -180,15 +177,13 @@ def test_memory_bounds_and_host_slabs():
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
     offloader = prefetch(model, group=3, num_in_group=2, step=2)
     stats = offloader.stats()
-    assert stats["num_offloaded_layers"] == 4 and stats["num_slots"] == 2
-    assert stats["device_staging_bytes"] <= 2 * stats["largest_layer_bytes"]
+    assert stats.num_offloaded_layers == 4 and stats.num_slots == 2
+    assert stats.device_staging_bytes <= 2 * stats.largest_layer_bytes
     params = len(offloader.manifest())
     assert (
-        stats["offloaded_bytes"]
-        <= stats["host_bytes"]
-        <= stats["offloaded_bytes"] + params * 256 + 4 * 4096
+        stats.offloaded_bytes <= stats.host_bytes <= stats.offloaded_bytes + params * 256 + 4 * 4096
     )
-    assert stats["pinned_bytes"] == 0
+    assert stats.pinned_bytes == 0
     assert {e.module for e in offloader.manifest()} == {f"model.layers.{i}" for i in (1, 2, 4, 5)}
     # Every offloaded parameter is a view into one of the slots.
     for entry in offloader.manifest():
@@ -250,7 +245,7 @@ def test_a_layout_that_selects_no_layer_offloads_nothing_with_a_warning():
     before = {n: p.data_ptr() for n, p in model.named_parameters()}
     with pytest.warns(UserWarning, match="offloads layers 6, 7, ... but there are only 3 layers"):
         offloader = offload.apply(model, {"offload_group_size": 8, "offload_num_in_group": 2})
-    assert offloader.offloaded_bytes == 0 and offloader.stats()["device_staging_bytes"] == 0
+    assert offloader.offloaded_bytes == 0 and offloader.stats().device_staging_bytes == 0
     assert {n: p.data_ptr() for n, p in model.named_parameters()} == before
     assert torch.equal(model(x).logits, expected)
 
@@ -281,9 +276,10 @@ def test_auto_selects_prefetch_and_graph_capture_context_runs_on_cpu():
         out = zoo.logits(model, ids)
     assert torch.equal(out, expected)
     stats = offloader.stats()
-    for key in ("bytes_copied", "num_copies", "stall_s", "copy_s", "achieved_gb_per_s"):
-        assert key in stats
-    assert stats["achieved_gb_per_s"] > 0
+    copies = stats.copies  # every counter is kept (a typed record: none can be missing)
+    assert copies.bytes_copied > 0 and copies.num_copies > 0 and copies.copy_s > 0
+    assert copies.stall_s >= 0 and copies.num_stalls >= 0
+    assert stats.copies.achieved_gb_per_s > 0
 
 
 @pytest.mark.parametrize(
@@ -314,11 +310,11 @@ def test_torch_compile_fullgraph_matches_compiled_resident(arch, num_layers, ste
             for _ in range(2):
                 zoo.logits(model, ids)
         offloader.sync_prev_onload()
-        before = offloader.stats()["bytes_copied"]
+        before = offloader.stats().bytes_copied
         for _ in range(2):
             assert torch.equal(compiled(input_ids=ids).logits, expected)
     offloader.sync_prev_onload()
-    assert offloader.stats()["bytes_copied"] - before == 2 * _expected_bytes_per_forward(offloader)
+    assert offloader.stats().bytes_copied - before == 2 * _expected_bytes_per_forward(offloader)
     torch._dynamo.reset()
 
 
@@ -423,7 +419,7 @@ def test_compiled_two_stream_blocks_chain_through_every_activation():
         for _ in range(2):
             assert torch.equal(torch.compile(model, fullgraph=True)(*inputs), expected_inductor)
     torch._dynamo.reset()
-    assert offloader.stats()["bytes_copied"] > 0
+    assert offloader.stats().bytes_copied > 0
     graph = graphs[0].graph
     waits = _step_nodes(graph, torch.ops.offload.wait_layer.default)
     starts = _step_nodes(graph, torch.ops.offload.start_layer.default)
@@ -512,12 +508,12 @@ def test_module_units_are_the_weight_modules_and_norms_stay_resident():
     # One unit per linear layer, named by it.
     assert [e.module for e in manifest[:7]] == [e.name[: -len(".weight")] for e in manifest[:7]]
     stats = offloader.stats()
-    assert (stats["num_units"], stats["num_offloaded_layers"]) == (14, 2)
-    assert stats["unit"] == "module"
+    assert (stats.num_units, stats.num_offloaded_layers) == (14, 2)
+    assert stats.unit == "module"
     per_unit: dict[str, int] = {}
     for e in manifest:
         per_unit[e.module] = per_unit.get(e.module, 0) + e.num_bytes
-    assert stats["device_staging_bytes"] <= 2 * max(per_unit.values()) + 2 * 4 * 256
+    assert stats.device_staging_bytes <= 2 * max(per_unit.values()) + 2 * 4 * 256
     with torch.no_grad():
         assert torch.equal(model(x).logits, expected)
         assert torch.equal(model(x).logits, expected)
@@ -552,7 +548,7 @@ def _module_units_of_three(block_class, step, engine):
 @pytest.mark.parametrize("step", [1, 2, 3])
 def test_module_units_stay_exact_when_modules_run_out_of_registration_order(step, engine):
     blocks, x, expected, offloader = _module_units_of_three(_Reversed, step, engine())
-    assert offloader.stats()["num_units"] == 15
+    assert offloader.stats().num_units == 15
     for _ in range(3):
         assert torch.equal(blocks(x), expected)
 
@@ -561,9 +557,9 @@ def test_copies_are_counted_when_issued_as_on_cuda():
     model = zoo.build("llama", num_layers=4)
     offloader = prefetch(model, step=2, engine=SlowEngine(delay_s=0.05))
     issued = sum(layer.slab.num_bytes for layer in offloader._layers[:2])  # the initial loads
-    assert offloader.stats()["bytes_copied"] == issued  # before they have run
+    assert offloader.stats().bytes_copied == issued  # before they have run
     offloader.sync_prev_onload()
-    assert offloader.stats()["bytes_copied"] == issued and offloader.stats()["num_copies"] == 2
+    assert offloader.stats().bytes_copied == issued and offloader.stats().copies.num_copies == 2
 
 
 class _ReadsChildWeights(nn.Module):
@@ -589,7 +585,7 @@ def test_module_units_read_outside_their_forward_stay_exact_with_a_warning(step,
         assert torch.equal(blocks(x), expected)
     for _ in range(4):  # past the checked calls: the layers that read so stay checked
         assert torch.equal(blocks(x), expected)
-    assert offloader.stats()["bytes_copied"] > 0
+    assert offloader.stats().bytes_copied > 0
 
 
 def test_the_copy_engine_comes_from_the_factory_given_and_other_backends_ignore_it():
@@ -623,7 +619,7 @@ def test_mamba_with_module_units_gives_the_resident_tokens():
     offloader = prefetch(model, step=2, layers=model.backbone.layers, unit="module")
     with pytest.warns(UserWarning, match="outside that module's forward"):
         assert torch.equal(zoo.greedy(model, ids), expected)
-    assert offloader.stats()["bytes_copied"] > 0
+    assert offloader.stats().bytes_copied > 0
 
 
 @torch.no_grad()
@@ -638,7 +634,7 @@ def test_compiled_module_units_run_only_layers_that_passed_the_eager_read_check(
     with pytest.warns(UserWarning, match="outside that module's forward"):
         assert torch.equal(blocks(x), expected)  # eager: checked, exact
     assert torch.equal(blocks(x), expected)
-    assert offloader.stats()["bytes_copied"] > 0
+    assert offloader.stats().bytes_copied > 0
     torch._dynamo.reset()
     with pytest.raises(ModelError, match=r"reads module weights outside .* prefetch_unit='layer'"):
         torch.compile(blocks, fullgraph=True)(x)

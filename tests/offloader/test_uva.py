@@ -102,7 +102,7 @@ def test_copy_per_forward_moves_the_offloaded_bytes_each_forward():
     before = [p.data_ptr() for p in model.parameters()]
     for step in range(1, 3):
         assert torch.equal(zoo.logits(model, ids), expected)
-        assert offloader.stats()["bytes_copied"] == step * offloader.offloaded_bytes
+        assert offloader.stats().bytes_copied == step * offloader.offloaded_bytes
     # The host copies are back in place after each forward.
     assert [p.data_ptr() for p in model.parameters()] == before
 
@@ -122,7 +122,7 @@ def test_copy_per_forward_restores_after_an_exception():
     with pytest.raises(TypeError):
         layer()  # missing arguments: the forward raises after the copies are in
     assert [p.data_ptr() for p in layer.parameters()] == before
-    assert offloader.stats()["bytes_copied"] > 0
+    assert offloader.stats().bytes_copied > 0
 
 
 class TiedStack(nn.Module):
@@ -236,14 +236,14 @@ def test_parameters_replaced_after_offloading_are_no_longer_counted(disable_uva)
         warnings.simplefilter("ignore")  # (the budget is more than the model)
         offloader = offload.apply(model, {"cpu_offload_gb": 1, "disable_uva": disable_uva})
     before = offloader.stats()
-    assert before["offloaded_bytes"] > 0
+    assert before.offloaded_bytes > 0
     model.model.layers[0].to(torch.float64).to(torch.float32)  # new tensors, resident
     moved = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
     with pytest.warns(UserWarning, match="no longer live in host memory"):
         after = offloader.stats()
-    assert after["offloaded_bytes"] == before["offloaded_bytes"] - moved
-    assert offloader.offloaded_bytes == after["offloaded_bytes"]
+    assert after.offloaded_bytes == before.offloaded_bytes - moved
+    assert offloader.offloaded_bytes == after.offloaded_bytes
     layer_params = len(list(model.model.layers[0].parameters()))
-    assert after["num_offloaded_params"] == before["num_offloaded_params"] - layer_params
+    assert after.num_offloaded_params == before.num_offloaded_params - layer_params
     model(torch.randint(0, 100, (1, 4)))  # copy-per-forward hooks still restore cleanly
-    assert offloader.stats()["offloaded_bytes"] == after["offloaded_bytes"]
+    assert offloader.stats().offloaded_bytes == after.offloaded_bytes

@@ -160,11 +160,11 @@ def test_forward_copies_time_the_copies_a_streamed_forward_makes(tiny):
     copies = ForwardCopies(path, shape, CPU, 4, count=3)
     try:
         stats = copies.offloader.stats
-        assert stats()["num_offloaded_layers"] == 4
+        assert stats().num_offloaded_layers == 4
         copies.gb_per_s(2)
-        before = stats()["bytes_copied"]
+        before = stats().bytes_copied
         assert copies.gb_per_s(2) > 0
-        assert stats()["bytes_copied"] - before == 4 * shape.layer_bytes[0]  # layers alike
+        assert stats().bytes_copied - before == 4 * shape.layer_bytes[0]  # layers alike
     finally:
         copies.close()
 

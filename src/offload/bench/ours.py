@@ -76,21 +76,21 @@ class Ours(Method):
 
     def figures(self) -> Figures:
         stats = self.offloader.stats()
-        offloaded = stats["offloaded_bytes"]
+        offloaded = stats.offloaded_bytes
         if isinstance(self.offloader, UVAOffloader):
             # A GPU kernel reads each offloaded weight from host memory at every forward (or
             # a copy brings it in, where views are off); on a CPU it is already in place.
             cuda = self.device.type == "cuda"
             moved = {"h2d_pinned": offloaded * self.num_forwards} if cuda else {}
             return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
-        moved = {self.copy_link: stats.get("bytes_copied", 0)}
-        stall_s = stats.get("stall_s", 0.0)
+        moved = {self.copy_link: stats.bytes_copied}
+        stall_s = stats.copies.stall_s
         if self.disk_io is not None:  # the disk tier streams some layers
             # Mapped files are computed on in place, as resident weights are: nothing moves.
             # Reads around the page cache are bounded by the disk, others by the page cache.
             read_link = "disk" if self.disk_io == DiskIO.DIRECT else "page_cache"
-            moved[read_link] = moved.get(read_link, 0) + stats.get("disk_bytes_read", 0)
-            stall_s += stats.get("disk_stall_s", 0.0)
+            moved[read_link] = moved.get(read_link, 0) + stats.disk.bytes_read
+            stall_s += stats.disk.stall_s
         return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=stall_s)
 
     def close(self) -> None:

@@ -82,14 +82,12 @@ def _summary(model, offloader: BaseOffloader) -> str:
         f"offloaded {len(manifest)} parameters, {offloader.offloaded_bytes / MIB:.1f} MiB "
         f"of {model_bytes / MIB:.1f} MiB, from {len(modules)} modules "
         f"({type(offloader).__name__}): " + "; ".join(f"{n} {k}" for k, n in kinds.items()),
-        f"host memory held: {stats.get('host_bytes', 0) / MIB:.1f} MiB "
-        f"(pinned {stats.get('pinned_bytes', 0) / MIB:.1f} MiB)",
+        f"host memory held: {stats.host_bytes / MIB:.1f} MiB "
+        f"(pinned {stats.pinned_bytes / MIB:.1f} MiB)",
     ]
     if manifest:
         first, last = manifest[0], manifest[-1]
         lines.append(f"first moved: {first.name} ({first.num_bytes} bytes), last: {last.name}")
-    if stats.get("bytes_copied"):
-        lines.append(
-            f"copied to the compute device on demand: {stats['bytes_copied'] / MIB:.1f} MiB"
-        )
+    if stats.bytes_copied:
+        lines.append(f"copied to the compute device on demand: {stats.bytes_copied / MIB:.1f} MiB")
     return "\n".join(lines)

@@ -133,7 +133,7 @@ class DecodeLoop:
         """Add what this call moved to the running totals (graph replays included)."""
         if kv is not None:
             kv.close()
-            self._moved += TransferStats.of_counters(kv=kv.stats())
+            self._moved += TransferStats.of(kv=kv.stats())
         if graphs is not None:
             self._moved += graphs.replayed
 

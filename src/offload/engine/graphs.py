@@ -132,4 +132,4 @@ class DecodeGraphs:
 
     def _counters(self) -> TransferStats:
         kv = self._kv.stats() if self._kv is not None else None
-        return TransferStats.of_counters(self._offloader.stats(), kv)
+        return TransferStats.of(self._offloader.stats(), kv)

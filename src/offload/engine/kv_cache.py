@@ -14,16 +14,31 @@ is one contiguous byte range on both sides (one copy).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from offload.engine.kv_shape import KVShape
 from offload.errors import ConfigError
-from offload.memory.copy_engine import CopyEngine, make_copy_engine
+from offload.memory.copy_engine import CopyEngine, CopyStats, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, device_view, should_pin_memory
 from offload.memory.slots import SlotTable, slot_of
 
 KV_SLOTS = 2  # device slots of the KV ring: the next layer arrives while one computes
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A KV offloader's figures at one moment."""
+
+    copies: CopyStats = field(default_factory=CopyStats)  # host to device
+    bytes_written_back: int = 0  # device to host
+    host_bytes: int = 0
+    device_bytes: int = 0
+
+    @property
+    def bytes_copied(self) -> int:
+        return self.copies.bytes_copied
 
 
 class KVHostPool:
@@ -214,9 +229,10 @@ class KVOffloader:
             torch.cuda.current_stream(self.device).synchronize()
         self._engine.close()  # its thread ends now, not when the cache is collected
 
-    def stats(self) -> dict[str, float | int]:
-        stats = self._engine.collect_stats().as_dict()
-        stats["bytes_written_back"] = self.bytes_written_back
-        stats["host_bytes"] = self.host_bytes
-        stats["device_bytes"] = self.device_bytes
-        return stats
+    def stats(self) -> KVStats:
+        return KVStats(
+            copies=self._engine.collect_stats().snapshot(),
+            bytes_written_back=self.bytes_written_back,
+            host_bytes=self.host_bytes,
+            device_bytes=self.device_bytes,
+        )

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+
+from offload.engine.kv_cache import KVStats
+from offload.offloader.stats import OffloadStats
 
 
 @dataclass(frozen=True)
@@ -26,21 +29,18 @@ class TransferStats:
     disk_mapped_bytes: int = 0  # weights computed on in place from mapped files (disk_io mmap)
 
     @classmethod
-    def of_counters(
-        cls,
-        weights: Mapping[str, float] | None = None,
-        kv: Mapping[str, float] | None = None,
-    ) -> TransferStats:
-        """The bytes counted so far by a weight offloader's and a KV offloader's `stats()`."""
-        weights, kv = weights or {}, kv or {}
+    def of(cls, weights: OffloadStats | None = None, kv: KVStats | None = None) -> TransferStats:
+        """The bytes counted so far by a weight offloader's and a KV offloader's `stats()`
+        (stalls, forwards and graph replays are the engine's to add)."""
+        weights, kv = weights or OffloadStats(), kv or KVStats()
         return cls(
-            weight_copied_bytes=weights.get("bytes_copied", 0),
-            kv_copied_bytes=kv.get("bytes_copied", 0),
-            kv_written_back_bytes=kv.get("bytes_written_back", 0),
-            disk_read_bytes=weights.get("disk_bytes_read", 0),
-            disk_read_s=weights.get("disk_read_s", 0.0),
-            disk_stall_s=weights.get("disk_stall_s", 0.0),
-            disk_mapped_bytes=weights.get("disk_bytes_mapped", 0),
+            weight_copied_bytes=weights.bytes_copied,
+            kv_copied_bytes=kv.bytes_copied,
+            kv_written_back_bytes=kv.bytes_written_back,
+            disk_read_bytes=weights.disk.bytes_read,
+            disk_read_s=weights.disk.read_s,
+            disk_stall_s=weights.disk.stall_s,
+            disk_mapped_bytes=weights.disk.bytes_mapped,
         )
 
     @property

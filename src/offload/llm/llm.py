@@ -262,9 +262,9 @@ class LLM(DecodeLoop):
         replays included), the time compute waited for weight copies, and the number of
         model forwards (prefill chunks and decode steps) that moved them."""
         weights = self.offloader.stats()
-        now = TransferStats.of_counters(weights)
+        now = TransferStats.of(weights)
         return self._moved + replace(
-            now, stall_s=weights.get("stall_s", 0.0), num_forwards=self._forwards
+            now, stall_s=weights.copies.stall_s, num_forwards=self._forwards
         )
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -36,16 +37,13 @@ class CopyStats:
     stall_s: float = 0.0  # time compute waited for a copy that had not landed
     num_stalls: int = 0
 
-    def as_dict(self) -> dict[str, float | int]:
-        rate = self.bytes_copied / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
-        return {
-            "bytes_copied": self.bytes_copied,
-            "num_copies": self.num_copies,
-            "copy_s": self.copy_s,
-            "stall_s": self.stall_s,
-            "num_stalls": self.num_stalls,
-            "achieved_gb_per_s": rate,
-        }
+    @property
+    def achieved_gb_per_s(self) -> float:
+        return self.bytes_copied / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+    def snapshot(self) -> CopyStats:
+        """A copy that later copies leave unchanged."""
+        return dataclasses.replace(self)
 
 
 class CopyEngine(ABC):

@@ -6,11 +6,14 @@ from offload.offloader.base import BaseOffloader, NoopOffloader, get_offloader, 
 from offload.offloader.factory import as_config, create_offloader
 from offload.offloader.manifest import OffloadedParam
 from offload.offloader.prefetch import PrefetchOffloader
+from offload.offloader.stats import DiskStats, OffloadStats
 from offload.offloader.uva import UVAOffloader
 
 __all__ = [
     "BaseOffloader",
+    "DiskStats",
     "NoopOffloader",
+    "OffloadStats",
     "OffloadedParam",
     "PrefetchOffloader",
     "UVAOffloader",

@@ -19,6 +19,7 @@ from offload.memory.placement import DiskIO
 from offload.offloader.forward_lock import ForwardLock, ForwardLockHooks
 from offload.offloader.ledger import Ledger
 from offload.offloader.manifest import OffloadedParam
+from offload.offloader.stats import OffloadStats
 
 
 class BaseOffloader(ABC):
@@ -142,13 +143,15 @@ class BaseOffloader(ABC):
         """The value of a taken parameter that has no host copy (its file's bytes)."""
         raise KeyError("no host copy of an offloaded parameter")
 
-    def stats(self) -> dict[str, Any]:
-        """Counters for what was offloaded and what has moved since."""
+    def stats(self) -> OffloadStats:
+        """What is offloaded and held now, and what has moved since."""
         still = self._still_offloaded()
-        return {
-            "offloaded_bytes": sum(entry.num_bytes for entry in still),
-            "num_offloaded_params": len(still),
-        }
+        return OffloadStats(
+            offloaded_bytes=sum(entry.num_bytes for entry in still),
+            num_offloaded_params=len(still),
+            host_bytes=self.ledger.host_bytes,
+            pinned_bytes=self.ledger.pinned_bytes,
+        )
 
 
 class NoopOffloader(BaseOffloader):

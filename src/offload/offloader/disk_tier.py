@@ -17,7 +17,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from offload.memory.placement import READ_MODES, DiskIO
 from offload.memory.safetensors import checkpoint_tensors
 from offload.offloader.disk_placement import choose_io, place_on_disk
 from offload.offloader.sources import DirectRead, DiskSource, MappedRead, StagedRead, Unopened
+from offload.offloader.stats import DiskStats
 
 
 @dataclass(frozen=True)
@@ -254,8 +255,8 @@ class DiskTier:
                 self._single = None
         reader.close()
 
-    def stats(self) -> dict[str, float | int]:
-        return {"num_disk_units": self.num_units, "disk_io": self.io, **self._source.stats()}
+    def stats(self) -> DiskStats:
+        return replace(self._source.stats(), io=self.io, num_units=self.num_units)
 
     def _stored(self, param: torch.Tensor) -> TensorRange:
         return self.settings.ranges[self._names[id(param)]]
@@ -291,8 +292,8 @@ class NoDiskTier:
     def read_tensor(self, like: torch.Tensor) -> torch.Tensor:
         raise KeyError("no host copy of an offloaded parameter")
 
-    def stats(self) -> dict[str, float | int]:
-        return {}
+    def stats(self) -> DiskStats:
+        return DiskStats()
 
 
 def _staging_buffer(num_bytes: int, pin_for: torch.device | None) -> torch.Tensor:

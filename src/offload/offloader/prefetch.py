@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from offload.errors import ModelError
-from offload.memory.copy_engine import CopyEngine, make_copy_engine
+from offload.memory.copy_engine import CopyEngine, CopyStats, make_copy_engine
 from offload.memory.disk_layout import slot_buffer
 from offload.memory.host import should_pin_memory
 from offload.memory.placement import DiskIO, Placement
@@ -23,6 +24,7 @@ from offload.offloader.manifest import OffloadedParam, set_param_data
 from offload.offloader.module_units import LayerUnits, ModuleUnits
 from offload.offloader.prefetch_plan import LayerChoice
 from offload.offloader.sources import SlabSource, UnitSource
+from offload.offloader.stats import OffloadStats
 from offload.offloader.units import UNITS, Unit, resolve_unit, units_ahead
 
 
@@ -323,18 +325,16 @@ class PrefetchOffloader(BaseOffloader):
         """The engine copying units into their slots: made by `post_init`, None before."""
         return self._engine
 
-    def stats(self) -> dict[str, float | int]:
-        copies = self._engine.collect_stats().as_dict() if self._engine else {}
-        copies |= self._disk.stats()
-        return {
-            **super().stats(),
-            "num_offloaded_layers": self._units.num_layers,
-            "num_units": len(self._layers),
-            "unit": self.unit,
-            "num_slots": len(self._slots),
-            "device_staging_bytes": self.device_staging_bytes,
-            "largest_layer_bytes": max((lay.slot_bytes for lay in self._layers), default=0),
-            "host_bytes": self.ledger.host_bytes,
-            "pinned_bytes": self.ledger.pinned_bytes,
-            **copies,
-        }
+    def stats(self) -> OffloadStats:
+        copies = self._engine.collect_stats().snapshot() if self._engine else CopyStats()
+        return replace(
+            super().stats(),
+            copies=copies,
+            unit=self.unit,
+            num_offloaded_layers=self._units.num_layers,
+            num_units=len(self._layers),
+            num_slots=len(self._slots),
+            device_staging_bytes=self.device_staging_bytes,
+            largest_layer_bytes=max((lay.slot_bytes for lay in self._layers), default=0),
+            disk=self._disk.stats(),
+        )

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from offload.errors import ModelError
+from offload.memory.copy_engine import CopyStats
 from offload.memory.host import HostSlab, device_view, should_pin_memory, zero_copy_available
 from offload.offloader.base import BaseOffloader
 from offload.offloader.hooks import CopyOnForwardHook
@@ -20,6 +21,7 @@ from offload.offloader.manifest import (
     warn_unmatched_segments,
 )
 from offload.offloader.selection import matches_segments, select_within_budget
+from offload.offloader.stats import OffloadStats
 
 
 @dataclass
@@ -204,14 +206,9 @@ class UVAOffloader(BaseOffloader):
             )
         return still
 
-    def stats(self) -> dict[str, int]:
-        return {
-            **super().stats(),
-            "host_bytes": self.ledger.host_bytes,
-            "pinned_bytes": self.ledger.pinned_bytes,
-            "bytes_copied": self.bytes_copied,
-            "num_copies": self.num_copies,
-        }
+    def stats(self) -> OffloadStats:
+        copies = CopyStats(bytes_copied=self.bytes_copied, num_copies=self.num_copies)
+        return replace(super().stats(), copies=copies)
 
 
 def _eligible(name: str, segments: set[str]) -> bool:

@@ -157,8 +157,8 @@ class ForwardCopies:
         with torch.inference_mode():
             self._steps[batch]()
         after = self.offloader.stats()
-        seconds = after["copy_s"] - before["copy_s"]
-        copied = after["bytes_copied"] - before["bytes_copied"]
+        seconds = after.copies.copy_s - before.copies.copy_s
+        copied = after.bytes_copied - before.bytes_copied
         return copied / seconds / 1e9 if seconds > 0 and copied > 0 else 0.0
 
     def close(self) -> None:

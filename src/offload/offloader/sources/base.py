@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from offload.offloader.stats import DiskStats
 from offload.offloader.units import Unit
 
 
@@ -44,8 +45,8 @@ class DiskSource(UnitSource):
     def close(self) -> None:
         """End the source's threads and let go of its files."""
 
-    def stats(self) -> dict[str, float | int]:
-        return {"disk_bytes_mapped": 0}
+    def stats(self) -> DiskStats:
+        return DiskStats()
 
     def value_of(
         self, like: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]

@@ -7,6 +7,7 @@ import torch
 
 from offload.memory.disk_reader import DiskReader, ReadTicket
 from offload.offloader.sources.base import DiskSource
+from offload.offloader.stats import DiskStats
 from offload.offloader.units import Unit
 
 
@@ -29,17 +30,5 @@ class DirectRead(DiskSource):
     def close(self) -> None:
         self._reader.close()
 
-    def stats(self) -> dict[str, float | int]:
-        return {**read_stats(self._reader), "staging_bytes": 0}
-
-
-def read_stats(reader: DiskReader) -> dict[str, float | int]:
-    read = reader.stats
-    return {
-        "disk_bytes_mapped": 0,
-        "disk_bytes_read": read.bytes_read,
-        "disk_read_s": read.busy_s,
-        "disk_read_gb_per_s": read.read_gb_per_s,
-        "disk_stall_s": read.stall_s,
-        "disk_num_stalls": read.num_stalls,
-    }
+    def stats(self) -> DiskStats:
+        return DiskStats.of_reads(self._reader.stats)

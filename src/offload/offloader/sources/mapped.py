@@ -13,6 +13,7 @@ import torch
 from offload.memory.disk_layout import TensorRange
 from offload.memory.mapped_files import MappedFiles
 from offload.offloader.sources.base import DiskSource
+from offload.offloader.stats import DiskStats
 from offload.offloader.units import Unit
 
 
@@ -46,8 +47,8 @@ class MappedRead(DiskSource):
     def close(self) -> None:
         self._mapped.close()
 
-    def stats(self) -> dict[str, float | int]:
-        return {"disk_bytes_mapped": self._bytes_mapped}
+    def stats(self) -> DiskStats:
+        return DiskStats(bytes_mapped=self._bytes_mapped)
 
     def value_of(
         self, like: torch.Tensor, read: Callable[[torch.Tensor], torch.Tensor]

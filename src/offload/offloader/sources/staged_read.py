@@ -18,7 +18,7 @@ import torch
 from offload.memory.copy_engine import CopyEngine
 from offload.memory.disk_reader import DiskReader, ReadTicket
 from offload.offloader.sources.base import DiskSource
-from offload.offloader.sources.direct_read import read_stats
+from offload.offloader.stats import DiskStats
 from offload.offloader.units import Unit
 
 
@@ -64,9 +64,9 @@ class StagedRead(DiskSource):
         self._issuer.shutdown(wait=True)
         self._reader.close()
 
-    def stats(self) -> dict[str, float | int]:
+    def stats(self) -> DiskStats:
         staging_bytes = sum(buffer.numel() for buffer in self._staging)
-        return {**read_stats(self._reader), "staging_bytes": staging_bytes}
+        return DiskStats.of_reads(self._reader.stats, staging_bytes)
 
 
 def _after_copy_out(engine: CopyEngine, previous: Future | None) -> Callable[[], None]:
