@@ -1,5 +1,7 @@
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 # Before torch starts OpenMP: its idle workers then sleep instead of spinning, so a test
@@ -32,6 +34,14 @@ def pytest_configure(config):
     config.offload_cache_dir = tempfile.mkdtemp(prefix="offload-test-cache-")
     config.offload_user_cache_dir = os.environ.get("OFFLOAD_CACHE_DIR")
     os.environ["OFFLOAD_CACHE_DIR"] = config.offload_cache_dir
+    # The default model is converted in the background while the first tests run: a test
+    # that needs it waits on the conversion's lock, instead of a worker converting while
+    # the other one waits idle. If it fails, the fixture converts and reports why.
+    config.offload_converting = subprocess.Popen(
+        [sys.executable, "-c", "from offload.model.default import *; default_model_path()"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -46,6 +56,8 @@ def pytest_unconfigure(config):
     folder = getattr(config, "offload_cache_dir", None)
     if folder is None or hasattr(config, "workerinput"):
         return
+    config.offload_converting.kill()  # (done by now, unless the session was short)
+    config.offload_converting.wait()
     if config.offload_user_cache_dir is None:
         os.environ.pop("OFFLOAD_CACHE_DIR", None)
     else:

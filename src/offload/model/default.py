@@ -11,11 +11,15 @@ that needs the model while it is being converted waits for the first one's resul
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import importlib.util
 import os
 import shutil
 import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from offload.errors import OffloadError
@@ -170,12 +174,13 @@ def _convert(source: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # The GGUF holds tensors and settings only: no code of its package ever runs.
-    tokenizer = AutoTokenizer.from_pretrained(
-        source.parent, gguf_file=source.name, trust_remote_code=False
-    )
-    model = AutoModelForCausalLM.from_pretrained(
-        source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
-    )
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(
+            source.parent, gguf_file=source.name, trust_remote_code=False
+        )
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
+        )
     # The de-quantized weights are ordinary float tensors: drop the GGUF marker so the
     # model saves (and later loads) as a plain checkpoint.
     model.hf_quantizer = None
@@ -183,3 +188,24 @@ def _convert(source: Path, out_dir: Path) -> None:
         del model.config.quantization_config
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+
+
+_GGUF_PATCH = threading.Lock()
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """transformers parses the file anew for the config, the tokenizer and the weights,
+    and rebuilds gguf's tensor-name table once per tensor: inside this block each is made
+    once and reused (the same objects, read only, so the same result at half the time).
+    transformers imports both names from `gguf` at each call, which is what is swapped."""
+    import gguf
+
+    with _GGUF_PATCH:
+        reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(names)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = reader, names
