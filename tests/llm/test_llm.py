@@ -31,6 +31,15 @@ def resident(smollm2_path):
     return LLM(smollm2_path)
 
 
+@pytest.fixture(scope="module")
+def greedy(resident):
+    """The resident model's greedy tokens for PROMPTS, batched and each prompt alone
+    (computed once: many tests compare with them)."""
+    batched = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)]
+    alone = [resident.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    return batched, alone
+
+
 def _llm(path, setting):
     flags = dict(OFFLOADS[setting])
     if flags.pop("offload_config_disable_uva", False):
@@ -56,30 +65,24 @@ def test_unbatched_greedy_matches_transformers_generate(resident):
 
 
 @pytest.mark.parametrize("setting", list(OFFLOADS))
-def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, resident, setting):
+def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, greedy, setting):
     llm = _llm(smollm2_path, setting)
     assert llm.offloader.offloaded_bytes > 0 or setting == "kv-cache"
     batched = llm.generate(PROMPTS, GREEDY)
-    assert [o.outputs[0].token_ids for o in batched] == [
-        o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)
-    ]
+    assert [o.outputs[0].token_ids for o in batched] == greedy[0]
     alone = llm.generate(PROMPTS[2], GREEDY)
-    assert (
-        alone[0].outputs[0].token_ids
-        == resident.generate(PROMPTS[2], GREEDY)[0].outputs[0].token_ids
-    )
+    assert alone[0].outputs[0].token_ids == greedy[1][2]
     if "kv" in setting:  # the cache went through host memory
         moved = llm.transfer_stats()
         assert moved.kv_copied_bytes > 0 and moved.kv_written_back_bytes > 0
 
 
-def test_seeded_sampling_is_reproducible(resident):
+def test_seeded_sampling_is_reproducible(resident, greedy):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=11, max_tokens=10)
     first = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
     again = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
     assert first == again
-    greedy = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)]
-    assert first != [g[:10] for g in greedy]  # it really sampled
+    assert first != [g[:10] for g in greedy[0]]  # it really sampled
 
 
 def test_stop_strings_max_tokens_and_n(resident):
@@ -126,10 +129,12 @@ def test_kv_offload_sampling_is_reproducible(smollm2_path, resident):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
 
 
-def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(smollm2_path, resident):
+def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(
+    smollm2_path, resident, greedy
+):
     llm = LLM(smollm2_path, kv_offload=True)
     pool = llm._kv_pool
-    expected = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)]
+    expected = greedy[0]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     held = [slab.buffer.data_ptr() for slab in pool._slabs]
     size = pool.num_bytes
@@ -301,12 +306,14 @@ def _tokens_and_logprobs(outputs):
     ]
 
 
-@pytest.mark.parametrize("setting", ["prefetch", "uva+kv-cache"])
-def test_penalties_and_logprobs_are_per_row_and_unchanged_by_offloading(
-    smollm2_path, resident, setting
-):
-    mixed = [GREEDY, PENALISED, SamplingParams(temperature=0, max_tokens=12, logprobs=0)]
-    expected = _tokens_and_logprobs(resident.generate(PROMPTS, mixed))
+MIXED = [GREEDY, PENALISED, SamplingParams(temperature=0, max_tokens=12, logprobs=0)]
+
+
+@pytest.fixture(scope="module")
+def penalised(resident):
+    """The resident model's tokens and log-probabilities for PROMPTS with MIXED params,
+    checked once: the penalised row's are those of the row alone."""
+    expected = _tokens_and_logprobs(resident.generate(PROMPTS, MIXED))
     alone = _tokens_and_logprobs(resident.generate(PROMPTS[1], PENALISED))
     # The other rows' tokens are not counted against it (the log-probabilities differ in
     # the last bits between a padded batch and a lone row, as without penalties).
@@ -316,6 +323,14 @@ def test_penalties_and_logprobs_are_per_row_and_unchanged_by_offloading(
         assert list(batched.values()) == pytest.approx(list(single.values()), abs=1e-4)
     plain = resident.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))
     assert plain[0].outputs[0].token_ids != alone[0][0]
+    return expected
+
+
+@pytest.mark.parametrize("setting", ["prefetch", "uva+kv-cache"])
+def test_penalties_and_logprobs_are_per_row_and_unchanged_by_offloading(
+    smollm2_path, penalised, setting
+):
+    mixed, expected = MIXED, penalised
     llm = _llm(smollm2_path, setting)
     assert _tokens_and_logprobs(llm.generate(PROMPTS, mixed)) == expected  # bit for bit
     assert llm.offloader.stats().bytes_copied > 0 or setting != "prefetch"
@@ -527,7 +542,7 @@ def _prefill_widths(llm):
     return widths
 
 
-def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(smollm2_path, resident):
+def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(smollm2_path, greedy):
     chunked = LLM(smollm2_path, max_num_batched_tokens=9)
     offloaded = LLM(
         smollm2_path, max_num_batched_tokens=9, offload_group_size=1, offload_prefetch_step=2,
@@ -554,10 +569,8 @@ def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(smollm2
         assert mine.outputs[0].logprobs == theirs.outputs[0].logprobs
         assert mine.prompt_logprobs == theirs.prompt_logprobs
     assert offloaded.transfer_stats().kv_copied_bytes > 0
-    whole = resident.generate(PROMPTS, GREEDY)  # chunks change the arithmetic, not the answer
-    assert [o.outputs[0].token_ids for o in whole] == [
-        o.outputs[0].token_ids for o in chunked.generate(PROMPTS, GREEDY)
-    ]
+    # Chunks change the arithmetic, not the answer.
+    assert greedy[0] == [o.outputs[0].token_ids for o in chunked.generate(PROMPTS, GREEDY)]
 
 
 def test_chunked_prefill_makes_a_long_context_fit(smollm2_path):

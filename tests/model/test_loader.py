@@ -410,14 +410,19 @@ PEAK_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.fixture(scope="module")
+def large_llama(tmp_path_factory):
+    """A ~400 MB checkpoint, written once for the tests that only read it."""
+    return zoo.save_large_llama(tmp_path_factory.mktemp("big") / "big")
+
+
 @pytest.mark.parametrize("config", [{"offload_group_size": 1}, {"cpu_offload_gb": 0.2}, None])
-def test_peak_host_memory_is_one_copy_of_the_weights(tmp_path, config):
+def test_peak_host_memory_is_one_copy_of_the_weights(large_llama, config):
     """A fresh process loads a ~400 MB checkpoint: its peak RSS grows by no more than the
     weights themselves (all in host memory here: the CPU is the device) plus one layer
     and a little slack, never by a second copy of the model."""
-    zoo.save_large_llama(tmp_path / "big")
     result = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, str(tmp_path / "big"), json.dumps(config)],
+        [sys.executable, "-c", PEAK_SCRIPT, str(large_llama), json.dumps(config)],
         capture_output=True, text=True, check=True, timeout=300,
     )  # fmt: skip
     figures = json.loads(result.stdout.strip().splitlines()[-1])
