@@ -141,10 +141,10 @@ def test_on_a_gpu_the_probes_copy_within_the_device_budget():
 def test_the_compute_probe_times_more_steps_than_the_context_has(tiny):
     # Each step writes the last of 4 positions again: 3 timings of 1 + 3 pairs of steps each
     # are 24 steps of each cut model (transformers 5's static cache counts positions itself).
-    from offload.probes.compute import DecodeTimer
+    from offload.probes.compute import CutFrom, DecodeTimer
 
     path, shape = tiny
-    timer = DecodeTimer(path, shape, CPU, 4)
+    timer = DecodeTimer(CutFrom(path, shape, CPU, 4))
     for _ in range(3):
         layer_s, head_s = timer.time([1, 2], warmup=1, repeats=3)
         assert len(layer_s) == len(head_s) == 2 and all(s >= 0 for s in layer_s)
@@ -154,10 +154,10 @@ def test_forward_copies_time_the_copies_a_streamed_forward_makes(tiny):
     # Every layer of the cut model is copied in at each step (asked for 3 layers, it has 4:
     # with 2 slots a third layer would sit alone in its slot, never copied again): the
     # bytes copied per step are its layers' bytes.
-    from offload.probes.compute import ForwardCopies
+    from offload.probes.compute import CutFrom, ForwardCopies
 
     path, shape = tiny
-    copies = ForwardCopies(path, shape, CPU, 4, count=3)
+    copies = ForwardCopies(CutFrom(path, shape, CPU, 4), count=3)
     try:
         stats = copies.offloader.stats
         assert stats().num_offloaded_layers == 4
@@ -181,10 +181,10 @@ def test_a_cpus_link_is_the_rate_of_copies_in_a_forward(tiny, monkeypatch):
 def test_a_layer_timed_as_no_time_is_timed_again(tiny):
     """Noise can make the longer cut model's step no slower than the shorter's: a layer
     takes time, so more pairs are timed rather than a layer of 0 s reported."""
-    from offload.probes.compute import DecodeTimer
+    from offload.probes.compute import CutFrom, DecodeTimer
 
     path, shape = tiny
-    timer = DecodeTimer(path, shape, CPU, 16)
+    timer = DecodeTimer(CutFrom(path, shape, CPU, 16))
     calls = {0: 0, 1: 0}
 
     def step(which, batch):

@@ -101,14 +101,18 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--seed", type=int, help="make sampling reproducible")
     generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
     generate.add_argument(
-        "--max-model-len", type=int, help="prompt plus output at most (default: the model's)"
-    )
-    generate.add_argument(
         "--max-num-batched-tokens", type=int, help="prefill prompts in chunks of this many tokens"
     )
     _run_flags(generate)
-    add_device_flags(generate)
-    add_cli_args(generate)
+    _model_run_flags(generate, "prompt plus output at most (default: the model's)")
+
+
+def _model_run_flags(parser: argparse.ArgumentParser, max_model_len: str) -> None:
+    """What `generate` and `inspect` share: the context length (`max_model_len` says
+    what it is to the command), the device, and the offload settings."""
+    parser.add_argument("--max-model-len", type=int, help=max_model_len)
+    add_device_flags(parser)
+    add_cli_args(parser)
 
 
 def _run_flags(parser: argparse.ArgumentParser) -> None:
@@ -148,12 +152,8 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
         help="a model folder (config.json is enough) or a shipped shape such as llama-3-8b "
         "(default: SmolLM2-135M-Instruct)",
     )
-    inspect.add_argument(
-        "--max-model-len", type=int, help="positions the KV cache holds (default: the model's)"
-    )
     add_budget_flags(inspect)
-    add_device_flags(inspect)
-    add_cli_args(inspect)
+    _model_run_flags(inspect, "positions the KV cache holds (default: the model's)")
 
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from offload.config.validate import flag, integer
 from offload.errors import ConfigError, ModelError, shown
 from offload.model.build import DTYPES
 from offload.model.loader import LOAD_FORMATS
-from offload.planner.fit import check_budget_args
+from offload.planner.fit import check_budget_args, check_swap_space
 
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
 PROMPT_KEYS = ("prompt", "prompt_token_ids")
@@ -38,9 +39,16 @@ def check_llm_args(
     kv_offload: object,
     enforce_eager: object,
     progress: object,
-) -> None:
+    tensor_parallel_size: object,
+    max_logprobs: object,
+    max_num_seqs: object,
+    max_num_batched_tokens: object,
+    trust_remote_code: object,
+    swap_space: object,
+) -> EngineLimits:
     """The types and ranges of `LLM`'s own arguments that need no model to check, so a
-    bad one is refused before anything is read or allocated."""
+    bad one is refused before anything is read or allocated; returns the limits and host
+    memory settings they give."""
     _check_path("model", model)
     _check_path("tokenizer", tokenizer)
     named = isinstance(dtype, str) and (dtype == "auto" or dtype in DTYPES)
@@ -59,6 +67,28 @@ def check_llm_args(
     flag("enforce_eager", enforce_eager)
     if progress is not None:
         flag("progress", progress, "True, False or None (a bar when stderr is a terminal)")
+    one_device = "1 (offload runs a model on one device)"
+    integer("tensor_parallel_size", tensor_parallel_size, 1, 1, what=one_device)
+    logprobs = integer("max_logprobs", max_logprobs, -1)
+    seqs = integer("max_num_seqs", max_num_seqs, 1)
+    batched = None
+    if max_num_batched_tokens is not None:
+        batched = integer("max_num_batched_tokens", max_num_batched_tokens, 1)
+    trusted = flag("trust_remote_code", trust_remote_code)
+    swap_space_bytes = check_swap_space(swap_space)
+    kv = bool(kv_offload) or swap_space_bytes > 0
+    return EngineLimits(logprobs, seqs, batched, trusted, swap_space_bytes, kv)
+
+
+class EngineLimits(NamedTuple):
+    """`LLM`'s limits and host memory settings, checked."""
+
+    max_logprobs: int  # -1: no limit, as vLLM
+    max_num_seqs: int
+    max_num_batched_tokens: int | None  # None: prompts prefilled whole
+    trust_remote_code: bool
+    swap_space_bytes: int
+    kv_offload: bool  # asked for, or implied by a swap space
 
 
 def _check_path(name: str, value: object) -> None:

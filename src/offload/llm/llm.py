@@ -23,7 +23,7 @@ from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceSt
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError
-from offload.llm.args import check_attention_model, engine_limits, offload_config_of, tokenizer_of
+from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of
 from offload.llm.auto import planner_for
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
@@ -112,7 +112,7 @@ class LLM(DecodeLoop):
         self._lock = threading.Lock()
         self._closed = False
         self._on_step: Callable[[list[SequenceState]], None] | None = None  # see _streaming
-        check_llm_args(
+        limits = check_llm_args(
             model=model,
             tokenizer=tokenizer,
             dtype=dtype,
@@ -124,17 +124,14 @@ class LLM(DecodeLoop):
             kv_offload=kv_offload,
             enforce_eager=enforce_eager,
             progress=progress,
-        )
-        config = offload_config_of(offload_config, offload_flags, _own_argument_names())
-        limits = engine_limits(
             tensor_parallel_size=tensor_parallel_size,
             max_logprobs=max_logprobs,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             trust_remote_code=trust_remote_code,
             swap_space=swap_space,
-            kv_offload=kv_offload,
         )
+        config = offload_config_of(offload_config, offload_flags, _own_argument_names())
         self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
         self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:]
         # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.

@@ -26,7 +26,7 @@ from types import FrameType
 import torch
 from torch import nn
 
-from offload.offloader.hooks import ModuleHooks
+from offload.offloader.hooks import AroundForward
 
 _POLL_S = 0.05  # how often a waiting caller looks whether the holder abandoned the lock
 
@@ -92,7 +92,7 @@ def _is_running(thread: int, frame: FrameType) -> bool:
     return False
 
 
-class ForwardLockHooks(ModuleHooks):
+class ForwardLockHooks(AroundForward):
     """Serialize the forwards of `module` (the root of an offloaded model) on `lock`, and
     call `on_start` / `on_end` around each outermost one, under the lock. Under
     torch.compile they trace to nothing: compiled callers serialize themselves."""
@@ -108,13 +108,6 @@ class ForwardLockHooks(ModuleHooks):
         self._on_start = weakref.WeakMethod(on_start) if on_start else None
         self._on_end = weakref.WeakMethod(on_end) if on_end else None
         self._handles = []
-
-    def attach(self, module: nn.Module) -> ForwardLockHooks:
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward),
-            module.register_forward_hook(self._post_forward, always_call=True),
-        ]
-        return self
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         if torch.compiler.is_compiling():

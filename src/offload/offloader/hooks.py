@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Self
 
 import torch
 from torch import nn
@@ -22,7 +23,25 @@ class ModuleHooks:
         self._handles = []
 
 
-class CopyOnForwardHook(ModuleHooks):
+class AroundForward(ModuleHooks):
+    """A hook before a module's forward and one after it, which runs even when the
+    forward raises (so whatever the first one did is undone)."""
+
+    def attach(self, module: nn.Module) -> Self:
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward),
+            module.register_forward_hook(self._post_forward, always_call=True),
+        ]
+        return self
+
+    def _pre_forward(self, module: nn.Module, args: tuple) -> None:
+        raise NotImplementedError
+
+    def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
+        raise NotImplementedError
+
+
+class CopyOnForwardHook(AroundForward):
     """Runs a module with device copies of its offloaded parameters.
 
     Before the forward each offloaded parameter's data is swapped for a fresh copy on
@@ -45,13 +64,6 @@ class CopyOnForwardHook(ModuleHooks):
         self._host_data: list[torch.Tensor] = []
         self._depth = 0  # a module may call itself; copy once, restore at the outermost exit
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    def attach(self, module: nn.Module) -> CopyOnForwardHook:
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward),
-            module.register_forward_hook(self._post_forward, always_call=True),
-        ]
-        return self
 
     def _pre_forward(self, module: nn.Module, args: tuple) -> None:
         self._depth += 1

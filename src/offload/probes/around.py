@@ -21,7 +21,7 @@ from offload.model.build import build_empty
 from offload.planner.measurements import Measurements
 from offload.planner.shape import ModelShape, shape_of
 from offload.probes import link
-from offload.probes.compute import DecodeTimer, ForwardCopies, StepTimer
+from offload.probes.compute import CutFrom, DecodeTimer, ForwardCopies, StepTimer
 from offload.probes.limits import TIER_WAY, Limits
 from offload.probes.measure import checkpoint_reads, record
 from offload.probes.settings import MeasureSettings
@@ -60,7 +60,7 @@ class RunProbes:
         settings: MeasureSettings,
     ) -> RunProbes:
         shape = shape_of(build_empty(path, dtype), context_len)
-        timer = DecodeTimer(path, shape, device, context_len, step_timer=step_timer)
+        timer = DecodeTimer(CutFrom(path, shape, device, context_len), step_timer=step_timer)
         uva = link.uva_gb_per_s(device, settings.copy_bytes, 1, 3)
         reads = checkpoint_reads(path, shape.stack_name)
         return cls(path, device, list(batch_sizes), settings, shape, timer, reads, uva)
@@ -99,9 +99,8 @@ class RunProbes:
             return
         if self.copies is None:
             count = self.timer.count + self.timer.extra
-            self.copies = ForwardCopies(
-                self.path, self.shape, self.device, self.timer.context_len, count
-            )
+            source = CutFrom(self.path, self.shape, self.device, self.timer.context_len)
+            self.copies = ForwardCopies(source, count)
         rate = statistics.median(self.copies.gb_per_s(batch) for _ in range(_COPY_REPEATS))
         limits.forward_copy_samples_gb_per_s.append(rate)
 

@@ -11,6 +11,7 @@ import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -32,6 +33,17 @@ _RETRIES = 3  # more pairs of steps, while the layer's time reads as none
 StepTimer = Callable[[torch.nn.Module, int], Callable[[], float]]
 
 
+class CutFrom(NamedTuple):
+    """What the cut models are made from: the config of the checkpoint at `path` (of this
+    `shape`), built on `device` and decoding against a KV cache of `context_len`."""
+
+    path: Path
+    shape: ModelShape
+    device: torch.device
+    context_len: int
+    trust_remote_code: bool = False
+
+
 class DecodeTimer:
     """Times decode steps of two models of `path`'s config, cut to the layers up to the
     timed one and to a few more of its kind, built once (so that they can be timed again,
@@ -41,22 +53,15 @@ class DecodeTimer:
     unless `step_timer` says how to time one."""
 
     def __init__(
-        self,
-        path: Path,
-        shape: ModelShape,
-        device: torch.device,
-        context_len: int,
-        trust_remote_code: bool = False,
-        max_bytes: int | None = None,
-        step_timer: StepTimer | None = None,
+        self, source: CutFrom, max_bytes: int | None = None, step_timer: StepTimer | None = None
     ):
+        shape = source.shape
         self.count = max(2, shape.timed_layer + 1)  # the shorter model's layers
         self.extra = _extra_layers(shape, self.count, max_bytes)
         self.models = [
-            _cut_model(path, count, shape.dtype, device, trust_remote_code)[0]
-            for count in (self.count, self.count + self.extra)
+            _cut_model(source, count)[0] for count in (self.count, self.count + self.extra)
         ]
-        self.shape, self.device, self.context_len = shape, device, context_len
+        self.shape, self.device, self.context_len = shape, source.device, source.context_len
         self._step_timer = step_timer or self._engine_step
         self._steps: dict[tuple[int, int], Callable[[], float]] = {}
 
@@ -130,21 +135,12 @@ class ForwardCopies:
     before and after, for long spells, so the copies themselves are timed
     (docs/benchmarks.md)."""
 
-    def __init__(
-        self,
-        path: Path,
-        shape: ModelShape,
-        device: torch.device,
-        context_len: int,
-        count: int,
-        trust_remote_code: bool = False,
-    ):
+    def __init__(self, source: CutFrom, count: int):
         # Two layers per slot at least: a layer alone in its slot stays there, uncopied.
         count = max(count, 2 * STREAM_EVERY_LAYER["offload_prefetch_step"])
-        self.model, self.offloader = _cut_model(
-            path, count, shape.dtype, device, trust_remote_code, STREAM_EVERY_LAYER
-        )
-        self.dtype, self.device, self.context_len = shape.dtype, device, context_len
+        self.model, self.offloader = _cut_model(source, count, STREAM_EVERY_LAYER)
+        self.dtype, self.device = source.shape.dtype, source.device
+        self.context_len = source.context_len
         self._steps: dict[int, Callable[[], float]] = {}
 
     def gb_per_s(self, batch: int) -> float:
@@ -185,7 +181,7 @@ def time_decode(
 ) -> tuple[list[float], list[float]]:
     """Per batch size: (seconds of one layer, seconds of the rest of a decode step), the
     cut models' weights within `max_bytes` (None: no limit)."""
-    timer = DecodeTimer(path, shape, device, context_len, trust_remote_code, max_bytes)
+    timer = DecodeTimer(CutFrom(path, shape, device, context_len, trust_remote_code), max_bytes)
     return timer.time(batch_sizes, warmup, repeats)
 
 
@@ -215,18 +211,14 @@ def _decode_step(model, dtype: torch.dtype, device: torch.device, batch: int, co
     return last_position
 
 
-def _cut_model(
-    path: Path,
-    count: int,
-    dtype: torch.dtype,
-    device,
-    trust_remote_code: bool,
-    offload: dict | None = None,
-):
-    """The model of `path`'s config with its first `count` layers, random weights, loaded
-    on `device` with `offload` (an OffloadConfig's fields; None: none), and its offloader
-    (a config saved to a temporary folder, loaded as `load_format="dummy"` loads shapes)."""
+def _cut_model(source: CutFrom, count: int, offload: dict | None = None):
+    """The model of `source`'s config with its first `count` layers, random weights,
+    loaded on its device with `offload` (an OffloadConfig's fields; None: none), and its
+    offloader (a config saved to a temporary folder, loaded as `load_format="dummy"` loads
+    shapes)."""
     from transformers import AutoConfig
+
+    path, trust_remote_code = source.path, source.trust_remote_code
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     cut = copy.deepcopy(config)
@@ -244,8 +236,8 @@ def _cut_model(
             return load_model(
                 folder,
                 offload,
-                device=device,
-                dtype=dtype,
+                device=source.device,
+                dtype=source.shape.dtype,
                 load_format="dummy",
                 trust_remote_code=trust_remote_code,
             )

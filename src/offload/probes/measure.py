@@ -23,7 +23,7 @@ from offload.model.default import cache_dir
 from offload.planner.measurements import Measured, Measurements
 from offload.planner.shape import ModelShape
 from offload.probes import disk, link
-from offload.probes.compute import ForwardCopies, time_decode
+from offload.probes.compute import CutFrom, ForwardCopies, time_decode
 from offload.probes.host import machine_name, software
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 from offload.sizes import MIB
@@ -151,7 +151,8 @@ def _measure_forward_copies(measured: Measurements, target: _Target) -> None:
     stream, the memory copy stays."""
     path, shape, device, s, trust_remote_code = target
     try:
-        copies = ForwardCopies(path, shape, device, measured.context_len, 4, trust_remote_code)
+        source = CutFrom(path, shape, device, measured.context_len, trust_remote_code)
+        copies = ForwardCopies(source, 4)
     except ModelError as error:
         measured.notes.append(f"copies in a forward not measured ({error}): a memory copy's rate")
         return
