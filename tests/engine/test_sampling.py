@@ -66,6 +66,8 @@ def test_defaults_are_vllms():
         ({"bad_words": ["ok", " "]}, "bad_words must be a list of non-blank strings"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be an integer >= 1 or -1"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be an integer >= 1 or -1"),
+        ({"best_of": 3}, "best_of=3 is not supported"),
+        ({"n": 2, "best_of": 2}, "best_of=2 is not supported"),
     ],
 )
 def test_bad_values_are_one_line_errors(kwargs, needle):

@@ -126,7 +126,20 @@ def _fault_cases():
     def remove(path):
         path.unlink()
 
-    return {"truncated": truncate, "modified": modify, "replaced": replace, "removed": remove}
+    def rewrite_back_dated(path):  # in place: size, inode and times as they were
+        stat = os.stat(path)
+        with path.open("r+b") as file:
+            file.seek(stat.st_size // 2)
+            file.write(b"\x3f" * 64)  # plausible weights (0.75 as float32), no nan
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+    return {
+        "rewritten, its time set back": rewrite_back_dated,
+        "truncated": truncate,
+        "modified": modify,
+        "replaced": replace,
+        "removed": remove,
+    }
 
 
 @pytest.mark.parametrize("fault", sorted(_fault_cases()))

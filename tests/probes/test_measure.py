@@ -54,9 +54,41 @@ def test_a_damaged_cache_file_is_measured_again(tiny):
     path, shape = tiny
     first = measure(path, shape, CPU, [1], 16, settings=TINY)
     first.path.write_text('{"machine": "half a fi')
-    assert not measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
+    with pytest.warns(UserWarning, match="cached measurements .* are not valid"):
+        assert not measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
     first.path.write_text(json.dumps({"unknown": 1}))
-    assert not measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
+    with pytest.warns(UserWarning, match="not valid"):
+        assert not measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("layer_s", [1e-12]),  # would predict 10**11 tokens/s
+        ("layer_s", [-1.0]),
+        ("layer_s", [float("nan")]),
+        ("head_s", [float("inf")]),
+        ("layer_s", ["fast"]),
+        ("layer_s", 3),
+        ("link_gb_per_s", -2.0),
+        ("disk_gb_per_s", 1e300),
+        ("batch_sizes", [0]),
+        ("context_len", True),
+        ("notes", "none"),
+    ],
+)
+def test_a_cached_value_no_measurement_can_have_is_thrown_away(tiny, field, value):
+    """Edited or damaged by hand: one warning, measured again, and the entry replaced."""
+    path, shape = tiny
+    first = measure(path, shape, CPU, [1], 16, settings=TINY)
+    data = json.loads(first.path.read_text())
+    data[field] = value
+    first.path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match=f"{first.path}.* are not valid .*; measuring again"):
+        again = measure(path, shape, CPU, [1], 16, settings=TINY)
+    assert not again.from_cache and again.measurements.layer_s[0] >= 1e-7
+    assert Measurements.from_json(first.path.read_text()) == again.measurements  # healed
+    assert measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
 
 
 def test_without_checkpoint_files_the_disk_is_measured_on_a_file_of_its_own(tiny, tmp_path):
@@ -101,6 +133,9 @@ def test_json_round_trip_and_refusals():
         Measurements.from_json(_figures(layer_s=[1.0]).to_json())
     with pytest.raises(ValueError, match="measurements must be an object with keys"):
         Measurements.from_json("[1, 2]")
+    assert Measurements.from_json(_figures(layer_s=[0.0, 0.0]).to_json())  # not measured
+    with pytest.raises(ValueError, match="cannot take less than"):
+        Measurements.from_json(_figures(layer_s=[1e-9, 1.0]).to_json())
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gemma2", "deepseek_v3", "mamba"])

@@ -74,10 +74,16 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    best_of: int | None = None  # vLLM's V0 name, refused as its V1 engine refuses it
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.n = integer("n", self.n, 1, MAX_N)
+        if self.best_of is not None:
+            raise ConfigError(
+                f"best_of={shown(self.best_of)} is not supported (nor by vLLM's V1 engine); "
+                "n=k returns k samples"
+            )
         self._check_temperature()
         self.top_p = real("top_p", self.top_p, 0.0, 1.0, low_open=True)
         self.top_k = integer("top_k", self.top_k, -1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Self
 
 import torch
 from torch import nn
@@ -27,7 +26,7 @@ class AroundForward(ModuleHooks):
     """A hook before a module's forward and one after it, which runs even when the
     forward raises (so whatever the first one did is undone)."""
 
-    def attach(self, module: nn.Module) -> Self:
+    def attach(self, module: nn.Module) -> AroundForward:
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward),
             module.register_forward_hook(self._post_forward, always_call=True),

@@ -6,11 +6,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from offload.planner.cost import Rates
+
+# What a measurement can be: no link or disk reaches 100 TB/s, no decode step of one
+# layer takes a day, and none is faster than 0.1 microseconds (a kernel launch is more).
+_MAX_GB_PER_S = 1e5
+_MAX_STEP_S = 86400.0
+_MIN_LAYER_S = 1e-7
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -49,9 +64,37 @@ class Measurements:
             measured = cls(**data)
         except TypeError:  # a field missing
             raise ValueError(f"measurements must be an object with keys {sorted(names)}") from None
+        lists = (measured.layer_s, measured.batch_sizes, measured.head_s)
+        if not all(isinstance(values, list) for values in lists):
+            raise ValueError("batch_sizes, layer_s and head_s must be lists")
         if not len(measured.layer_s) == len(measured.batch_sizes) == len(measured.head_s):
             raise ValueError("layer_s and head_s need one entry per batch size")
+        measured._check_values()
         return measured
+
+    def _check_values(self) -> None:
+        """Types and ranges a measurement can have (a file edited or damaged by hand is
+        refused, not planned with)."""
+        for name in ("machine", "software", "device_type", "model_digest", "dtype"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string")
+        if not isinstance(self.notes, list) or not all(isinstance(n, str) for n in self.notes):
+            raise ValueError("notes must be a list of strings")
+        for name, values in (
+            ("context_len", [self.context_len]),
+            ("batch_sizes", self.batch_sizes),
+        ):
+            if not values or not all(_is_int(v) and v >= 1 for v in values):
+                raise ValueError(f"{name} must hold integers >= 1")
+        rates = [self.link_gb_per_s, self.disk_gb_per_s, self.uva_gb_per_s]
+        rates.append(self.disk_busy_gb_per_s)
+        if not all(_is_number(v) and 0 <= v < _MAX_GB_PER_S for v in rates):
+            raise ValueError(f"bandwidths must be numbers in [0, {_MAX_GB_PER_S}) GB/s")
+        times = [*self.layer_s, *self.head_s]
+        if not all(_is_number(v) and 0 <= v < _MAX_STEP_S for v in times):
+            raise ValueError(f"layer_s and head_s must be numbers in [0, {_MAX_STEP_S}) s")
+        if any(0 < v < _MIN_LAYER_S for v in self.layer_s):
+            raise ValueError(f"a decoder layer cannot take less than {_MIN_LAYER_S} s")
 
     def rates(self) -> Rates:
         return Rates(

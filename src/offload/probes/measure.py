@@ -6,12 +6,14 @@ workload; `remeasure=True` measures again and replaces the cached file."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import hashlib
 import json
 import os
 import statistics
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -114,9 +116,23 @@ def measure(
 
 
 def _load(path: Path) -> Measurements | None:
+    """The cached measurements, or None: missing (measure), or not valid (thrown away
+    with one warning, and measured again)."""
     try:
-        return Measurements.from_json(path.read_text())
-    except (OSError, ValueError):  # missing, or not ours: measure again
+        text = path.read_text()
+    except OSError:
+        return None
+    try:
+        return Measurements.from_json(text)
+    except ValueError as error:  # (json's errors are ValueErrors too)
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        warnings.warn(
+            f"the cached measurements in {path} are not valid ({reason}); measuring again",
+            UserWarning,
+            stacklevel=3,
+        )
+        with contextlib.suppress(OSError):
+            path.unlink()
         return None
 
 
