@@ -119,6 +119,25 @@ def test_a_bin_folder_is_converted_once_and_gives_transformers_tokens(
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("damage", ["no config.json", "a file in its place"])
+def test_a_damaged_conversion_is_converted_again_and_no_lock_file_stays(tmp_path, damage):
+    folder = _bin_folder(tmp_path, 1)
+    converted = sources.resolve_model(folder)
+    into = converted.parent
+    assert [p.name for p in into.iterdir()] == [converted.name]  # no lock file left
+    if damage == "no config.json":
+        (converted / "config.json").unlink()
+    else:
+        shutil.rmtree(converted)
+        converted.write_text("not a folder")
+    with pytest.warns(UserWarning, match="is not a whole conversion .*; converting again"):
+        assert sources.resolve_model(folder) == converted
+    assert (converted / "config.json").is_file() and list(converted.glob("*.safetensors"))
+    assert [p.name for p in into.iterdir()] == [converted.name]
+    prompt_ids, expected = _transformers_tokens(folder)
+    assert _ours(converted, prompt_ids) == expected
+
+
 def test_a_gguf_file_gives_transformers_tokens(tmp_path):
     gguf = gguf_path()
     prompt_ids, expected = _transformers_tokens(

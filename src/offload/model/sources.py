@@ -17,12 +17,14 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -126,18 +128,27 @@ def _key(sources: list[Path]) -> str:
 def _converted(
     folder: Path, name: str, sources: list[Path], convert: Callable[[Path], None]
 ) -> Path:
-    """`convert(staging)` once per version of `sources`, into `folder`."""
+    """`convert(staging)` once per version of `sources`, into `folder`. An entry that is
+    not a whole conversion (no config.json, or a file in its place) is thrown away with
+    one warning and converted again."""
     target = folder / f"{name}-{_key(sources)}"
     if (target / "config.json").is_file():
         return target
+    lock_path = folder / f".{target.name}.lock"
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        lock = os.open(folder / f".{target.name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        lock = _lock(lock_path)  # waits while another process converts
     except OSError as error:
         raise ModelError(f"cannot write converted weights to {folder}: {error.strerror}") from None
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # waits while another process converts
         if not (target / "config.json").is_file():
+            try:
+                _throw_away(target)
+            except OSError as error:
+                raise ModelError(
+                    f"{target} is a damaged conversion that cannot be removed "
+                    f"({error.strerror or error}); remove it by hand"
+                ) from None
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=folder))
             try:
                 convert(staging)
@@ -149,8 +160,43 @@ def _converted(
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     finally:
+        with contextlib.suppress(OSError):
+            lock_path.unlink()  # under the lock: a waiter sees it gone and locks anew
         os.close(lock)
     return target
+
+
+def _lock(path: Path) -> int:
+    """An exclusive lock on `path`, held until the descriptor is closed. The holder
+    removes the file before it lets go (so no lock file stays behind): a waiter that then
+    gets the lock of a removed file opens the path again."""
+    while True:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX)
+            if os.fstat(descriptor).st_ino == os.stat(path).st_ino:
+                return descriptor
+        except FileNotFoundError:
+            pass  # removed by the holder we waited for
+        except BaseException:
+            os.close(descriptor)
+            raise
+        os.close(descriptor)
+
+
+def _throw_away(target: Path) -> None:
+    """A damaged conversion entry (only under the lock): removed, with one warning."""
+    if not target.exists() and not target.is_symlink():
+        return
+    warnings.warn(
+        f"{target} is not a whole conversion (no config.json); converting again",
+        UserWarning,
+        stacklevel=4,
+    )
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)
+    else:
+        target.unlink()
 
 
 def _from_bin(folder: Path, bins: list[Path], out: Path) -> None:
