@@ -138,6 +138,27 @@ def test_a_damaged_conversion_is_converted_again_and_no_lock_file_stays(tmp_path
     assert _ours(converted, prompt_ids) == expected
 
 
+class _RunsCode:
+    """Unpickled, it would create the file it names."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_bin_that_holds_code_is_refused_in_one_line_and_none_of_it_runs(tmp_path):
+    folder = _bin_folder(tmp_path, 1)
+    marker = tmp_path / "the code ran"
+    state = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    torch.save({**state, "extra": _RunsCode(marker)}, folder / "pytorch_model.bin")
+    with pytest.raises(ModelError, match="holds code, not only tensors: refused") as info:
+        sources.resolve_model(folder)
+    assert "\n" not in str(info.value) and not marker.exists()
+    assert not list((tmp_path / "offload-cache" / "converted").glob(f"{folder.name}-*"))
+
+
 def test_a_gguf_file_gives_transformers_tokens(tmp_path):
     gguf = gguf_path()
     prompt_ids, expected = _transformers_tokens(

@@ -206,7 +206,7 @@ def _from_bin(folder: Path, bins: list[Path], out: Path) -> None:
 
     index: dict[str, str] = {}
     for number, source in enumerate(bins, 1):
-        state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+        state = _load_tensors(source)
         tensors, seen = {}, {}
         for name, tensor in state.items():
             if not isinstance(tensor, torch.Tensor):
@@ -232,6 +232,25 @@ def _from_bin(folder: Path, bins: list[Path], out: Path) -> None:
             and not extra.name.endswith(".bin.index.json")
         ):
             shutil.copy2(extra, out / extra.name)
+
+
+def _load_tensors(source: Path) -> dict:
+    """A .bin shard's tensors; a pickle that holds anything else (code a loader would
+    run) is refused, and none of it runs."""
+    import pickle
+
+    import torch
+
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise ModelError(
+            f"{source} holds code, not only tensors: refused (none of it ran); convert it "
+            "to safetensors with a tool you trust"
+        ) from None
+    if not isinstance(state, dict):
+        raise ModelError(f"{source} is not a state dict of tensors (a {type(state).__name__})")
+    return state
 
 
 def _unshared(tensors: dict) -> dict:
