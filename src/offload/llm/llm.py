@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,6 +35,7 @@ from offload.llm.checks import (
     vocab_limit,
 )
 from offload.memory.device import check_device
+from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
 from offload.model.loader import load_model
@@ -49,6 +51,7 @@ def _serialized(method: Callable) -> Callable:
 
     @functools.wraps(method)
     def call(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        check_not_forked(self._pid, "this LLM")
         with self._lock:
             if self._closed:
                 raise ConfigError("this LLM is closed; make a new LLM(...) to generate again")
@@ -110,6 +113,7 @@ class LLM(DecodeLoop):
         **offload_flags: Any,
     ):
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self._closed = False
         self._on_step: Callable[[list[SequenceState]], None] | None = None  # see _streaming
         limits = check_llm_args(

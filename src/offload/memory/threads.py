@@ -14,7 +14,21 @@ import os
 
 import torch
 
+from offload.errors import OffloadError
+
 _logger = logging.getLogger("offload")
+
+
+def check_not_forked(owner_pid: int, what: str) -> None:
+    """Refuse to run `what`, made by process `owner_pid`, in a child that `os.fork()`
+    made from it: the copy, read and torch worker threads it waits on did not come along,
+    so it would hang. One clear error instead, before anything runs."""
+    if os.getpid() != owner_pid:
+        raise OffloadError(
+            f"{what} was loaded by process {owner_pid}, and this process is a fork of it: "
+            "its threads did not come along; load the model in this process, or start "
+            "workers with multiprocessing's 'spawn' method"
+        )
 
 
 def available_cores() -> int:

@@ -17,6 +17,7 @@ the stack) is nested, and runs on.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import weakref
@@ -26,6 +27,7 @@ from types import FrameType
 import torch
 from torch import nn
 
+from offload.memory.threads import check_not_forked
 from offload.offloader.hooks import AroundForward
 
 _POLL_S = 0.05  # how often a waiting caller looks whether the holder abandoned the lock
@@ -40,10 +42,12 @@ class ForwardLock:
         self._holder: tuple[int, FrameType, int] | None = None
         # Weakly: the offloader owns this lock, and must not be kept alive by it.
         self._on_abandoned = weakref.WeakMethod(on_abandoned)
+        self._pid = os.getpid()
 
     def acquire(self, frame: FrameType) -> bool:
         """Take the lock for the forward running in `frame` (waits while another live
         forward holds it); True unless the forward is nested in one that holds it."""
+        check_not_forked(self._pid, "this offloaded model")
         me = threading.get_ident()
         with self._condition:
             while self._holder is not None:
