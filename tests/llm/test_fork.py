@@ -26,7 +26,7 @@ def _in_a_fork(call) -> str:
         try:
             call()
             answer = "ok"
-        except BaseException as error:  # noqa: BLE001 - reported to the parent
+        except BaseException as error:  # reported to the parent
             answer = f"{type(error).__name__}: {error}"
         os.write(write, answer.encode()[:4000])
         os._exit(0)
