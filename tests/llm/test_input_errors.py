@@ -100,6 +100,8 @@ def _tokens():
         ({"prompt_token_ids": []}, "a prompt has 0 tokens"),
         ({"prompt_token_ids": [10**400]}, "prompt 0 holds a token id the model cannot embed"),
         ({"prompt_token_ids": [49152]}, "token ids in [0, 49152), got 49152"),
+        (["ok", "bad \ud800 text"], "prompt 1 is not valid text: surrogates not allowed"),
+        ({"prompt": "\udfff"}, "prompt 0 is not valid text"),
     ],
 )
 def test_bad_prompts_are_one_line_errors(llm, prompts, needle):
@@ -144,6 +146,7 @@ def test_bad_generate_options_are_one_line_errors(llm, kwargs, needle):
         ([HELLO, [{"role": "user", "content": 5}]], "messages[1][0]['content'] must be"),
         ([HELLO, ["x"]], "messages[1][0] must be a dict with 'role' and 'content'"),
         ([[]], "messages[0] is an empty conversation"),
+        ([HELLO, [{"role": "user", "content": "a \ud83d b"}]], "conversation 1 is not valid text"),
     ],
 )
 def test_malformed_messages_are_one_line_errors(llm, messages, needle):

@@ -9,6 +9,7 @@ from typing import Any
 
 from offload.config.validate import flag
 from offload.errors import ConfigError, shown
+from offload.llm.checks import check_text
 
 # apply_chat_template's own arguments and the variables it gives the template: set
 # through chat_template_kwargs they would clash with chat()'s (Python's TypeError).
@@ -68,6 +69,8 @@ def chat_token_ids(
         tools=tools,
         **(chat_template_kwargs or {}),
     )
+    for index, text in enumerate(texts):
+        check_text(text, f"conversation {index}")
     return texts, [tokenizer(text, add_special_tokens=False).input_ids for text in texts]
 
 

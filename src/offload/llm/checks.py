@@ -119,10 +119,24 @@ def parse_prompts(
             text, tokens = _prompt_dict(index, prompt)
         else:
             raise ConfigError(f"a prompt must be {PROMPT_FORMS}; prompt {index} is {shown(prompt)}")
+        if text is not None:
+            check_text(text, f"prompt {index}")
         texts.append(text)
         encoded.append(tokens is None)
         ids.append(encode(text) if tokens is None else tokens)
     return texts, ids, encoded
+
+
+def check_text(text: str, where: str) -> None:
+    """Text a tokenizer can take: Unicode that UTF-8 can encode (not a lone surrogate,
+    as a bad decode of bytes leaves)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ConfigError(
+            f"{where} is not valid text: {error.reason} at character {error.start} "
+            f"({error.object[error.start : error.end]!r})"
+        ) from None
 
 
 def _prompt_dict(index: int, prompt: Mapping) -> tuple[str | None, list[int] | None]:
