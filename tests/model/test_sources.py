@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
+import signal
+import struct
 
 import pytest
 import torch
@@ -157,6 +160,51 @@ def test_a_bin_that_holds_code_is_refused_in_one_line_and_none_of_it_runs(tmp_pa
         sources.resolve_model(folder)
     assert "\n" not in str(info.value) and not marker.exists()
     assert not list((tmp_path / "offload-cache" / "converted").glob(f"{folder.name}-*"))
+
+
+def _gguf_like(path, head: bytes, size: int):
+    path.write_bytes(head + b"\0" * (size - len(head)))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("make", "needle"),
+    [
+        (lambda p: p.write_bytes(gguf_path().read_bytes()[:100_000]), "damaged or truncated"),
+        (
+            lambda p: _gguf_like(p, b"GGUF" + struct.pack("<IQQ", 3, 2**63, 1), 4096),
+            "lists 9223372036854775808 tensors and 1 settings, more than its 4096 bytes",
+        ),
+        (lambda p: _gguf_like(p, b"GGUF" + struct.pack("<IQQ", 99, 1, 1), 4096), "version 99"),
+        (lambda p: p.write_bytes(b"not a gguf at all"), "is not a GGUF file"),
+    ],
+    ids=["truncated", "2**63 tensors", "version", "not gguf"],
+)
+def test_a_damaged_gguf_is_one_line_naming_it(tmp_path, make, needle):
+    path = tmp_path / "model.gguf"
+    make(path)
+    with pytest.raises(ModelError, match=r"converting .*model\.gguf to safetensors failed") as info:
+        sources.resolve_model(path)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    assert not list((tmp_path / "offload-cache" / "converted").glob("model-*"))
+
+
+def test_a_file_size_limit_during_conversion_is_named_and_leaves_nothing(tmp_path):
+    """As a full disk: the limit stops the write (EFBIG), safetensors reports it."""
+    folder = _bin_folder(tmp_path, 1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a killed process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        with pytest.raises(ModelError, match="the disk is full or the file-size limit") as info:
+            sources.resolve_model(folder)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+    assert "\n" not in str(info.value)
+    converted = tmp_path / "offload-cache" / "converted"
+    assert [p.name for p in converted.iterdir()] == []  # no staging folder, no lock file
+    assert sources.resolve_model(folder).is_dir()  # and it converts once there is room
 
 
 def test_a_gguf_file_gives_transformers_tokens(tmp_path):

@@ -12,6 +12,7 @@ that needs the model while it is being converted waits for the first one's resul
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import importlib.util
@@ -169,7 +170,61 @@ def _cache_error(folder: Path, error: OSError) -> str:
 
 
 def _convert(source: Path, out_dir: Path) -> None:
-    """De-quantize the GGUF with transformers' reader and save it as plain safetensors."""
+    """De-quantize the GGUF with transformers' reader and save it as plain safetensors.
+    A damaged file, a full disk or a file-size limit is a ValueError that says which."""
+    import struct
+
+    from safetensors import SafetensorError
+
+    check_gguf_header(source)
+    try:
+        _dequantize_and_save(source, out_dir)
+    except struct.error as error:  # a field that runs past the end of the file
+        raise ValueError(f"{source} is damaged or truncated ({error})") from None
+    except (SafetensorError, OSError) as error:
+        raise ValueError(conversion_failure(error)) from None
+
+
+def conversion_failure(error: BaseException) -> str:
+    """One line for a conversion that failed; a full disk or a file-size limit is named
+    as such (safetensors reports them as its own error)."""
+    text = str(error).strip()
+    full = "No space left" in text or "File too large" in text
+    if full or getattr(error, "errno", None) in (errno.ENOSPC, errno.EFBIG):
+        return f"the disk is full or the file-size limit was reached ({text})"
+    return text
+
+
+# The fixed part of a GGUF header, and the least bytes a tensor's description and a
+# key/value pair can take (name length, one byte of name, and the smallest rest).
+_GGUF_HEADER = 24
+_MIN_TENSOR_INFO = 8 + 1 + 4 + 8 + 4 + 8
+_MIN_KEY_VALUE = 8 + 1 + 4 + 1
+
+
+def check_gguf_header(source: Path) -> None:
+    """The header's counts against the file's size, before a reader allocates for them
+    (ValueError naming the file otherwise)."""
+    import struct
+
+    with source.open("rb") as file:
+        head = file.read(_GGUF_HEADER)
+    size = source.stat().st_size
+    if len(head) < _GGUF_HEADER or head[:4] != b"GGUF":
+        raise ValueError(f"{source} is not a GGUF file (it does not start with a GGUF header)")
+    version, tensors, settings = struct.unpack("<IQQ", head[4:])
+    if version > 0xFFFF:  # written big-endian
+        version, tensors, settings = struct.unpack(">IQQ", head[4:])
+    if version not in (2, 3):
+        raise ValueError(f"{source} has GGUF version {version}; versions 2 and 3 are read")
+    if _GGUF_HEADER + tensors * _MIN_TENSOR_INFO + settings * _MIN_KEY_VALUE > size:
+        raise ValueError(
+            f"{source} is damaged or truncated: its header lists {tensors} tensors and "
+            f"{settings} settings, more than its {size} bytes can hold"
+        )
+
+
+def _dequantize_and_save(source: Path, out_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

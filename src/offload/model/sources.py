@@ -28,8 +28,10 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 from offload.errors import ModelError
-from offload.model.default import cache_dir, default_model_path
+from offload.model.default import cache_dir, conversion_failure, default_model_path
 
 ACCEPTED = (
     "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "
@@ -153,9 +155,9 @@ def _converted(
             try:
                 convert(staging)
                 staging.rename(target)
-            except (OSError, ValueError, RuntimeError, ImportError) as error:
+            except (OSError, ValueError, RuntimeError, ImportError, SafetensorError) as error:
                 raise ModelError(
-                    f"converting {sources[0]} to safetensors failed: {error}"
+                    f"converting {sources[0]} to safetensors failed: {conversion_failure(error)}"
                 ) from None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
