@@ -15,6 +15,7 @@ import errno
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -129,6 +130,8 @@ class DiskReader:
         self._writing: dict[int, dict[int, int]] = {}
         self._buffers = threading.Condition()
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="offload-io")
+        # A reader dropped without close() still ends its threads and closes its files.
+        weakref.finalize(self, _drop, self._pool, self._fds, self._lock)
 
     def read(
         self,
@@ -180,7 +183,8 @@ class DiskReader:
                 self._buffers.wait()
 
     def close(self) -> None:
-        """Wait for reads in flight, end the threads and close the files."""
+        """Wait for reads in flight, end the threads and close the files (a reader that
+        is dropped unclosed does the same, without waiting)."""
         self._pool.shutdown(wait=True)
         with self._lock:
             for fd, _ in self._fds.values():
@@ -330,3 +334,13 @@ def _settle(futures: list[Future]) -> None:
     for future in futures:
         with contextlib.suppress(CancelledError):
             future.exception()
+
+
+def _drop(pool: ThreadPoolExecutor, fds: dict[Path, tuple[int, bool]], lock: threading.Lock):
+    """A reader no longer referenced: its threads end and its files close."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    with lock:
+        for fd, _ in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        fds.clear()

@@ -22,6 +22,7 @@ import mmap
 import os
 import signal
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,7 +65,12 @@ class MappedFiles:
             raise
         self._stop = threading.Event()
         self._hints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-hint")
-        self._watcher = threading.Thread(target=self._watch, name="offload-lease", daemon=True)
+        # The watcher holds these files weakly, so that a model dropped without close()
+        # is collected; then the finalizer ends the threads and gives the leases back.
+        self._watcher = threading.Thread(
+            target=_watch, args=(weakref.ref(self), self._stop), name="offload-lease", daemon=True
+        )
+        self._finalizer = weakref.finalize(self, _drop, self._stop, self._hints, self._fds)
         self._watcher.start()
 
     def _map(self, stamp: FileStamp) -> None:
@@ -146,19 +152,19 @@ class MappedFiles:
 
     # -- the watcher -----------------------------------------------------------
 
-    def _watch(self) -> None:
-        while not self._stop.wait(POLL_S):
-            with self._lock:  # the files stay open while it looks
-                if self._released:
-                    return
-                problem = self._problem()
-            if problem is None:
-                continue
-            with self._lock:
-                self._note(problem)
-                if not self._active:
-                    self._release_now()
-            return
+    def _look(self) -> bool:
+        """One look at the leases and the files; True when the watch is over."""
+        with self._lock:  # the files stay open while it looks
+            if self._released:
+                return True
+            problem = self._problem()
+        if problem is None:
+            return False
+        with self._lock:
+            self._note(problem)
+            if not self._active:
+                self._release_now()
+        return True
 
     def _note(self, problem: str | None) -> None:
         """(Under the lock.) Keep the first fault."""
@@ -195,6 +201,27 @@ class MappedFiles:
                 fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
             os.close(fd)
         self._fds.clear()
+
+
+def _watch(files: weakref.ref[MappedFiles], stop: threading.Event) -> None:
+    while not stop.wait(POLL_S):
+        watched = files()
+        if watched is None or watched._look():
+            return
+        del watched  # not held between looks
+
+
+def _drop(stop: threading.Event, hints: ThreadPoolExecutor, fds: dict[Path, int]) -> None:
+    """Files that were never closed and are no longer referenced: the threads end and
+    the leases go (the mappings themselves go with the last tensor over them)."""
+    stop.set()
+    hints.shutdown(wait=False, cancel_futures=True)
+    for fd in list(fds.values()):
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
 
 
 _POPULATE_CHUNK_BYTES = 4 * 2**20
