@@ -20,6 +20,10 @@ from offload.cli import main
         (["--output-len", "1"], "output_len (--output-len) must be an integer >= 2, got 1"),
         (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         (["--device", "tpu"], "device must be 'cpu', 'cuda' or 'cuda:N'"),
+        (
+            ["--prompt-len", "100000000", "--model", "llama-3-8b"],
+            "must be at most the model's 8192 positions, got 100000000 + 8",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(argv, needle, capsys):

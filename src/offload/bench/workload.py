@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,11 @@ def prepare(workload: Workload) -> Prepared:
     """The checkpoint (a shape's random one written into the cache folder on first use)
     and the model's sizes, from a model built on the meta device."""
     device = check_device(workload.device)
-    path, name = resolve_checkpoint(workload.model, workload.dtype)
+    path, name = resolve_checkpoint(
+        workload.model, workload.dtype, check=lambda limit: _check_length(workload, limit)
+    )
     model = build_empty(path, workload.dtype)
+    _check_length(workload, getattr(model.config, "max_position_embeddings", None))
     layers = find_layers(model)
     return Prepared(
         workload=workload,
@@ -106,9 +110,23 @@ def prepare(workload: Workload) -> Prepared:
     )
 
 
-def resolve_checkpoint(model: str | None, dtype: str) -> tuple[Path, str]:
+def _check_length(workload: Workload, limit: object) -> None:
+    """Prompt and output within the positions the model has (before a checkpoint is
+    written for a shape, or a cache allocated)."""
+    length = workload.prompt_len + workload.output_len
+    if isinstance(limit, int) and length > limit:
+        raise ConfigError(
+            f"prompt_len + output_len (--prompt-len, --output-len) must be at most the "
+            f"model's {limit} positions, got {workload.prompt_len} + {workload.output_len}"
+        )
+
+
+def resolve_checkpoint(
+    model: str | None, dtype: str, check: Callable[[object], None] = lambda limit: None
+) -> tuple[Path, str]:
     """(folder with weights, name for the report). A folder with only a config.json, or a
-    shipped shape, becomes a random-weight checkpoint in the cache folder."""
+    shipped shape, becomes a random-weight checkpoint in the cache folder, once `check`
+    passed on its max_position_embeddings."""
     if model is None:
         path = default_model_path()
         return path, path.name
@@ -124,6 +142,8 @@ def resolve_checkpoint(model: str | None, dtype: str) -> tuple[Path, str]:
         return path, path.name
     if not (path / "config.json").is_file():
         raise ConfigError(f"model (--model) {model!r} is a folder with no config.json")
+    config = json.loads((path / "config.json").read_text())
+    check(config.get("max_position_embeddings") if isinstance(config, dict) else None)
     return random_checkpoint(path, dtype), f"{path.name} (random weights)"
 
 
