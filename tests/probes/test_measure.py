@@ -61,28 +61,35 @@ def test_a_damaged_cache_file_is_measured_again(tiny):
         assert not measure(path, shape, CPU, [1], 16, settings=TINY).from_cache
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("layer_s", [1e-12]),  # would predict 10**11 tokens/s
-        ("layer_s", [-1.0]),
-        ("layer_s", [float("nan")]),
-        ("head_s", [float("inf")]),
-        ("layer_s", ["fast"]),
-        ("layer_s", 3),
-        ("link_gb_per_s", -2.0),
-        ("disk_gb_per_s", 1e300),
-        ("batch_sizes", [0]),
-        ("context_len", True),
-        ("notes", "none"),
-    ],
-)
-def test_a_cached_value_no_measurement_can_have_is_thrown_away(tiny, field, value):
+BAD_VALUES = [
+    ("layer_s", [1e-12]),  # would predict 10**11 tokens/s
+    ("layer_s", [-1.0]),
+    ("layer_s", [float("nan")]),
+    ("head_s", [float("inf")]),
+    ("layer_s", ["fast"]),
+    ("layer_s", 3),
+    ("link_gb_per_s", -2.0),
+    ("disk_gb_per_s", 1e300),
+    ("batch_sizes", [0]),
+    ("context_len", True),
+    ("notes", "none"),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), BAD_VALUES)
+def test_a_value_no_measurement_can_have_is_refused(field, value):
+    data = json.loads(_figures(batch_sizes=[1], layer_s=[1.0], head_s=[2.0]).to_json())
+    data[field] = value
+    with pytest.raises(ValueError):
+        Measurements.from_json(json.dumps(data))
+
+
+def test_a_cached_value_no_measurement_can_have_is_thrown_away(tiny):
     """Edited or damaged by hand: one warning, measured again, and the entry replaced."""
     path, shape = tiny
     first = measure(path, shape, CPU, [1], 16, settings=TINY)
     data = json.loads(first.path.read_text())
-    data[field] = value
+    data["layer_s"] = [1e-12]
     first.path.write_text(json.dumps(data))
     with pytest.warns(UserWarning, match=f"{first.path}.* are not valid .*; measuring again"):
         again = measure(path, shape, CPU, [1], 16, settings=TINY)
