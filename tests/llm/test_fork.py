@@ -71,3 +71,11 @@ def test_an_offloaded_model_used_in_a_fork_is_one_clear_error():
     assert answer.startswith("OffloadError: this offloaded model was loaded by process"), answer
     assert torch.equal(zoo.logits(model, ids), expected)
     offloader.close()
+
+
+def test_closing_an_llm_in_a_fork_does_not_hang(tmp_path):
+    llm = LLM(zoo.save_tiny_llm(tmp_path, num_layers=4), cpu_memory_gb=0, kv_offload=True)
+    llm.generate(["t3 t4"], GREEDY, use_tqdm=False)
+    assert _in_a_fork(llm.close) == "ok"
+    assert llm.generate(["t3 t4"], GREEDY, use_tqdm=False)  # the parent's is still open
+    llm.close()

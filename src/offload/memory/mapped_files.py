@@ -70,7 +70,10 @@ class MappedFiles:
         self._watcher = threading.Thread(
             target=_watch, args=(weakref.ref(self), self._stop), name="offload-lease", daemon=True
         )
-        self._finalizer = weakref.finalize(self, _drop, self._stop, self._hints, self._fds)
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(
+            self, _drop, self._stop, self._hints, self._fds, self._pid
+        )
         self._watcher.start()
 
     def _map(self, stamp: FileStamp) -> None:
@@ -197,9 +200,7 @@ class MappedFiles:
         for mapped in self._maps.values():
             _zero_pages(mapped)
         for fd in self._fds.values():
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
-            os.close(fd)
+            _give_back(fd, self._pid)
         self._fds.clear()
 
 
@@ -211,17 +212,27 @@ def _watch(files: weakref.ref[MappedFiles], stop: threading.Event) -> None:
         del watched  # not held between looks
 
 
-def _drop(stop: threading.Event, hints: ThreadPoolExecutor, fds: dict[Path, int]) -> None:
+def _drop(
+    stop: threading.Event, hints: ThreadPoolExecutor, fds: dict[Path, int], owner: int
+) -> None:
     """Files that were never closed and are no longer referenced: the threads end and
     the leases go (the mappings themselves go with the last tensor over them)."""
     stop.set()
     hints.shutdown(wait=False, cancel_futures=True)
     for fd in list(fds.values()):
+        _give_back(fd, owner)
+    fds.clear()
+
+
+def _give_back(fd: int, owner: int) -> None:
+    """Close a leased file. A lease belongs to the open file, which a forked child
+    shares: only the process that took it gives it back (a child that closes its copy
+    must not end the parent's lease)."""
+    if os.getpid() == owner:
         with contextlib.suppress(OSError):
             fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
+    with contextlib.suppress(OSError):
+        os.close(fd)
 
 
 _POPULATE_CHUNK_BYTES = 4 * 2**20
