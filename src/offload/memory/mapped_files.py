@@ -50,6 +50,7 @@ class MappedFiles:
 
     def __init__(self, stamps: Sequence[FileStamp]):
         self._stamps = {stamp.path: stamp for stamp in stamps}
+        self._pid = os.getpid()  # the process whose leases these are
         self._fds: dict[Path, int] = {}
         self._maps: dict[Path, mmap.mmap] = {}
         self._bases: dict[Path, int] = {}  # each mapping's first byte (looked at per hint)
@@ -70,7 +71,6 @@ class MappedFiles:
         self._watcher = threading.Thread(
             target=_watch, args=(weakref.ref(self), self._stop), name="offload-lease", daemon=True
         )
-        self._pid = os.getpid()
         self._finalizer = weakref.finalize(
             self, _drop, self._stop, self._hints, self._fds, self._pid
         )
