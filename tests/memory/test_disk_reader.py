@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import file_faults
 import pytest
 import torch
 from hypothesis import given, settings
@@ -114,31 +115,9 @@ def _fault_cases():
     def truncate(path):
         os.truncate(path, 5000)
 
-    def modify(path):
-        stat = os.stat(path)
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-
-    def replace(path):
-        other = path.with_suffix(".new")
-        other.write_bytes(path.read_bytes())
-        os.replace(other, path)
-
-    def remove(path):
-        path.unlink()
-
-    def rewrite_back_dated(path):  # in place: size, inode and times as they were
-        stat = os.stat(path)
-        with path.open("r+b") as file:
-            file.seek(stat.st_size // 2)
-            file.write(b"\x3f" * 64)  # plausible weights (0.75 as float32), no nan
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-
     return {
-        "rewritten, its time set back": rewrite_back_dated,
+        **file_faults.COMMON,
         "truncated": truncate,
-        "modified": modify,
-        "replaced": replace,
-        "removed": remove,
     }
 
 

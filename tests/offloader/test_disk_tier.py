@@ -8,6 +8,7 @@ import json
 import os
 import threading
 
+import file_faults
 import pytest
 import torch
 import zoo
@@ -135,36 +136,14 @@ def _faults():
     def truncate(path):
         os.truncate(path, path.stat().st_size // 2)
 
-    def replace(path):
-        other = path.with_suffix(".tmp")
-        other.write_bytes(path.read_bytes())
-        os.replace(other, path)
-
-    def modify(path):
-        stat = os.stat(path)
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
-
-    def remove(path):
-        path.unlink()
-
     def overwrite(path):  # in place, the size and the inode kept
         with path.open("r+b") as file:
             file.seek(path.stat().st_size // 2)
             file.write(b"\x7f" * 64)
 
-    def rewrite_back_dated(path):  # in place: size, inode and times as they were
-        stat = os.stat(path)
-        with path.open("r+b") as file:
-            file.seek(stat.st_size // 2)
-            file.write(b"\x3f" * 64)  # plausible weights (0.75 as float32), no nan
-        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-
     return {
-        "rewritten, its time set back": rewrite_back_dated,
+        **file_faults.COMMON,
         "truncated": truncate,
-        "replaced": replace,
-        "modified": modify,
-        "removed": remove,
         "overwritten": overwrite,
     }
 
