@@ -212,6 +212,27 @@ def test_graph_buckets_cover_the_written_rows():
     assert kv_bucket(70, 80) == 80  # never past the cache
 
 
+def test_the_seen_length_is_a_device_counter_as_in_the_resident_cache():
+    """The mask reads the query's offset from the cache's length. In a CUDA graph a
+    Python int would be frozen at capture (every replay masked as the captured step;
+    only the GPU run showed it): the length must be the counter the layer advances."""
+    model = zoo.build("llama", num_layers=3)
+    ids = zoo.inputs()[:, :5]
+    for offload in (False, True):
+        cache = static_cache(model.config, len(ids), 10, torch.float32, CPU, offload=offload)
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, cache_position=torch.arange(5))
+        length = cache.get_seq_length()
+        assert isinstance(length, torch.Tensor) and int(length) == 5
+        counter = cache.layers[0].cumulative_length
+        counter.add_(1)  # what a replayed step does on the device
+        assert int(cache.get_seq_length()) == 6
+        if offload:
+            cache.kv_offloader.count_replayed_step()  # and what the engine counts for it
+            assert cache.kv_offloader.lengths == [6, 6, 6]
+            cache.kv_offloader.close()
+
+
 def test_mixed_sliding_and_full_layers():
     """Gemma 2 alternates sliding-window and full layers: the full ones go to the host,
     the sliding ones (window 4, shorter than the text) keep their ring on the device."""

@@ -92,12 +92,17 @@ class DecodeGraphs:
         """One decode step reading `num_positions` cache positions: replay (capturing
         first if needed) the graph of its bucket."""
         rows = kv_bucket(num_positions, self._kv.shape.max_cache_len) if self._kv else 0
-        if rows not in self._graphs:
+        captured = rows not in self._graphs
+        if captured:
             self._graphs[rows] = self._capture(rows)
         graph, logits, moved = self._graphs[rows]
         with self._around():
             graph.replay()
         self.replayed += moved
+        if self._kv is not None and not captured:
+            # The capture ran the step's Python (which counted its positions); a replay
+            # runs none, so its position is counted here.
+            self._kv.count_replayed_step()
         return logits
 
     @contextlib.contextmanager

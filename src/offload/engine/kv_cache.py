@@ -171,6 +171,10 @@ class KVOffloader:
         self.bytes_written_back += count * self.shape.row_bytes
         self._last = layer
 
+    def count_replayed_step(self) -> None:
+        """A CUDA graph replayed a decode step: every layer wrote one more position."""
+        self.lengths = [length + 1 for length in self.lengths]  # (its bytes: in `replayed`)
+
     def _write_back(self, layer: int, positions: torch.Tensor, count: int) -> None:
         rows = self.slot_rows[slot_of(layer, self.num_slots)]
         host = self._host_writable[layer]

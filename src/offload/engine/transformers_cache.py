@@ -153,7 +153,13 @@ def _layer_class() -> type:
             self.offloader.after_update(self.position, positions, count)
             return self.keys, self.values
 
-        def get_seq_length(self) -> int:
+        def get_seq_length(self) -> int | torch.Tensor:
+            # As StaticLayer: the device counter where there is one. The mask's query
+            # offset is read from here, and a Python int would be frozen into a CUDA graph
+            # at its capture (every replay then masked as the captured step).
+            counter = getattr(self, "cumulative_length", None)
+            if isinstance(counter, torch.Tensor):
+                return counter
             return self.offloader.lengths[self.position]
 
     return OffloadedStaticLayer

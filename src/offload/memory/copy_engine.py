@@ -211,6 +211,11 @@ class CudaCopyEngine(CopyEngine):
             # its replays run in stream order): the capture starts after a device sync, and
             # an event from outside a capture cannot be waited on inside it.
             return
+        if not capturing and ticket.capture is not None:
+            # Copied inside a CUDA graph: its replays run on this stream, in order, so
+            # the copy has landed; and an event recorded in a capture cannot be waited
+            # on outside it (CUDA refuses it as an invalid argument).
+            return
         before = None if capturing else _timing_event(compute)
         # The compute stream waits until the slot holds this layer's weights.
         compute.wait_event(ticket.event)
@@ -218,6 +223,10 @@ class CudaCopyEngine(CopyEngine):
             self._timed.append(("stall", before, _timing_event(compute)))
 
     def host_wait(self, ticket: _CudaTicket) -> None:
+        if ticket.capture is not None and not torch.cuda.is_current_stream_capturing():
+            # (a captured event cannot be waited on: the replays run on the compute stream)
+            torch.cuda.current_stream(self.device).synchronize()
+            return
         ticket.event.synchronize()
 
     def synchronize(self) -> None:

@@ -104,7 +104,9 @@ def device_budget(
         total = torch.cuda.get_device_properties(device).total_memory
         # A cap set with torch.cuda.set_per_process_memory_fraction is a smaller device.
         get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-        total *= get_fraction(device) if get_fraction is not None else 1.0
+        # (it takes an index: a bare "cuda" is the current device)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total *= get_fraction(index) if get_fraction is not None else 1.0
     else:
         total = meminfo_bytes("MemTotal") or 2**63
     return int(total * share)
