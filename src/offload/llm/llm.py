@@ -27,6 +27,7 @@ from offload.errors import ConfigError
 from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of
 from offload.llm.auto import planner_for
 from offload.llm.chat import chat_token_ids
+from offload.llm.serving import Serving
 from offload.llm.checks import (
     check_llm_args,
     check_token_ids,
@@ -113,6 +114,8 @@ class LLM(DecodeLoop):
         **offload_flags: Any,
     ):
         self._lock = threading.Lock()
+        self._serving_lock = threading.Lock()
+        self._served: Serving | None = None
         self._pid = os.getpid()
         self._closed = False
         self._on_step: Callable[[list[SequenceState]], None] | None = None  # see _streaming
@@ -257,6 +260,29 @@ class LLM(DecodeLoop):
         check_token_ids(ids, vocab_limit(self.model), [True] * len(ids))
         return self._generate(texts, ids, sampling_params, use_tqdm)
 
+    def serving(self, max_num_seqs: int | None = None) -> Serving:
+        """This LLM's continuous-batching engine (made on first use): requests submitted
+        from any thread share each step (what `offload serve` runs)."""
+        check_not_forked(self._pid, "this LLM")
+        with self._serving_lock:
+            if self._closed:
+                raise ConfigError("this LLM is closed; make a new LLM(...) to generate again")
+            if self._served is None:
+                self._served = Serving(self, max_num_seqs)
+            return self._served
+
+    def stream(
+        self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """One prompt's output as it grows: each item is the whole `RequestOutput` so far,
+        the last one `finished`. Streams from several threads are batched together;
+        leaving the loop early cancels the request."""
+        texts, ids, encoded = parse_prompts(prompt, lambda text: self.tokenizer(text).input_ids)
+        if len(ids) != 1:
+            raise ConfigError(f"stream takes one prompt, got {len(ids)}")
+        check_token_ids(ids, vocab_limit(self.model), encoded)
+        return self.serving().stream(texts[0], ids[0], sampling_params or SamplingParams())
+
     @_serialized
     def transfer_stats(self) -> TransferStats:
         """Bytes moved so far, host to device and back (weights and KV cache, CUDA graph
@@ -272,6 +298,10 @@ class LLM(DecodeLoop):
         """End the copy threads and drop the model, its offloaded weights and the host KV
         cache (a call in progress in another thread finishes first). Later calls of
         `generate` or `chat` raise; closing twice is fine."""
+        with self._serving_lock:
+            served, self._served = self._served, None
+        if served is not None:
+            served.close()  # (its forwards take the lock below)
         with self._lock:
             if self._closed:
                 return

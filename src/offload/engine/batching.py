@@ -1,0 +1,353 @@
+"""Continuous batching: requests join the running batch at step boundaries and leave it
+as soon as they finish, so every weight stream serves all of them.
+
+One thread runs the model. Each turn it takes the newly submitted requests, drops the
+cancelled ones, admits a group of waiting ones into free rows of a `RowCache` and
+prefills it (in chunks of `max_num_batched_tokens`), then runs one decode step for every
+running sequence. A request whose prompt and output can never fit is refused when it is
+submitted; one that does not fit now waits for rows to free up. What a request has so
+far is handed to its `emit` callback after every step that changed it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.engine.rows import RowCache, read_width
+from offload.engine.sequences import RequestOutput, SequenceState, completion_of
+from offload.engine.tokens import TokenSteps
+from offload.engine.transformers_cache import cache_argument
+from offload.errors import ConfigError, OffloadError
+
+Emit = Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass
+class Submitted:
+    """One request in the engine: its sequences (n of them) and where its outputs go."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    sequences: list[SequenceState]
+    emit: Emit
+    arrival_s: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    failed: bool = False
+
+    def output(self) -> RequestOutput:
+        completions = [completion_of(i, s) for i, s in enumerate(self.sequences)]
+        done = all(s.finish_reason is not None for s in self.sequences)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, done)
+
+
+@dataclass
+class _Row:
+    request: Submitted
+    sequence: SequenceState
+    start: int  # the column of its first prompt token
+    column: int  # where its next token is written
+
+    @property
+    def is_live(self) -> bool:
+        return self.sequence.finish_reason is None and not self.request.failed
+
+
+@dataclass
+class _Group:
+    """Requests being prefilled together: rows [first, first + len(rows)), prompts
+    right-aligned at column `width`."""
+
+    first: int
+    rows: list[_Row]
+    width: int
+    done_columns: int = 0
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What the engine runs: the model and what turns its logits into text."""
+
+    model: torch.nn.Module
+    steps: TokenSteps
+    device: torch.device
+    pad_id: int
+    lock: threading.Lock  # held for each forward: the model's other callers wait
+    on_forward: Callable[[], None] = lambda: None
+
+
+class BatchingEngine:
+    """Runs submitted requests in continuous batches of at most `max_rows` sequences of at
+    most `max_len` tokens (prompt and output) each."""
+
+    def __init__(
+        self,
+        runner: EngineModel,
+        max_rows: int,
+        max_len: int,
+        max_num_batched_tokens: int | None = None,
+        kv_dims=None,
+    ):
+        self._runner = runner
+        dtype = next(runner.model.parameters()).dtype
+        self._cache = RowCache(
+            runner.model.config, max_rows, max_len, dtype, runner.device, kv_dims
+        )
+        self.max_rows, self.max_len = max_rows, max_len
+        self._chunk_tokens = max_num_batched_tokens
+        self._inbox: deque[Submitted] = deque()
+        self._waiting: deque[Submitted] = deque()
+        self._running: list[_Row] = []  # rows [0, len)
+        self._group: _Group | None = None
+        self._wake = threading.Condition()
+        self._stop = False
+        self.last_error: BaseException | None = None  # of the last forward; None once one works
+        self._thread = threading.Thread(target=self._loop, name="offload-batching", daemon=True)
+        self._thread.start()
+
+    # -- what callers see ------------------------------------------------------------
+
+    def submit(self, request: Submitted) -> None:
+        """Queue `request` (its sequences already checked to fit `max_len`)."""
+        self.submit_all([request])
+
+    def submit_all(self, requests: list[Submitted]) -> None:
+        """Queue `requests` at once: the next turn sees all of them (a batch of them
+        starts together, whatever the timing)."""
+        for request in requests:
+            self._check(request)
+        with self._wake:
+            if self._stop:
+                raise OffloadError("the engine is shutting down")
+            self._inbox.extend(requests)
+            self._wake.notify()
+
+    def _check(self, request: Submitted) -> None:
+        for sequence in request.sequences:
+            if len(sequence.prompt_ids) + sequence.limit > self.max_len:
+                raise ConfigError(
+                    f"the prompt ({len(sequence.prompt_ids)} tokens) and its output "
+                    f"({sequence.limit}) do not fit in {self.max_len} positions"
+                )
+        if len(request.sequences) > self.max_rows:
+            raise ConfigError(
+                f"n={len(request.sequences)} is more sequences than run at once "
+                f"(max_num_seqs={self.max_rows})"
+            )
+
+    def cancel(self, request: Submitted) -> None:
+        """Stop `request` at the next step boundary; its rows are freed."""
+        request.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def num_running(self) -> int:
+        return len({id(r.request) for r in self._running if r.is_live})
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + len(self._waiting) + (self._group is not None)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests not finished get an error."""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=timeout_s)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._has_work():
+                    self._wake.wait(timeout=1.0)
+                if self._stop:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            self._turn()
+        self._fail_all(OffloadError("the server is shutting down"))
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox or self._waiting or self._running or self._group)
+
+    def _turn(self) -> None:
+        self._drop_cancelled()
+        if self._group is None:
+            self._pack()
+            self._group = self._admit()
+        if self._group is not None:
+            self._run_forward(self._group_rows(), self._prefill_chunk)
+        if any(row.is_live for row in self._running):
+            self._run_forward(self._running, self._decode_step)
+
+    def _group_rows(self) -> list[_Row]:
+        return self._group.rows if self._group is not None else []
+
+    def _run_forward(self, rows: list[_Row], forward: Callable[[], None]) -> None:
+        """One forward; if it fails (a disk fault, a sampling error), its requests fail
+        with the error and the others go on."""
+        try:
+            with self._runner.lock:
+                forward()
+            self.last_error = None
+        except Exception as error:  # noqa: BLE001 - each request gets its own error
+            self.last_error = error
+            if forward == self._prefill_chunk:
+                self._group = None
+            for request in {id(r.request): r.request for r in rows}.values():
+                self._fail(request, error)
+
+    def _drop_cancelled(self) -> None:
+        self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        for row in self._running + self._group_rows():
+            if row.request.cancelled and row.sequence.finish_reason is None:
+                row.sequence.finish_reason = "abort"
+
+    def _pack(self) -> None:
+        """Rows of finished sequences are refilled by the last running rows, so the
+        running ones stay at the front."""
+        keep = [row for row in self._running if row.is_live]
+        moved = []
+        for target, row in enumerate(keep):
+            source = self._running.index(row)
+            if source != target:
+                moved.append((source, target, row.column))
+        for source, target, num_columns in moved:
+            self._cache.move_row(source, target, num_columns)
+        self._running = keep
+
+    def _admit(self) -> _Group | None:
+        """Waiting requests (in order) into the free rows, while every sequence of the
+        group still fits `max_len` with the group's prompts right-aligned together."""
+        free = self.max_rows - len(self._running)
+        taken: list[Submitted] = []
+        width, longest = 0, 0
+        while self._waiting:
+            request = self._waiting[0]
+            size = len(request.sequences)
+            new_width = max(width, len(request.prompt_ids))
+            new_longest = max(longest, max(s.limit for s in request.sequences))
+            if size > free or new_width + new_longest > self.max_len:
+                break
+            taken.append(self._waiting.popleft())
+            free -= size
+            width, longest = new_width, new_longest
+        if not taken:
+            return None
+        rows = [
+            _Row(request, sequence, width - len(request.prompt_ids), width)
+            for request in taken
+            for sequence in request.sequences
+        ]
+        return _Group(len(self._running), rows, width)
+
+    # -- forwards ---------------------------------------------------------------------
+
+    def _prefill_chunk(self) -> None:
+        group = self._group
+        num = len(group.rows)
+        step = group.width if not self._chunk_tokens else max(1, self._chunk_tokens // num)
+        start, end = group.done_columns, min(group.done_columns + step, group.width)
+        device = self._runner.device
+        columns = torch.arange(start, end, device=device)  # [tokens]
+        starts = torch.tensor([row.start for row in group.rows], device=device)  # [rows]
+        ids = [
+            [self._runner.pad_id] * row.start + row.sequence.prompt_ids for row in group.rows
+        ]
+        input_ids = torch.tensor(ids, device=device)[:, start:end]  # [rows, tokens]
+        width = read_width(group.width, self.max_len)
+        every = torch.arange(width, device=device)
+        mask = ((every[None, :] >= starts[:, None]) & (every[None, :] < group.width)).long()
+        self._cache.select(group.first, group.first + num, columns.expand(num, -1), start, width)
+        logits = self._forward(
+            input_ids, mask, (columns[None, :] - starts[:, None]).clamp(min=0), columns
+        )
+        group.done_columns = end
+        if end < group.width:
+            return
+        self._group = None
+        self._running.extend(group.rows)
+        self._pick(group.rows, logits)
+
+    def _decode_step(self) -> None:
+        rows = self._running
+        device = self._runner.device
+        last = [row.sequence.tokens[-1] if row.sequence.tokens else 0 for row in rows]
+        # (a finished row still in the batch rewrites its last column: never past the end)
+        at = [min(row.column, self.max_len - 1) for row in rows]
+        columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
+        starts = torch.tensor([[row.start] for row in rows], device=device)  # [rows, 1]
+        width = read_width(max(at) + 1, self.max_len)
+        every = torch.arange(width, device=device)
+        mask = ((every[None, :] >= starts) & (every[None, :] <= columns)).long()
+        # The causal part of the mask is measured from the last column read (so it
+        # allows every column); the 2D mask says which ones each row reads.
+        self._cache.select(0, len(rows), columns, width - 1, width)
+        logits = self._forward(
+            torch.tensor(last, device=device)[:, None],
+            mask,
+            columns - starts,
+            torch.tensor([width - 1], device=device),
+        )
+        for row in rows:
+            row.column += row.is_live
+        self._pick(rows, logits)
+
+    def _forward(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
+        model = self._runner.model
+        with torch.inference_mode():
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                **cache_argument(model, self._cache.cache),
+                cache_position=cache_position,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        self._runner.on_forward()
+        return out.logits[:, -1, :]  # [rows, vocab]
+
+    def _pick(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Each live row's next token; a row whose sampling fails fails its request."""
+        live = [i for i, row in enumerate(rows) if row.is_live]
+        if not live:
+            return
+        sequences = [rows[i].sequence for i in live]
+        try:
+            self._runner.steps.pick(logits[live], sequences)
+        except ConfigError:
+            for i in live:  # one at a time, to fail only the request that caused it
+                try:
+                    if rows[i].is_live:
+                        self._runner.steps.pick(logits[i : i + 1], [rows[i].sequence])
+                except ConfigError as error:
+                    self._fail(rows[i].request, error)
+        for request in {id(rows[i].request): rows[i].request for i in live}.values():
+            if not request.failed:
+                request.emit(request.output())
+
+    def _fail(self, request: Submitted, error: BaseException) -> None:
+        if request.failed:
+            return
+        request.failed = True
+        for sequence in request.sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "abort"
+        request.emit(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        pending = list(self._inbox) + list(self._waiting)
+        pending += [row.request for row in self._running + self._group_rows()]
+        for request in {id(r): r for r in pending}.values():
+            if any(s.finish_reason is None for s in request.sequences):
+                self._fail(request, error)

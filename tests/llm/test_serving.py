@@ -1,0 +1,173 @@
+"""Continuous batching (`LLM.serving`, `LLM.stream`): requests that join and leave one
+running batch get the tokens they would get alone, offloaded or not."""
+
+import queue
+import threading
+
+import pytest
+import torch
+import zoo
+
+from offload import ConfigError, SamplingParams
+from offload.llm.llm import LLM
+
+PROMPTS = ["t3 t4", "t5 t6 t7 t8 t9", "t10", "t11 t12 t13", "t7 t7 t7 t7", "t20 t21"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+OFFLOADED = {
+    "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
+    "disk": {"cpu_memory_gb": 0, "disk_io": "direct"},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return zoo.save_attentive_llm(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def resident(checkpoint):
+    with LLM(checkpoint) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def alone(resident):
+    return [resident.generate([p], GREEDY, use_tqdm=False)[0].outputs[0] for p in PROMPTS]
+
+
+def _together(llm, prompts, params, max_num_seqs=8):
+    """All requests queued at once (one schedule, whatever the timing): their outputs.
+    `params`: one SamplingParams for all, or one each."""
+    serving = llm.serving(max_num_seqs)
+    queues = [queue.Queue() for _ in prompts]
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    requests = [
+        serving.prepare(p, llm.get_tokenizer()(p).input_ids, r, q.put)
+        for p, r, q in zip(prompts, each, queues, strict=True)
+    ]
+    serving.engine.submit_all(requests)
+    return [_last(q) for q in queues]
+
+
+def _last(outputs: queue.Queue):
+    while True:
+        item = outputs.get(timeout=120)
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            return item
+
+
+def _logprobs(output):
+    return [{t: lp.logprob for t, lp in entry.items()} for entry in output.logprobs]
+
+
+def test_requests_batched_together_get_their_tokens_alone(checkpoint, alone):
+    with LLM(checkpoint) as llm:
+        outputs = _together(llm, PROMPTS, GREEDY)
+    for got, expected in zip(outputs, alone, strict=True):
+        assert got.outputs[0].token_ids == expected.token_ids
+        assert got.outputs[0].text == expected.text
+
+
+@pytest.mark.parametrize("setting", list(OFFLOADED))
+def test_offloaded_serving_is_bitwise_the_resident_serving(checkpoint, setting):
+    with LLM(checkpoint) as llm:
+        expected = _together(llm, PROMPTS, GREEDY, max_num_seqs=4)
+    with LLM(checkpoint, **OFFLOADED[setting]) as llm:
+        got = _together(llm, PROMPTS, GREEDY, max_num_seqs=4)
+        moved = llm.offloader.stats()
+    assert moved.bytes_copied > 0 or moved.disk.bytes_read > 0  # the weights really streamed
+    for a, b in zip(got, expected, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert _logprobs(a.outputs[0]) == _logprobs(b.outputs[0])  # exact floats
+
+
+def test_streams_from_threads_join_the_running_batch(resident, alone):
+    """Clients that arrive while others decode: each gets its own tokens, streamed."""
+    results, seen = [None] * len(PROMPTS), [0] * len(PROMPTS)
+
+    def client(index):
+        for output in resident.stream(PROMPTS[index], GREEDY):
+            seen[index] += 1
+            results[index] = output
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for got, expected, count in zip(results, alone, seen, strict=True):
+        assert got.finished and got.outputs[0].token_ids == expected.token_ids
+        assert count == len(expected.token_ids)  # one output per token
+
+
+def test_more_requests_than_rows_wait_and_all_finish(checkpoint, resident):
+    """Three rows for six requests of different lengths: each that finishes leaves a row
+    that the last running one is packed into, and a waiting request takes the free one."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 12, 5, 9, 2, 7)
+    ]
+    expected = [
+        resident.generate([p], r, use_tqdm=False)[0].outputs[0].token_ids
+        for p, r in zip(PROMPTS, params, strict=True)
+    ]
+    with LLM(checkpoint) as llm:
+        outputs = _together(llm, PROMPTS, params, max_num_seqs=3)
+        assert llm.serving().engine.max_rows == 3
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_a_stream_left_early_frees_its_row(checkpoint):
+    with LLM(checkpoint) as llm:
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        for count, _ in enumerate(llm.stream("t3 t4", long)):
+            if count == 2:
+                break  # the generator is closed: the request is cancelled
+        engine = llm.serving().engine
+        for _ in range(200):
+            if engine.num_running == 0 and engine.num_waiting == 0:
+                break
+            threading.Event().wait(0.01)
+        assert engine.num_running == 0 and engine.num_waiting == 0
+        again = list(llm.stream("t3 t4", SamplingParams(temperature=0, max_tokens=3)))
+        assert again[-1].finished and len(again[-1].outputs[0].token_ids) == 3
+
+
+def test_n_sequences_and_seeds_as_generate(resident):
+    params = SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True)
+    expected = resident.generate(["t5 t6"], params, use_tqdm=False)[0]
+    got = list(resident.stream("t5 t6", params))[-1]
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in expected.outputs]
+
+
+def test_requests_that_cannot_fit_are_refused_at_once(checkpoint):
+    with LLM(checkpoint, max_num_seqs=2) as llm:
+        with pytest.raises(ConfigError, match="max_model_len"):
+            list(llm.stream({"prompt_token_ids": [5] * llm.max_model_len}, GREEDY))
+        with pytest.raises(ConfigError, match="max_num_seqs"):
+            list(llm.stream("t3", SamplingParams(n=3, max_tokens=1)))
+        assert list(llm.stream("t3", SamplingParams(n=2, max_tokens=1)))[-1].finished
+    with LLM(checkpoint, kv_offload=True) as llm, pytest.raises(ConfigError, match="kv_offload"):
+        llm.serving()
+
+
+def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(checkpoint):
+    with LLM(checkpoint) as llm:
+        engine = llm.serving().engine
+        real = engine._forward
+        calls = {"n": 0}
+
+        def failing_once(*args):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the first decode step
+                raise OSError("injected read error")
+            return real(*args)
+
+        engine._forward = failing_once
+        with pytest.raises(OSError, match="injected"):
+            list(llm.stream("t3 t4", GREEDY))
+        assert isinstance(engine.last_error, OSError)
+        out = list(llm.stream("t3 t4", GREEDY))[-1]
+        assert out.finished and engine.last_error is None
+        assert torch.tensor(out.outputs[0].token_ids).numel() == GREEDY.max_tokens
