@@ -199,7 +199,7 @@ class BatchingEngine:
             with self._runner.lock:
                 forward()
             self.last_error = None
-        except Exception as error:  # noqa: BLE001 - each request gets its own error
+        except Exception as error:
             self.last_error = error
             if forward == self._prefill_chunk:
                 self._group = None
@@ -260,9 +260,7 @@ class BatchingEngine:
         device = self._runner.device
         columns = torch.arange(start, end, device=device)  # [tokens]
         starts = torch.tensor([row.start for row in group.rows], device=device)  # [rows]
-        ids = [
-            [self._runner.pad_id] * row.start + row.sequence.prompt_ids for row in group.rows
-        ]
+        ids = [[self._runner.pad_id] * row.start + row.sequence.prompt_ids for row in group.rows]
         input_ids = torch.tensor(ids, device=device)[:, start:end]  # [rows, tokens]
         width = read_width(group.width, self.max_len)
         every = torch.arange(width, device=device)

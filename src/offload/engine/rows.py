@@ -59,8 +59,12 @@ class RowCache:
             layer.max_batch_size = layer.batch_size = max_rows
             layer.num_heads, layer.k_head_dim, layer.v_head_dim = heads, k_dim, v_dim
             layer.head_dim = k_dim
-            layer.all_keys = torch.zeros(max_rows, heads, max_len, k_dim, dtype=dtype, device=device)
-            layer.all_values = torch.zeros(max_rows, heads, max_len, v_dim, dtype=dtype, device=device)
+            layer.all_keys = torch.zeros(
+                max_rows, heads, max_len, k_dim, dtype=dtype, device=device
+            )
+            layer.all_values = torch.zeros(
+                max_rows, heads, max_len, v_dim, dtype=dtype, device=device
+            )
             layer.keys, layer.values = layer.all_keys, layer.all_values
             layer.is_initialized = True
             cache.layers[index] = layer
@@ -68,13 +72,9 @@ class RowCache:
 
     @property
     def num_bytes(self) -> int:
-        return sum(
-            layer.all_keys.nbytes + layer.all_values.nbytes for layer in self.cache.layers
-        )
+        return sum(layer.all_keys.nbytes + layer.all_values.nbytes for layer in self.cache.layers)
 
-    def select(
-        self, first: int, last: int, columns: torch.Tensor, offset: int, width: int
-    ) -> None:
+    def select(self, first: int, last: int, columns: torch.Tensor, offset: int, width: int) -> None:
         """The next forward runs rows [first, last), writing row i's tokens at
         `columns[i]` ([rows, tokens], on the cache's device) and reading columns
         [0, width) (the mask passed must be that wide)."""
@@ -130,9 +130,7 @@ def _row_layer_class() -> type:
             rows = rows.expand_as(window.columns)
             # [rows, len, heads, dim] views: one (row, column) pair per new token.
             keys.transpose(1, 2).index_put_((rows, window.columns), key_states.transpose(1, 2))
-            values.transpose(1, 2).index_put_(
-                (rows, window.columns), value_states.transpose(1, 2)
-            )
+            values.transpose(1, 2).index_put_((rows, window.columns), value_states.transpose(1, 2))
             return keys, values
 
         def get_seq_length(self) -> torch.Tensor:

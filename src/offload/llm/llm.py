@@ -27,7 +27,6 @@ from offload.errors import ConfigError
 from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of
 from offload.llm.auto import planner_for
 from offload.llm.chat import chat_token_ids
-from offload.llm.serving import Serving
 from offload.llm.checks import (
     check_llm_args,
     check_token_ids,
@@ -35,6 +34,7 @@ from offload.llm.checks import (
     parse_prompts,
     vocab_limit,
 )
+from offload.llm.serving import Serving
 from offload.memory.device import check_device
 from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
