@@ -26,6 +26,7 @@ LAYERS = (
     ("offload.planner",),
     ("offload.probes",),
     ("offload.llm",),
+    ("offload.server",),
     ("offload.bench",),
     ("offload.cli",),
     ("offload",),

@@ -58,7 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_inspect(commands)
     _add_bench(commands)
     _add_plan(commands)
+    _add_serve(commands)
     return parser
+
+
+def _add_serve(commands: argparse._SubParsersAction) -> None:
+    """`offload serve`: vLLM's OpenAI-compatible server, with offloading."""
+    from offload.cli.serve import add_serve_flags
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible server (continuous batching, offloaded weights)"
+    )
+    add_serve_flags(serve)
+    add_budget_flags(serve)
+    add_device_flags(serve)
+    add_cli_args(serve)
 
 
 def _add_demo(commands: argparse._SubParsersAction) -> None:
@@ -238,6 +252,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return _demo(args)
+        if args.command == "serve":
+            from offload.cli.serve import run_serve
+
+            return run_serve(args)
         from offload.cli import commands as run
 
         if args.command == "generate":

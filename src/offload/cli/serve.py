@@ -1,0 +1,120 @@
+"""`offload serve`: load the model, then answer the OpenAI API over HTTP until SIGINT or
+SIGTERM (which end the streams in flight and exit 0)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from offload.config import OffloadConfig
+from offload.config.validate import integer
+from offload.errors import ConfigError
+
+
+def add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """vLLM's `serve` flags where they apply; the offload flags come with the device ones."""
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="as --model")
+    serve.add_argument("--model", help="a model folder, a .gguf file or a Hugging Face id "
+                       "(default: SmolLM2-135M-Instruct)")  # fmt: skip
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                       "(0.0.0.0: every interface)")  # fmt: skip
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--served-model-name", help="the model's name in the API (default: "
+                       "the --model given, or the folder's name)")  # fmt: skip
+    serve.add_argument("--api-key", help="requests to /v1 must carry 'Authorization: Bearer KEY'")
+    serve.add_argument("--max-model-len", type=int, help="prompt plus output at most")
+    serve.add_argument("--max-num-seqs", type=int, default=16,
+                       help="sequences decoded together in one step")  # fmt: skip
+    serve.add_argument("--max-num-batched-tokens", type=int,
+                       help="prefill prompts in chunks of this many tokens")  # fmt: skip
+    serve.add_argument("--max-waiting-requests", type=int,
+                       help="requests that may wait beyond the running ones; more are "
+                       "answered 503 at once (default: 8 x --max-num-seqs)")  # fmt: skip
+    serve.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="accepted for vLLM's sake: the server decodes eagerly")  # fmt: skip
+    serve.add_argument("--no-progress", action="store_true", help="no loading progress bar")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from offload.cli.main import _version
+    from offload.llm.llm import LLM
+    from offload.model.sources import resolve_model
+    from offload.server.app import ServeSettings, make_app
+
+    integer("--port", args.port, 0, 65535, what="in [0, 65535]")
+    integer("--max-num-seqs", args.max_num_seqs, 1, what=">= 1")
+    waiting = args.max_waiting_requests
+    if waiting is None:
+        waiting = 8 * args.max_num_seqs
+    integer("--max-waiting-requests", waiting, 0, what=">= 0")
+    name = args.model_tag or args.model
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ConfigError("give the model once: as MODEL or as --model")
+    config = OffloadConfig.from_cli_args(args)
+    path = resolve_model(name, config.disk.offload_folder)
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_memory_gb=args.device_memory_gb,
+        trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress and sys.stderr.isatty(),
+        offload_config=config,
+    )
+    settings = ServeSettings(
+        model_name=args.served_model_name or name or path.name,
+        api_key=args.api_key,
+        max_waiting=waiting,
+        version=_version(),
+    )
+    app = make_app(llm, settings)
+    server = _server_class()(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=3,
+            lifespan="on",
+        )
+    )
+    print(
+        f"offload serve: {settings.model_name} on http://{args.host}:{args.port}/v1 "
+        f"({llm.offloader.__class__.__name__}, {llm.serving().engine.max_rows} sequences at once)",
+        file=sys.stderr,
+        flush=True,
+    )
+    server.on_exit = llm.serving().close  # the streams in flight end now, with a clear error
+    try:
+        server.run()
+    finally:
+        llm.close()
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but SIGINT and SIGTERM end the requests in flight at once
+        (each gets an error saying why) and the process then exits 0, as asked."""
+
+        on_exit = None
+
+        def handle_exit(self, sig, frame) -> None:
+            first = not self.should_exit
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # (uvicorn would raise them again at the end)
+            if first and self.on_exit is not None:
+                threading.Thread(target=self.on_exit, name="offload-shutdown").start()
+
+    return Server

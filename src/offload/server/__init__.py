@@ -1,0 +1,1 @@
+"""`offload serve`: an OpenAI-compatible HTTP server over the continuous-batching engine."""

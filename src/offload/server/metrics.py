@@ -1,0 +1,77 @@
+"""`/metrics`: vLLM's metric names where one applies (requests running and waiting, time
+to first token, inter-token latency, end-to-end latency, prompt and generation tokens),
+and offloading's own: bytes streamed, copy stall time, disk reads, forwards. One registry
+per server, so that several can live in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, engine, stats: Callable[[], object]):
+        """`engine`: the batching engine (its queue sizes); `stats()`: the LLM's
+        `TransferStats`, read at each scrape."""
+        self.registry = registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name: str, text: str, read: Callable[[], float]) -> None:
+            Gauge(name, text, list(labels), registry=registry).labels(**labels).set_function(read)
+
+        gauge(
+            "vllm:num_requests_running",
+            "Requests in the running batch.",
+            lambda: engine.num_running,
+        )
+        gauge("vllm:num_requests_waiting", "Requests waiting to run.", lambda: engine.num_waiting)
+        gauge(
+            "offload:weight_bytes_copied_total",
+            "Offloaded weight bytes copied to the compute device so far.",
+            lambda: stats().weight_copied_bytes,
+        )
+        gauge(
+            "offload:disk_bytes_read_total",
+            "Weight bytes read from the checkpoint's files by the disk tier.",
+            lambda: stats().disk_read_bytes,
+        )
+        gauge(
+            "offload:kv_bytes_moved_total",
+            "KV cache bytes moved between host and device memory.",
+            lambda: stats().kv_moved_bytes,
+        )
+        gauge(
+            "offload:stall_seconds_total",
+            "Seconds compute waited for weight copies and reads.",
+            lambda: stats().stall_s + stats().disk_stall_s,
+        )
+        gauge("offload:forwards_total", "Model forwards run.", lambda: stats().num_forwards)
+
+        def histogram(name: str, text: str):
+            return Histogram(
+                name, text, list(labels), buckets=_LATENCY_BUCKETS, registry=registry
+            ).labels(**labels)
+
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Time from arrival to the first token."
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Time between two tokens of a request."
+        )
+        self.e2e_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Time from arrival to the last token."
+        )
+
+        def counter(name: str, text: str):
+            return Counter(name, text, list(labels), registry=registry).labels(**labels)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self.request_success = counter("vllm:request_success", "Requests finished.")
+        self.request_failure = counter("offload:request_failure", "Requests ended by an error.")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,263 @@
+"""`offload serve` started by the test on 127.0.0.1, spoken to with the real `openai`
+client (and raw HTTP for what a client library would not send)."""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import zoo
+
+KEY = "test-key"
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def _http(url, body: bytes | None = None, headers=None) -> tuple[int, str]:
+    """Status and text of a GET (or a POST of `body`), errors included."""
+    request = urllib.request.Request(url, data=body, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _checkpoint(folder):
+    path = zoo.save_attentive_llm(folder)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = TEMPLATE
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+class Server:
+    def __init__(self, path, *flags):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "offload.cli.main", "serve", str(path), "--port",
+                   str(self.port), "--served-model-name", "tiny", *flags]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise AssertionError(self.process.stderr.read().decode())
+            try:
+                if _http(self.url + "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not start")
+
+    def client(self, key=KEY):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return _checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    running = Server(checkpoint, "--api-key", KEY, "--max-num-seqs", "8")
+    yield running
+    running.stop()
+
+
+def _completion(client, prompt, **kwargs):
+    return client.completions.create(
+        model="tiny", prompt=prompt, **{"temperature": 0, "max_tokens": 8, **kwargs}
+    )
+
+
+def test_completions_whole_and_streamed_agree(server):
+    client = server.client()
+    whole = _completion(client, "t3 t4 t5", logprobs=2)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and len(choice.logprobs.tokens) == 8
+    assert whole.usage.prompt_tokens == 3 and whole.usage.completion_tokens == 8
+    chunks = list(
+        _completion(client, "t3 t4 t5", stream=True, stream_options={"include_usage": True})
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text
+    assert chunks[-1].usage.completion_tokens == 8  # the usage chunk comes last
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_n_and_several_prompts(server):
+    response = _completion(server.client(), ["t3 t4", "t9"], n=2, seed=3)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.choices[0].text == response.choices[1].text  # greedy: the same twice
+    assert response.usage.completion_tokens == 4 * 8
+
+
+def test_chat_whole_and_streamed_with_logprobs(server):
+    client = server.client()
+    messages = [{"role": "user", "content": "t5 t6 t7"}]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=6, logprobs=True,
+        top_logprobs=2,
+    )  # fmt: skip
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content
+    entries = whole.choices[0].logprobs.content
+    assert len(entries) == 6 and all(len(e.top_logprobs) == 2 for e in entries)
+    assert all(e.logprob <= 0 for e in entries)
+    stream = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=6, stream=True
+    )
+    deltas = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert "".join(deltas) == message.content
+
+
+def test_a_stop_string_ends_the_text(server):
+    client = server.client()
+    full = _completion(client, "t3 t4 t5").choices[0].text
+    stop = full.split()[2]
+    cut = _completion(client, "t3 t4 t5", stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+
+
+def test_models_health_version_and_metrics(server):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    _completion(client, "t3")
+    assert _http(server.url + "/health")[0] == 200
+    assert json.loads(_http(server.url + "/version")[1])["version"]
+    metrics = _http(server.url + "/metrics")[1]
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds",
+                 "vllm:generation_tokens_total", "offload:weight_bytes_copied_total",
+                 "offload:forwards_total"):  # fmt: skip
+        assert name in metrics
+    generated = [
+        line for line in metrics.splitlines() if line.startswith("vllm:generation_tokens_total")
+    ]
+    assert float(generated[0].split()[-1]) >= 8
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": "x"}, "max_tokens"),
+     ({"n": 0}, "n"), ({"best_of": 2}, "best_of")],
+)  # fmt: skip
+def test_bad_parameters_are_400_naming_the_parameter(server, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().completions.create(model="tiny", prompt="t3", **kwargs)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == param and caught.value.body["type"]
+
+
+def test_unknown_model_missing_key_bad_json_and_a_prompt_too_long(server):
+    with pytest.raises(openai.NotFoundError):
+        server.client().completions.create(model="other", prompt="t3")
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").completions.create(model="tiny", prompt="t3")
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, text = _http(server.url + "/v1/completions", b"{not json", headers)
+    assert status == 400 and "JSON" in json.loads(text)["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        server.client().completions.create(model="tiny", prompt=[5] * 5000, max_tokens=1)
+    assert _http(server.url + "/health")[0] == 200  # still serving
+
+
+def test_concurrent_greedy_requests_get_their_answers_alone(server):
+    client = server.client()
+    prompts = [f"t{i} t{i + 1} t{2 * i}" for i in range(3, 11)]
+    alone = [_completion(client, p, max_tokens=12).choices[0].text for p in prompts]
+    together = [None] * len(prompts)
+
+    def ask(index):
+        together[index] = _completion(client, prompts[index], max_tokens=12).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert together == alone
+
+
+def _gauge(server, name: str) -> float:
+    for line in _http(server.url + "/metrics")[1].splitlines():
+        if line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise AssertionError(f"no {name}")
+
+
+def _running(server) -> float:
+    return _gauge(server, "vllm:num_requests_running")
+
+
+def test_a_client_that_leaves_frees_its_request(server):
+    stream = server.client().completions.create(
+        model="tiny", prompt="t3", max_tokens=1500, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    for count, _ in enumerate(stream):
+        if count == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 20
+    while _running(server) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _running(server) == 0
+
+
+def test_a_full_queue_answers_503_and_sigterm_ends_streams_and_exits_0(checkpoint):
+    server = Server(checkpoint, "--max-num-seqs", "1", "--max-waiting-requests", "1")
+    try:
+        client = server.client()
+        long = {
+            "model": "tiny",
+            "temperature": 0,
+            "max_tokens": 1900,
+            "extra_body": {"ignore_eos": True},
+        }
+        first = client.completions.create(prompt="t3", stream=True, **long)
+        next(iter(first))  # running
+
+        def wait_in_line():
+            with contextlib.suppress(openai.APIError):  # ended by the SIGTERM below
+                client.completions.create(prompt="t4", **long)
+
+        threading.Thread(target=wait_in_line, daemon=True).start()
+        deadline = time.monotonic() + 20
+        while _gauge(server, "vllm:num_requests_waiting") < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(openai.InternalServerError) as caught:  # at once, not queued
+            client.completions.create(model="tiny", prompt="t5", max_tokens=1)
+        assert caught.value.status_code == 503 and "busy" in str(caught.value)
+        started = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIError, match="shutting down"):
+            for _ in first:  # the stream in flight ends with a clear error, not a cut
+                pass
+        assert server.process.wait(timeout=10) == 0
+        assert time.monotonic() - started < 10
+    finally:
+        server.stop()
+        if server.process.poll() is None:
+            os.kill(server.process.pid, signal.SIGKILL)
