@@ -220,6 +220,33 @@ def test_a_read_error_is_one_error_naming_the_file(sharded, monkeypatch):
     offloader.close()
 
 
+@pytest.mark.parametrize("staged", [False, True])
+def test_after_a_read_error_the_next_forward_reads_again_and_is_exact(sharded, monkeypatch, staged):
+    """A failing read (EIO) fails its forward; once the disk reads again, the next
+    forward loads every slot again and gives the resident logits (a server stays up)."""
+    path, resident = sharded
+    hooks = ReadHooks(force_staging=staged)
+    config = {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "direct"}
+    model, offloader = load_model(path, config, read_hooks=hooks)
+    ids = zoo.inputs()
+    expected = zoo.logits(resident, ids)
+    real = disk_reader.os.preadv
+    calls = {"n": 0}
+
+    def failing_once_in_a_while(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:  # mid-forward: some units read, some not
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(*args)
+
+    monkeypatch.setattr(disk_reader.os, "preadv", failing_once_in_a_while)
+    with pytest.raises(DiskReadError, match="Input/output"):
+        zoo.logits(model, ids)
+    assert torch.equal(zoo.logits(model, ids), expected)
+    assert torch.equal(zoo.logits(model, ids), expected)
+    offloader.close()
+
+
 @pytest.mark.parametrize(
     ("budget", "io"), [("none", "direct"), ("half", "direct"), ("half", "mmap")]
 )

@@ -5,77 +5,17 @@ import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
-import zoo
-
-KEY = "test-key"
-TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-
-
-def _http(url, body: bytes | None = None, headers=None) -> tuple[int, str]:
-    """Status and text of a GET (or a POST of `body`), errors included."""
-    request = urllib.request.Request(url, data=body, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=30) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _checkpoint(folder):
-    path = zoo.save_attentive_llm(folder)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = TEMPLATE
-    config_file.write_text(json.dumps(config))
-    return path
-
-
-class Server:
-    def __init__(self, path, *flags):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "offload.cli.main", "serve", str(path), "--port",
-                   str(self.port), "--served-model-name", "tiny", *flags]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise AssertionError(self.process.stderr.read().decode())
-            try:
-                if _http(self.url + "/health")[0] == 200:
-                    return
-            except OSError:
-                time.sleep(0.2)
-        raise AssertionError("the server did not start")
-
-    def client(self, key=KEY):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0)
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            self.process.wait(timeout=30)
+from http_server import KEY, Server, chat_checkpoint, http
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return _checkpoint(tmp_path_factory.mktemp("tiny"))
+    return chat_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -144,9 +84,9 @@ def test_models_health_version_and_metrics(server):
     client = server.client()
     assert [m.id for m in client.models.list().data] == ["tiny"]
     _completion(client, "t3")
-    assert _http(server.url + "/health")[0] == 200
-    assert json.loads(_http(server.url + "/version")[1])["version"]
-    metrics = _http(server.url + "/metrics")[1]
+    assert http(server.url + "/health")[0] == 200
+    assert json.loads(http(server.url + "/version")[1])["version"]
+    metrics = http(server.url + "/metrics")[1]
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds",
                  "vllm:generation_tokens_total", "offload:weight_bytes_copied_total",
@@ -176,11 +116,11 @@ def test_unknown_model_missing_key_bad_json_and_a_prompt_too_long(server):
     with pytest.raises(openai.AuthenticationError):
         server.client(key="wrong").completions.create(model="tiny", prompt="t3")
     headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
-    status, text = _http(server.url + "/v1/completions", b"{not json", headers)
+    status, text = http(server.url + "/v1/completions", b"{not json", headers)
     assert status == 400 and "JSON" in json.loads(text)["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         server.client().completions.create(model="tiny", prompt=[5] * 5000, max_tokens=1)
-    assert _http(server.url + "/health")[0] == 200  # still serving
+    assert http(server.url + "/health")[0] == 200  # still serving
 
 
 def test_concurrent_greedy_requests_get_their_answers_alone(server):
@@ -201,7 +141,7 @@ def test_concurrent_greedy_requests_get_their_answers_alone(server):
 
 
 def _gauge(server, name: str) -> float:
-    for line in _http(server.url + "/metrics")[1].splitlines():
+    for line in http(server.url + "/metrics")[1].splitlines():
         if line.startswith(name + "{"):
             return float(line.split()[-1])
     raise AssertionError(f"no {name}")

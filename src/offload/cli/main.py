@@ -6,10 +6,15 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from importlib import metadata
 
 from offload.cli.defaults import QUESTION
-from offload.cli.options import DEVICE_HELP, SAMPLING_FLAGS, add_budget_flags, add_device_flags
+from offload.cli.options import (
+    DEVICE_HELP,
+    SAMPLING_FLAGS,
+    add_budget_flags,
+    add_device_flags,
+    package_version,
+)
 from offload.config import OffloadConfig, add_cli_args
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH
 from offload.config.validate import integer
@@ -38,20 +43,13 @@ class _ShowDefaults(argparse.HelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
-def _version() -> str:
-    try:
-        return metadata.version("offload")
-    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
-        return "unknown"
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="offload",
         description="Run models larger than the GPU: weights (and the KV cache) in host memory, "
         "brought in as each layer runs. Flags are vLLM's.",
     )
-    parser.add_argument("--version", action="version", version=f"offload {_version()}")
+    parser.add_argument("--version", action="version", version=f"offload {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_demo(commands)
     _add_generate(commands)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from importlib import metadata
 
 from offload.config.limits import GPU_MEMORY_UTILIZATION
 from offload.engine.sampling_params import SamplingParams
@@ -66,3 +67,10 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="run the Python code a checkpoint ships (its auto_map); off: never run it",
     )
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("offload")
+    except metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown"

@@ -40,7 +40,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from offload.cli.main import _version
+    from offload.cli.options import package_version
     from offload.llm.llm import LLM
     from offload.model.sources import resolve_model
     from offload.server.app import ServeSettings, make_app
@@ -73,7 +73,7 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.served_model_name or name or path.name,
         api_key=args.api_key,
         max_waiting=waiting,
-        version=_version(),
+        version=package_version(),
     )
     app = make_app(llm, settings)
     server = _server_class()(

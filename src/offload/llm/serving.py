@@ -3,9 +3,11 @@ requests from any thread join one running batch, and each gets its outputs as th
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +17,7 @@ from offload.engine.batching import BatchingEngine, EngineModel, Submitted
 from offload.engine.rows import bytes_per_row
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
-from offload.errors import ConfigError
+from offload.errors import ConfigError, OffloadError
 from offload.memory.host import available_ram_bytes
 
 _logger = logging.getLogger("offload")
@@ -66,6 +68,7 @@ class Serving:
             on_forward=self._count_forward,
         )
         self.engine = BatchingEngine(runner, rows, llm.max_model_len, llm.max_num_batched_tokens)
+        self._probe: _Probe | None = None
 
     def _count_forward(self) -> None:
         self._llm._forwards += 1
@@ -107,8 +110,31 @@ class Serving:
         request = self.submit(prompt, prompt_ids, params, outputs.put)
         return _drain(outputs, lambda: self.engine.cancel(request))
 
+    def healthy(self) -> bool:
+        """False while the last forward failed (a disk fault, say). Then a one-token
+        request is sent in the background: once the model reads again, it succeeds and
+        health comes back without waiting for real traffic."""
+        if self.engine.last_error is None:
+            return True
+        if self._probe is None or self._probe.done.is_set():
+            probe = _Probe()
+            params = SamplingParams(temperature=0, max_tokens=1)
+            with contextlib.suppress(ConfigError, OffloadError):
+                self.submit(None, [self._llm.tokenizer.eos_token_id or 0], params, probe.emit)
+                self._probe = probe
+        return False
+
     def close(self) -> None:
         self.engine.close()
+
+
+class _Probe:
+    def __init__(self):
+        self.done = threading.Event()
+
+    def emit(self, item) -> None:
+        if isinstance(item, BaseException) or item.finished:
+            self.done.set()
 
 
 def _drain(outputs: queue.Queue, cancel: Callable[[], None]) -> Iterator[RequestOutput]:

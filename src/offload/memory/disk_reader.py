@@ -5,7 +5,10 @@ back a ticket to wait on, as a copy engine does. Every file is checked against t
 modification time and inode it had when the model was loaded, by descriptor and by path,
 after each read: a file replaced, truncated, rewritten or removed while the model runs,
 or a failing read, is a `DiskReadError` naming the file, raised where the ticket is
-waited for. The first fault ends the reader's threads; every later read raises it.
+waited for. The first fault ends the reader's threads; every later read raises it, until
+`invalidate` (the offloader forgetting its slots after the failed forward) finds it was
+an I/O error on an unchanged file: then the reader starts again, and a read that still
+fails fails again.
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ CHUNK_BYTES = 4 * 2**20  # one read request: large enough to stream, small enoug
 
 
 class DiskReadError(ModelError):
-    """A file that weights stream from changed, vanished or failed to read."""
+    """A file that weights stream from changed, vanished or failed to read. `transient`:
+    the read itself failed (an I/O error), the file is still the one loaded: reading it
+    again may work."""
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 @dataclass(frozen=True)
@@ -129,9 +138,17 @@ class DiskReader:
         self._generation: dict[int, int] = {}
         self._writing: dict[int, dict[int, int]] = {}
         self._buffers = threading.Condition()
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="offload-io")
+        self._num_threads = num_threads
+        self._pools = [self._new_pool()]  # the last one reads; a list, for the finalizer
         # A reader dropped without close() still ends its threads and closes its files.
-        weakref.finalize(self, _drop, self._pool, self._fds, self._lock)
+        weakref.finalize(self, _drop, self._pools, self._fds, self._lock)
+
+    @property
+    def _pool(self) -> ThreadPoolExecutor:
+        return self._pools[-1]
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self._num_threads, thread_name_prefix="offload-io")
 
     def read(
         self,
@@ -181,6 +198,24 @@ class DiskReader:
                 self._generation[key] += 1
             while any(any(per.values()) for per in self._writing.values()):
                 self._buffers.wait()
+        self._restart_after_transient_fault()
+
+    @property
+    def failed_transiently(self) -> bool:
+        """A read failed on a file still as loaded (an I/O error): `invalidate` restarts."""
+        fault = self._fault
+        return fault is not None and fault.transient
+
+    def _restart_after_transient_fault(self) -> None:
+        """After a failed read of an unchanged file, read again (new threads): nothing
+        read before counts, the slots are all loaded again."""
+        with self._lock:
+            if self._fault is None or not self._fault.transient:
+                return
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            self._pools[:] = [self._new_pool()]
+            self._fault = None
 
     def close(self) -> None:
         """Wait for reads in flight, end the threads and close the files (a reader that
@@ -230,7 +265,8 @@ class DiskReader:
             raise self._fail(error) from None
         except OSError as error:
             reason = error.strerror or str(error)
-            raise self._fail(DiskReadError(f"reading {path} failed: {reason}")) from None
+            failed = DiskReadError(f"reading {path} failed: {reason}", transient=True)
+            raise self._fail(failed) from None
 
     def _start_writing(self, key: int, generation: int) -> bool:
         """Wait until chunks of older reads writing into the buffer are done; then write
@@ -336,9 +372,10 @@ def _settle(futures: list[Future]) -> None:
             future.exception()
 
 
-def _drop(pool: ThreadPoolExecutor, fds: dict[Path, tuple[int, bool]], lock: threading.Lock):
+def _drop(pools: list[ThreadPoolExecutor], fds: dict[Path, tuple[int, bool]], lock: threading.Lock):
     """A reader no longer referenced: its threads end and its files close."""
-    pool.shutdown(wait=False, cancel_futures=True)
+    for pool in pools:
+        pool.shutdown(wait=False, cancel_futures=True)
     with lock:
         for fd, _ in fds.values():
             with contextlib.suppress(OSError):

@@ -214,6 +214,11 @@ class DiskTier:
         this returns, so the slots must all be loaded again."""
         self._source.invalidate()
 
+    def failed_transiently(self) -> bool:
+        """A read failed on an unchanged file: the next forward forgets the slots (which
+        restarts the reads) and tries again."""
+        return self._source.failed_transiently()
+
     def leave(self) -> None:
         """No forward runs now (it ended or was abandoned): a mapping of a changed file
         may go."""
@@ -279,6 +284,9 @@ class NoDiskTier:
         self, device: torch.device, engine: CopyEngine, slot_bytes: Sequence[int]
     ) -> DiskSource:
         return Unopened()
+
+    def failed_transiently(self) -> bool:
+        return False
 
     def invalidate(self) -> None:
         pass

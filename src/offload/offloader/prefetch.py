@@ -294,7 +294,10 @@ class PrefetchOffloader(BaseOffloader):
         self.forward_finished()
 
     def forward_started(self) -> None:
-        """Copies from now on run beside compute (the copy thread's spin check)."""
+        """Copies from now on run beside compute (the copy thread's spin check). After a
+        forward that failed on a disk read error, every slot is loaded again."""
+        if self._disk.failed_transiently():
+            self._forget_slots()
         if self._engine is not None:
             self._engine.compute_busy = True
 

@@ -75,7 +75,7 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.last_error is not None:
+        if not serving.healthy():
             error = APIError(503, f"the model failed its last step: {engine.last_error}")
             return JSONResponse(error.body(), status_code=503)
         return Response(status_code=200)

@@ -42,6 +42,11 @@ class DiskSource(UnitSource):
     def leave(self) -> None:
         """No forward runs now (it ended or was abandoned)."""
 
+    def failed_transiently(self) -> bool:
+        """Whether a read failed on an unchanged file (an I/O error): `invalidate` then
+        lets reads start again."""
+        return False
+
     def close(self) -> None:
         """End the source's threads and let go of its files."""
 

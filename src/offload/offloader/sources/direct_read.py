@@ -24,6 +24,9 @@ class DirectRead(DiskSource):
     def wait(self, ticket: ReadTicket) -> None:
         self._reader.wait(ticket)
 
+    def failed_transiently(self) -> bool:
+        return self._reader.failed_transiently
+
     def invalidate(self) -> None:
         self._reader.invalidate()
 

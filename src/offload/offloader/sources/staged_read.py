@@ -55,6 +55,9 @@ class StagedRead(DiskSource):
             self._reader.stats.num_stalls += 1
         self._engine.wait(ticket.result())
 
+    def failed_transiently(self) -> bool:
+        return self._reader.failed_transiently
+
     def invalidate(self) -> None:
         self._reader.invalidate()
         self._issuer.submit(_nothing).result()  # stale copies are queued before it
