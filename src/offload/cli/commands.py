@@ -45,6 +45,22 @@ _SAMPLING_FLAGS = (
 )
 
 
+def llm_of(args: argparse.Namespace, path, config: OffloadConfig, **more) -> LLM:
+    """The `LLM` of a command's model, device, budget and offload flags (and `more`)."""
+    return LLM(
+        path,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        device_memory_gb=args.device_memory_gb,
+        trust_remote_code=args.trust_remote_code,
+        offload_config=config,
+        **more,
+    )
+
+
 def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     """Load, generate and write the answers (streamed when there is one) and a line of
     figures to `out` (default: stdout)."""
@@ -56,20 +72,14 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     path = resolve_model(args.model, config.disk.offload_folder)
     if config.selected_backend == "none" and not args.no_offload:
         config = whole_stack_config(build_empty(path, args.dtype, args.trust_remote_code))
-    llm = LLM(
+    llm = llm_of(
+        args,
         path,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device_memory_gb=args.device_memory_gb,
+        config,
+        progress=show_progress,
         swap_space=args.swap_space,
         kv_offload=args.kv_offload,
         enforce_eager=args.enforce_eager,
-        trust_remote_code=args.trust_remote_code,
-        progress=show_progress,
-        offload_config=config,
     )
     # With no prompt, the default question goes through the chat template, if there is one.
     chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))

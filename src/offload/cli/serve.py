@@ -40,8 +40,8 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from offload.cli.commands import llm_of
     from offload.cli.options import package_version
-    from offload.llm.llm import LLM
     from offload.model.sources import resolve_model
     from offload.server.app import ServeSettings, make_app
 
@@ -56,19 +56,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("give the model once: as MODEL or as --model")
     config = OffloadConfig.from_cli_args(args)
     path = resolve_model(name, config.disk.offload_folder)
-    llm = LLM(
-        path,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device_memory_gb=args.device_memory_gb,
-        trust_remote_code=args.trust_remote_code,
-        progress=not args.no_progress and sys.stderr.isatty(),
-        offload_config=config,
-    )
+    progress = not args.no_progress and sys.stderr.isatty()
+    llm = llm_of(args, path, config, max_num_seqs=args.max_num_seqs, progress=progress)
     settings = ServeSettings(
         model_name=args.served_model_name or name or path.name,
         api_key=args.api_key,

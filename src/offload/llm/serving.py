@@ -73,17 +73,10 @@ class Serving:
     def _count_forward(self) -> None:
         self._llm._forwards += 1
 
-    def submit(
-        self,
-        prompt: str | None,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        emit: Callable[[RequestOutput | BaseException], None],
-        request_id: str | None = None,
-    ) -> Submitted:
-        """Check and queue one request; `emit` gets its output after each step that
-        changed it (the last one has `finished`), or the error that ended it."""
-        request = self.prepare(prompt, prompt_ids, params, emit, request_id)
+    def submit(self, *args, **kwargs) -> Submitted:
+        """`prepare` one request, then queue it: `emit` gets its output after each step
+        that changed it (the last one has `finished`), or the error that ended it."""
+        request = self.prepare(*args, **kwargs)
         self.engine.submit(request)
         return request
 
