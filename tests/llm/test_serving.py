@@ -171,3 +171,46 @@ def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(checkpoint)
         out = list(llm.stream("t3 t4", GREEDY))[-1]
         assert out.finished and engine.last_error is None
         assert torch.tensor(out.outputs[0].token_ids).numel() == GREEDY.max_tokens
+
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("free", "rows", "length", "fixed", "expected"),
+    [
+        (GIB, 16, 1000, False, (16, 1000)),  # fits as asked
+        (4 * GIB, 16, 8192, False, (16, 5825)),  # shorter rows (SmolLM2 in fp32 on a CPU)
+        (GIB, 16, 8192, False, (11, 2048)),  # rows of 2048 positions at least, then fewer
+        (4 * GIB, 16, 8192, True, (11, 8192)),  # the length asked for: fewer rows
+        (GIB, 16, 1000, True, (16, 1000)),
+    ],
+)
+def test_rows_are_planned_within_the_kv_budget(free, rows, length, fixed, expected):
+    from offload.llm.serving import plan_rows
+
+    plan = plan_rows(46080, free, rows, length, fixed)
+    assert (plan.rows, plan.length) == expected
+    assert plan.rows * plan.length * 46080 <= free
+
+
+def test_a_budget_without_room_for_one_row_is_refused():
+    from offload.llm.serving import plan_rows
+
+    with pytest.raises(ConfigError, match="max_model_len"):
+        plan_rows(46080, 2**20, 4, 8192, True)
+
+
+def test_requests_longer_than_a_row_are_refused_and_limits_clamped(checkpoint, monkeypatch):
+    from offload.llm import serving
+
+    with LLM(checkpoint, max_num_seqs=4) as llm:
+        per_position = serving.bytes_per_row(llm.model.config, 1, torch.float32)
+        monkeypatch.setattr(serving, "CPU_KV_BYTES", 4 * 100 * per_position)  # rows of 100
+        monkeypatch.setattr(serving, "_SHORTEST_ROW", 64)
+        served = llm.serving()
+        assert served.max_model_len == 100 and served.engine.max_rows == 4
+        with pytest.raises(ConfigError, match=f"max_model_len={served.max_model_len}"):
+            list(llm.stream({"prompt_token_ids": [5] * served.max_model_len}, GREEDY))
+        out = list(llm.stream("t3 t4", SamplingParams(temperature=0, max_tokens=None)))[-1]
+        assert len(out.outputs[0].token_ids) <= served.max_model_len - 2

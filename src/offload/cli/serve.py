@@ -64,6 +64,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=waiting,
         version=package_version(),
     )
+    llm.serving(fixed_length=args.max_model_len is not None)  # the rows, before the app
     app = make_app(llm, settings)
     server = _server_class()(
         uvicorn.Config(

@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,41 +25,67 @@ _logger = logging.getLogger("offload")
 _ids = itertools.count()
 
 
-def _rows_that_fit(llm: Any, rows: int) -> int:
-    """`rows` sequences of `max_model_len` positions, or fewer if their KV cache would
-    take more than half the memory free on the device now (with a warning)."""
-    dtype = next(llm.model.parameters()).dtype
-    per_row = bytes_per_row(llm.model.config, llm.max_model_len, dtype)
-    if llm.device.type == "cuda":
-        free = torch.cuda.mem_get_info(llm.device)[0]
-    else:
-        free = available_ram_bytes()
-    fit = int(free * 0.5) // per_row
+# The KV cache of the rows on a CPU, at most (vLLM's default KV space there is 4 GiB too);
+# on a GPU, half of what is free once the model is loaded.
+CPU_KV_BYTES = 4 * 2**30
+_SHORTEST_ROW = 2048  # positions a row keeps before fewer rows are run instead
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    rows: int
+    length: int  # positions per row: prompt plus output at most
+
+
+def plan_rows(
+    per_position: int, free_bytes: int, rows: int, max_model_len: int, fixed_length: bool
+) -> RowPlan:
+    """`rows` rows of `max_model_len` positions within the KV budget; when they do not fit,
+    shorter rows (down to 2048 positions, unless `fixed_length`: the user asked for that
+    length), then fewer rows. Each row reserves its length up front."""
+    budget = free_bytes
+    length = max_model_len
+    if rows * length * per_position > budget and not fixed_length:
+        length = max(min(max_model_len, _SHORTEST_ROW), budget // (rows * per_position))
+    fit = min(rows, budget // (length * per_position))
     if fit < 1:
         raise ConfigError(
-            f"one sequence of max_model_len={llm.max_model_len} needs {per_row / 2**20:.0f} MiB "
-            f"of KV cache, more than half the {free / 2**20:.0f} MiB free; lower max_model_len"
+            f"one sequence of {length} positions needs {length * per_position / 2**20:.0f} MiB of "
+            f"KV cache, more than the {budget / 2**20:.0f} MiB there is room for; lower "
+            "max_model_len"
         )
-    if fit < rows:
+    return RowPlan(int(fit), int(min(length, max_model_len)))
+
+
+def _row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
+    dtype = next(llm.model.parameters()).dtype
+    per_position = bytes_per_row(llm.model.config, 1, dtype)
+    if llm.device.type == "cuda":
+        free = torch.cuda.mem_get_info(llm.device)[0] // 2
+    else:
+        free = min(available_ram_bytes() // 2, CPU_KV_BYTES)
+    plan = plan_rows(per_position, free, rows, llm.max_model_len, fixed_length)
+    if plan.rows < rows or plan.length < llm.max_model_len:
         _logger.warning(
-            "max_num_seqs=%d sequences of %d positions do not fit in memory: %d run at once",
-            rows, llm.max_model_len, fit,
+            "the KV cache of %d sequences of %d positions would not fit: %d sequences of %d "
+            "positions run at once (set max_num_seqs or max_model_len to choose)",
+            rows, llm.max_model_len, plan.rows, plan.length,
         )  # fmt: skip
-    return min(rows, fit)
+    return plan
 
 
 class Serving:
     """Submit requests to `llm` from any thread; they run in continuous batches of at
     most `max_num_seqs` sequences."""
 
-    def __init__(self, llm: Any, max_num_seqs: int | None = None):
+    def __init__(self, llm: Any, max_num_seqs: int | None = None, fixed_length: bool = False):
         self._llm = llm
         if llm.kv_offload:
             raise ConfigError(
                 "continuous batching keeps the KV cache on the device: kv_offload is not "
                 "served yet (leave it off; weights may still be offloaded)"
             )
-        rows = _rows_that_fit(llm, max_num_seqs or llm.max_num_seqs)
+        plan = _row_plan(llm, max_num_seqs or llm.max_num_seqs, fixed_length)
         runner = EngineModel(
             llm.model,
             llm._tokens,
@@ -67,7 +94,8 @@ class Serving:
             llm._lock,
             on_forward=self._count_forward,
         )
-        self.engine = BatchingEngine(runner, rows, llm.max_model_len, llm.max_num_batched_tokens)
+        self.engine = BatchingEngine(runner, plan.rows, plan.length, llm.max_num_batched_tokens)
+        self.max_model_len = plan.length  # what a request may hold here (prompt + output)
         self._probe: _Probe | None = None
 
     def _count_forward(self) -> None:
@@ -93,7 +121,14 @@ class Serving:
         self._llm._check_request(prompt_ids, params)
         if params.prompt_logprobs is not None:
             raise ConfigError("prompt_logprobs is not served yet; leave it unset")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ConfigError(
+                f"a prompt has {len(prompt_ids)} tokens; this server takes 1 to "
+                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
+            )
         sequences = self._llm._sequences([prompt_ids], [params])
+        for sequence in sequences:  # (the LLM's own limit may be longer than a row)
+            sequence.limit = min(sequence.limit, self.max_model_len - len(prompt_ids))
         return Submitted(request_id or f"req-{next(_ids)}", prompt, prompt_ids, sequences, emit)
 
     def stream(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams):

@@ -96,7 +96,7 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
             "object": "model",
             "created": protocol.now(),
             "owned_by": "offload",
-            "max_model_len": llm.max_model_len,
+            "max_model_len": serving.max_model_len,
         }
         return {"object": "list", "data": [card]}
 
