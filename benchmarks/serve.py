@@ -5,7 +5,7 @@ clients, for each way of holding the weights, with the per-token bound beside ea
                                [--requests-per-client 2] [--max-tokens 32] [--model PATH]
                                [--peers transformers] [--quick]
 
-Each setting starts its own server (`python -m offload.cli.main serve MODEL --max-num-seqs 32
+Each setting starts its own server (`python -m offload.cli serve MODEL --max-num-seqs 32
 <flags>`, its stderr in a log file) and waits for GET /health:
   resident   --no-offload
   uva        --cpu-offload-gb G, G just above the bytes of every decoder layer
@@ -130,7 +130,7 @@ def setting_flags(setting: str, model: Path) -> list[str]:
 
 def offload_command(model: Path, port: int, flags: list[str]) -> list[str]:
     return [
-        sys.executable, "-m", "offload.cli.main", "serve", str(model), "--port", str(port),
+        sys.executable, "-m", "offload.cli", "serve", str(model), "--port", str(port),
         "--served-model-name", SERVED_NAME, "--max-num-seqs", str(MAX_NUM_SEQS),
         "--no-progress", *flags,
     ]  # fmt: skip

@@ -46,7 +46,7 @@ class Server:
     def __init__(self, path, *flags):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "offload.cli.main", "serve", str(path), "--port",
+        command = [sys.executable, "-m", "offload.cli", "serve", str(path), "--port",
                    str(self.port), "--served-model-name", "tiny", *flags]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120

@@ -1,0 +1,119 @@
+"""How often a request served in a continuous batch gets the greedy answer it would get
+alone, and whether offloading changes a single bit of what the server answers.
+
+    python benchmarks/serve_exactness.py [--max-tokens 32] [--model PATH]
+
+1. Each of the serving benchmark's 16 chat prompts alone through `LLM.chat` (greedy).
+2. The same 16 through `LLM.stream` from 16 threads that start 0-50 ms apart (so they
+   join a running batch at different steps, as clients do): the fraction whose tokens
+   equal (1). Batched kernels may round differently from batch 1; this says how often.
+3. The 16 queued at once (one schedule, whatever the timing) on a resident server, one with
+   every decoder layer prefetched, and one with every decoder layer read from the disk
+   tier: tokens and logprobs must be bitwise equal (the promise), and bytes must move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import random
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+from serve import PROMPTS
+
+from offload import SamplingParams
+from offload.llm.chat import chat_token_ids
+from offload.llm.llm import LLM
+from offload.model.default import default_model_path
+
+SETTINGS = {
+    "resident": {},
+    "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
+    "disk": {"cpu_memory_gb": 0, "disk_io": "direct"},
+}
+
+
+def prompt_ids(llm: LLM) -> list[list[int]]:
+    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
+    return chat_token_ids(
+        llm.tokenizer, messages, chat_template=None, add_generation_prompt=True,
+        continue_final_message=False, tools=None, chat_template_kwargs=None,
+    )[1]  # fmt: skip
+
+
+def staggered(llm: LLM, ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    serving, results = llm.serving(max_num_seqs=16), [None] * len(ids)
+    delays = [random.Random(i).uniform(0, 0.05) for i in range(len(ids))]
+
+    def client(index: int) -> None:
+        threading.Event().wait(delays[index])
+        for output in serving.stream(None, ids[index], params):
+            results[index] = output.outputs[0].token_ids
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ids))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def together(llm: LLM, ids: list[list[int]], params: SamplingParams) -> list:
+    serving = llm.serving(max_num_seqs=16)
+    outputs = [queue.Queue() for _ in ids]
+    requests = [serving.prepare(None, i, params, q.put) for i, q in zip(ids, outputs, strict=True)]
+    serving.engine.submit_all(requests)
+    finals = []
+    for q in outputs:
+        while not (item := q.get()).finished:
+            pass
+        completion = item.outputs[0]
+        logprobs = [{t: lp.logprob for t, lp in e.items()} for e in completion.logprobs]
+        finals.append((completion.token_ids, logprobs))
+    return finals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    model = args.model or str(default_model_path())
+    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    with LLM(model) as llm:
+        ids = prompt_ids(llm)
+        alone = [
+            llm.generate([{"prompt_token_ids": i}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+            for i in ids
+        ]
+        joined = staggered(llm, ids, greedy)
+    same = sum(a == b for a, b in zip(alone, joined, strict=True))
+    print(f"{same}/{len(ids)} prompts served in a running batch got their tokens alone")
+    with_logprobs = SamplingParams(
+        temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2
+    )
+    answers, moved = {}, {}
+    for name, flags in SETTINGS.items():
+        with LLM(model, **flags) as llm:
+            answers[name] = together(llm, ids, with_logprobs)
+            stats = llm.offloader.stats()
+            moved[name] = stats.bytes_copied + stats.disk.bytes_read
+    bitwise = {name: answers[name] == answers["resident"] for name in SETTINGS}
+    for name in SETTINGS:
+        print(f"{name}: bitwise the resident server's tokens and logprobs: {bitwise[name]}; "
+              f"weight bytes moved {moved[name] / 2**20:.0f} MiB")  # fmt: skip
+    path = common.save("serve-exactness", torch.device("cpu"), {
+        "model": model, "max_tokens": args.max_tokens, "prompts": len(ids),
+        "same_as_alone": same, "bitwise_equal_to_resident": bitwise, "bytes_moved": moved,
+    })  # fmt: skip
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""The bodies `offload serve` answers with: a call's requests gathered into one completion
+or chat object, or streamed as server-sent events (text deltas as they settle, then the
+finish reason, the usage when asked, and [DONE]), with the latency metrics observed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from offload.engine.sequences import RequestOutput
+from offload.errors import ConfigError, OffloadError
+from offload.llm.streaming import settled
+from offload.server import protocol
+from offload.server.metrics import ServerMetrics
+from offload.server.protocol import APIError
+
+
+@dataclass
+class Call:
+    """One HTTP call's requests in the engine (a completions call may hold several
+    prompts) and the outputs they send back to the event loop."""
+
+    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
+    requests: list = field(default_factory=list)
+    arrival_s: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Shape:
+    """What the responses of one call share."""
+
+    kind: str  # "text_completion" or "chat.completion"
+    id: str
+    model: str
+    request: protocol.Request
+    created: int = field(default_factory=protocol.now)
+
+    @property
+    def is_chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def envelope(self, chunk: bool = False) -> dict[str, Any]:
+        kind = self.kind + ".chunk" if chunk and self.is_chat else self.kind
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+
+class _Progress:
+    """A call's token timings, for the latency metrics."""
+
+    def __init__(self, call: Call, metrics: ServerMetrics):
+        self._call, self._metrics = call, metrics
+        self._tokens = 0
+        self._last_s: float | None = None
+
+    def saw(self, output: RequestOutput) -> None:
+        tokens = sum(len(c.token_ids) for c in output.outputs)
+        if tokens <= self._tokens:
+            return
+        moment = time.monotonic()
+        if self._last_s is None:
+            self._metrics.time_to_first_token.observe(moment - self._call.arrival_s)
+        else:
+            self._metrics.inter_token_latency.observe(moment - self._last_s)
+        self._tokens, self._last_s = tokens, moment
+
+
+async def _next(call: Call) -> tuple[int, RequestOutput]:
+    index, item = await call.outputs.get()
+    if isinstance(item, BaseException):
+        raise item
+    return index, item
+
+
+def _choice(shape: Shape, index: int, completion, text: str, new_tokens, reason) -> dict:
+    params = shape.request.params
+    logprobs = None
+    if params.logprobs is not None:
+        start = len(completion.token_ids) - len(new_tokens)
+        entries = completion.logprobs[start:]
+        if shape.is_chat:
+            logprobs = protocol.chat_logprobs(entries, new_tokens, params.logprobs)
+        else:
+            logprobs = protocol.completion_logprobs(entries, new_tokens, 0)
+    if shape.is_chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": reason,
+        "stop_reason": completion.stop_reason if reason else None,
+    }
+
+
+async def whole(call: Call, shape: Shape, request: Request, metrics, cancel) -> dict:
+    """Wait for every request of the call (cancelling them if the client leaves)."""
+    finals: dict[int, RequestOutput] = {}
+    progress = _Progress(call, metrics)
+    try:
+        while len(finals) < len(call.requests):
+            try:
+                index, output = await asyncio.wait_for(_next(call), timeout=1.0)
+            except TimeoutError:
+                if await request.is_disconnected():
+                    cancel(call)
+                    return Response(status_code=499)
+                continue
+            progress.saw(output)
+            if output.finished:
+                finals[index] = output
+    except (OffloadError, OSError, RuntimeError) as error:
+        cancel(call)
+        metrics.request_failure.inc()
+        raise APIError(500, f"the request failed: {error}") from None
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    n = shape.request.params.n
+    for index in sorted(finals):
+        output = finals[index]
+        prompt_tokens += len(output.prompt_token_ids)
+        for number, completion in enumerate(output.outputs):
+            completion_tokens += len(completion.token_ids)
+            choice = _choice(
+                shape, index * n + number, completion, completion.text,
+                completion.token_ids, completion.finish_reason,
+            )  # fmt: skip
+            if shape.is_chat:
+                text = choice.pop("text")
+                choice["message"] = {"role": "assistant", "content": text}
+            choices.append(choice)
+    _finished(metrics, call, prompt_tokens, completion_tokens, len(finals))
+    return {
+        **shape.envelope(),
+        "choices": choices,
+        "usage": protocol.usage(prompt_tokens, completion_tokens),
+    }
+
+
+def _finished(metrics, call: Call, prompt_tokens: int, completion_tokens: int, count: int):
+    metrics.prompt_tokens.inc(prompt_tokens)
+    metrics.generation_tokens.inc(completion_tokens)
+    metrics.request_success.inc(count)
+    metrics.e2e_latency.observe(time.monotonic() - call.arrival_s)
+
+
+async def stream(call: Call, shape: Shape, metrics, cancel) -> AsyncIterator[str]:
+    """Server-sent events: text deltas as they settle, the finish reason, then the usage
+    (when asked for) and [DONE]. An error ends the stream with OpenAI's error object."""
+    params = shape.request.params
+    n = params.n
+    sent_text: dict[int, str] = {}
+    sent_tokens: dict[int, int] = {}
+    finals: dict[int, RequestOutput] = {}
+    progress = _Progress(call, metrics)
+    try:
+        if shape.is_chat:
+            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}  # fmt: skip
+            yield _event({**shape.envelope(chunk=True), "choices": [first]})
+        while len(finals) < len(call.requests):
+            index, output = await _next(call)
+            progress.saw(output)
+            for number, completion in enumerate(output.outputs):
+                choice = index * n + number
+                before = sent_text.get(choice, "")
+                if before is None:
+                    continue  # finished already
+                reason = completion.finish_reason
+                text = completion.text if reason else settled(completion.text, params.stop_strings)
+                delta = text[len(before) :] if text.startswith(before) else ""
+                new_tokens = completion.token_ids[sent_tokens.get(choice, 0) :]
+                if not (delta or new_tokens) and reason is None:
+                    continue
+                sent_text[choice] = None if reason else text
+                sent_tokens[choice] = len(completion.token_ids)
+                body = _choice(shape, choice, completion, delta, new_tokens, reason)
+                if shape.is_chat:
+                    body["delta"] = {"content": body.pop("text")} if delta or not reason else {}
+                yield _event({**shape.envelope(chunk=True), "choices": [body]})
+            if output.finished:
+                finals[index] = output
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
+        completion_tokens = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        _finished(metrics, call, prompt_tokens, completion_tokens, len(finals))
+        if shape.request.include_usage:
+            usage = protocol.usage(prompt_tokens, completion_tokens)
+            yield _event({**shape.envelope(chunk=True), "choices": [], "usage": usage})
+    except (OffloadError, OSError, RuntimeError, ConfigError) as error:
+        cancel(call)
+        metrics.request_failure.inc()
+        yield _event(APIError(500, f"the request failed: {error}").body())
+    finally:
+        if len(finals) < len(call.requests):
+            cancel(call)  # the client left (or the stream failed): free the rows
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
