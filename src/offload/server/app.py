@@ -38,6 +38,7 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
     serving = llm.serving()
     engine = serving.engine
     metrics = ServerMetrics(settings.model_name, engine, llm.transfer_stats)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
