@@ -113,10 +113,6 @@ class BatchingEngine:
 
     # -- what callers see ------------------------------------------------------------
 
-    def submit(self, request: Submitted) -> None:
-        """Queue `request` (its sequences already checked to fit `max_len`)."""
-        self.submit_all([request])
-
     def submit_all(self, requests: list[Submitted]) -> None:
         """Queue `requests` at once: the next turn sees all of them (a batch of them
         starts together, whatever the timing)."""

@@ -105,7 +105,7 @@ class Serving:
         """`prepare` one request, then queue it: `emit` gets its output after each step
         that changed it (the last one has `finished`), or the error that ended it."""
         request = self.prepare(*args, **kwargs)
-        self.engine.submit(request)
+        self.engine.submit_all([request])
         return request
 
     def prepare(
