@@ -80,7 +80,7 @@ def test_300_requests_with_leavers_bad_input_and_disk_faults(tmp_path, monkeypat
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         expected = [o.outputs[0].text for o in resident.generate(PROMPTS, greedy, use_tqdm=False)]
     before_threads = _offload_threads()
-    llm = LLM(path, cpu_memory_gb=0, disk_io="direct", max_num_seqs=8)
+    llm = LLM(path, cpu_memory_gb=0, disk_io="direct", max_num_seqs=32)
     server = _InProcess(llm)
     try:
         _clients(server.url, 8, 5, 1, expected)  # warm-up: 40 requests
