@@ -175,9 +175,10 @@ class UVAOffloader(BaseOffloader):
     def post_init(self) -> None:
         budget = self.cpu_offload_max_bytes
         if 0 < self._eligible_bytes < budget:
+            asked, there = _distinct(budget / 1024**3, self._eligible_bytes / 1024**3)
             warnings.warn(
-                f"cpu_offload_gb ({budget / 1024**3:.3g} GiB) is more than the "
-                f"{self._eligible_bytes / 1024**3:.3g} GiB of offloadable parameters in the "
+                f"cpu_offload_gb ({asked} GiB) is more than the "
+                f"{there} GiB of offloadable parameters in the "
                 "wrapped layers; all of them were offloaded",
                 UserWarning,
                 stacklevel=2,
@@ -216,3 +217,12 @@ def _eligible(name: str, segments: set[str]) -> bool:
 
 
 _LOAD_FIRST = "; load real weights before offloading"
+
+
+def _distinct(larger: float, smaller: float) -> tuple[str, str]:
+    """Two sizes with as few digits as tell them apart (3 at least, 9 at most)."""
+    for digits in range(3, 10):
+        shown = f"{larger:.{digits}g}", f"{smaller:.{digits}g}"
+        if shown[0] != shown[1]:
+            break
+    return shown
