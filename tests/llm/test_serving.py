@@ -214,3 +214,20 @@ def test_requests_longer_than_a_row_are_refused_and_limits_clamped(checkpoint, m
             list(llm.stream({"prompt_token_ids": [5] * served.max_model_len}, GREEDY))
         out = list(llm.stream("t3 t4", SamplingParams(temperature=0, max_tokens=None)))[-1]
         assert len(out.outputs[0].token_ids) <= served.max_model_len - 2
+
+
+def test_a_fault_of_the_engine_itself_fails_the_requests_and_it_goes_on(checkpoint):
+    with LLM(checkpoint) as llm:
+        engine = llm.serving().engine
+        real, calls = engine._admit, {"n": 0}
+
+        def failing_once():
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected engine fault")
+            return real()
+
+        engine._admit = failing_once
+        with pytest.raises(RuntimeError, match="injected"):
+            list(llm.stream("t3 t4", GREEDY))  # an error, not a hang
+        assert list(llm.stream("t3 t4", GREEDY))[-1].finished

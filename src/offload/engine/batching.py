@@ -1,12 +1,11 @@
 """Continuous batching: requests join the running batch at step boundaries and leave it
 as soon as they finish, so every weight stream serves all of them.
 
-One thread runs the model. Each turn it takes the newly submitted requests, drops the
-cancelled ones, admits a group of waiting ones into free rows of a `RowCache` and
-prefills it (in chunks of `max_num_batched_tokens`), then runs one decode step for every
-running sequence. A request whose prompt and output can never fit is refused when it is
-submitted; one that does not fit now waits for rows to free up. What a request has so
-far is handed to its `emit` callback after every step that changed it.
+One thread runs the model. Each turn: take new requests, drop cancelled ones, admit a
+group of waiting ones into free rows of a `RowCache` and prefill it (in chunks of
+`max_num_batched_tokens`), then one decode step of every running sequence. A request that
+can never fit is refused at once; one that does not fit now waits. What a request has so
+far goes to its `emit` callback after every step that changed it.
 """
 
 from __future__ import annotations
@@ -114,8 +113,7 @@ class BatchingEngine:
     # -- what callers see ------------------------------------------------------------
 
     def submit_all(self, requests: list[Submitted]) -> None:
-        """Queue `requests` at once: the next turn sees all of them (a batch of them
-        starts together, whatever the timing)."""
+        """Queue `requests` at once: the next turn sees all of them, whatever the timing."""
         for request in requests:
             self._check(request)
         with self._wake:
@@ -169,7 +167,13 @@ class BatchingEngine:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
-            self._turn()
+            try:
+                self._turn()
+            except Exception as error:  # the engine's own fault: no request may wait on it
+                self.last_error = error
+                self._fail_all(error)
+                self._waiting.clear()
+                self._running, self._group = [], None
         self._fail_all(OffloadError("the server is shutting down"))
 
     def _has_work(self) -> bool:
@@ -209,8 +213,7 @@ class BatchingEngine:
                 row.sequence.finish_reason = "abort"
 
     def _pack(self) -> None:
-        """Rows of finished sequences are refilled by the last running rows, so the
-        running ones stay at the front."""
+        """Running rows move into the rows of finished ones: they stay at the front."""
         keep = [row for row in self._running if row.is_live]
         moved = []
         for target, row in enumerate(keep):
