@@ -154,6 +154,25 @@ def test_an_io_error_is_one_error_naming_the_file_and_the_threads_end(tmp_path, 
     _assert_threads_end(reader)
 
 
+def test_a_read_that_fails_while_its_chunks_are_still_queued_is_the_same_error(
+    tmp_path, monkeypatch
+):
+    """The first chunk's error ends the threads while `read` still queues the others:
+    that is the same one-line error, never the executor's "cannot schedule new futures"."""
+    path = tmp_path / "model.safetensors"
+    _file(path, 2**20)
+    monkeypatch.setattr(disk_reader.os, "preadv", _eio)
+    for _ in range(20):
+        reader = DiskReader([FileStamp.of(path)], num_threads=2, chunk_bytes=4096)
+        with pytest.raises(DiskReadError, match="Input/output error"):
+            _read(reader, [TensorRange(path, 0, 2**20)])
+        reader.close()
+
+
+def _eio(*args):
+    raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+
 def _assert_threads_end(reader: DiskReader) -> None:
     threads = list(reader._pool._threads)
     assert threads

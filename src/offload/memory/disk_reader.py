@@ -170,7 +170,11 @@ class DiskReader:
                 size = min(self._chunk_bytes, extent.num_bytes - done)
                 target = buffer[extent.buffer_offset + done : extent.buffer_offset + done + size]
                 job = (extent.path, extent.file_offset + done, target, (key, generation), after)
-                ticket.futures.append(self._pool.submit(self._read_chunk, *job))
+                try:
+                    ticket.futures.append(self._pool.submit(self._read_chunk, *job))
+                except RuntimeError:  # an earlier chunk failed and ended the threads
+                    self._raise_fault()
+                    raise
         return ticket
 
     def wait(self, ticket: ReadTicket, *, count_stall: bool = True) -> None:
