@@ -231,3 +231,59 @@ def test_a_fault_of_the_engine_itself_fails_the_requests_and_it_goes_on(checkpoi
         with pytest.raises(RuntimeError, match="injected"):
             list(llm.stream("t3 t4", GREEDY))  # an error, not a hang
         assert list(llm.stream("t3 t4", GREEDY))[-1].finished
+
+
+def test_the_loop_runs_in_the_callers_thread_as_in_its_own(checkpoint):
+    """`engine_thread=False` (what `offload serve` does, on the main thread): the same
+    tokens as the engine's own thread; `close` from the loop's own thread (a signal
+    handler there) ends `run`, and requests still queued get an error."""
+    with LLM(checkpoint) as llm:
+        expected = _together(llm, PROMPTS, GREEDY, max_num_seqs=4)
+    with LLM(checkpoint) as llm:
+        serving = llm.serving(4, engine_thread=False)
+        results = {}
+
+        def client():
+            results["done"] = _together(llm, PROMPTS, GREEDY, max_num_seqs=4)
+            late = queue.Queue()
+            serving.engine.submit_all([serving.prepare("t3", [3], GREEDY, late.put)])
+            results["late"] = late
+
+        def stop_from_the_loop(rows, logits):  # runs in the loop's thread, as a handler
+            if "done" in results:
+                serving.close()
+            picked(rows, logits)
+
+        picked = serving.engine._pick
+        serving.engine._pick = stop_from_the_loop
+        thread = threading.Thread(target=client)
+        thread.start()
+        serving.engine.run()  # returns once closed
+        thread.join(timeout=60)
+        assert threading.current_thread() is threading.main_thread()
+    got = results["done"]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
+    assert [_logprobs(o.outputs[0]) for o in got] == [_logprobs(o.outputs[0]) for o in expected]
+    with pytest.raises(Exception, match="shutting down"):
+        _last(results["late"])
+
+
+def test_a_batch_on_the_cpu_runs_the_few_rows_linear(checkpoint, monkeypatch):
+    """A forward of a few rows takes `weight @ x.T` (MKL repacks the weight for
+    `x @ weight.T` over a few rows), and a one-row step `F.linear`."""
+    import offload.engine.cpu_linear as cpu_linear
+
+    taken = []
+    real = cpu_linear.few_rows_linear
+
+    def counting(x, *args, **kwargs):
+        out = real(x, *args, **kwargs)
+        taken.append((x.numel() // x.shape[-1], out is not None))
+        return out
+
+    monkeypatch.setattr(cpu_linear, "few_rows_linear", counting)
+    with LLM(checkpoint) as llm:
+        one = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        _together(llm, PROMPTS[:4], one)
+    assert (4, True) in taken  # the decode steps of four rows
+    assert all(used == (2 <= rows <= 64) for rows, used in taken)

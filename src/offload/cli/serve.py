@@ -4,12 +4,14 @@ SIGTERM (which end the streams in flight and exit 0)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
 import threading
 
 from offload.config import OffloadConfig
 from offload.config.validate import integer
-from offload.errors import ConfigError
+from offload.errors import ConfigError, OffloadError
 
 
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
@@ -64,9 +66,12 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting=waiting,
         version=package_version(),
     )
-    llm.serving(fixed_length=args.max_model_len is not None)  # the rows, before the app
+    # The engine's loop runs on this (the main) thread and HTTP on another: on a CPU,
+    # torch's OpenMP teams are only fast while one thread leads them (measured: a
+    # 16-sequence step 210 -> 103 ms; docs/benchmarks.md).
+    serving = llm.serving(fixed_length=args.max_model_len is not None, engine_thread=False)
     app = make_app(llm, settings)
-    server = _server_class()(
+    server = uvicorn.Server(
         uvicorn.Config(
             app,
             host=args.host,
@@ -79,32 +84,43 @@ def run_serve(args: argparse.Namespace) -> int:
     )
     print(
         f"offload serve: {settings.model_name} on http://{args.host}:{args.port}/v1 "
-        f"({llm.offloader.__class__.__name__}, {llm.serving().engine.max_rows} sequences at once)",
+        f"({llm.offloader.__class__.__name__}, {serving.engine.max_rows} sequences at once)",
         file=sys.stderr,
         flush=True,
     )
-    server.on_exit = llm.serving().close  # the streams in flight end now, with a clear error
+    http = threading.Thread(target=_serve_http, args=(server, serving), name="offload-http")
     try:
-        server.run()
+        with _stop_on_signals(server, serving):
+            http.start()
+            serving.engine.run()  # until a signal, or the HTTP side stops
+        http.join(timeout=10)
     finally:
+        serving.close()
         llm.close()
+    if not server.started:
+        raise OffloadError(f"offload serve could not listen on {args.host}:{args.port}")
     return 0
 
 
-def _server_class():
-    import uvicorn
+def _serve_http(server, serving) -> None:
+    try:
+        server.run()  # (off the main thread uvicorn leaves the signals alone)
+    finally:
+        serving.close()  # the engine's loop on the main thread returns
 
-    class Server(uvicorn.Server):
-        """uvicorn's server, but SIGINT and SIGTERM end the requests in flight at once
-        (each gets an error saying why) and the process then exits 0, as asked."""
 
-        on_exit = None
+@contextlib.contextmanager
+def _stop_on_signals(server, serving):
+    """SIGINT and SIGTERM end the requests in flight at once (each gets an error saying
+    why) and stop the HTTP server; the process then exits 0."""
 
-        def handle_exit(self, sig, frame) -> None:
-            first = not self.should_exit
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()  # (uvicorn would raise them again at the end)
-            if first and self.on_exit is not None:
-                threading.Thread(target=self.on_exit, name="offload-shutdown").start()
+    def stop(signum, frame) -> None:
+        server.should_exit = True
+        serving.close()  # in this thread: marks the loop stopped, joins nothing
 
-    return Server
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -11,74 +11,17 @@ far goes to its `emit` callback after every step that changed it.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 
 import torch
 
+from offload.engine.cpu_linear import FewRowsLinear
+from offload.engine.requests import EngineModel, Group, Row, Submitted
 from offload.engine.rows import RowCache, read_width
-from offload.engine.sequences import RequestOutput, SequenceState, completion_of
-from offload.engine.tokens import TokenSteps
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError, OffloadError
-
-Emit = Callable[[RequestOutput | BaseException], None]
-
-
-@dataclass
-class Submitted:
-    """One request in the engine: its sequences (n of them) and where its outputs go."""
-
-    request_id: str
-    prompt: str | None
-    prompt_ids: list[int]
-    sequences: list[SequenceState]
-    emit: Emit
-    arrival_s: float = field(default_factory=time.monotonic)
-    cancelled: bool = False
-    failed: bool = False
-
-    def output(self) -> RequestOutput:
-        completions = [completion_of(i, s) for i, s in enumerate(self.sequences)]
-        done = all(s.finish_reason is not None for s in self.sequences)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, done)
-
-
-@dataclass
-class _Row:
-    request: Submitted
-    sequence: SequenceState
-    start: int  # the column of its first prompt token
-    column: int  # where its next token is written
-
-    @property
-    def is_live(self) -> bool:
-        return self.sequence.finish_reason is None and not self.request.failed
-
-
-@dataclass
-class _Group:
-    """Requests being prefilled together: rows [first, first + len(rows)), prompts
-    right-aligned at column `width`."""
-
-    first: int
-    rows: list[_Row]
-    width: int
-    done_columns: int = 0
-
-
-@dataclass(frozen=True)
-class EngineModel:
-    """What the engine runs: the model and what turns its logits into text."""
-
-    model: torch.nn.Module
-    steps: TokenSteps
-    device: torch.device
-    pad_id: int
-    lock: threading.Lock  # held for each forward: the model's other callers wait
-    on_forward: Callable[[], None] = lambda: None
 
 
 class BatchingEngine:
@@ -92,6 +35,7 @@ class BatchingEngine:
         max_len: int,
         max_num_batched_tokens: int | None = None,
         kv_dims=None,
+        own_thread: bool = True,
     ):
         self._runner = runner
         dtype = next(runner.model.parameters()).dtype
@@ -102,13 +46,15 @@ class BatchingEngine:
         self._chunk_tokens = max_num_batched_tokens
         self._inbox: deque[Submitted] = deque()
         self._waiting: deque[Submitted] = deque()
-        self._running: list[_Row] = []  # rows [0, len)
-        self._group: _Group | None = None
+        self._running: list[Row] = []  # rows [0, len)
+        self._group: Group | None = None
         self._wake = threading.Condition()
         self._stop = False
         self.last_error: BaseException | None = None  # of the last forward; None once one works
-        self._thread = threading.Thread(target=self._loop, name="offload-batching", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if own_thread:  # else the owner calls run() in a thread of its choosing
+            self._thread = threading.Thread(target=self.run, name="offload-batching", daemon=True)
+            self._thread.start()
 
     # -- what callers see ------------------------------------------------------------
 
@@ -150,15 +96,20 @@ class BatchingEngine:
         return len(self._inbox) + len(self._waiting) + (self._group is not None)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop; requests not finished get an error."""
+        """Stop the loop; requests not finished get an error. (Safe from a signal
+        handler in the loop's own thread: the lock is reentrant, and nothing is joined.)"""
         with self._wake:
             self._stop = True
             self._wake.notify()
-        self._thread.join(timeout=timeout_s)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout_s)
 
     # -- the loop ---------------------------------------------------------------------
 
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """The loop, until `close`: in the engine's own thread, or (`own_thread=False`)
+        in the caller's. On a CPU the main thread runs it fastest: OpenMP spins its
+        workers only while one thread leads teams (see `offload serve`)."""
         while True:
             with self._wake:
                 while not self._stop and not self._has_work():
@@ -189,10 +140,10 @@ class BatchingEngine:
         if any(row.is_live for row in self._running):
             self._run_forward(self._running, self._decode_step)
 
-    def _group_rows(self) -> list[_Row]:
+    def _group_rows(self) -> list[Row]:
         return self._group.rows if self._group is not None else []
 
-    def _run_forward(self, rows: list[_Row], forward: Callable[[], None]) -> None:
+    def _run_forward(self, rows: list[Row], forward: Callable[[], None]) -> None:
         """One forward; if it fails (a disk fault, a sampling error), its requests fail
         with the error and the others go on."""
         try:
@@ -224,7 +175,7 @@ class BatchingEngine:
             self._cache.move_row(source, target, num_columns)
         self._running = keep
 
-    def _admit(self) -> _Group | None:
+    def _admit(self) -> Group | None:
         """Waiting requests (in order) into the free rows, while every sequence of the
         group still fits `max_len` with the group's prompts right-aligned together."""
         free = self.max_rows - len(self._running)
@@ -243,11 +194,11 @@ class BatchingEngine:
         if not taken:
             return None
         rows = [
-            _Row(request, sequence, width - len(request.prompt_ids), width)
+            Row(request, sequence, width - len(request.prompt_ids), width)
             for request in taken
             for sequence in request.sequences
         ]
-        return _Group(len(self._running), rows, width)
+        return Group(len(self._running), rows, width)
 
     # -- forwards ---------------------------------------------------------------------
 
@@ -301,7 +252,10 @@ class BatchingEngine:
 
     def _forward(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
         model = self._runner.model
-        with torch.inference_mode():
+        # On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
+        # weight for a few rows); on a GPU the batch goes as it is.
+        kernels = FewRowsLinear() if self._runner.device.type == "cpu" else nullcontext()
+        with torch.inference_mode(), kernels:
             out = model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -314,7 +268,7 @@ class BatchingEngine:
         self._runner.on_forward()
         return out.logits[:, -1, :]  # [rows, vocab]
 
-    def _pick(self, rows: list[_Row], logits: torch.Tensor) -> None:
+    def _pick(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Each live row's next token; a row whose sampling fails fails its request."""
         live = [i for i, row in enumerate(rows) if row.is_live]
         if not live:

@@ -260,18 +260,24 @@ class LLM(DecodeLoop):
         check_token_ids(ids, vocab_limit(self.model), [True] * len(ids))
         return self._generate(texts, ids, sampling_params, use_tqdm)
 
-    def serving(self, max_num_seqs: int | None = None, fixed_length: bool = False) -> Serving:
+    def serving(
+        self,
+        max_num_seqs: int | None = None,
+        fixed_length: bool = False,
+        engine_thread: bool = True,
+    ) -> Serving:
         """This LLM's continuous-batching engine (made on first use): requests submitted
         from any thread share each step (what `offload serve` runs). Each of its
         `max_num_seqs` rows reserves KV cache for `max_model_len` positions; where that
         does not fit (at most 4 GiB on a CPU, half the free memory on a GPU), rows are
-        shorter (not with `fixed_length`), then fewer."""
+        shorter (not with `fixed_length`), then fewer. With `engine_thread=False` the
+        caller runs the engine's loop (`serving().engine.run()`), e.g. on the main thread."""
         check_not_forked(self._pid, "this LLM")
         with self._serving_lock:
             if self._closed:
                 raise ConfigError("this LLM is closed; make a new LLM(...) to generate again")
             if self._served is None:
-                self._served = Serving(self, max_num_seqs, fixed_length)
+                self._served = Serving(self, max_num_seqs, fixed_length, engine_thread)
             return self._served
 
     def stream(

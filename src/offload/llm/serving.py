@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from offload.engine.batching import BatchingEngine, EngineModel, Submitted
+from offload.engine.batching import BatchingEngine
+from offload.engine.requests import EngineModel, Submitted
 from offload.engine.rows import bytes_per_row
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
@@ -76,9 +77,16 @@ def _row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
 
 class Serving:
     """Submit requests to `llm` from any thread; they run in continuous batches of at
-    most `max_num_seqs` sequences."""
+    most `max_num_seqs` sequences, in the engine's own thread (or, `engine_thread=False`,
+    in whichever thread calls `engine.run()`)."""
 
-    def __init__(self, llm: Any, max_num_seqs: int | None = None, fixed_length: bool = False):
+    def __init__(
+        self,
+        llm: Any,
+        max_num_seqs: int | None = None,
+        fixed_length: bool = False,
+        engine_thread: bool = True,
+    ):
         self._llm = llm
         if llm.kv_offload:
             raise ConfigError(
@@ -94,7 +102,13 @@ class Serving:
             llm._lock,
             on_forward=self._count_forward,
         )
-        self.engine = BatchingEngine(runner, plan.rows, plan.length, llm.max_num_batched_tokens)
+        self.engine = BatchingEngine(
+            runner,
+            plan.rows,
+            plan.length,
+            llm.max_num_batched_tokens,
+            own_thread=engine_thread,
+        )
         self.max_model_len = plan.length  # what a request may hold here (prompt + output)
         self._probe: _Probe | None = None
 

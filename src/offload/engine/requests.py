@@ -1,0 +1,70 @@
+"""What the batching engine holds: a submitted request, the rows it runs in, the group
+of requests being prefilled together, and the model it runs."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.engine.sequences import RequestOutput, SequenceState, completion_of
+from offload.engine.tokens import TokenSteps
+
+Emit = Callable[[RequestOutput | BaseException], None]
+
+
+@dataclass
+class Submitted:
+    """One request in the engine: its sequences (n of them) and where its outputs go."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    sequences: list[SequenceState]
+    emit: Emit
+    arrival_s: float = field(default_factory=time.monotonic)
+    cancelled: bool = False
+    failed: bool = False
+
+    def output(self) -> RequestOutput:
+        completions = [completion_of(i, s) for i, s in enumerate(self.sequences)]
+        done = all(s.finish_reason is not None for s in self.sequences)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, done)
+
+
+@dataclass
+class Row:
+    request: Submitted
+    sequence: SequenceState
+    start: int  # the column of its first prompt token
+    column: int  # where its next token is written
+
+    @property
+    def is_live(self) -> bool:
+        return self.sequence.finish_reason is None and not self.request.failed
+
+
+@dataclass
+class Group:
+    """Requests being prefilled together: rows [first, first + len(rows)), prompts
+    right-aligned at column `width`."""
+
+    first: int
+    rows: list[Row]
+    width: int
+    done_columns: int = 0
+
+
+@dataclass(frozen=True)
+class EngineModel:
+    """What the engine runs: the model and what turns its logits into text."""
+
+    model: torch.nn.Module
+    steps: TokenSteps
+    device: torch.device
+    pad_id: int
+    lock: threading.Lock  # held for each forward: the model's other callers wait
+    on_forward: Callable[[], None] = lambda: None

@@ -1,0 +1,62 @@
+"""The CPU linear over a few rows (`weight @ x.T`): the same product as `F.linear` up to
+rounding, taken only where it was measured to pay, and only in the thread that asks."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offload.engine.cpu_linear import MAX_ROWS, FewRowsLinear, few_rows_linear
+
+
+@pytest.mark.parametrize("shape", [(2, 24), (4, 1, 24), (3, 5, 24), (MAX_ROWS, 24)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_it_is_the_linear_product(shape, with_bias):
+    torch.manual_seed(0)
+    x, weight = torch.randn(shape), torch.randn(40, 24)
+    bias = torch.randn(40) if with_bias else None
+    got = few_rows_linear(x, weight, bias)
+    assert got is not None and got.is_contiguous()
+    assert got.shape == (*shape[:-1], 40)
+    torch.testing.assert_close(got, F.linear(x, weight, bias))
+
+
+@pytest.mark.parametrize(
+    "x, weight",
+    [
+        (torch.randn(1, 24), torch.randn(40, 24)),  # one row: F.linear is as fast
+        (torch.randn(MAX_ROWS + 1, 24), torch.randn(40, 24)),  # many: the same
+        (torch.randn(4, 24, dtype=torch.bfloat16), torch.randn(40, 24, dtype=torch.bfloat16)),
+        (torch.randn(4, 24), torch.randn(2, 40, 24)),
+    ],
+)
+def test_it_declines_where_it_was_not_measured_to_pay(x, weight):
+    assert few_rows_linear(x, weight) is None
+
+
+def test_a_weight_of_a_tensor_subclass_keeps_its_own_kernel():
+    class Marked(torch.Tensor):
+        pass
+
+    weight = torch.randn(40, 24).as_subclass(Marked)
+    assert few_rows_linear(torch.randn(4, 24), weight) is None
+
+
+def test_the_mode_routes_linear_in_its_own_thread_only():
+    torch.manual_seed(0)
+    x, weight = torch.randn(4, 576), torch.randn(1536, 576)
+    plain, few = F.linear(x, weight), few_rows_linear(x, weight)
+    assert not torch.equal(plain, few)  # (they round differently: so routing shows)
+    elsewhere = []
+    with FewRowsLinear():
+        routed = F.linear(x, weight)
+        thread = threading.Thread(target=lambda: elsewhere.append(F.linear(x, weight)))
+        thread.start()
+        thread.join()
+        module = torch.nn.Linear(576, 1536, bias=False)
+        module.weight.data = weight
+        with torch.no_grad():
+            through_module = module(x)
+    assert torch.equal(routed, few) and torch.equal(through_module, few)
+    assert torch.equal(elsewhere[0], plain)
