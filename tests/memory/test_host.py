@@ -1,4 +1,7 @@
+import ctypes
 import gc
+import os
+import sys
 import weakref
 
 import pytest
@@ -7,7 +10,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from offload.memory import host
-from offload.memory.host import ALIGN_BYTES, HostSlab, TensorSpec, pack_offsets, zero_copy_available
+from offload.memory.host import (
+    ALIGN_BYTES,
+    HostSlab,
+    TensorSpec,
+    pack_offsets,
+    trim_freed_memory,
+    zero_copy_available,
+)
 
 
 @given(st.lists(st.integers(0, 10_000), max_size=20), st.sampled_from([1, 16, 256, 4096]))
@@ -85,3 +95,43 @@ def test_zero_copy_available(monkeypatch, device, pinned, disabled, env, expecte
     if env is not None:
         monkeypatch.setenv("VLLM_WEIGHT_OFFLOADING_DISABLE_UVA", env)
     assert zero_copy_available(torch.device(device), pinned, disabled) is expected
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_trim_hands_freed_heap_pages_back():
+    """Freed blocks pinned in the heap by small live ones stay in RSS until trimmed (what
+    a dropped model's tensors do); `trim_freed_memory` returns them."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = []
+    for _ in range(2048):  # 128 MiB in 64 KiB blocks (under malloc's mmap threshold)
+        block = libc.malloc(64 * 1024)
+        ctypes.memset(block, 1, 64 * 1024)
+        blocks.append(block)
+    for block in blocks[::2]:  # the live ones between keep the freed ones from merging
+        libc.free(block)
+    before = _rss_bytes()
+    assert trim_freed_memory()
+    after = _rss_bytes()
+    for block in blocks[1::2]:
+        libc.free(block)
+    assert before - after > 32 * 2**20, (before / 2**20, after / 2**20)
+
+
+def test_an_llm_closed_or_made_trims_the_heap(monkeypatch, tmp_path):
+    import zoo
+
+    from offload.llm import llm as llm_module
+
+    calls = []
+    monkeypatch.setattr(llm_module, "trim_freed_memory", lambda: calls.append(1))
+    llm = llm_module.LLM(zoo.save_attentive_llm(tmp_path))
+    assert len(calls) == 1  # made: what models dropped before it left
+    llm.close()
+    assert len(calls) == 2

@@ -4,10 +4,11 @@ exception from deeper down (torch, jinja2, Python's own TypeError)."""
 
 from __future__ import annotations
 
+import functools
 import operator
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from torch import nn
 from offload.config.limits import SEED_RANGE
 from offload.config.validate import flag, integer
 from offload.errors import ConfigError, ModelError, shown
+from offload.memory.threads import check_not_forked
 from offload.model.build import DTYPES
 from offload.model.loader import LOAD_FORMATS
 from offload.planner.fit import check_budget_args, check_swap_space
@@ -202,3 +204,19 @@ def check_use_tqdm(use_tqdm: object) -> None:
         raise ConfigError(
             f"use_tqdm must be True, False or a tqdm-like class, got {shown(use_tqdm)}"
         )
+
+
+def serialized(method: Callable) -> Callable:
+    """One call at a time per `LLM`: the offloaded weights' device slots, the KV cache and
+    the counters belong to one forward at a time, so a second thread's call waits for
+    the first to finish (each gets exactly the tokens it would get alone)."""
+
+    @functools.wraps(method)
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        check_not_forked(self._pid, "this LLM")
+        with self._lock:
+            if self._closed:
+                raise ConfigError("this LLM is closed; make a new LLM(...) to generate again")
+            return method(self, *args, **kwargs)
+
+    return call

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import os
 import sys
@@ -32,10 +31,12 @@ from offload.llm.checks import (
     check_token_ids,
     check_use_tqdm,
     parse_prompts,
+    serialized,
     vocab_limit,
 )
 from offload.llm.serving import Serving
 from offload.memory.device import check_device
+from offload.memory.host import trim_freed_memory
 from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
@@ -43,22 +44,6 @@ from offload.model.loader import load_model
 from offload.model.sources import resolve_model
 from offload.model.tokenizer import eos_token_ids
 from offload.planner.fit import plan_memory
-
-
-def _serialized(method: Callable) -> Callable:
-    """One call at a time per `LLM`: the offloaded weights' device slots, the KV cache and
-    the counters belong to one forward at a time, so a second thread's call waits for
-    the first to finish (each gets exactly the tokens it would get alone)."""
-
-    @functools.wraps(method)
-    def call(self: LLM, *args: Any, **kwargs: Any) -> Any:
-        check_not_forked(self._pid, "this LLM")
-        with self._lock:
-            if self._closed:
-                raise ConfigError("this LLM is closed; make a new LLM(...) to generate again")
-            return method(self, *args, **kwargs)
-
-    return call
 
 
 class LLM(DecodeLoop):
@@ -147,6 +132,7 @@ class LLM(DecodeLoop):
             config.disk.offload_folder,
         )
         self.device = check_device(device)
+        trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         empty = build_empty(path, dtype, trust_remote_code)
         check_attention_model(empty)
         plan = plan_memory(
@@ -216,7 +202,7 @@ class LLM(DecodeLoop):
 
     # -- public API -------------------------------------------------------------
 
-    @_serialized
+    @serialized
     def generate(
         self,
         prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
@@ -232,7 +218,7 @@ class LLM(DecodeLoop):
         check_token_ids(ids, vocab_limit(self.model), encoded)
         return self._generate(texts, ids, sampling_params, use_tqdm)
 
-    @_serialized
+    @serialized
     def chat(
         self,
         messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
@@ -292,7 +278,7 @@ class LLM(DecodeLoop):
         check_token_ids(ids, vocab_limit(self.model), encoded)
         return self.serving().stream(texts[0], ids[0], sampling_params or SamplingParams())
 
-    @_serialized
+    @serialized
     def transfer_stats(self) -> TransferStats:
         """Bytes moved so far, host to device and back (weights and KV cache, CUDA graph
         replays included), the time compute waited for weight copies, and the number of
@@ -317,6 +303,7 @@ class LLM(DecodeLoop):
             self._closed = True
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool
+        trim_freed_memory()
 
     @contextlib.contextmanager
     def _streaming(self, on_step: Callable[[list[SequenceState]], None]) -> Iterator[None]:
