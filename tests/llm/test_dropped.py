@@ -20,14 +20,15 @@ def _held(path):
     this process's leases, now (only what a model holds: other tests' threads and torch's
     own pools do not count)."""
     folder = str(path)
-    files = 0
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            files += os.readlink(f"/proc/self/fd/{fd}").startswith(folder)
     ours = [t for t in threading.enumerate() if t.name.startswith("offload-")]
     for thread in ours:  # told to end (not waited for, as a finalizer must not block)
         thread.join(timeout=5)
     threads = sum(thread.is_alive() for thread in ours)
+    gc.collect()  # (what a thread still held when the loop collected is garbage now)
+    files = 0  # counted once the threads are gone: a read in flight holds its reader
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            files += os.readlink(f"/proc/self/fd/{fd}").startswith(folder)
     with open("/proc/self/maps") as mapped:
         maps = sum(1 for line in mapped if folder in line)
     pid = str(os.getpid())
