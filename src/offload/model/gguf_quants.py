@@ -1,0 +1,177 @@
+"""GGUF's quantized blocks, read with torch: a tensor's stored bytes -> its float32 values,
+bit for bit what the `gguf` package's reference (`gguf.quants.dequantize`) gives, and so
+what transformers loads from a GGUF file today.
+
+A quantized tensor is a run of blocks; each block holds `block_size` values in
+`block_bytes` bytes: fp16 scales (and minimums) and packed integers. The arithmetic is
+done in the reference's order, one rounding per operation (`d * q + m`, never fused), so
+the results are equal, not close. Only the layout is shared with llama.cpp and `gguf`;
+the code is written from the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from offload.errors import ModelError
+
+QK_K = 256  # values in a K-quant super-block
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    block_size: int  # values per block
+    block_bytes: int  # bytes per block
+
+
+FORMATS = {
+    "Q4_0": BlockFormat(32, 18),
+    "Q4_1": BlockFormat(32, 20),
+    "Q5_0": BlockFormat(32, 22),
+    "Q5_1": BlockFormat(32, 24),
+    "Q8_0": BlockFormat(32, 34),
+    "Q4_K": BlockFormat(QK_K, 144),
+    "Q5_K": BlockFormat(QK_K, 176),
+    "Q6_K": BlockFormat(QK_K, 210),
+}
+
+
+def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The float32 values of `raw` (uint8 [..., bytes per row]) stored as GGUF type
+    `type_name`: [..., values per row]."""
+    if type_name == "F32":
+        return raw.contiguous().view(torch.float32)
+    if type_name == "F16":
+        return raw.contiguous().view(torch.float16).float()
+    if type_name not in FORMATS:
+        allowed = ", ".join(["F32", "F16", *FORMATS])
+        raise ModelError(f"GGUF type {type_name} is not read yet; these are: {allowed}")
+    block = FORMATS[type_name]
+    if raw.dtype != torch.uint8 or raw.shape[-1] % block.block_bytes:
+        raise ModelError(
+            f"a {type_name} row must be whole blocks of {block.block_bytes} bytes; "
+            f"got {raw.shape[-1]} bytes of {raw.dtype}"
+        )
+    rows = raw.shape[:-1]
+    blocks = raw.reshape(-1, block.block_bytes)  # [blocks, bytes]
+    values = _DECODERS[type_name](blocks)  # [blocks, block_size]
+    return values.reshape(*rows, -1)
+
+
+def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of each block, as float32: [blocks, 1]."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """Each run of `group` bytes gives `group` low nibbles, then `group` high ones:
+    [blocks, bytes] -> [blocks, 2 * bytes] (uint8, 0..15)."""
+    num = packed.shape[0]
+    runs = packed.reshape(num, -1, 1, group)
+    return torch.cat([runs & 0x0F, runs >> 4], dim=2).reshape(num, -1)
+
+
+def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian fields of `width` bits, lowest first, from each byte:
+    [blocks, bytes] -> [blocks, bytes * 8 / width] in byte-major order."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8)
+    mask = (1 << width) - 1
+    return ((packed[:, :, None] >> shifts) & mask).reshape(packed.shape[0], -1)
+
+
+def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = _nibbles(blocks[:, 2:], 16).to(torch.int8) - 8
+    return d * q.float()
+
+
+def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _nibbles(blocks[:, 4:], 16).float()
+    return (d * q) + m
+
+
+def _five_bit(blocks: torch.Tensor, high_at: int) -> torch.Tensor:
+    """Q5_0/Q5_1's 32 values 0..31: nibbles after the 4 high-bit bytes at `high_at`."""
+    high = _bits(blocks[:, high_at : high_at + 4], 1)  # bit i of the uint32: value i's
+    low = _nibbles(blocks[:, high_at + 4 :], 16)
+    return low | (high << 4)
+
+
+def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = _five_bit(blocks, 2).to(torch.int8) - 16
+    return d * q.float()
+
+
+def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _five_bit(blocks, 4).float()
+    return (d * q) + m
+
+
+def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+    d = _f16(blocks, 0)
+    q = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return q * d
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 8 six-bit scales and 8 six-bit minimums from 12 bytes: bytes 0-3 hold
+    scales 0-3 (and the top bits of scales 4-7), 4-7 the minimums 0-3 (and the top bits
+    of minimums 4-7), 8-11 the low nibbles of scales (low) and minimums (high) 4-7."""
+    d, m, both = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    scales = torch.cat([d & 0x3F, (both & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mins = torch.cat([m & 0x3F, (both >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return scales, mins  # [blocks, 8] each
+
+
+def _k_affine(blocks: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Q4_K/Q5_K: value = d * scale_j * q - dmin * min_j over 8 groups of 32."""
+    num = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    scales, mins = _k_scales(blocks[:, 4:16])
+    step = (d * scales.float()).reshape(num, -1, 1)
+    low = (dmin * mins.float()).reshape(num, -1, 1)
+    return (step * q.reshape(num, -1, 32).float() - low).reshape(num, QK_K)
+
+
+def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
+    return _k_affine(blocks, _nibbles(blocks[:, 16:], 32))
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    num = blocks.shape[0]
+    low = _nibbles(blocks[:, 48:], 32).reshape(num, 8, 32)
+    # Bit j of high byte i is the fifth bit of value i of group j.
+    high = _bits(blocks[:, 16:48], 1).reshape(num, 32, 8).transpose(1, 2)
+    return _k_affine(blocks, low | (high << 4))
+
+
+def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    num = blocks.shape[0]
+    low = _nibbles(blocks[:, :128], 64).reshape(num, 8, 32)
+    # Each run of 32 high bytes gives 2-bit fields for 4 groups: bits 0-1 the first, ...
+    high = blocks[:, 128:192].reshape(num, 2, 1, 32) >> torch.tensor(
+        [0, 2, 4, 6], dtype=torch.uint8
+    ).reshape(1, 1, 4, 1)
+    high = (high & 0x03).reshape(num, 8, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(num, 16, 16).float()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
+    d = (_f16(blocks, 208) * scales).reshape(num, 16, 1)
+    return (d * q).reshape(num, QK_K)
+
+
+_DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Q4_0": _q4_0,
+    "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
+    "Q8_0": _q8_0,
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+}
