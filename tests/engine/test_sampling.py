@@ -372,3 +372,39 @@ def test_junk_in_any_field_builds_or_raises_an_offload_error(field, value):
             SamplingParams(**{field: value})
     except OffloadError as error:
         assert "\n" not in str(error)
+
+
+def test_a_mixed_batch_picks_what_each_row_picks_alone():
+    """Plain greedy rows go in one pass; penalized greedy and sampled rows one by one:
+    every row's token is the one it gets alone, ties going to the first maximum."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 64)
+    logits[2, 10] = logits[2, 20] = logits[2].max() + 1  # a tie: the first one wins
+    counts = TokenCounts([3, 4], 64, logits.device)
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, presence_penalty=2.0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, seed=5),
+        SamplingParams(temperature=0, logit_bias={7: 50.0}),
+        SamplingParams(temperature=0),
+    ]
+    row_counts = [None, counts, None, None, None, None]
+
+    def alone(row):
+        generator = make_generator(params[row], logits.device)
+        return sample(logits[row : row + 1].clone(), [params[row]], [generator],
+                      [row_counts[row]])[0].item()  # fmt: skip
+
+    generators = [make_generator(p, logits.device) for p in params]
+    together = sample(logits.clone(), params, generators, row_counts).tolist()
+    assert together == [alone(row) for row in range(6)]
+    assert together[2] == 10 and together[4] == 7
+
+
+def test_a_plain_greedy_row_of_nan_is_named_among_good_rows():
+    logits = torch.randn(4, 16)
+    logits[2, 5] = float("nan")
+    params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.0)]
+    with pytest.raises(ModelError, match="model's logits for prompt 12 hold nan or inf"):
+        sample(logits, params, [None] * 4, prompts=[10, 11, 12, 13])

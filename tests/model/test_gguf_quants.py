@@ -39,14 +39,18 @@ def test_each_type_equals_the_reference_bit_for_bit(type_name, seed):
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(expected)))
 
 
-def test_every_tensor_of_the_default_model_equals_the_reference():
+def test_the_default_models_tensors_equal_the_reference():
+    """The first tensor of each type in the file, and a whole decoder layer."""
     reader = gguf.GGUFReader(gguf_path())
     seen = set()
     for tensor in reader.tensors:
         name = tensor.tensor_type.name
+        if name in seen and not tensor.name.startswith("blk.0."):
+            continue
         seen.add(name)
-        expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        got = dequantize(torch.from_numpy(np.array(tensor.data)).view(torch.uint8), name)
+        data = np.array(tensor.data[:1024])  # (the embedding's first rows: enough)
+        expected = gguf.quants.dequantize(data, tensor.tensor_type)
+        got = dequantize(torch.from_numpy(data).view(torch.uint8), name)
         assert torch.equal(got.reshape(expected.shape), torch.from_numpy(expected)), tensor.name
     assert {"Q4_1", "Q8_0", "F32"} <= seen
 

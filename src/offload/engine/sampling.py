@@ -55,7 +55,7 @@ def adjust_logits(
     """One request's logits [vocab] after vLLM's argmax-changing steps, in its order:
     allowed tokens, logit bias, then the repetition, frequency and presence penalties
     (in float32). Unchanged, and not copied, when the request asks for none of them."""
-    if not (params.allowed_token_ids or params.logit_bias or params.has_penalties):
+    if not asks_adjustment(params):
         return logits
     logits = logits.float()
     if params.allowed_token_ids:
@@ -76,6 +76,11 @@ def adjust_logits(
         logits = logits - params.frequency_penalty * generated
         logits = logits - params.presence_penalty * (generated > 0).float()
     return logits
+
+
+def asks_adjustment(params: SamplingParams) -> bool:
+    """Whether `adjust_logits` changes anything for `params`."""
+    return bool(params.allowed_token_ids or params.logit_bias or params.has_penalties)
 
 
 def make_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
@@ -126,33 +131,44 @@ def sample(
     (`prompts`: each row's index in the call), never a wrong token or torch's error.
     """
     counts = counts if counts is not None else [None] * len(params)
-    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)  # [batch]
-    unusable = []  # per row, on the device: checked once for the batch (one sync)
+    device = logits.device
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=device)  # [batch]
+    # per row, on the device: checked once for the batch (one sync)
+    unusable = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)  # [batch]
+    # Plain greedy rows (the server's usual batch) in one pass: the same argmax, row by row.
+    plain = [row for row, p in enumerate(params) if p.is_greedy and not asks_adjustment(p)]
+    if plain:
+        index = torch.tensor(plain, device=device)
+        rows = logits.index_select(0, index)  # [plain, vocab]
+        tokens[index] = torch.argmax(rows, dim=-1)
+        unusable[index] = _unusable(rows)
     for row, (request, generator) in enumerate(zip(params, generators, strict=True)):
+        if request.is_greedy and not asks_adjustment(request):
+            continue
         row_logits = adjust_logits(logits[row], request, counts[row])
         if request.is_greedy:
-            unusable.append(_unusable(row_logits))
+            unusable[row] = _unusable(row_logits)
             tokens[row] = torch.argmax(row_logits)
             continue
         probs = torch.softmax(filter_logits(row_logits, request), dim=-1)
         bad = _unusable(probs)
-        unusable.append(bad)
+        unusable[row] = bad
         # A bad row draws from a stand-in, so multinomial (a device assert on a GPU) never
         # sees it; the error below is raised instead.
         probs = torch.where(bad, torch.ones_like(probs), probs)
         tokens[row] = torch.multinomial(probs, 1, generator=generator)[0]
-    if unusable:
-        flags = torch.stack(unusable)  # [batch]
-        if bool(flags.any()):
-            row = int(flags.nonzero()[0])
-            prompt = row if prompts is None else prompts[row]
-            raise _why_unusable(logits[row], params[row], counts[row], prompt)
+    if bool(unusable.any()):
+        row = int(unusable.nonzero()[0])
+        prompt = row if prompts is None else prompts[row]
+        raise _why_unusable(logits[row], params[row], counts[row], prompt)
     return tokens
 
 
 def _unusable(values: torch.Tensor) -> torch.Tensor:
-    """True (a 0-d tensor) when nothing can be picked from logits or probabilities."""
-    return torch.isnan(values).any() | torch.isposinf(values).any() | torch.isneginf(values).all()
+    """True when nothing can be picked from logits or probabilities [..., vocab]: one
+    flag per row (a 0-d tensor for one row)."""
+    nan, inf = torch.isnan(values).any(-1), torch.isposinf(values).any(-1)
+    return nan | inf | torch.isneginf(values).all(-1)
 
 
 def _why_unusable(
