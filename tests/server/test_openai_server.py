@@ -5,6 +5,9 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -201,3 +204,18 @@ def test_a_full_queue_answers_503_and_sigterm_ends_streams_and_exits_0(checkpoin
         server.stop()
         if server.process.poll() is None:
             os.kill(server.process.pid, signal.SIGKILL)
+
+
+def test_a_port_already_taken_is_one_line_and_exit_2(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "offload.cli", "serve", str(chat_checkpoint(tmp_path)),
+                   "--port", str(port), "--no-progress"]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"offload: error: offload serve could not listen on 127.0.0.1:{port}"
+    )
+    assert "Traceback" not in done.stderr

@@ -99,6 +99,8 @@ def run_serve(args: argparse.Namespace) -> int:
         llm.close()
     if not server.started:
         raise OffloadError(f"offload serve could not listen on {args.host}:{args.port}")
+    if not server.should_exit:  # (set by a signal only): the HTTP side ended by itself
+        raise OffloadError("offload serve: the HTTP server stopped (see the lines above)")
     return 0
 
 
