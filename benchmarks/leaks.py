@@ -96,7 +96,10 @@ def main() -> None:
             f"{mode:<11} {span('files'):>11} {span('threads'):>9} {span('maps'):>11} "
             f"{span('leases'):>7}  {rss[0]:.0f} .. {rss[-1]:.0f} (min {min(rss):.0f}, max {max(rss):.0f})"
         )
+    # PYTHONMALLOC=malloc shows what CPython's own small-object arenas add (docs/benchmarks.md).
+    allocator = os.environ.get("PYTHONMALLOC", "pymalloc")
     path = common.save("leaks", torch.device("cpu"), {"model": args.model, "loops": args.loops,
+                                                     "python_allocator": allocator,
                                                      "modes": results})  # fmt: skip
     print(f"saved {path}")
 

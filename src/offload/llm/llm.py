@@ -7,6 +7,7 @@ import inspect
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from offload.llm.checks import (
 )
 from offload.llm.serving import Serving
 from offload.memory.device import check_device
-from offload.memory.host import trim_freed_memory
+from offload.memory.host import trim_after_collection, trim_freed_memory
 from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
@@ -103,6 +104,9 @@ class LLM(DecodeLoop):
         self._served: Serving | None = None
         self._pid = os.getpid()
         self._closed = False
+        # Dropped without close(): its tensors are freed after this runs, so malloc's heaps
+        # are trimmed at the collection that ends it (else RSS keeps what it held).
+        weakref.finalize(self, trim_after_collection)
         self._on_step: Callable[[list[SequenceState]], None] | None = None  # see _streaming
         limits = check_llm_args(
             model=model,
