@@ -21,3 +21,10 @@ def format_bytes(num_bytes: float) -> str:
 def parameter_bytes(module: nn.Module) -> int:
     """The bytes of `module`'s parameters (each shared parameter once)."""
     return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def compute_dtype(model: nn.Module):
+    """The dtype `model` computes (and keeps its KV cache) in: that of its first
+    floating-point parameter (quantized weights are stored as integers)."""
+    params = list(model.parameters())
+    return next((p.dtype for p in params if p.dtype.is_floating_point), params[0].dtype)

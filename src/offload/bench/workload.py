@@ -20,7 +20,7 @@ from offload.model.configs import CONFIGS, shipped
 from offload.model.default import cache_dir, default_model_path
 from offload.offloader.layers import find_layers
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
-from offload.sizes import parameter_bytes
+from offload.sizes import compute_dtype, parameter_bytes
 
 SHARD_BYTES = 10**9  # not a multiple of a layer: layers span files, as in real checkpoints
 _WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
@@ -102,7 +102,7 @@ def prepare(workload: Workload) -> Prepared:
         path=path,
         name=name,
         device=device,
-        dtype=next(model.parameters()).dtype,
+        dtype=compute_dtype(model),
         files=weight_files(path),
         total_bytes=parameter_bytes(model),
         layer_bytes=[parameter_bytes(layer) for layer in layers],

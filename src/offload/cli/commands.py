@@ -28,7 +28,7 @@ from offload.model.default import default_model_path
 from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
-from offload.sizes import format_bytes, parameter_bytes
+from offload.sizes import compute_dtype, format_bytes, parameter_bytes
 
 # The `generate` flags that are SamplingParams fields of the same name.
 _SAMPLING_FLAGS = (
@@ -178,7 +178,7 @@ def inspect(args: argparse.Namespace) -> str:
     path = resolve_model(path)
     model = build_empty(path, args.dtype, args.trust_remote_code)
     total = parameter_bytes(model)
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     lines = [f"{path}: {type(model).__name__}, {format_bytes(total)} of parameters ({dtype})"]
     for name, stack in find_layer_stacks(model):
         sizes = [parameter_bytes(block) for block in stack]

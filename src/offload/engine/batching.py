@@ -22,6 +22,7 @@ from offload.engine.requests import EngineModel, Group, Row, Submitted
 from offload.engine.rows import RowCache, read_width
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError, OffloadError
+from offload.sizes import compute_dtype
 
 
 class BatchingEngine:
@@ -38,7 +39,7 @@ class BatchingEngine:
         own_thread: bool = True,
     ):
         self._runner = runner
-        dtype = next(runner.model.parameters()).dtype
+        dtype = compute_dtype(runner.model)
         self._cache = RowCache(
             runner.model.config, max_rows, max_len, dtype, runner.device, kv_dims
         )

@@ -27,6 +27,7 @@ from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import cache_argument, probe_kv_dims, static_cache
 from offload.errors import ConfigError
 from offload.offloader.base import BaseOffloader
+from offload.sizes import compute_dtype
 
 
 class DecodeLoop:
@@ -138,7 +139,7 @@ class DecodeLoop:
             self._moved += graphs.replayed
 
     def _make_cache(self, batch: int, length: int):
-        dtype = next(self.model.parameters()).dtype
+        dtype = compute_dtype(self.model)
         dims = None
         if self.kv_offload:
             if self._kv_dims is None:  # once: what the attention layers really cache

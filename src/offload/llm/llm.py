@@ -42,6 +42,7 @@ from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
 from offload.model.loader import load_model
+from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model
 from offload.model.tokenizer import eos_token_ids
 from offload.planner.fit import plan_memory
@@ -80,6 +81,7 @@ class LLM(DecodeLoop):
         model: str | Path | None = None,
         *,
         dtype: str | torch.dtype = "auto",
+        quantization: str | None = None,
         device: str | torch.device = "auto",
         max_model_len: int | None = None,
         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
@@ -134,6 +136,7 @@ class LLM(DecodeLoop):
         path = resolve_model(
             shipped(model) if load_format == "dummy" and model else model,
             config.disk.offload_folder,
+            quantization=check_quantization(quantization),
         )
         self.device = check_device(device)
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps

@@ -21,6 +21,7 @@ from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
 from offload.errors import ConfigError, OffloadError
 from offload.memory.host import available_ram_bytes
+from offload.sizes import compute_dtype
 
 _logger = logging.getLogger("offload")
 _ids = itertools.count()
@@ -59,7 +60,7 @@ def plan_rows(
 
 
 def _row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
-    dtype = next(llm.model.parameters()).dtype
+    dtype = compute_dtype(llm.model)
     per_position = bytes_per_row(llm.model.config, 1, dtype)
     if llm.device.type == "cuda":
         free = torch.cuda.mem_get_info(llm.device)[0] // 2

@@ -17,6 +17,7 @@ from torch import nn
 from offload.errors import ModelError
 from offload.memory.safetensors import json_type
 from offload.model.limits import check_parameters, check_sizes
+from offload.model.quantized import READ, swap_in_quantized, weight_types
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -73,7 +74,14 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
                 f"({_describe(error)})"
             ) from None
     model.tie_weights()  # tied names become one parameter before anything is placed
+    quantized = settings.get("quantization_config")
+    if _read_as_stored(quantized):
+        swap_in_quantized(model, weight_types(quantized, config_file), config_file)
     return model.eval()
+
+
+def _read_as_stored(quantized: object) -> bool:
+    return isinstance(quantized, dict) and quantized.get("quant_method") in READ
 
 
 def _checked_settings(path: Path) -> tuple[Path, dict[str, Any]]:
@@ -85,7 +93,7 @@ def _checked_settings(path: Path) -> tuple[Path, dict[str, Any]]:
         raise ModelError(f"{path} is not a model directory (no config.json)")
     settings = _read_config(config_file)
     quantized = settings.get("quantization_config")
-    if quantized is not None:
+    if quantized is not None and not _read_as_stored(quantized):
         method = quantized.get("quant_method", "unknown") if isinstance(quantized, dict) else "?"
         raise ModelError(
             f"quantized checkpoints are not supported yet (quant_method {method} in "

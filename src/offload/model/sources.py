@@ -31,7 +31,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 
 from offload.errors import ModelError
-from offload.model.default import cache_dir, conversion_failure, default_model_path
+from offload.model.default import cache_dir, conversion_failure, default_model_path, gguf_path
 
 ACCEPTED = (
     "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "
@@ -43,15 +43,26 @@ _CONVERTED = "converted"
 _VERSION = "1"  # part of the key: a change in how we convert converts again
 
 
-def resolve_model(model: str | Path | None, offload_folder: str | Path | None = None) -> Path:
+def resolve_model(
+    model: str | Path | None,
+    offload_folder: str | Path | None = None,
+    *,
+    quantization: str | None = None,
+) -> Path:
     """The local folder `model` names (see the module's docstring); conversions go into
-    `offload_folder` when given, else into the offload cache."""
-    if model is None:
+    `offload_folder` when given, else into the offload cache. `quantization="gguf"` keeps
+    a GGUF's tensors as stored (`gguf_stored.py`) instead of converting them to float32."""
+    if model is None and quantization is None:
         return default_model_path()
     into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
-    path = Path(model).expanduser()
+    path = gguf_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        if quantization == "gguf":
+            stored = f"{path.stem}.stored"
+            return _converted(into, stored, [path], lambda out: _stored_gguf(path, out))
         return _converted(into, path.stem, [path], lambda out: _from_gguf(path, out))
+    if quantization is not None:
+        _check_quantized_as(path, quantization)
     if path.is_dir():
         return _local_folder(path, into)
     if path.exists():
@@ -273,3 +284,28 @@ def _from_gguf(source: Path, out: Path) -> None:
     from offload.model.default import _convert
 
     _convert(source, out)
+
+
+def _stored_gguf(source: Path, out: Path) -> None:
+    from offload.model.default import check_gguf_header
+    from offload.model.gguf_stored import save_as_stored
+
+    check_gguf_header(source)
+    save_as_stored(source, out)
+
+
+def _check_quantized_as(path: Path, quantization: str) -> None:
+    """A folder given with `quantization=` must hold weights quantized that way."""
+    import json
+
+    try:
+        settings = json.loads((path / "config.json").read_text())
+        method = settings.get("quantization_config", {}).get("quant_method")
+    except (OSError, ValueError, AttributeError):
+        return  # (the loader says what is wrong with the folder)
+    if method != quantization:
+        held = f"quant_method {method}" if method else "not quantized"
+        raise ModelError(
+            f"quantization={quantization!r} needs a .gguf file or a folder offload made from "
+            f"one; {path} is {held}"
+        )

@@ -20,7 +20,7 @@ from offload.engine.kv_shape import kv_shape_of
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import available_ram_bytes, meminfo_bytes
 from offload.offloader.layers import find_layer_stacks
-from offload.sizes import GIB
+from offload.sizes import GIB, compute_dtype
 
 _MARGIN_BYTES = 64 * 2**20  # allocator slack, small kernels' workspaces
 
@@ -66,7 +66,7 @@ def activation_bytes(
 def measure(model: nn.Module, max_model_len: int, chunk_tokens: int | None = None) -> MemoryNeeds:
     """The needs of a model built on the meta device (no weights read), with prompts
     prefilled `chunk_tokens` at a time (None: whole)."""
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     stacks = [stack for _, stack in find_layer_stacks(model)]
     layers = [
         sum(p.numel() * p.element_size() for p in block.parameters()) for s in stacks for block in s

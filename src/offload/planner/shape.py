@@ -15,7 +15,7 @@ from torch import nn
 from offload.offloader.layers import find_layer_stacks, find_layers
 from offload.offloader.selection import matches_segments
 from offload.planner.fit import activation_bytes, kv_cache_bytes
-from offload.sizes import parameter_bytes
+from offload.sizes import compute_dtype, parameter_bytes
 
 EXPERTS = "experts"  # the name segment of a mixture-of-experts layer's expert weights
 # Config keys that name where a config came from, not the model's shape.
@@ -57,7 +57,7 @@ class ModelShape:
 
 def shape_of(model: nn.Module, context_len: int) -> ModelShape:
     """The shape of `model` (built on the meta device) for decoding at `context_len`."""
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     layers = find_layers(model)
     layer_bytes = tuple(parameter_bytes(layer) for layer in layers)
     experts = tuple(

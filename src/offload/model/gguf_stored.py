@@ -1,0 +1,134 @@
+"""A GGUF file as stored: its tensors' own bytes in a safetensors file, under transformers'
+names, with the config and tokenizer beside them. Nothing is de-quantized: a quantized
+tensor is uint8 [rows, bytes per row] (`gguf_quants` reads it), a float one keeps its dtype.
+
+config.json names each quantized weight's GGUF type in its `quantization_config`
+(`{"quant_method": "gguf", "weight_types": {name: "Q4_1", ...}}`), so the model is built
+with quantized modules before a byte is read (`model/quantized.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from offload.errors import ModelError
+from offload.model.gguf_quants import FORMATS
+
+# The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
+# rows (for its interleaved rotary layout): those are put back in transformers' order.
+_ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+_FLOATS = {"F32": ("F32", np.float32), "F16": ("F16", np.float16)}
+
+
+def save_as_stored(source: Path, out_dir: Path) -> None:
+    """Write `source`'s config, tokenizer and stored tensors into `out_dir`."""
+    import gguf
+
+    from offload.model.default import _gguf_parsed_once
+
+    reader = gguf.GGUFReader(source)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch not in _ARCHITECTURES:
+        raise ModelError(
+            f"{source}: GGUF architecture {arch!r} is not read as stored yet (these are: "
+            f"{', '.join(_ARCHITECTURES)}); quantization=None converts it to float32"
+        )
+    from transformers import AutoConfig, AutoTokenizer
+
+    with _gguf_parsed_once():
+        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    names = _hf_names(arch, config)
+    tensors: dict[str, tuple[str, list[int], np.ndarray]] = {}
+    weight_types: dict[str, str] = {}
+    for tensor in reader.tensors:
+        if tensor.name not in names:
+            raise ModelError(f"{source}: tensor {tensor.name!r} has no place in a {arch} model")
+        name, kind = names[tensor.name], tensor.tensor_type.name
+        data = np.asarray(tensor.data)
+        if _ARCHITECTURES[arch] and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else _kv_heads(config)
+            data = _unpermute_rows(data, heads)
+        if kind in _FLOATS:
+            dtype, numpy_type = _FLOATS[kind]
+            tensors[name] = (dtype, list(data.shape), data.astype(numpy_type, copy=False))
+        elif kind in FORMATS:
+            weight_types[name] = kind
+            tensors[name] = ("U8", list(data.shape), data)
+        else:
+            raise ModelError(
+                f"{source}: {tensor.name} is stored as {kind}; read as stored: "
+                f"{', '.join([*FORMATS, *_FLOATS])}"
+            )
+    settings = config.to_dict()
+    settings["quantization_config"] = {"quant_method": "gguf", "weight_types": weight_types}
+    settings.pop("torch_dtype", None)
+    settings.pop("dtype", None)  # (the activations' dtype is the user's choice: float32)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
+    tokenizer.save_pretrained(out_dir)
+    _write_safetensors(out_dir / "model.safetensors", tensors)
+
+
+def _kv_heads(config: Any) -> int:
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's query/key row order back to transformers': within each head, its
+    interleaved (even, odd) rows become (first half, second half). Rows move whole, so a
+    quantized row's bytes move unchanged (transformers does the same on the floats)."""
+    half = rows.shape[0] // heads // 2
+    return np.ascontiguousarray(
+        rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    )
+
+
+def _hf_names(arch: str, config: Any) -> dict[str, str]:
+    """GGUF tensor name -> transformers parameter name, from gguf's own table."""
+    import gguf
+
+    arch_id = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch)
+    table = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    parts = ["model.embed_tokens", "model.norm", "lm_head"]
+    layer = ["input_layernorm", "post_attention_layernorm"]
+    layer += [f"self_attn.{p}_proj" for p in "qkvo"] + [
+        f"mlp.{p}_proj" for p in ("gate", "up", "down")
+    ]
+    layer += ["self_attn.q_norm", "self_attn.k_norm"]  # (Qwen3)
+    parts += [f"model.layers.{i}.{p}" for i in range(config.num_hidden_layers) for p in layer]
+    names = {}
+    for part in parts:
+        gguf_name = table.get_name(part)
+        if gguf_name is not None:
+            for suffix in ("weight", "bias"):
+                names[f"{gguf_name}.{suffix}"] = f"{part}.{suffix}"
+    return names
+
+
+_SAFETENSORS_ALIGN = 8
+
+
+def _write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], np.ndarray]]) -> None:
+    """A safetensors file written tensor by tensor (never a second copy of the whole)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {
+            "dtype": dtype,
+            "shape": shape,
+            "data_offsets": [offset, offset + data.nbytes],
+        }
+        offset += data.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % _SAFETENSORS_ALIGN)
+    with path.open("wb") as file:
+        file.write(struct.pack("<Q", len(text)))
+        file.write(text)
+        for _, _, data in tensors.values():
+            file.write(np.ascontiguousarray(data).data)
