@@ -22,7 +22,7 @@ from offload.model.gguf_quants import dequantize
 from offload.model.quantized import GGUFEmbedding, GGUFLinear
 from offload.model.sources import resolve_model
 
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 PROMPTS = ["What is the capital of France?", "1, 2, 3,"]
 
 
