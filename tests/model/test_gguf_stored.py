@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from offload import LLM, SamplingParams
-from offload.errors import ModelError
+from offload.errors import ConfigError, ModelError
 from offload.model.default import gguf_path
 from offload.model.gguf_quants import dequantize
 from offload.model.quantized import GGUFEmbedding, GGUFLinear
@@ -140,10 +140,10 @@ def test_offloaded_as_stored_equals_resident_and_moves_the_stored_bytes(
 
 def test_quantization_is_checked_before_anything_is_read(tmp_path, smollm2_path):
     with pytest.raises(
-        ModelError, match=r"quantization='gptq' is not supported yet; supported: gguf"
+        ConfigError, match=r"quantization='gptq' is not supported \(yet; read: gguf\)"
     ):
         LLM(quantization="gptq")
-    with pytest.raises(ModelError, match="quantization must be None or one of gguf; got 'int3'"):
+    with pytest.raises(ConfigError, match="quantization must be None or one of gguf; got 'int3'"):
         LLM(quantization="int3")
     with pytest.raises(ModelError, match=r"needs a \.gguf file or a folder offload made from one"):
         LLM(smollm2_path, quantization="gguf")

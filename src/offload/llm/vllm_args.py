@@ -41,10 +41,6 @@ IGNORED: dict[str, tuple[Callable[[object], bool], str]] = {
     "distributed_executor_backend": (_one_of(None, "mp", "uni"), "one process, one device"),
     "pipeline_parallel_size": (_one_of(1), "offload runs a model on one device"),
     "data_parallel_size": (_one_of(1), "offload runs a model on one device"),
-    "quantization": (
-        _one_of(None),
-        "quantized weights are not supported yet; offload runs the checkpoint's own dtype",
-    ),
     "kv_cache_dtype": (_one_of("auto"), "the KV cache is kept in the model's dtype"),
     "calculate_kv_scales": (_one_of(False), "the KV cache is kept in the model's dtype"),
     "revision": (_one_of(None, "main"), "give a local folder or the cached snapshot instead"),

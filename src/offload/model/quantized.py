@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from offload.errors import ModelError
+from offload.errors import ConfigError, ModelError
 from offload.model.gguf_quants import FORMATS, dequantize
 
 # vLLM's `quantization=` values: those read here, then those refused by name.
@@ -33,10 +33,12 @@ def check_quantization(value: object) -> str | None:
     if value is None or value in READ:
         return value  # type: ignore[return-value]
     if value in NOT_YET:
-        raise ModelError(
-            f"quantization={value!r} is not supported yet; supported: {', '.join(READ)}"
+        raise ConfigError(
+            f"LLM(): quantization={value!r} is not supported (yet; read: {', '.join(READ)})"
         )
-    raise ModelError(f"quantization must be None or one of {', '.join(READ)}; got {value!r}")
+    raise ConfigError(
+        f"LLM(): quantization must be None or one of {', '.join(READ)}; got {value!r}"
+    )
 
 
 def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
