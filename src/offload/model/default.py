@@ -229,7 +229,7 @@ def _dequantize_and_save(source: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # The GGUF holds tensors and settings only: no code of its package ever runs.
-    with _gguf_parsed_once():
+    with gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(
             source.parent, gguf_file=source.name, trust_remote_code=False
         )
@@ -249,7 +249,7 @@ _GGUF_PATCH = threading.Lock()
 
 
 @contextlib.contextmanager
-def _gguf_parsed_once() -> Iterator[None]:
+def gguf_parsed_once() -> Iterator[None]:
     """transformers parses the file anew for the config, the tokenizer and the weights,
     and rebuilds gguf's tensor-name table once per tensor: inside this block each is made
     once and reused (the same objects, read only, so the same result at half the time).

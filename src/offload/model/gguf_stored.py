@@ -29,7 +29,7 @@ def save_as_stored(source: Path, out_dir: Path) -> None:
     """Write `source`'s config, tokenizer and stored tensors into `out_dir`."""
     import gguf
 
-    from offload.model.default import _gguf_parsed_once
+    from offload.model.default import gguf_parsed_once
 
     reader = gguf.GGUFReader(source)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
@@ -40,7 +40,7 @@ def save_as_stored(source: Path, out_dir: Path) -> None:
         )
     from transformers import AutoConfig, AutoTokenizer
 
-    with _gguf_parsed_once():
+    with gguf_parsed_once():
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     names = _hf_names(arch, config)

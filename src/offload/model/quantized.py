@@ -139,10 +139,10 @@ def swap_in_quantized(model: nn.Module, types: Mapping[str, str], where: object)
     if tied is not None:
         embedding_name, head_name = tied
         embedding, head = model.get_submodule(embedding_name), model.get_submodule(head_name)
-        if isinstance(embedding, GGUFEmbedding) and isinstance(head, nn.Linear):
-            model.set_submodule(head_name, GGUFLinear(head, embedding.kind))
-            head = model.get_submodule(head_name)
-        if isinstance(embedding, GGUFEmbedding) and isinstance(head, GGUFLinear):
+        if isinstance(embedding, GGUFEmbedding):
+            if not isinstance(head, GGUFLinear):  # (the file has no head of its own)
+                head = GGUFLinear(head, embedding.kind)
+                model.set_submodule(head_name, head)
             head.weight = embedding.weight
 
 
