@@ -25,6 +25,12 @@ def parameter_bytes(module: nn.Module) -> int:
 
 def compute_dtype(model: nn.Module):
     """The dtype `model` computes (and keeps its KV cache) in: that of its first
-    floating-point parameter (quantized weights are stored as integers)."""
-    params = list(model.parameters())
-    return next((p.dtype for p in params if p.dtype.is_floating_point), params[0].dtype)
+    floating-point parameter outside the modules that hold quantized weights as stored
+    (those say so with `holds_stored_weights`: their bytes and scales are not it)."""
+    for module in model.modules():
+        if getattr(module, "holds_stored_weights", False):
+            continue
+        for parameter in module.parameters(recurse=False):
+            if parameter.dtype.is_floating_point:
+                return parameter.dtype
+    return next(model.parameters()).dtype

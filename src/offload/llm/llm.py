@@ -133,12 +133,13 @@ class LLM(DecodeLoop):
         self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
         self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:]
         # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
+        self.device = check_device(device)
         path = resolve_model(
             shipped(model) if load_format == "dummy" and model else model,
             config.disk.offload_folder,
             quantization=check_quantization(quantization),
+            device=self.device,
         )
-        self.device = check_device(device)
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         empty = build_empty(path, dtype, trust_remote_code)
         check_attention_model(empty)

@@ -17,7 +17,7 @@ from torch import nn
 from offload.errors import ModelError
 from offload.memory.safetensors import json_type
 from offload.model.limits import check_parameters, check_sizes
-from offload.model.quantized import READ, swap_in_quantized, weight_types
+from offload.model.quantized import READ, swap_in_quantized, weight_layouts, weight_types
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,7 +76,9 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
     model.tie_weights()  # tied names become one parameter before anything is placed
     quantized = settings.get("quantization_config")
     if _read_as_stored(quantized):
-        swap_in_quantized(model, weight_types(quantized, config_file), config_file)
+        types = weight_types(quantized, config_file)
+        layouts = weight_layouts(quantized, config_file)
+        swap_in_quantized(model, types, config_file, layouts)
     return model.eval()
 
 

@@ -165,6 +165,28 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     return (d * q).reshape(num, QK_K)
 
 
+def affine_4bit(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
+    """A 4-bit type's rows as (q, scale, offset): uint8 q [rows, values] in 0..15 and
+    float32 [rows, values / 32] per group of 32, so that a value is `scale * q + offset`
+    (the reference's order for Q4_1 and Q4_K; for Q4_0 `d * (q - 8)` is `d * q - 8 * d`
+    only up to rounding)."""
+    block = FORMATS[type_name]
+    rows = raw.shape[:-1]
+    blocks = raw.reshape(-1, block.block_bytes)
+    if type_name == "Q4_K":
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        scales, mins = _k_scales(blocks[:, 4:16])
+        q, scale, offset = _nibbles(blocks[:, 16:], 32), d * scales.float(), -(dmin * mins.float())
+    elif type_name == "Q4_1":
+        q, scale, offset = _nibbles(blocks[:, 4:], 16), _f16(blocks, 0), _f16(blocks, 2)
+    elif type_name == "Q4_0":
+        d = _f16(blocks, 0)
+        q, scale, offset = _nibbles(blocks[:, 2:], 16), d, -8 * d
+    else:
+        raise ModelError(f"GGUF type {type_name} is not a 4-bit type (Q4_0, Q4_1, Q4_K)")
+    return q.reshape(*rows, -1), scale.reshape(*rows, -1), offset.reshape(*rows, -1)
+
+
 _DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from offload.errors import ModelError
 from offload.model.gguf_quants import FORMATS
+from offload.model.quant_layouts import int4_cpu_layout, layout_for, pack_int4, pack_q8
 
 # The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
 # rows (for its interleaved rotary layout): those are put back in transformers' order.
@@ -25,8 +27,10 @@ _ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 _FLOATS = {"F32": ("F32", np.float32), "F16": ("F16", np.float16)}
 
 
-def save_as_stored(source: Path, out_dir: Path) -> None:
-    """Write `source`'s config, tokenizer and stored tensors into `out_dir`."""
+def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
+    """Write `source`'s config, tokenizer and stored tensors into `out_dir`: in GGUF's own
+    blocks (`kernels="gguf"`, any device), or laid out for the CPU's kernels
+    (`kernels="cpu"`: `quant_layouts.py`)."""
     import gguf
 
     from offload.model.default import gguf_parsed_once
@@ -46,6 +50,8 @@ def save_as_stored(source: Path, out_dir: Path) -> None:
     names = _hf_names(arch, config)
     tensors: dict[str, tuple[str, list[int], np.ndarray]] = {}
     weight_types: dict[str, str] = {}
+    layouts: dict[str, str] = {}
+    cpu_int4 = kernels == "cpu" and int4_cpu_layout() is not None
     for tensor in reader.tensors:
         if tensor.name not in names:
             raise ModelError(f"{source}: tensor {tensor.name!r} has no place in a {arch} model")
@@ -59,7 +65,10 @@ def save_as_stored(source: Path, out_dir: Path) -> None:
             tensors[name] = (dtype, list(data.shape), data.astype(numpy_type, copy=False))
         elif kind in FORMATS:
             weight_types[name] = kind
-            tensors[name] = ("U8", list(data.shape), data)
+            layout = layout_for(kind, name, cpu_int4) if kernels == "cpu" else "gguf"
+            if layout != "gguf":
+                layouts[name] = layout
+            tensors.update(_laid_out(name, data, kind, layout))
         else:
             raise ModelError(
                 f"{source}: {tensor.name} is stored as {kind}; read as stored: "
@@ -67,12 +76,39 @@ def save_as_stored(source: Path, out_dir: Path) -> None:
             )
     settings = config.to_dict()
     settings["quantization_config"] = {"quant_method": "gguf", "weight_types": weight_types}
+    if layouts:
+        settings["quantization_config"]["weight_layouts"] = layouts
+    if "int4" in layouts.values():
+        settings["quantization_config"]["int4_layout"] = int4_cpu_layout()
     settings.pop("torch_dtype", None)
     settings.pop("dtype", None)  # (the activations' dtype is the user's choice: float32)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(settings, indent=2, sort_keys=True))
     tokenizer.save_pretrained(out_dir)
     _write_safetensors(out_dir / "model.safetensors", tensors)
+
+
+def _laid_out(
+    name: str, data: np.ndarray, kind: str, layout: str
+) -> dict[str, tuple[str, list[int], np.ndarray]]:
+    """The safetensors entries of one quantized weight in `layout` (named as the module's
+    parameters: `weight`, and `scale_zero` or `scales`)."""
+    if layout == "gguf":
+        return {name: ("U8", list(data.shape), data)}
+    stem = name.removesuffix(".weight")
+    raw = torch.from_numpy(np.array(data))  # (a copy: the reader maps the file read-only)
+    if layout == "int4":
+        packed, scale_zero = pack_int4(raw, kind)
+        second = (f"{stem}.scale_zero", "BF16", scale_zero.view(torch.int16))
+    else:
+        packed, scales = pack_q8(raw)
+        second = (f"{stem}.scales", "F16", scales)
+    entries = {name: (_SAFE_TYPES[packed.dtype], list(packed.shape), packed.numpy())}
+    entries[second[0]] = (second[1], list(second[2].shape), second[2].numpy())
+    return entries
+
+
+_SAFE_TYPES = {torch.uint8: "U8", torch.int8: "I8"}
 
 
 def _kv_heads(config: Any) -> int:

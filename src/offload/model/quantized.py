@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from offload.errors import ConfigError, ModelError
-from offload.model.gguf_quants import FORMATS, dequantize
+from offload.model.gguf_quants import FORMATS
+from offload.model.quant_layouts import GROUP, int4_cpu_layout, stored_op
 
 # vLLM's `quantization=` values: those read here, then those refused by name.
 READ = ("gguf",)
@@ -55,8 +55,24 @@ def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
     return dict(types)
 
 
+def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]:
+    """The layout each quantized weight is kept in (`quant_layouts.py`; "gguf" when not
+    named). An int4 layout made by another torch or CPU is refused: its packing differs."""
+    layouts = settings.get("weight_layouts") or {}
+    if not isinstance(layouts, dict) or set(layouts.values()) - {"int4", "q8", "gguf"}:
+        raise ModelError(f"{where}: weight_layouts must map names to int4, q8 or gguf")
+    if "int4" in layouts.values() and settings.get("int4_layout") != int4_cpu_layout():
+        raise ModelError(
+            f"{where}: its 4-bit weights are packed for {settings.get('int4_layout')}, this "
+            f"torch and CPU pack them as {int4_cpu_layout()}; convert the .gguf again"
+        )
+    return dict(layouts)
+
+
 class GGUFLinear(nn.Module):
     """`nn.Linear` with its weight in GGUF blocks; `weight` is uint8 [out, bytes per row]."""
+
+    holds_stored_weights = True  # (`sizes.compute_dtype` looks past them)
 
     def __init__(self, linear: nn.Linear, kind: str):
         super().__init__()
@@ -71,18 +87,102 @@ class GGUFLinear(nn.Module):
             requires_grad=False,
         )
         self.bias = linear.bias
-        self.compute_dtype = linear.weight.dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantize(self.weight, self.kind).to(self.compute_dtype)
-        return F.linear(x, weight, self.bias)
+        return stored_op("gguf", x, self.weight, self.kind, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
 
 
+class Int4Linear(nn.Module):
+    """`nn.Linear` with a 4-bit weight in torch's CPU int4 packing (`quant_layouts.py`):
+    `weight` uint8 [out, in / 2], `scale_zero` bfloat16 [in / 32, out, 2]."""
+
+    holds_stored_weights = True
+
+    def __init__(self, linear: nn.Linear, kind: str):
+        super().__init__()
+        self.in_features, self.out_features, self.kind = _sizes(linear, kind)
+        _groups(linear.in_features, linear)
+        self.weight = _meta((linear.out_features, linear.in_features // 2), torch.uint8)
+        shape = (linear.in_features // GROUP, linear.out_features, 2)
+        self.scale_zero = _meta(shape, torch.bfloat16)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = stored_op("int4", x.reshape(-1, self.in_features), self.weight, self.scale_zero)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    extra_repr = GGUFLinear.extra_repr
+
+
+class Q8Linear(nn.Module):
+    """`nn.Linear` with a Q8_0 weight by block column: `weight` int8 [in / 32, out, 32],
+    `scales` float16 [in / 32, out]."""
+
+    holds_stored_weights = True
+
+    def __init__(self, linear: nn.Linear, kind: str = "Q8_0"):
+        super().__init__()
+        self.in_features, self.out_features, self.kind = _sizes(linear, kind)
+        columns = _groups(linear.in_features, linear)
+        self.weight = _meta((columns, linear.out_features, GROUP), torch.int8)
+        self.scales = _meta((columns, linear.out_features), torch.float16)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = stored_op("q8", x.reshape(-1, self.in_features), self.weight, self.scales)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    extra_repr = GGUFLinear.extra_repr
+
+
+class Q8Embedding(nn.Module):
+    """`nn.Embedding` with a Q8_0 table by block column (as `Q8Linear`'s weight, so a tied
+    head shares it): a lookup de-quantizes only the rows asked for, bit for bit."""
+
+    holds_stored_weights = True
+
+    def __init__(self, embedding: nn.Embedding, kind: str = "Q8_0"):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.kind, self.padding_idx = kind, embedding.padding_idx
+        columns = _groups(embedding.embedding_dim, embedding)
+        self.weight = _meta((columns, embedding.num_embeddings, GROUP), torch.int8)
+        self.scales = _meta((columns, embedding.num_embeddings), torch.float16)
+        self.compute_dtype = embedding.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        values = stored_op("q8_rows", ids, self.weight, self.scales)
+        return values.to(self.compute_dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"
+
+
+def _sizes(linear: nn.Linear, kind: str) -> tuple[int, int, str]:
+    return linear.in_features, linear.out_features, kind
+
+
+def _groups(values: int, module: nn.Module) -> int:
+    if values % GROUP:
+        raise ModelError(
+            f"{type(module).__name__} rows of {values} values are not whole groups of {GROUP}"
+        )
+    return values // GROUP
+
+
+def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False)
+
+
 class GGUFEmbedding(nn.Module):
     """`nn.Embedding` with its table in GGUF blocks: only the rows looked up are read."""
+
+    holds_stored_weights = True
 
     def __init__(self, embedding: nn.Embedding, kind: str):
         super().__init__()
@@ -96,7 +196,8 @@ class GGUFEmbedding(nn.Module):
         self.compute_dtype = embedding.weight.dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return dequantize(self.weight[ids], self.kind).to(self.compute_dtype)
+        values = stored_op("gguf_rows", ids, self.weight, self.kind)
+        return values.to(self.compute_dtype).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"
@@ -112,19 +213,38 @@ def _row_bytes(values: int, kind: str, module: nn.Module) -> int:
     return values // block.block_size * block.block_bytes
 
 
-def swap_in_quantized(model: nn.Module, types: Mapping[str, str], where: object) -> None:
-    """Replace each module whose weight `types` names by its quantized form, keeping tied
-    weights tied (Llama's lm_head reads the embedding's blocks)."""
+_MODULES: dict[tuple[type, str], type[nn.Module]] = {
+    (nn.Linear, "gguf"): GGUFLinear,
+    (nn.Linear, "int4"): Int4Linear,
+    (nn.Linear, "q8"): Q8Linear,
+    (nn.Embedding, "gguf"): GGUFEmbedding,
+    (nn.Embedding, "q8"): Q8Embedding,
+}
+_HEADS = {GGUFEmbedding: GGUFLinear, Q8Embedding: Q8Linear}  # a tied head's module
+
+
+def swap_in_quantized(
+    model: nn.Module,
+    types: Mapping[str, str],
+    where: object,
+    layouts: Mapping[str, str] | None = None,
+) -> None:
+    """Replace each module whose weight `types` names by its quantized form in its layout
+    (`layouts`, default GGUF's blocks), keeping tied weights tied (Llama's lm_head reads
+    the embedding's)."""
     owners = {name.removesuffix(".weight"): kind for name, kind in types.items()}
+    placed = {name.removesuffix(".weight"): kind for name, kind in (layouts or {}).items()}
     tied = _tied_to_embedding(model)
     swapped: dict[str, nn.Module] = {}
     for name, module in list(model.named_modules()):
         if name not in owners:
             continue
-        if isinstance(module, nn.Linear):
-            new: nn.Module = GGUFLinear(module, owners[name])
-        elif isinstance(module, nn.Embedding):
-            new = GGUFEmbedding(module, owners[name])
+        base = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding
+        made = _MODULES.get((base, placed.get(name, "gguf")))
+        if isinstance(module, nn.Linear | nn.Embedding) and made is not None:
+            new: nn.Module = made(module, owners[name])  # type: ignore[call-arg]
+        elif isinstance(module, nn.Linear | nn.Embedding):
+            raise ModelError(f"{where}: {name} cannot be kept as {placed[name]}")
         else:
             raise ModelError(
                 f"{where}: {name} is a {type(module).__name__}; quantized: Linear, Embedding"
@@ -139,11 +259,13 @@ def swap_in_quantized(model: nn.Module, types: Mapping[str, str], where: object)
     if tied is not None:
         embedding_name, head_name = tied
         embedding, head = model.get_submodule(embedding_name), model.get_submodule(head_name)
-        if isinstance(embedding, GGUFEmbedding):
-            if not isinstance(head, GGUFLinear):  # (the file has no head of its own)
-                head = GGUFLinear(head, embedding.kind)
+        head_type = _HEADS.get(type(embedding))
+        if head_type is not None:
+            if not isinstance(head, head_type):  # (the file has no head of its own)
+                head = head_type(head, embedding.kind)
                 model.set_submodule(head_name, head)
-            head.weight = embedding.weight
+            for name, parameter in embedding.named_parameters(recurse=False):
+                setattr(head, name, parameter)
 
 
 def _tied_to_embedding(model: nn.Module) -> tuple[str, str] | None:

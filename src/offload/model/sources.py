@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -28,10 +29,12 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
 from offload.errors import ModelError
 from offload.model.default import cache_dir, conversion_failure, default_model_path, gguf_path
+from offload.model.quant_layouts import int4_cpu_layout
 
 ACCEPTED = (
     "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "
@@ -48,18 +51,24 @@ def resolve_model(
     offload_folder: str | Path | None = None,
     *,
     quantization: str | None = None,
+    device: torch.device | None = None,
+    kernels: str | None = None,
 ) -> Path:
     """The local folder `model` names (see the module's docstring); conversions go into
     `offload_folder` when given, else into the offload cache. `quantization="gguf"` keeps
-    a GGUF's tensors as stored (`gguf_stored.py`) instead of converting them to float32."""
+    a GGUF's tensors as stored (`gguf_stored.py`) instead of converting them to float32,
+    laid out for `kernels` ("cpu" or "gguf"; by default "cpu" when `device` is the CPU
+    and torch has its int4 kernel there)."""
     if model is None and quantization is None:
         return default_model_path()
     into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
     path = gguf_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         if quantization == "gguf":
-            stored = f"{path.stem}.stored"
-            return _converted(into, stored, [path], lambda out: _stored_gguf(path, out))
+            kernels = kernels or _kernels_for(device)
+            stored = f"{path.stem}.stored" + (f"-{int4_cpu_layout()}" if kernels == "cpu" else "")
+            write = functools.partial(_stored_gguf, path, kernels=kernels)
+            return _converted(into, stored, [path], write)
         return _converted(into, path.stem, [path], lambda out: _from_gguf(path, out))
     if quantization is not None:
         _check_quantized_as(path, quantization)
@@ -286,12 +295,19 @@ def _from_gguf(source: Path, out: Path) -> None:
     _convert(source, out)
 
 
-def _stored_gguf(source: Path, out: Path) -> None:
+def _stored_gguf(source: Path, out: Path, kernels: str) -> None:
     from offload.model.default import check_gguf_header
     from offload.model.gguf_stored import save_as_stored
 
     check_gguf_header(source)
-    save_as_stored(source, out)
+    save_as_stored(source, out, kernels)
+
+
+def _kernels_for(device: torch.device | None) -> str:
+    """GGUF weights on the CPU go to torch's int4 kernel where it has one; elsewhere they
+    stay in GGUF's blocks and are de-quantized per forward."""
+    on_cpu = device is None or device.type == "cpu"
+    return "cpu" if on_cpu and int4_cpu_layout() is not None else "gguf"
 
 
 def _check_quantized_as(path: Path, quantization: str) -> None:

@@ -1,0 +1,193 @@
+"""Quantized weights laid out for the kernel that multiplies them, once, when the cache
+entry is written, so that no forward has to re-arrange bytes (the disk tier streams the
+laid-out bytes as they lie in the file).
+
+- `int4`: GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) in torch's CPU int4 packing
+  (`_weight_int4pack_mm_for_cpu`): uint8 [out, in / 2] and, per group of 32 inputs, a
+  bfloat16 scale and zero point ([in / 32, out, 2]), the value being (q - 8) * scale + zero.
+  Same bits a weight as the file (4 + 32/32); the scales round from float16 to bfloat16.
+  The packing depends on torch's build and the CPU's vector width, so the layout's name
+  carries a fingerprint of it (`int4_cpu_layout`).
+- `q8`: Q8_0 as int8 [in / 32, out, 32] with its float16 scales [in / 32, out]: the file's
+  bytes, split by block column, so that one block column is one contiguous matrix.
+- anything else stays in GGUF's own blocks (`gguf_quants` de-quantizes them).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import torch
+import torch.nn.functional as F
+
+from offload.model.gguf_quants import FORMATS, affine_4bit, dequantize
+
+GROUP = 32  # inputs per scale, in both layouts
+INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+@functools.cache
+def int4_cpu_layout() -> str | None:
+    """The name of torch's CPU int4 packing here (a fingerprint of how it packs a fixed
+    matrix), or None where this torch has no such kernel."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    probe = (torch.arange(64 * 64, dtype=torch.int32) * 7 % 16).reshape(64, 64)
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 2)
+    return "int4cpu-" + hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:10]
+
+
+def layout_for(type_name: str, name: str, cpu_int4: bool) -> str:
+    """The layout a weight is kept in: the embedding is looked up by row, so it stays in a
+    layout rows can be read from (GGUF's or q8)."""
+    if type_name == "Q8_0":
+        return "q8"
+    if cpu_int4 and type_name in INT4_TYPES and "embed_tokens" not in name:
+        return "int4"
+    return "gguf"
+
+
+def pack_int4(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF 4-bit rows (uint8 [out, bytes]) -> (packed uint8 [out, in / 2], scale and zero
+    bfloat16 [in / 32, out, 2])."""
+    q, scale, offset = affine_4bit(raw, type_name)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    zero = offset + 8 * scale  # (q - 8) * scale + zero == scale * q + offset
+    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1)
+    return packed, scale_zero.to(torch.bfloat16).contiguous()
+
+
+def pack_q8(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows (uint8 [out, bytes]) -> (int8 [in / 32, out, 32], float16 [in / 32, out])."""
+    block = FORMATS["Q8_0"]
+    blocks = raw.reshape(raw.shape[0], -1, block.block_bytes)
+    scales = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1)
+    values = blocks[..., 2:].contiguous().view(torch.int8)
+    return values.transpose(0, 1).contiguous(), scales.transpose(0, 1).contiguous()
+
+
+def q8_values(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The float32 values of q8 block columns (int8 [blocks, rows, 32], float16 [blocks,
+    rows]) as [rows, blocks * 32]: `q * d` as the reference computes it, bit for bit."""
+    floats = values.float() * scales.float().unsqueeze(-1)
+    return floats.movedim(0, -2).flatten(-2)
+
+
+def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
+    """What a module computes from its stored weight, by `op`: a product of x [rows, in]
+    ("int4", "q8"; "gguf": GGUF's blocks (with the type's name and the bias) de-quantized,
+    then `F.linear` on x of any shape), or the float32 rows of a table that ids [...] look
+    up ("q8_rows", "gguf_rows"). Under torch.compile each is one opaque op: inductor may
+    not re-lay out what it computes inside, nor fuse it with what follows (a multiply
+    fused with a later add becomes one rounding, not two), so a compiled model gives the
+    same bits wherever its weights came from."""
+    if torch.compiler.is_compiling():
+        return _OPAQUE[op](x, *stored)
+    return _EAGER[op](x, *stored)
+
+
+def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] (any float dtype) times an int4 weight: bfloat16 activations, as the
+    kernel takes them; the result in x's dtype."""
+    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, GROUP, scale_zero)
+    return out.to(x.dtype)
+
+
+def q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] times a q8 weight, one block column at a time (a scratch of one column,
+    never the whole weight in float). One row (decode) goes to torch's int8 kernel with
+    bfloat16 activations; more rows de-quantize the column and multiply in x's dtype."""
+    columns = x.reshape(x.shape[0], values.shape[0], GROUP).transpose(0, 1)
+    out = None
+    if x.shape[0] == 1 and x.device.type == "cpu":
+        columns, step_scales = columns.to(torch.bfloat16), scales.to(torch.bfloat16)
+        for column, q, d in zip(columns, values, step_scales, strict=True):
+            part = torch._weight_int8pack_mm(column, q, d).to(x.dtype)
+            out = part if out is None else out.add_(part)
+    else:
+        for column, q, d in zip(columns, values, scales, strict=True):
+            part = (column @ q.to(x.dtype).T) * d.to(x.dtype)
+            out = part if out is None else out.add_(part)
+    assert out is not None
+    return out
+
+
+def gguf_linear(
+    x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`F.linear` with the float32 weight GGUF's blocks give (then x's dtype)."""
+    return F.linear(x, dequantize(raw, kind).to(x.dtype), bias)
+
+
+def q8_rows(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    flat = ids.reshape(-1)
+    return q8_values(values[:, flat], scales[:, flat])
+
+
+def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
+    return dequantize(raw[ids.reshape(-1)], kind)
+
+
+@torch.library.custom_op("offload::q8_rows", mutates_args=())
+def _q8_rows_op(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q8_rows(ids, values, scales)
+
+
+@_q8_rows_op.register_fake
+def _(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return scales.new_empty(ids.numel(), values.shape[0] * GROUP, dtype=torch.float32)
+
+
+@torch.library.custom_op("offload::gguf_rows", mutates_args=())
+def _gguf_rows_op(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
+    return gguf_rows(ids, raw, kind)
+
+
+@_gguf_rows_op.register_fake
+def _(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
+    block = FORMATS[kind]
+    width = raw.shape[-1] // block.block_bytes * block.block_size
+    return raw.new_empty(ids.numel(), width, dtype=torch.float32)
+
+
+@torch.library.custom_op("offload::gguf_linear", mutates_args=())
+def _gguf_op(
+    x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return gguf_linear(x, raw, kind, bias)
+
+
+@_gguf_op.register_fake
+def _(x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], raw.shape[0])
+
+
+@torch.library.custom_op("offload::int4_matmul", mutates_args=())
+def _int4_op(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    return int4_matmul(x, packed, scale_zero)
+
+
+@torch.library.custom_op("offload::q8_matmul", mutates_args=())
+def _q8_op(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q8_matmul(x, values, scales)
+
+
+@_int4_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+@_q8_op.register_fake
+def _(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], values.shape[1])
+
+
+_EAGER = {
+    "int4": int4_matmul, "q8": q8_matmul, "gguf": gguf_linear, "q8_rows": q8_rows,
+    "gguf_rows": gguf_rows,
+}  # fmt: skip
+_OPAQUE = {
+    "int4": _int4_op, "q8": _q8_op, "gguf": _gguf_op, "q8_rows": _q8_rows_op,
+    "gguf_rows": _gguf_rows_op,
+}  # fmt: skip
