@@ -4,6 +4,7 @@ reference's tokens, and a method that really differs is caught."""
 import dataclasses
 import json
 import statistics
+import sys
 
 import pytest
 from small_probes import SMALL_PROBES
@@ -328,3 +329,21 @@ def test_diffusers_is_skipped_on_a_cpu_with_why(tiny_llama_path):
     result = run_bench(workload, ["resident", "diffusers"], progress=False, settings=SMALL_PROBES)
     assert "needs a CUDA device" in result.skipped["diffusers"]
     assert [row.method for row in result.records] == ["resident"]
+
+
+def test_the_default_gguf_as_stored_runs_ours_and_says_why_the_peers_do_not(monkeypatch):
+    """--quantization gguf: resident and the disk tier run the stored weights (the disk
+    reads their stored bytes, not float32's); transformers' peers cannot read them, and
+    llama.cpp without llama-cpp-python installed is skipped with how to install it."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # (as if not installed)
+    workload = Workload(quantization="gguf", device="cpu", batch_sizes=(1,), output_len=2, rounds=1)
+    methods = ["resident", "disk-direct", "accelerate-disk", "llama-cpp"]
+    result = run_bench(workload, methods, progress=False, settings=SMALL_PROBES)
+    assert result.workload.model.endswith("Q4_1.gguf as stored")
+    assert result.workload.quantization == "gguf"
+    assert [row.method for row in result.records] == ["resident", "disk-direct"]
+    disk = result.records[1]
+    assert disk.same_tokens is True
+    assert 0 < disk.moved_bytes_per_forward_by_link["disk"] < 70 * 2**20  # (float32: 405 MiB)
+    assert "from_pretrained reads no offload folder" in result.skipped["accelerate-disk"]
+    assert "pip install llama-cpp-python" in result.skipped["llama-cpp"]

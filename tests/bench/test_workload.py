@@ -19,6 +19,11 @@ from offload.errors import ConfigError
         ({"output_len": 1}, r"output_len \(--output-len\) must be an integer >= 2, got 1"),
         ({"rounds": 0}, r"rounds \(--rounds\) must be an integer >= 1, got 0"),
         ({"dtype": "int8"}, r"dtype \(--dtype\) must be auto, float32, .*got 'int8'"),
+        (
+            {"quantization": "gptq"},
+            r"quantization \(--quantization\)='gptq' is not supported \(yet; read: gguf\)",
+        ),
+        ({"quantization": "q3"}, r"quantization \(--quantization\) must be None or one of gguf"),
     ],
 )
 def test_bad_fields_are_named_with_what_is_allowed(fields, message):

@@ -4,6 +4,7 @@ not there."""
 
 from __future__ import annotations
 
+from offload.bench.llama_cpp import LlamaCpp
 from offload.bench.method import Method
 from offload.bench.ours import UVA, Disk, DiskDirect, PrefetchAll, PrefetchHalf, Resident
 from offload.bench.peers import AccelerateDisk, AccelerateMap, Diffusers
@@ -22,5 +23,6 @@ METHODS: dict[str, type[Method]] = {
         AccelerateMap,
         AccelerateDisk,
         Diffusers,
+        LlamaCpp,
     )
 }

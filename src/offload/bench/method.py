@@ -93,6 +93,11 @@ def from_pretrained(prepared: Prepared, **kwargs: Any) -> torch.nn.Module:
     classes only: a checkpoint's own code never runs)."""
     from transformers import AutoModelForCausalLM
 
+    if prepared.workload.quantization is not None:
+        raise MethodUnavailable(
+            "transformers' from_pretrained reads no offload folder of weights as stored "
+            "(run the peers without --quantization)"
+        )
     with _quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(
             prepared.path, dtype=prepared.dtype, trust_remote_code=False, **kwargs

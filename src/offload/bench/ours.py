@@ -24,6 +24,14 @@ class Resident(Method):
 
     def load(self) -> None:
         self._check_fits()
+        if self.prepared.workload.quantization is not None:  # (transformers cannot read it)
+            from offload.model.loader import load_model
+
+            self.model, offloader = load_model(
+                self.prepared.path, device=self.device, dtype=self.prepared.dtype
+            )
+            offloader.close()  # (nothing is offloaded: it holds no thread)
+            return
         cuda = self.device.type == "cuda"
         self.model = from_pretrained(self.prepared, device_map=str(self.device) if cuda else None)
 

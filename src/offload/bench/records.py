@@ -84,6 +84,7 @@ class RunWorkload:
     num_layers: int
     layer_bytes: list[int]
     checkpoint_bytes: int
+    quantization: str | None = None  # "gguf": the weights as stored (bytes: stored bytes)
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,7 @@ def workload_fields(prepared: Prepared) -> RunWorkload:
     workload = prepared.workload
     return RunWorkload(
         model=prepared.name,
+        quantization=workload.quantization,
         path=str(prepared.path),
         dtype=str(prepared.dtype).removeprefix("torch."),
         device=str(prepared.device),

@@ -17,7 +17,9 @@ from offload.errors import ConfigError
 from offload.memory.device import check_device
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
-from offload.model.default import cache_dir, default_model_path
+from offload.model.default import cache_dir, default_model_path, gguf_path
+from offload.model.quantized import check_quantization
+from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layers
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 from offload.sizes import compute_dtype, parameter_bytes
@@ -33,6 +35,7 @@ class Workload:
 
     model: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None  # "gguf": a GGUF's weights as stored (else float32)
     device: str = "auto"
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 16
@@ -52,6 +55,7 @@ class Workload:
             if not _is_int(value) or value < minimum:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{name} ({flag}) must be an integer >= {minimum}, got {value!r}")
+        check_quantization(self.quantization, "quantization (--quantization)")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(
                 f"dtype (--dtype) must be auto, {', '.join(DTYPES)}; got {self.dtype!r}"
@@ -72,6 +76,7 @@ class Prepared:
     total_bytes: int
     layer_bytes: list[int]
     vocab_size: int
+    gguf: Path | None = None  # the GGUF file the checkpoint was made from, if one was
     settings: MeasureSettings = DEFAULT_SETTINGS  # how much the probes of the machine move
 
     @property
@@ -91,9 +96,15 @@ def prepare(workload: Workload) -> Prepared:
     """The checkpoint (a shape's random one written into the cache folder on first use)
     and the model's sizes, from a model built on the meta device."""
     device = check_device(workload.device)
-    path, name = resolve_checkpoint(
-        workload.model, workload.dtype, check=lambda limit: _check_length(workload, limit)
-    )
+    source = _gguf_source(workload.model)
+    if source is not None or workload.quantization is not None:
+        path = resolve_model(workload.model, quantization=workload.quantization, device=device)
+        form = "as stored" if workload.quantization else "as float32"
+        name = f"{(source or gguf_path()).name} {form}"
+    else:
+        path, name = resolve_checkpoint(
+            workload.model, workload.dtype, check=lambda limit: _check_length(workload, limit)
+        )
     model = build_empty(path, workload.dtype)
     _check_length(workload, getattr(model.config, "max_position_embeddings", None))
     layers = find_layers(model)
@@ -107,7 +118,14 @@ def prepare(workload: Workload) -> Prepared:
         total_bytes=parameter_bytes(model),
         layer_bytes=[parameter_bytes(layer) for layer in layers],
         vocab_size=model.config.vocab_size,
+        gguf=source or (gguf_path() if workload.model is None else None),
     )
+
+
+def _gguf_source(model: str | None) -> Path | None:
+    """The .gguf file `model` names, if it names one."""
+    path = Path(model).expanduser() if model else None
+    return path if path is not None and path.suffix == ".gguf" and path.is_file() else None
 
 
 def _check_length(workload: Workload, limit: object) -> None:

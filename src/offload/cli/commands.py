@@ -25,6 +25,7 @@ from offload.memory.placement import DiskIO, Placement
 from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.default import default_model_path
+from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
@@ -57,7 +58,18 @@ def llm_of(args: argparse.Namespace, path, config: OffloadConfig, **more) -> LLM
         device_memory_gb=args.device_memory_gb,
         trust_remote_code=args.trust_remote_code,
         offload_config=config,
+        quantization=args.quantization,
         **more,
+    )
+
+
+def model_path(args: argparse.Namespace, model: str | None, config: OffloadConfig) -> Path:
+    """The folder of a command's model (a .gguf made as stored with --quantization gguf, on
+    the layout of the device it will run on)."""
+    quantization = check_quantization(args.quantization, "--quantization")
+    device = check_device(args.device) if quantization else None
+    return resolve_model(
+        model, config.disk.offload_folder, quantization=quantization, device=device
     )
 
 
@@ -69,7 +81,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     show_progress = not args.no_progress and sys.stderr.isatty()
     config = OffloadConfig.from_cli_args(args)
-    path = resolve_model(args.model, config.disk.offload_folder)
+    path = model_path(args, args.model, config)
     if config.selected_backend == "none" and not args.no_offload:
         config = whole_stack_config(build_empty(path, args.dtype, args.trust_remote_code))
     llm = llm_of(
@@ -115,6 +127,7 @@ def bench(args: argparse.Namespace, out: TextIO | None = None) -> None:
     workload = Workload(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         batch_sizes=tuple(args.batch_sizes),
         prompt_len=args.prompt_len,

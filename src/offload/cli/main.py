@@ -179,8 +179,14 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--model",
-        help="a model folder, or a shipped shape such as llama-3-8b (random weights, written "
-        "once into the cache folder) (default: SmolLM2-135M-Instruct)",
+        help="a model folder, a .gguf file, or a shipped shape such as llama-3-8b (random "
+        "weights, written once into the cache folder) (default: SmolLM2-135M-Instruct)",
+    )
+    bench.add_argument(
+        "-q",
+        "--quantization",
+        help="gguf: the GGUF's weights as stored (4-5 bits a weight), not converted to "
+        "float32 (default: converted)",
     )
     bench.add_argument(
         "--dtype",

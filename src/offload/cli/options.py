@@ -57,6 +57,12 @@ def add_budget_flags(parser: argparse.ArgumentParser) -> None:
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     parser.add_argument(
+        "-q",
+        "--quantization",
+        help="gguf: a .gguf model's weights as stored (4-5 bits a weight), not converted "
+        "to float32 (vLLM's flag; its other methods are not read yet)",
+    )
+    parser.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),

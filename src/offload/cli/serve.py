@@ -42,9 +42,8 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from offload.cli.commands import llm_of
+    from offload.cli.commands import llm_of, model_path
     from offload.cli.options import package_version
-    from offload.model.sources import resolve_model
     from offload.server.app import ServeSettings, make_app
 
     integer("--port", args.port, 0, 65535, what="in [0, 65535]")
@@ -57,7 +56,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ConfigError("give the model once: as MODEL or as --model")
     config = OffloadConfig.from_cli_args(args)
-    path = resolve_model(name, config.disk.offload_folder)
+    path = model_path(args, name, config)
     progress = not args.no_progress and sys.stderr.isatty()
     llm = llm_of(args, path, config, max_num_seqs=args.max_num_seqs, progress=progress)
     settings = ServeSettings(

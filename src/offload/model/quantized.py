@@ -28,17 +28,14 @@ NOT_YET = (
 )  # fmt: skip
 
 
-def check_quantization(value: object) -> str | None:
-    """`quantization=` as vLLM takes it: None (as the checkpoint says) or a method name."""
+def check_quantization(value: object, name: str = "LLM(): quantization") -> str | None:
+    """`quantization=` as vLLM takes it: None (as the checkpoint says) or a method name;
+    `name` says where it was given, for the error."""
     if value is None or value in READ:
         return value  # type: ignore[return-value]
     if value in NOT_YET:
-        raise ConfigError(
-            f"LLM(): quantization={value!r} is not supported (yet; read: {', '.join(READ)})"
-        )
-    raise ConfigError(
-        f"LLM(): quantization must be None or one of {', '.join(READ)}; got {value!r}"
-    )
+        raise ConfigError(f"{name}={value!r} is not supported (yet; read: {', '.join(READ)})")
+    raise ConfigError(f"{name} must be None or one of {', '.join(READ)}; got {value!r}")
 
 
 def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
