@@ -294,11 +294,19 @@ def test_a_tokenizer_larger_than_the_model_is_one_line_not_a_traceback(tmp_path,
 
 
 def test_inspect_says_what_a_disk_tier_reads_per_forward(capsys, smollm2_path):
+    # As stored: the 30 layers of 2.1 MiB all fit 0.1 GiB; 9 fit 0.02 GiB, 21 stream.
     assert main(["inspect", "--cpu-memory-gb", "0.1", "--disk-io", "direct"]) == 0
     out = capsys.readouterr().out
-    # 7 of the 30 layers of 13.5 MiB fit 0.1 GiB; the other 23 stream.
+    assert "disk tier: every offloaded layer fits host memory (cpu_memory_gb 0.1)" in out
+    assert main(["inspect", "--cpu-memory-gb", "0.02", "--disk-io", "direct"]) == 0
+    streamed = "44.4 MiB read from the checkpoint's files per forward, 19.0 MiB kept"
+    assert f"disk tier (direct io): {streamed}" in capsys.readouterr().out
+    # The float32 conversion: 7 of the 30 layers of 13.5 MiB fit 0.1 GiB; 23 stream.
+    floats = ["inspect", "--dtype", "float32", "--cpu-memory-gb", "0.1"]
+    assert main([*floats, "--disk-io", "direct"]) == 0
+    out = capsys.readouterr().out
     streamed = "310.6 MiB read from the checkpoint's files per forward, 94.5 MiB kept"
     assert f"disk tier (direct io): {streamed}" in out
-    assert main(["inspect", "--cpu-memory-gb", "0.1", "--disk-io", "mmap"]) == 0
+    assert main([*floats, "--disk-io", "mmap"]) == 0
     out = capsys.readouterr().out
     assert "disk tier (mmap io): 310.6 MiB computed on in place (mapped) from the chec" in out

@@ -145,15 +145,19 @@ def test_settled_holds_back_what_may_still_change():
 
 
 def test_inspect_without_a_path_is_the_default_model_against_a_budget(capsys, smollm2_path):
-    assert (
-        main(["inspect", "--device", "cpu", "--device-memory-gb", "0.3", "--max-model-len", "512"])
-        == 0
-    )
+    argv = ["inspect", "--device", "cpu", "--device-memory-gb", "0.3", "--max-model-len", "512"]
+    # As stored (the default on a CPU): 92 MiB of weights fit the budget as they are.
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert ".Q4_1.stored-int4cpu-" in out.splitlines()[0] and "92.1 MiB of parameters" in out
+    assert "fits the cpu budget 276.5 MiB (max_model_len 512) without offloading" in out
+    # The float32 conversion does not.
+    argv = [*argv, "--dtype", "float32"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"{smollm2_path}: LlamaForCausalLM")
     assert "does not fit the cpu budget 276.5 MiB (max_model_len 512)" in out
     assert "--cpu-offload-gb 0.33" in out
-    argv = ["inspect", "--device", "cpu", "--device-memory-gb", "0.3", "--max-model-len", "512"]
     assert main([*argv, "--cpu-offload-gb", "0.33"]) == 0
     assert "fits the cpu budget 276.5 MiB (max_model_len 512) with this offloading" in (
         capsys.readouterr().out

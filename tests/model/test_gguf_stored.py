@@ -29,7 +29,7 @@ from offload.model.gguf_quants import affine_4bit, dequantize
 from offload.model.loader import load_model
 from offload.model.quant_layouts import int4_matmul
 from offload.model.quantized import GGUFEmbedding, GGUFLinear, Int4Linear, Q8Embedding, Q8Linear
-from offload.model.sources import resolve_model
+from offload.model.sources import resolve_model, stored_unless_asked
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 PROMPTS = ["What is the capital of France?", "1, 2, 3,"]
@@ -274,6 +274,22 @@ def test_quantization_is_checked_before_anything_is_read(tmp_path, smollm2_path)
         LLM(quantization="int3")
     with pytest.raises(ModelError, match=r"needs a \.gguf file or a folder offload made from one"):
         LLM(smollm2_path, quantization="gguf")
+
+
+def test_a_gguf_runs_as_stored_on_the_cpu_unless_a_dtype_is_asked_for(stored, smollm2_path):
+    cpu, gpu, gguf_file = torch.device("cpu"), torch.device("cuda", 0), str(gguf_path())
+    assert stored_unless_asked(None, None, "auto", cpu) == "gguf"
+    assert stored_unless_asked(gguf_file, None, "auto", cpu) == "gguf"
+    for dtype in ("float32", torch.float32, "bfloat16"):
+        assert stored_unless_asked(gguf_file, None, dtype, cpu) is None
+    assert stored_unless_asked(smollm2_path, None, "auto", cpu) is None  # a float folder
+    assert stored_unless_asked(None, None, "auto", gpu) is None  # (not yet measured there)
+    assert stored_unless_asked(None, "gguf", "auto", gpu) == "gguf"
+    with LLM(device="cpu", max_model_len=64) as llm:  # the default model, no argument
+        assert isinstance(llm.model.model.layers[0].mlp.up_proj, Int4Linear)
+    with LLM(device="cpu", dtype="float32", max_model_len=64) as llm:
+        assert isinstance(llm.model.model.layers[0].mlp.up_proj, torch.nn.Linear)
+        assert llm.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
 
 
 PEAK = textwrap.dedent(

@@ -107,6 +107,8 @@ def test_cli_auto(capsys, smollm2_path):
         "0.45",
         "--max-model-len",
         "512",
+        "--dtype",
+        "float32",  # (as stored, the default model fits 0.45 GiB whole)
     ]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()

@@ -24,9 +24,8 @@ from offload.memory.device import check_device
 from offload.memory.placement import DiskIO, Placement
 from offload.model.build import build_empty
 from offload.model.configs import resolve
-from offload.model.default import default_model_path
 from offload.model.quantized import check_quantization
-from offload.model.sources import resolve_model
+from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
 from offload.sizes import compute_dtype, format_bytes, parameter_bytes
@@ -64,10 +63,11 @@ def llm_of(args: argparse.Namespace, path, config: OffloadConfig, **more) -> LLM
 
 
 def model_path(args: argparse.Namespace, model: str | None, config: OffloadConfig) -> Path:
-    """The folder of a command's model (a .gguf made as stored with --quantization gguf, on
-    the layout of the device it will run on)."""
+    """The folder of a command's model (a .gguf as stored, on the layout of the device it
+    will run on, unless --dtype asks for a float conversion)."""
+    device = check_device(args.device)
     quantization = check_quantization(args.quantization, "--quantization")
-    device = check_device(args.device) if quantization else None
+    quantization = stored_unless_asked(model, quantization, args.dtype, device)
     return resolve_model(
         model, config.disk.offload_folder, quantization=quantization, device=device
     )
@@ -187,8 +187,7 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
 
 
 def inspect(args: argparse.Namespace) -> str:
-    path = resolve(args.path) if args.path else default_model_path()
-    path = resolve_model(path)
+    path = model_path(args, resolve(args.path) if args.path else None, OffloadConfig())
     model = build_empty(path, args.dtype, args.trust_remote_code)
     total = parameter_bytes(model)
     dtype = compute_dtype(model)
@@ -239,11 +238,15 @@ def inspect(args: argparse.Namespace) -> str:
             if offloader.disk_io == DiskIO.MMAP
             else "read from"
         )
-        lines.append(
-            f"disk tier ({offloader.disk_io} io): {format_bytes(streamed)} {how} the checkpoint's "
-            f"files per forward, {format_bytes(kept)} kept in host memory "
-            f"(cpu_memory_gb {config.disk.cpu_memory_gb})"
-        )
+        budget = f"cpu_memory_gb {config.disk.cpu_memory_gb}"
+        if not streamed:  # (the disk tier then picks no I/O mode)
+            lines.append(f"disk tier: every offloaded layer fits host memory ({budget})")
+        else:
+            lines.append(
+                f"disk tier ({offloader.disk_io} io): {format_bytes(streamed)} {how} the "
+                f"checkpoint's files per forward, {format_bytes(kept)} kept in host memory "
+                f"({budget})"
+            )
     return "\n".join(lines)
 
 

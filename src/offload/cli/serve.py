@@ -12,6 +12,7 @@ import threading
 from offload.config import OffloadConfig
 from offload.config.validate import integer
 from offload.errors import ConfigError, OffloadError
+from offload.model.default import DEFAULT_MODEL_NAME
 
 
 def add_serve_flags(serve: argparse.ArgumentParser) -> None:
@@ -23,7 +24,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        "(0.0.0.0: every interface)")  # fmt: skip
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: "
-                       "the --model given, or the folder's name)")  # fmt: skip
+                       "the --model given, or SmolLM2-135M-Instruct)")  # fmt: skip
     serve.add_argument("--api-key", help="requests to /v1 must carry 'Authorization: Bearer KEY'")
     serve.add_argument("--max-model-len", type=int, help="prompt plus output at most")
     serve.add_argument("--max-num-seqs", type=int, default=16,
@@ -60,7 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     llm = llm_of(args, path, config, max_num_seqs=args.max_num_seqs, progress=progress)
     settings = ServeSettings(
-        model_name=args.served_model_name or name or path.name,
+        model_name=args.served_model_name or name or DEFAULT_MODEL_NAME,
         api_key=args.api_key,
         max_waiting=waiting,
         version=package_version(),

@@ -22,7 +22,7 @@ from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
 from offload.model.configs import resolve
-from offload.model.sources import resolve_model
+from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import candidates
 from offload.planner.fit import checked_context_len, model_len_limit
 from offload.planner.plan import Plan, batch_sizes_for, budgets_for, make_plan
@@ -153,7 +153,9 @@ def plan_for(
     max_model_len=plan.context_len)` and up to `plan.batch_size` prompts a call (an `LLM`
     given only budgets plans for batch 1 itself, see `planner_for`)."""
     device = check_device(device)
-    path = resolve_model(resolve(model) if model is not None else None)
+    model = resolve(model) if model is not None else None
+    quantization = stored_unless_asked(model, None, dtype, device)
+    path = resolve_model(model, quantization=quantization, device=device)
     empty = build_empty(path, dtype, trust_remote_code)
     limit = model_len_limit(empty.config)
     context_len = min(DEFAULT_CONTEXT_LEN, limit) if context_len is None else context_len

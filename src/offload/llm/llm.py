@@ -43,7 +43,7 @@ from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
 from offload.model.loader import load_model
 from offload.model.quantized import check_quantization
-from offload.model.sources import resolve_model
+from offload.model.sources import resolve_model, stored_unless_asked
 from offload.model.tokenizer import eos_token_ids
 from offload.planner.fit import plan_memory
 
@@ -137,7 +137,9 @@ class LLM(DecodeLoop):
         path = resolve_model(
             shipped(model) if load_format == "dummy" and model else model,
             config.disk.offload_folder,
-            quantization=check_quantization(quantization),
+            quantization=stored_unless_asked(
+                model, check_quantization(quantization), dtype, self.device
+            ),
             device=self.device,
         )
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps

@@ -36,7 +36,8 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
             raise ModelError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype}")
         return dtype
     if dtype == "auto":
-        stored = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+        # (vars: transformers warns on reading its deprecated torch_dtype attribute)
+        stored = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
         stored = str(stored).removeprefix("torch.") if stored is not None else "float32"
         return DTYPES.get(stored, torch.float32)
     if dtype not in DTYPES:
