@@ -24,12 +24,15 @@ from safetensors.torch import load_file, save_file
 
 from offload import LLM, SamplingParams
 from offload.errors import ConfigError, ModelError
+from offload.model.build import build_empty
 from offload.model.default import gguf_path
 from offload.model.gguf_quants import affine_4bit, dequantize
 from offload.model.loader import load_model
 from offload.model.quant_layouts import int4_matmul
 from offload.model.quantized import GGUFEmbedding, GGUFLinear, Int4Linear, Q8Embedding, Q8Linear
 from offload.model.sources import resolve_model, stored_unless_asked
+from offload.planner.shape import shape_of
+from offload.probes.compute import time_decode
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 PROMPTS = ["What is the capital of France?", "1, 2, 3,"]
@@ -292,12 +295,25 @@ def test_a_gguf_runs_as_stored_on_the_cpu_unless_a_dtype_is_asked_for(stored, sm
         assert llm.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
 
 
+def test_the_planner_times_a_layer_of_the_stored_model(stored):
+    """The probes cut the model to its first layers: its config then names only their
+    quantized weights, and a layer takes time."""
+    empty = build_empty(stored, "auto")
+    layer_s, rest_s = time_decode(
+        stored, shape_of(empty, 64), torch.device("cpu"), [1], 64, warmup=1, repeats=2
+    )
+    assert layer_s[0] > 0 and rest_s[0] >= 0
+
+
 PEAK = textwrap.dedent(
     """
     import json, sys
     from pathlib import Path
     from offload.model.build import build_empty
-    from offload.model.loader import load_model
+    from offload.model.build import build_empty
+from offload.model.loader import load_model
+from offload.planner.shape import shape_of
+from offload.probes.compute import time_decode
 
     path = Path(sys.argv[1])
     build_empty(path, "auto")  # imports the model's code first: not part of loading

@@ -10,6 +10,7 @@ values), so a quantized model gives bitwise what its de-quantized float32 model 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,6 +65,25 @@ def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]
             f"torch and CPU pack them as {int4_cpu_layout()}; convert the .gguf again"
         )
     return dict(layouts)
+
+
+def first_layers_only(quantization: dict[str, Any], count: int) -> None:
+    """Keep in a `quantization_config` only the weights of the first `count` layers (and
+    those outside the layer stack): the config of a model cut to `count` layers names no
+    weight it lacks."""
+    for key in ("weight_types", "weight_layouts"):
+        if isinstance(quantization.get(key), dict):
+            quantization[key] = {
+                name: kind
+                for name, kind in quantization[key].items()
+                if (index := _layer_index(name)) is None or index < count
+            }
+
+
+def _layer_index(name: str) -> int | None:
+    """The index of the layer a weight is in ("model.layers.3.mlp.up_proj": 3), if any."""
+    found = re.search(r"\.(\d+)\.", f".{name}.")
+    return int(found.group(1)) if found else None
 
 
 class GGUFLinear(nn.Module):
