@@ -7,6 +7,7 @@ import statistics
 import sys
 
 import pytest
+import torch
 from small_probes import SMALL_PROBES
 
 from offload.bench import Workload, report, run_bench
@@ -347,3 +348,22 @@ def test_the_default_gguf_as_stored_runs_ours_and_says_why_the_peers_do_not(monk
     assert 0 < disk.moved_bytes_per_forward_by_link["disk"] < 70 * 2**20  # (float32: 405 MiB)
     assert "from_pretrained reads no offload folder" in result.skipped["accelerate-disk"]
     assert "pip install llama-cpp-python" in result.skipped["llama-cpp"]
+
+
+def test_llama_cpp_decodes_the_same_gguf_as_ours_where_it_is_installed():
+    """(Skipped where llama-cpp-python is not installed: it builds llama.cpp from source.)
+    Its first greedy token is ours; every row of a batch is decoded in full."""
+    pytest.importorskip("llama_cpp")
+    from offload.bench.llama_cpp import LlamaCpp
+
+    workload = Workload(quantization="gguf", device="cpu", batch_sizes=(2,), output_len=4)
+    prepared = prepare(workload)
+    ids = prepared.prompt_ids(2)
+    theirs, ours = LlamaCpp(prepared), Resident(prepared)
+    for method in (theirs, ours):
+        method.load()
+    decoded, reference = theirs.run(ids), ours.run(ids)
+    for method in (theirs, ours):
+        method.close()
+    assert decoded.tokens.shape == (2, 4) and len(decoded.step_s) == 3
+    assert torch.equal(decoded.tokens[:, 0], reference.tokens[:, 0])

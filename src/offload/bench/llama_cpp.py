@@ -37,10 +37,11 @@ class LlamaCpp(Method):
             ) from None
         workload = self.prepared.workload
         threads = torch.get_num_threads()
+        positions = workload.prompt_len + workload.output_len + 8
         self.model = llama_cpp.Llama(  # type: ignore[assignment]
             model_path=str(self.prepared.gguf),
-            n_ctx=workload.prompt_len + workload.output_len + 8,
-            n_batch=max(workload.prompt_len, 8),
+            n_ctx=positions,
+            n_batch=positions,  # (its logits are kept in n_batch rows, indexed by position)
             n_threads=threads,
             n_threads_batch=threads,
             verbose=False,
@@ -54,16 +55,25 @@ class LlamaCpp(Method):
             llama.reset()
             started = time.perf_counter()
             llama.eval(row)
-            chosen = [int(np.argmax(llama.scores[llama.n_tokens - 1]))]
+            chosen = [self._greedy(llama)]
             prefill_s += time.perf_counter() - started
             for step in range(num_tokens - 1):
                 started = time.perf_counter()
                 llama.eval(chosen[-1:])
-                chosen.append(int(np.argmax(llama.scores[llama.n_tokens - 1])))
+                chosen.append(self._greedy(llama))
                 step_s[step] += time.perf_counter() - started
             tokens.append(chosen)
         self.num_forwards += num_tokens * len(tokens)
         return Decoded(torch.tensor(tokens), prefill_s, step_s)
+
+    @staticmethod
+    def _greedy(llama: Any) -> int:
+        """The most likely next token after the last `eval`: its last position's logits, as
+        llama.cpp's context holds them (`Llama.scores` is filled only with logits_all)."""
+        import llama_cpp
+
+        logits = llama_cpp.llama_get_logits(llama.ctx)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(llama.n_vocab(),))))
 
     def figures(self) -> Figures:
         return Figures()  # (it maps the file and keeps it: nothing is offloaded)
