@@ -34,11 +34,16 @@ def pytest_configure(config):
     config.offload_cache_dir = tempfile.mkdtemp(prefix="offload-test-cache-")
     config.offload_user_cache_dir = os.environ.get("OFFLOAD_CACHE_DIR")
     os.environ["OFFLOAD_CACHE_DIR"] = config.offload_cache_dir
-    # The default model is converted in the background while the first tests run: a test
-    # that needs it waits on the conversion's lock, instead of a worker converting while
-    # the other one waits idle. If it fails, the fixture converts and reports why.
+    # The default model is converted in the background while the first tests run (to
+    # float32, then laid out as stored, as `LLM()` runs it on a CPU): a test that needs
+    # either waits on its conversion's lock, instead of a worker converting while the other
+    # one waits idle. If it fails, the fixture converts and reports why.
+    convert = (
+        "from offload.model.default import default_model_path; default_model_path(); "
+        "from offload.model.sources import resolve_model; resolve_model(None, quantization='gguf')"
+    )
     config.offload_converting = subprocess.Popen(
-        [sys.executable, "-c", "from offload.model.default import *; default_model_path()"],
+        [sys.executable, "-c", convert],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
