@@ -310,10 +310,7 @@ PEAK = textwrap.dedent(
     import json, sys
     from pathlib import Path
     from offload.model.build import build_empty
-    from offload.model.build import build_empty
-from offload.model.loader import load_model
-from offload.planner.shape import shape_of
-from offload.probes.compute import time_decode
+    from offload.model.loader import load_model
 
     path = Path(sys.argv[1])
     build_empty(path, "auto")  # imports the model's code first: not part of loading
