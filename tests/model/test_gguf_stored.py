@@ -295,6 +295,20 @@ def test_a_gguf_runs_as_stored_on_the_cpu_unless_a_dtype_is_asked_for(stored, sm
         assert llm.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
 
 
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it(stored):
+    """A request's logits must not depend on how many others share its decode step: each
+    stored product gives a row what it gives that row alone (float32 GEMM noise aside; the
+    int8 kernel's bfloat16 activations at one row moved the head's logits by 0.06)."""
+    model, _ = load_model(stored)
+    layer = model.model.layers[0]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in (layer.mlp.up_proj, layer.mlp.down_proj, model.lm_head):
+            x = torch.randn(8, module.in_features)
+            alone = torch.cat([module(x[i : i + 1]) for i in range(8)])
+            assert (module(x) - alone).abs().max() < 1e-4, type(module).__name__
+
+
 def test_the_planner_times_a_layer_of_the_stored_model(stored):
     """The probes cut the model to its first layers: its config then names only their
     quantized weights, and a layer takes time."""

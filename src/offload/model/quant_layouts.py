@@ -96,19 +96,14 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor)
 
 def q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times a q8 weight, one block column at a time (a scratch of one column,
-    never the whole weight in float). One row (decode) goes to torch's int8 kernel with
-    bfloat16 activations; more rows de-quantize the column and multiply in x's dtype."""
+    never the whole weight in float), in x's dtype. One path for any number of rows: torch's
+    int8 kernel is faster for one row but rounds the activations to bfloat16, so a row's
+    logits would depend on how many rows share its step (docs/design.md)."""
     columns = x.reshape(x.shape[0], values.shape[0], GROUP).transpose(0, 1)
     out = None
-    if x.shape[0] == 1 and x.device.type == "cpu":
-        columns, step_scales = columns.to(torch.bfloat16), scales.to(torch.bfloat16)
-        for column, q, d in zip(columns, values, step_scales, strict=True):
-            part = torch._weight_int8pack_mm(column, q, d).to(x.dtype)
-            out = part if out is None else out.add_(part)
-    else:
-        for column, q, d in zip(columns, values, scales, strict=True):
-            part = (column @ q.to(x.dtype).T) * d.to(x.dtype)
-            out = part if out is None else out.add_(part)
+    for column, q, d in zip(columns, values, scales, strict=True):
+        part = (column @ q.to(x.dtype).T) * d.to(x.dtype)
+        out = part if out is None else out.add_(part)
     assert out is not None
     return out
 
