@@ -24,7 +24,7 @@ from offload.memory.device import check_device
 from offload.memory.placement import DiskIO, Placement
 from offload.model.build import build_empty
 from offload.model.configs import resolve
-from offload.model.quantized import check_quantization
+from offload.model.quantized import check_quantization, stored_form
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
@@ -191,7 +191,9 @@ def inspect(args: argparse.Namespace) -> str:
     model = build_empty(path, args.dtype, args.trust_remote_code)
     total = parameter_bytes(model)
     dtype = compute_dtype(model)
-    lines = [f"{path}: {type(model).__name__}, {format_bytes(total)} of parameters ({dtype})"]
+    stored = stored_form(model.config)
+    held = f"{stored}, computing in {dtype}" if stored else dtype
+    lines = [f"{path}: {type(model).__name__}, {format_bytes(total)} of parameters ({held})"]
     for name, stack in find_layer_stacks(model):
         sizes = [parameter_bytes(block) for block in stack]
         lines.append(

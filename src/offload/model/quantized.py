@@ -67,6 +67,16 @@ def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]
     return dict(layouts)
 
 
+def stored_form(hf_config: Any) -> str | None:
+    """What a model built from `hf_config` holds as stored ("GGUF Q4_1, Q8_0 as stored"), or
+    None for a float model."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != "gguf":
+        return None
+    kinds = sorted(set((quantization.get("weight_types") or {}).values()))
+    return f"GGUF {', '.join(kinds)} as stored"
+
+
 def first_layers_only(quantization: dict[str, Any], count: int) -> None:
     """Keep in a `quantization_config` only the weights of the first `count` layers (and
     those outside the layer stack): the config of a model cut to `count` layers names no
