@@ -37,6 +37,7 @@ class LlamaCpp(Method):
             ) from None
         workload = self.prepared.workload
         threads = torch.get_num_threads()
+        self._logits_of = llama_cpp.llama_get_logits
         positions = workload.prompt_len + workload.output_len + 8
         self.model = llama_cpp.Llama(  # type: ignore[assignment]
             model_path=str(self.prepared.gguf),
@@ -66,13 +67,10 @@ class LlamaCpp(Method):
         self.num_forwards += num_tokens * len(tokens)
         return Decoded(torch.tensor(tokens), prefill_s, step_s)
 
-    @staticmethod
-    def _greedy(llama: Any) -> int:
+    def _greedy(self, llama: Any) -> int:
         """The most likely next token after the last `eval`: its last position's logits, as
         llama.cpp's context holds them (`Llama.scores` is filled only with logits_all)."""
-        import llama_cpp
-
-        logits = llama_cpp.llama_get_logits(llama.ctx)
+        logits = self._logits_of(llama.ctx)
         return int(np.argmax(np.ctypeslib.as_array(logits, shape=(llama.n_vocab(),))))
 
     def figures(self) -> Figures:
