@@ -7,6 +7,7 @@
 #   run(command="bash benchmarks/gpu_session.sh tests", timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh bench", timeout_s=600)
 #   run(command="bash benchmarks/gpu_session.sh peers", timeout_s=600)   (issue 16's rows)
+#   run(command="bash benchmarks/gpu_session.sh quantized", timeout_s=600)   (issue 27's rows)
 # The device image already has torch, transformers, accelerate, safetensors, pytest and
 # hypothesis; nothing needs carrying. SmolLM2's GGUF cannot travel (98 MB > 64 MiB), so the
 # CUDA tests and the LLM runs use a seeded checkpoint of its shape, with a word tokenizer
@@ -76,5 +77,20 @@ if [[ $part == peers ]]; then
   python3 -m offload.cli bench --model llama-3-8b --dtype bfloat16 --device cuda \
     --batch-sizes 1 --prompt-len 4096 --output-len 2 --rounds 2 --no-progress \
     --methods resident prefetch-half --out "$out" 2>&1 | tee "$out/bench-prefill.log"
+fi
+if [[ $part == quantized ]]; then
+  # Issue 27's GPU check: a Llama-3-8B shape with every matrix as GGUF Q4_0 (W4A16, random
+  # blocks), half of its layers off the GPU, at batch 1/16/64, against its bound and against
+  # the same shape in bf16; the stored path's CUDA tests first, the others with what is left.
+  timeout 120 python3 -m pytest -m cuda tests/cuda/test_quantized_cuda.py -q -rfE --tb=short \
+    -p no:cacheprovider --timeout 100 2>&1 | tee "$out/cuda-quantized.log"
+  for q in "-q gguf" ""; do
+    timeout 210 python3 -m offload.cli bench --model llama-3-8b --dtype bfloat16 --device cuda $q \
+      --batch-sizes 1 16 64 --prompt-len 16 --output-len 8 --rounds 3 --no-progress \
+      --methods resident prefetch-half --out "$out" 2>&1 | tee -a "$out/bench-quantized.log"
+  done
+  timeout 120 python3 -m pytest -m cuda tests/cuda -q -rfE --tb=short -p no:cacheprovider \
+    --timeout 60 --ignore=tests/cuda/test_quantized_cuda.py 2>&1 | tee "$out/cuda-tests.log"
+  rm -f "$out/pip.log" "$out"/*.png  # (at most 8 files come back)
 fi
 exit 0

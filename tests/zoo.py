@@ -200,6 +200,27 @@ def save_smollm2_shape(path):
     return path
 
 
+def save_q4_0_shape(path, layers=8):
+    """A random checkpoint of SmolLM2-135M's width (`layers` layers) with every matrix in
+    GGUF Q4_0 blocks, as offload keeps a .gguf read as stored, and a word tokenizer."""
+    from offload.bench.checkpoint import write_random_checkpoint
+
+    shape = tf.LlamaConfig(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ).to_dict()
+    shape.pop("dtype", None)
+    shape.pop("torch_dtype", None)
+    write_random_checkpoint(path, shape, max_shard_bytes=10**7, quantized="Q4_0")
+    _word_tokenizer(49152).save_pretrained(path)
+    return path
+
+
 def save_large_llama(path):
     """A randomly initialised Llama checkpoint of about 400 MB in float32 (8 layers of
     width 1024, an untied vocabulary of 16000), saved to `path`: large enough that a

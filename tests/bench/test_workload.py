@@ -4,9 +4,12 @@ the random checkpoint a shape becomes."""
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from offload.bench.workload import Workload, prepare, resolve_checkpoint
 from offload.errors import ConfigError
+from offload.model.gguf_quants import dequantize
 
 
 @pytest.mark.parametrize(
@@ -42,7 +45,7 @@ def test_an_unknown_model_lists_the_shipped_shapes(tmp_path):
         resolve_checkpoint(str(tmp_path), "auto")
 
 
-def test_a_shape_becomes_a_random_checkpoint_written_once(tmp_path, monkeypatch):
+def _tiny_shape(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
     shape = tmp_path / "tiny-shape"
     shape.mkdir()
@@ -58,6 +61,11 @@ def test_a_shape_becomes_a_random_checkpoint_written_once(tmp_path, monkeypatch)
         "dtype": "bfloat16",
     }
     (shape / "config.json").write_text(json.dumps(config))
+    return shape
+
+
+def test_a_shape_becomes_a_random_checkpoint_written_once(tmp_path, monkeypatch):
+    shape = _tiny_shape(tmp_path, monkeypatch)
     path, name = resolve_checkpoint(str(shape), "float32")
     assert name == "tiny-shape (random weights)"
     assert path.parent == tmp_path / "cache" / "bench" and path.name.startswith(
@@ -70,6 +78,33 @@ def test_a_shape_becomes_a_random_checkpoint_written_once(tmp_path, monkeypatch)
     assert len(prepared.layer_bytes) == 3 and prepared.files
     assert prepared.outside_layers_bytes == prepared.total_bytes - sum(prepared.layer_bytes)
     assert resolve_checkpoint(str(shape), "auto")[0].name.startswith("tiny-shape-bfloat16")
+
+
+def test_a_quantized_shape_keeps_its_matrices_as_q4_0_blocks(tmp_path, monkeypatch):
+    """`offload bench --model <shape> -q gguf`: every matrix as GGUF Q4_0 (4.5 bits a
+    weight) with values of the float checkpoint's spread, the norms in the dtype."""
+    shape = _tiny_shape(tmp_path, monkeypatch)
+    prepared = prepare(
+        Workload(model=str(shape), dtype="bfloat16", device="cpu", quantization="gguf")
+    )
+    assert prepared.name == "tiny-shape (Q4_0, random weights)"
+    floats = prepare(Workload(model=str(shape), dtype="bfloat16", device="cpu"))
+    assert prepared.path != floats.path
+    types = json.loads((prepared.path / "config.json").read_text())["quantization_config"]
+    tensors = {}
+    for file in prepared.files:
+        tensors.update(load_file(file))
+    matrices = {name for name, t in load_file(floats.files[0]).items() if t.dim() == 2}
+    assert set(types["weight_types"]) == matrices and set(types["weight_types"].values()) == {
+        "Q4_0"
+    }
+    up = tensors["model.layers.1.mlp.up_proj.weight"]
+    assert up.dtype == torch.uint8 and up.shape == (96, 64 // 32 * 18)
+    values = dequantize(up, "Q4_0")
+    assert torch.isfinite(values).all() and 0.01 < float(values.std()) < 0.04
+    assert tensors["model.norm.weight"].dtype == torch.bfloat16
+    # 4.5 bits a matrix weight: under a third of the bfloat16 checkpoint's bytes.
+    assert prepared.total_bytes < floats.total_bytes / 3
 
 
 def test_prompts_are_the_same_for_every_method_and_differ_by_batch(tiny_llama_path):

@@ -12,13 +12,20 @@ import torch
 
 
 def write_random_checkpoint(
-    folder: Path, config: dict[str, object], max_shard_bytes: int, seed: int = 0
+    folder: Path,
+    config: dict[str, object],
+    max_shard_bytes: int,
+    seed: int = 0,
+    quantized: str | None = None,
 ) -> list[Path]:
     """A sharded safetensors checkpoint of random weights for the Hugging Face `config`
     (a config.json as a dict), written one shard at a time: tensors in the model's own
     order fill a shard up to `max_shard_bytes` (transformers' `max_shard_size` rule), so
     layers span files and at most one shard is ever in memory. Written into a staging
-    folder renamed into place; an existing complete folder is reused. Returns the shards."""
+    folder renamed into place; an existing complete folder is reused. Returns the shards.
+    `quantized="Q4_0"`: every matrix (embedding, projections, head) is kept as GGUF Q4_0
+    blocks, as offload keeps a .gguf read as stored (4.5 bits a weight); the rest in the
+    config's dtype."""
     import shutil
     import tempfile
 
@@ -31,18 +38,30 @@ def write_random_checkpoint(
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         specs = _parameter_specs(config)
+        types = _quantized_types(specs, quantized)
+        specs.update({name: (_q4_0_shape(specs[name][0]), torch.uint8) for name in types})
         shards = _shard_by_size(specs, max_shard_bytes)
         generator = torch.Generator().manual_seed(seed)
         weight_map: dict[str, str] = {}
         for number, names in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {key: _random_tensor(key, *specs[key], generator) for key in names}
+            tensors = {
+                key: _random_q4_0(specs[key][0], generator)
+                if key in types
+                else _random_tensor(key, *specs[key], generator)
+                for key in names
+            }
             save_file(tensors, staging / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(names, name))
             del tensors
         total = sum(_numel(shape) * dtype.itemsize for shape, dtype in specs.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        if types:
+            config = {
+                **config,
+                "quantization_config": {"quant_method": "gguf", "weight_types": types},
+            }
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         staging.rename(folder)
     finally:
@@ -95,3 +114,38 @@ def _random_tensor(
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+
+
+_Q4_0_BLOCK = (32, 18)  # values, bytes: a float16 scale, then 16 bytes of 4-bit values
+
+
+def _quantized_types(
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]], quantized: str | None
+) -> dict[str, str]:
+    """The weights kept as `quantized` blocks: every matrix whose rows are whole blocks."""
+    if quantized is None:
+        return {}
+    if quantized != "Q4_0":
+        raise ValueError(f"quantized must be None or Q4_0, got {quantized!r}")
+    return {
+        name: quantized
+        for name, (shape, _) in specs.items()
+        if len(shape) == 2 and shape[1] % _Q4_0_BLOCK[0] == 0
+    }
+
+
+def _q4_0_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    rows, values = shape
+    return rows, values // _Q4_0_BLOCK[0] * _Q4_0_BLOCK[1]
+
+
+def _random_q4_0(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Q4_0 rows of random 4-bit values with scales about 0.005, so that the values
+    d * (q - 8) have about the 0.02 spread of `_random_tensor`'s."""
+    rows, row_bytes = shape
+    blocks = torch.randint(
+        0, 256, (rows, row_bytes // 18, 18), dtype=torch.uint8, generator=generator
+    )
+    scales = (torch.rand(rows, row_bytes // 18, generator=generator) * 0.005 + 0.0025).half()
+    blocks[..., :2] = scales.unsqueeze(-1).view(torch.uint8)
+    return blocks.reshape(rows, row_bytes)

@@ -97,13 +97,17 @@ def prepare(workload: Workload) -> Prepared:
     and the model's sizes, from a model built on the meta device."""
     device = check_device(workload.device)
     source = _gguf_source(workload.model)
-    if source is not None or workload.quantization is not None:
+    shape = _random_shape(workload.model)
+    if source is not None or (workload.quantization is not None and not shape):
         path = resolve_model(workload.model, quantization=workload.quantization, device=device)
         form = "as stored" if workload.quantization else "as float32"
         name = f"{(source or gguf_path()).name} {form}"
     else:
         path, name = resolve_checkpoint(
-            workload.model, workload.dtype, check=lambda limit: _check_length(workload, limit)
+            workload.model,
+            workload.dtype,
+            check=lambda limit: _check_length(workload, limit),
+            quantized="Q4_0" if workload.quantization else None,
         )
     model = build_empty(path, workload.dtype)
     _check_length(workload, getattr(model.config, "max_position_embeddings", None))
@@ -140,11 +144,14 @@ def _check_length(workload: Workload, limit: object) -> None:
 
 
 def resolve_checkpoint(
-    model: str | None, dtype: str, check: Callable[[object], None] = lambda limit: None
+    model: str | None,
+    dtype: str,
+    check: Callable[[object], None] = lambda limit: None,
+    quantized: str | None = None,
 ) -> tuple[Path, str]:
     """(folder with weights, name for the report). A folder with only a config.json, or a
-    shipped shape, becomes a random-weight checkpoint in the cache folder, once `check`
-    passed on its max_position_embeddings."""
+    shipped shape, becomes a random-weight checkpoint in the cache folder (its matrices as
+    `quantized` GGUF blocks if given), once `check` passed on its max_position_embeddings."""
     if model is None:
         path = default_model_path()
         return path, path.name
@@ -162,20 +169,34 @@ def resolve_checkpoint(
         raise ConfigError(f"model (--model) {model!r} is a folder with no config.json")
     config = json.loads((path / "config.json").read_text())
     check(config.get("max_position_embeddings") if isinstance(config, dict) else None)
-    return random_checkpoint(path, dtype), f"{path.name} (random weights)"
+    form = f"{quantized}, " if quantized else ""
+    return random_checkpoint(path, dtype, quantized), f"{path.name} ({form}random weights)"
 
 
-def random_checkpoint(shape: Path, dtype: str) -> Path:
+def random_checkpoint(shape: Path, dtype: str, quantized: str | None = None) -> Path:
     """The random-weight checkpoint of the shape in `shape/config.json` and `dtype`,
     written once into `<cache>/bench/` and reused; its folder is named by a hash of its
     settings, so that a changed shape never reuses a stale one."""
     config = json.loads((shape / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     config["dtype"] = str(stored).removeprefix("torch.") if dtype == "auto" else dtype
-    key = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:12]
-    folder = cache_dir() / "bench" / f"{shape.name}-{config['dtype']}-{key}"
-    write_random_checkpoint(folder, config, SHARD_BYTES)
+    form = f"-{quantized}" if quantized else ""
+    keyed = [config, quantized] if quantized else config  # (float ones keep their old keys)
+    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
+    folder = cache_dir() / "bench" / f"{shape.name}-{config['dtype']}{form}-{key}"
+    write_random_checkpoint(folder, config, SHARD_BYTES, quantized=quantized)
     return folder
+
+
+def _random_shape(model: str | None) -> bool:
+    """Whether `model` names a shape that runs on random weights (a shipped shape, or a
+    folder with a config.json and no weights)."""
+    if model is None:
+        return False
+    path = Path(model)
+    if not path.is_dir():
+        return model in shipped()
+    return (path / "config.json").is_file() and not weight_files(path)
 
 
 def weight_files(path: Path) -> list[Path]:

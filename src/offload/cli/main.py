@@ -186,7 +186,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "-q",
         "--quantization",
         help="gguf: the GGUF's weights as stored (4-5 bits a weight), not converted to "
-        "float32 (default: converted)",
+        "float32; with a shape, its matrices as random Q4_0 blocks (default: converted)",
     )
     bench.add_argument(
         "--dtype",

@@ -77,7 +77,7 @@ def _nibbles(packed: torch.Tensor, group: int) -> torch.Tensor:
 def _bits(packed: torch.Tensor, width: int) -> torch.Tensor:
     """Little-endian fields of `width` bits, lowest first, from each byte:
     [blocks, bytes] -> [blocks, bytes * 8 / width] in byte-major order."""
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
     mask = (1 << width) - 1
     return ((packed[:, :, None] >> shifts) & mask).reshape(packed.shape[0], -1)
 
@@ -155,9 +155,8 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     num = blocks.shape[0]
     low = _nibbles(blocks[:, :128], 64).reshape(num, 8, 32)
     # Each run of 32 high bytes gives 2-bit fields for 4 groups: bits 0-1 the first, ...
-    high = blocks[:, 128:192].reshape(num, 2, 1, 32) >> torch.tensor(
-        [0, 2, 4, 6], dtype=torch.uint8
-    ).reshape(1, 1, 4, 1)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
+    high = blocks[:, 128:192].reshape(num, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)
     high = (high & 0x03).reshape(num, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(num, 16, 16).float()
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
