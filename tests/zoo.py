@@ -200,9 +200,11 @@ def save_smollm2_shape(path):
     return path
 
 
-def save_q4_0_shape(path, layers=8):
+def save_q4_0_shape(path, layers=8, kernels="gguf"):
     """A random checkpoint of SmolLM2-135M's width (`layers` layers) with every matrix in
-    GGUF Q4_0 blocks, as offload keeps a .gguf read as stored, and a word tokenizer."""
+    GGUF Q4_0 blocks laid out for `kernels`, as offload keeps a .gguf read as stored, and
+    a word tokenizer; `path`'s name ends in the kernels'."""
+    path = path.with_name(f"{path.name}-{kernels}")
     from offload.bench.checkpoint import write_random_checkpoint
 
     shape = tf.LlamaConfig(
@@ -216,7 +218,7 @@ def save_q4_0_shape(path, layers=8):
     ).to_dict()
     shape.pop("dtype", None)
     shape.pop("torch_dtype", None)
-    write_random_checkpoint(path, shape, max_shard_bytes=10**7, quantized="Q4_0")
+    write_random_checkpoint(path, shape, max_shard_bytes=10**7, quantized="Q4_0", kernels=kernels)
     _word_tokenizer(49152).save_pretrained(path)
     return path
 

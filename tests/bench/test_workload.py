@@ -7,9 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from offload.bench.checkpoint import write_random_checkpoint
 from offload.bench.workload import Workload, prepare, resolve_checkpoint
 from offload.errors import ConfigError
 from offload.model.gguf_quants import dequantize
+from offload.model.loader import load_model
+from offload.model.quantized import Int4Linear
 
 
 @pytest.mark.parametrize(
@@ -84,16 +87,14 @@ def test_a_quantized_shape_keeps_its_matrices_as_q4_0_blocks(tmp_path, monkeypat
     """`offload bench --model <shape> -q gguf`: every matrix as GGUF Q4_0 (4.5 bits a
     weight) with values of the float checkpoint's spread, the norms in the dtype."""
     shape = _tiny_shape(tmp_path, monkeypatch)
-    prepared = prepare(
-        Workload(model=str(shape), dtype="bfloat16", device="cpu", quantization="gguf")
-    )
-    assert prepared.name == "tiny-shape (Q4_0, random weights)"
-    floats = prepare(Workload(model=str(shape), dtype="bfloat16", device="cpu"))
-    assert prepared.path != floats.path
-    types = json.loads((prepared.path / "config.json").read_text())["quantization_config"]
+    config = json.loads((shape / "config.json").read_text())
+    folder = tmp_path / "blocks"
+    files = write_random_checkpoint(folder, config, 10**6, quantized="Q4_0")
+    types = json.loads((folder / "config.json").read_text())["quantization_config"]
     tensors = {}
-    for file in prepared.files:
+    for file in files:
         tensors.update(load_file(file))
+    floats = prepare(Workload(model=str(shape), dtype="bfloat16", device="cpu"))
     matrices = {name for name, t in load_file(floats.files[0]).items() if t.dim() == 2}
     assert set(types["weight_types"]) == matrices and set(types["weight_types"].values()) == {
         "Q4_0"
@@ -104,7 +105,27 @@ def test_a_quantized_shape_keeps_its_matrices_as_q4_0_blocks(tmp_path, monkeypat
     assert torch.isfinite(values).all() and 0.01 < float(values.std()) < 0.04
     assert tensors["model.norm.weight"].dtype == torch.bfloat16
     # 4.5 bits a matrix weight: under a third of the bfloat16 checkpoint's bytes.
-    assert prepared.total_bytes < floats.total_bytes / 3
+    assert sum(t.numel() * t.element_size() for t in tensors.values()) < floats.total_bytes / 3
+
+
+def test_a_quantized_shape_is_laid_out_for_the_devices_kernels(tmp_path, monkeypatch):
+    """On the CPU the 4-bit matrices go to torch's int4 packing, as a .gguf would; the
+    model built from them computes finite logits."""
+    shape = _tiny_shape(tmp_path, monkeypatch)
+    prepared = prepare(
+        Workload(model=str(shape), dtype="bfloat16", device="cpu", quantization="gguf")
+    )
+    assert prepared.name == "tiny-shape (Q4_0, random weights)"
+    settings = json.loads((prepared.path / "config.json").read_text())["quantization_config"]
+    layouts = settings["weight_layouts"]
+    assert layouts["model.layers.1.mlp.up_proj.weight"] == "int4"
+    assert "model.embed_tokens.weight" not in layouts  # (looked up by row: GGUF's blocks)
+    model, offloader = load_model(prepared.path, device="cpu", dtype=prepared.dtype)
+    offloader.close()
+    assert isinstance(model.model.layers[1].mlp.up_proj, Int4Linear)
+    with torch.no_grad():
+        logits = model(prepared.prompt_ids(2)[:, :4]).logits
+    assert torch.isfinite(logits).all() and float(logits.std()) > 0
 
 
 def test_prompts_are_the_same_for_every_method_and_differ_by_batch(tiny_llama_path):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, laid_out, layout_for
+
 
 def write_random_checkpoint(
     folder: Path,
@@ -17,6 +19,7 @@ def write_random_checkpoint(
     max_shard_bytes: int,
     seed: int = 0,
     quantized: str | None = None,
+    kernels: str = "gguf",
 ) -> list[Path]:
     """A sharded safetensors checkpoint of random weights for the Hugging Face `config`
     (a config.json as a dict), written one shard at a time: tensors in the model's own
@@ -24,8 +27,9 @@ def write_random_checkpoint(
     layers span files and at most one shard is ever in memory. Written into a staging
     folder renamed into place; an existing complete folder is reused. Returns the shards.
     `quantized="Q4_0"`: every matrix (embedding, projections, head) is kept as GGUF Q4_0
-    blocks, as offload keeps a .gguf read as stored (4.5 bits a weight); the rest in the
-    config's dtype."""
+    blocks, as offload keeps a .gguf read as stored (4.5 bits a weight), laid out for
+    `kernels` as a .gguf converted for them would be (`quant_layouts.py`); the rest in
+    the config's dtype."""
     import shutil
     import tempfile
 
@@ -43,25 +47,28 @@ def write_random_checkpoint(
         shards = _shard_by_size(specs, max_shard_bytes)
         generator = torch.Generator().manual_seed(seed)
         weight_map: dict[str, str] = {}
+        layouts: dict[str, str] = {}
+        total = 0
         for number, names in enumerate(shards, start=1):
             name = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-            tensors = {
-                key: _random_q4_0(specs[key][0], generator)
-                if key in types
-                else _random_tensor(key, *specs[key], generator)
-                for key in names
-            }
+            tensors: dict[str, torch.Tensor] = {}
+            for key in names:
+                if key not in types:
+                    tensors[key] = _random_tensor(key, *specs[key], generator)
+                    continue
+                raw = _random_q4_0(specs[key][0], generator)
+                layout = layout_for(types[key], key, kernels, rows=raw.shape[0])
+                tensors.update(laid_out(key, raw, types[key], layout))
+                if layout != "gguf":
+                    layouts[key] = layout
             save_file(tensors, staging / name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(names, name))
+            weight_map.update(dict.fromkeys(tensors, name))
+            total += sum(t.numel() * t.element_size() for t in tensors.values())
             del tensors
-        total = sum(_numel(shape) * dtype.itemsize for shape, dtype in specs.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         if types:
-            config = {
-                **config,
-                "quantization_config": {"quant_method": "gguf", "weight_types": types},
-            }
+            config = {**config, "quantization_config": _stored_settings(types, layouts)}
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         staging.rename(folder)
     finally:
@@ -82,7 +89,8 @@ def _parameter_specs(config: dict[str, object]) -> dict[str, tuple[tuple[int, ..
     dtype = getattr(torch, str(config.get("dtype", "float32")))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    return {name: (tuple(t.shape), t.dtype) for name, t in model.state_dict().items()}
+    # (named_parameters: a tied head is not written twice, as save_pretrained leaves it out)
+    return {name: (tuple(t.shape), t.dtype) for name, t in model.named_parameters()}
 
 
 def _shard_by_size(
@@ -114,6 +122,17 @@ def _random_tensor(
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
+
+
+def _stored_settings(types: dict[str, str], layouts: dict[str, str]) -> dict[str, object]:
+    settings: dict[str, object] = {"quant_method": "gguf", "weight_types": types}
+    if layouts:
+        settings["weight_layouts"] = layouts
+    if "int4" in layouts.values():
+        settings["int4_layout"] = int4_cpu_layout()
+    if "int4_cuda" in layouts.values():
+        settings["int4_cuda_layout"] = int4_cuda_layout()
+    return settings
 
 
 _Q4_0_BLOCK = (32, 18)  # values, bytes: a float16 scale, then 16 bytes of 4-bit values

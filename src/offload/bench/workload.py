@@ -18,8 +18,9 @@ from offload.memory.device import check_device
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
 from offload.model.default import cache_dir, default_model_path, gguf_path
+from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout
 from offload.model.quantized import check_quantization
-from offload.model.sources import resolve_model
+from offload.model.sources import kernels_for, resolve_model
 from offload.offloader.layers import find_layers
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 from offload.sizes import compute_dtype, parameter_bytes
@@ -108,6 +109,7 @@ def prepare(workload: Workload) -> Prepared:
             workload.dtype,
             check=lambda limit: _check_length(workload, limit),
             quantized="Q4_0" if workload.quantization else None,
+            kernels=kernels_for(device),
         )
     model = build_empty(path, workload.dtype)
     _check_length(workload, getattr(model.config, "max_position_embeddings", None))
@@ -148,10 +150,12 @@ def resolve_checkpoint(
     dtype: str,
     check: Callable[[object], None] = lambda limit: None,
     quantized: str | None = None,
+    kernels: str = "gguf",
 ) -> tuple[Path, str]:
     """(folder with weights, name for the report). A folder with only a config.json, or a
     shipped shape, becomes a random-weight checkpoint in the cache folder (its matrices as
-    `quantized` GGUF blocks if given), once `check` passed on its max_position_embeddings."""
+    `quantized` GGUF blocks laid out for `kernels` if given), once `check` passed on its
+    max_position_embeddings."""
     if model is None:
         path = default_model_path()
         return path, path.name
@@ -170,10 +174,13 @@ def resolve_checkpoint(
     config = json.loads((path / "config.json").read_text())
     check(config.get("max_position_embeddings") if isinstance(config, dict) else None)
     form = f"{quantized}, " if quantized else ""
-    return random_checkpoint(path, dtype, quantized), f"{path.name} ({form}random weights)"
+    folder = random_checkpoint(path, dtype, quantized, kernels)
+    return folder, f"{path.name} ({form}random weights)"
 
 
-def random_checkpoint(shape: Path, dtype: str, quantized: str | None = None) -> Path:
+def random_checkpoint(
+    shape: Path, dtype: str, quantized: str | None = None, kernels: str = "gguf"
+) -> Path:
     """The random-weight checkpoint of the shape in `shape/config.json` and `dtype`,
     written once into `<cache>/bench/` and reused; its folder is named by a hash of its
     settings, so that a changed shape never reuses a stale one."""
@@ -181,10 +188,11 @@ def random_checkpoint(shape: Path, dtype: str, quantized: str | None = None) -> 
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     config["dtype"] = str(stored).removeprefix("torch.") if dtype == "auto" else dtype
     form = f"-{quantized}" if quantized else ""
-    keyed = [config, quantized] if quantized else config  # (float ones keep their old keys)
+    packing = {"cpu": int4_cpu_layout, "cuda": int4_cuda_layout}.get(kernels, lambda: None)()
+    keyed = [config, quantized, packing] if quantized else config  # (float: their old keys)
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_dir() / "bench" / f"{shape.name}-{config['dtype']}{form}-{key}"
-    write_random_checkpoint(folder, config, SHARD_BYTES, quantized=quantized)
+    write_random_checkpoint(folder, config, SHARD_BYTES, quantized=quantized, kernels=kernels)
     return folder
 
 

@@ -19,7 +19,7 @@ import torch
 
 from offload.errors import ModelError
 from offload.model.gguf_quants import FORMATS
-from offload.model.quant_layouts import int4_cpu_layout, layout_for, pack_int4, pack_q8
+from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, laid_out, layout_for
 
 # The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
 # rows (for its interleaved rotary layout): those are put back in transformers' order.
@@ -29,8 +29,8 @@ _FLOATS = {"F32": ("F32", np.float32), "F16": ("F16", np.float16)}
 
 def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
     """Write `source`'s config, tokenizer and stored tensors into `out_dir`: in GGUF's own
-    blocks (`kernels="gguf"`, any device), or laid out for the CPU's kernels
-    (`kernels="cpu"`: `quant_layouts.py`)."""
+    blocks (`kernels="gguf"`, any device), or laid out for the CPU's or the GPU's kernels
+    (`kernels="cpu"` or `"cuda"`: `quant_layouts.py`)."""
     import gguf
 
     from offload.model.default import gguf_parsed_once
@@ -51,7 +51,6 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
     tensors: dict[str, tuple[str, list[int], np.ndarray]] = {}
     weight_types: dict[str, str] = {}
     layouts: dict[str, str] = {}
-    cpu_int4 = kernels == "cpu" and int4_cpu_layout() is not None
     for tensor in reader.tensors:
         if tensor.name not in names:
             raise ModelError(f"{source}: tensor {tensor.name!r} has no place in a {arch} model")
@@ -65,7 +64,7 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
             tensors[name] = (dtype, list(data.shape), data.astype(numpy_type, copy=False))
         elif kind in FORMATS:
             weight_types[name] = kind
-            layout = layout_for(kind, name, cpu_int4) if kernels == "cpu" else "gguf"
+            layout = layout_for(kind, name, kernels, rows=data.shape[0])
             if layout != "gguf":
                 layouts[name] = layout
             tensors.update(_laid_out(name, data, kind, layout))
@@ -80,6 +79,8 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
         settings["quantization_config"]["weight_layouts"] = layouts
     if "int4" in layouts.values():
         settings["quantization_config"]["int4_layout"] = int4_cpu_layout()
+    if "int4_cuda" in layouts.values():
+        settings["quantization_config"]["int4_cuda_layout"] = int4_cuda_layout()
     settings.pop("torch_dtype", None)
     settings.pop("dtype", None)  # (the activations' dtype is the user's choice: float32)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -91,24 +92,25 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
 def _laid_out(
     name: str, data: np.ndarray, kind: str, layout: str
 ) -> dict[str, tuple[str, list[int], np.ndarray]]:
-    """The safetensors entries of one quantized weight in `layout` (named as the module's
-    parameters: `weight`, and `scale_zero` or `scales`)."""
+    """The safetensors entries of one quantized weight in `layout`."""
     if layout == "gguf":
         return {name: ("U8", list(data.shape), data)}
-    stem = name.removesuffix(".weight")
     raw = torch.from_numpy(np.array(data))  # (a copy: the reader maps the file read-only)
-    if layout == "int4":
-        packed, scale_zero = pack_int4(raw, kind)
-        second = (f"{stem}.scale_zero", "BF16", scale_zero.view(torch.int16))
-    else:
-        packed, scales = pack_q8(raw)
-        second = (f"{stem}.scales", "F16", scales)
-    entries = {name: (_SAFE_TYPES[packed.dtype], list(packed.shape), packed.numpy())}
-    entries[second[0]] = (second[1], list(second[2].shape), second[2].numpy())
-    return entries
+    return {
+        key: (_SAFE_TYPES[t.dtype], list(t.shape), _as_numpy(t))
+        for key, t in laid_out(name, raw, kind, layout).items()
+    }
 
 
-_SAFE_TYPES = {torch.uint8: "U8", torch.int8: "I8"}
+_SAFE_TYPES = {
+    torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.float16: "F16",
+    torch.bfloat16: "BF16",
+}  # fmt: skip
+
+
+def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """numpy has no bfloat16: its bytes go as int16 (the header says BF16)."""
+    return (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
 
 
 def _kv_heads(config: Any) -> int:

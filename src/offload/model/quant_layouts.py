@@ -8,6 +8,10 @@ laid-out bytes as they lie in the file).
   Same bits a weight as the file (4 + 32/32); the scales round from float16 to bfloat16.
   The packing depends on torch's build and the CPU's vector width, so the layout's name
   carries a fingerprint of it (`int4_cpu_layout`).
+- `int4_cuda`: the same 4-bit types in torch's GPU int4 packing (`_weight_int4pack_mm`,
+  tinygemm's tensor-core tiles: int32 [out / 8, in / (16 k), 32, k / 2] for k = 8, 4 or 2
+  inner tiles) with the same bfloat16 scale and zero point; named by a fingerprint made
+  on the GPU (`int4_cuda_layout`), and only where its probe reads back what it packed.
 - `q8`: Q8_0 as int8 [in / 32, out, 32] with its float16 scales [in / 32, out]: the file's
   bytes, split by block column, so that one block column is one contiguous matrix.
 - anything else stays in GGUF's own blocks (`gguf_quants` de-quantizes them).
@@ -38,24 +42,83 @@ def int4_cpu_layout() -> str | None:
     return "int4cpu-" + hashlib.sha256(packed.numpy().tobytes()).hexdigest()[:10]
 
 
-def layout_for(type_name: str, name: str, cpu_int4: bool) -> str:
-    """The layout a weight is kept in: the embedding is looked up by row, so it stays in a
-    layout rows can be read from (GGUF's or q8)."""
-    if type_name == "Q8_0":
+@functools.cache
+def _cuda_packing() -> tuple[str, bool] | None:
+    """(fingerprint, high nibble first) of torch's GPU int4 packing here, or None where
+    there is no usable one (no GPU, one older than sm_80, or a probe that does not read
+    back the integers it packed in either nibble order)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+        return None
+    probe = (torch.arange(64 * 128, dtype=torch.int32) * 7 % 16).reshape(64, 128)
+    unit = torch.tensor([1.0, 8.0], dtype=torch.bfloat16).expand(128 // GROUP, 64, 2)
+    eye = torch.eye(128, dtype=torch.bfloat16, device="cuda")
+    for high_first in (True, False):
+        try:
+            packed = _pack_cuda(probe, high_first)
+            back = torch.ops.aten._weight_int4pack_mm(eye, packed, GROUP, unit.contiguous().cuda())
+        except (RuntimeError, AttributeError):
+            return None
+        if torch.equal(back.T.float().cpu(), probe.float()):
+            digest = hashlib.sha256(packed.cpu().numpy().tobytes()).hexdigest()[:10]
+            return "int4cuda-" + digest, high_first
+    return None
+
+
+def int4_cuda_layout() -> str | None:
+    """The name of torch's GPU int4 packing here, or None where there is none."""
+    packing = _cuda_packing()
+    return packing[0] if packing else None
+
+
+def inner_k_tiles(in_features: int) -> int:
+    """The GPU packing's inner k-tiles for rows of `in_features` values (8, 4 or 2)."""
+    return next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)
+
+
+def _pack_cuda(q: torch.Tensor, high_first: bool) -> torch.Tensor:
+    """4-bit integers [out, in] (any integer dtype, on any device) -> the GPU packing, on
+    the GPU: two values a byte, then tinygemm's tiles."""
+    q = q.to(device="cuda", dtype=torch.uint8)
+    first, second = q[:, ::2], q[:, 1::2]
+    pairs = (first << 4 | second) if high_first else (second << 4 | first)
+    return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles(q.shape[1]))
+
+
+def layout_for(type_name: str, name: str, kernels: str, rows: int = 8) -> str:
+    """The layout a weight of `rows` rows is kept in for `kernels` ("cpu", "cuda" or
+    "gguf"): the embedding is looked up by row, so it stays in a layout rows can be read
+    from (GGUF's or q8); the GPU's packing needs rows in whole tiles of 8."""
+    four_bit = type_name in INT4_TYPES and "embed_tokens" not in name
+    if kernels == "cpu" and type_name == "Q8_0":
         return "q8"
-    if cpu_int4 and type_name in INT4_TYPES and "embed_tokens" not in name:
+    if kernels == "cpu" and four_bit and int4_cpu_layout() is not None:
         return "int4"
+    if kernels == "cuda" and four_bit and rows % 8 == 0 and int4_cuda_layout() is not None:
+        return "int4_cuda"
     return "gguf"
 
 
-def pack_int4(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF 4-bit rows (uint8 [out, bytes]) -> (packed uint8 [out, in / 2], scale and zero
-    bfloat16 [in / 32, out, 2])."""
-    q, scale, offset = affine_4bit(raw, type_name)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+def laid_out(name: str, raw: torch.Tensor, kind: str, layout: str) -> dict[str, torch.Tensor]:
+    """The tensors of one GGUF weight (uint8 [rows, bytes]) in `layout`, by the names of
+    the module's parameters: `weight`, and `scale_zero` or `scales`."""
+    if layout == "gguf":
+        return {name: raw}
+    stem = name.removesuffix(".weight")
+    if layout == "q8":
+        values, scales = pack_q8(raw)
+        return {name: values, f"{stem}.scales": scales}
+    packing = _cuda_packing() if layout == "int4_cuda" else None
+    if packing is not None:
+        raw = raw.to("cuda")  # (unpacked and packed there: a large model's in seconds)
+    q, scale, offset = affine_4bit(raw, kind)
+    if layout == "int4":
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    else:
+        assert packing is not None, "int4_cuda needs the GPU's packing"
+        packed = _pack_cuda(q, packing[1]).cpu()
     zero = offset + 8 * scale  # (q - 8) * scale + zero == scale * q + offset
-    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1)
-    return packed, scale_zero.to(torch.bfloat16).contiguous()
+    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16)
+    return {name: packed, f"{stem}.scale_zero": scale_zero.contiguous().cpu()}
 
 
 def pack_q8(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,6 +154,16 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor)
     """x [rows, in] (any float dtype) times an int4 weight: bfloat16 activations, as the
     kernel takes them; the result in x's dtype."""
     out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, GROUP, scale_zero)
+    return out.to(x.dtype)
+
+
+def int4_cuda_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor
+) -> torch.Tensor:
+    """x [rows, in] times a weight in the GPU's int4 packing (bfloat16 activations)."""
+    out = torch.ops.aten._weight_int4pack_mm(
+        x.to(torch.bfloat16).contiguous(), packed, GROUP, scale_zero
+    )
     return out.to(x.dtype)
 
 
@@ -168,6 +241,16 @@ def _q8_op(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch
     return q8_matmul(x, values, scales)
 
 
+@torch.library.custom_op("offload::int4_cuda_matmul", mutates_args=())
+def _int4_cuda_op(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    return int4_cuda_matmul(x, packed, scale_zero)
+
+
+@_int4_cuda_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 8)
+
+
 @_int4_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], packed.shape[0])
@@ -179,10 +262,10 @@ def _(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 
 
 _EAGER = {
-    "int4": int4_matmul, "q8": q8_matmul, "gguf": gguf_linear, "q8_rows": q8_rows,
+    "int4": int4_matmul, "int4_cuda": int4_cuda_matmul, "q8": q8_matmul, "gguf": gguf_linear, "q8_rows": q8_rows,
     "gguf_rows": gguf_rows,
 }  # fmt: skip
 _OPAQUE = {
-    "int4": _int4_op, "q8": _q8_op, "gguf": _gguf_op, "q8_rows": _q8_rows_op,
+    "int4": _int4_op, "int4_cuda": _int4_cuda_op, "q8": _q8_op, "gguf": _gguf_op, "q8_rows": _q8_rows_op,
     "gguf_rows": _gguf_rows_op,
 }  # fmt: skip

@@ -19,7 +19,13 @@ from torch import nn
 
 from offload.errors import ConfigError, ModelError
 from offload.model.gguf_quants import FORMATS
-from offload.model.quant_layouts import GROUP, int4_cpu_layout, stored_op
+from offload.model.quant_layouts import (
+    GROUP,
+    inner_k_tiles,
+    int4_cpu_layout,
+    int4_cuda_layout,
+    stored_op,
+)
 
 # vLLM's `quantization=` values: those read here, then those refused by name.
 READ = ("gguf",)
@@ -57,13 +63,17 @@ def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]
     """The layout each quantized weight is kept in (`quant_layouts.py`; "gguf" when not
     named). An int4 layout made by another torch or CPU is refused: its packing differs."""
     layouts = settings.get("weight_layouts") or {}
-    if not isinstance(layouts, dict) or set(layouts.values()) - {"int4", "q8", "gguf"}:
-        raise ModelError(f"{where}: weight_layouts must map names to int4, q8 or gguf")
-    if "int4" in layouts.values() and settings.get("int4_layout") != int4_cpu_layout():
-        raise ModelError(
-            f"{where}: its 4-bit weights are packed for {settings.get('int4_layout')}, this "
-            f"torch and CPU pack them as {int4_cpu_layout()}; convert the .gguf again"
-        )
+    if not isinstance(layouts, dict) or set(layouts.values()) - {"int4", "int4_cuda", "q8", "gguf"}:
+        raise ModelError(f"{where}: weight_layouts must map names to int4, int4_cuda, q8 or gguf")
+    for layout, key, here, what in (
+        ("int4", "int4_layout", int4_cpu_layout, "torch and CPU"),
+        ("int4_cuda", "int4_cuda_layout", int4_cuda_layout, "torch and GPU"),
+    ):
+        if layout in layouts.values() and settings.get(key) != here():
+            raise ModelError(
+                f"{where}: its 4-bit weights are packed for {settings.get(key)}, this {what} "
+                f"pack them as {here()}; convert the .gguf again"
+            )
     return dict(layouts)
 
 
@@ -136,13 +146,31 @@ class Int4Linear(nn.Module):
         shape = (linear.in_features // GROUP, linear.out_features, 2)
         self.scale_zero = _meta(shape, torch.bfloat16)
         self.bias = linear.bias
+        self.op = "int4"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = stored_op("int4", x.reshape(-1, self.in_features), self.weight, self.scale_zero)
+        out = stored_op(self.op, x.reshape(-1, self.in_features), self.weight, self.scale_zero)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
     extra_repr = GGUFLinear.extra_repr
+
+
+class Int4CudaLinear(Int4Linear):
+    """`Int4Linear` in torch's GPU int4 packing (`quant_layouts.py`): `weight` int32
+    [out / 8, in / (16 k), 32, k / 2] for k inner tiles."""
+
+    def __init__(self, linear: nn.Linear, kind: str):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features, self.kind = _sizes(linear, kind)
+        _groups(linear.in_features, linear)
+        tiles = inner_k_tiles(linear.in_features)
+        shape = (linear.out_features // 8, linear.in_features // (16 * tiles), 32, tiles // 2)
+        self.weight = _meta(shape, torch.int32)
+        shape = (linear.in_features // GROUP, linear.out_features, 2)
+        self.scale_zero = _meta(shape, torch.bfloat16)
+        self.bias = linear.bias
+        self.op = "int4_cuda"
 
 
 class Q8Linear(nn.Module):
@@ -243,6 +271,7 @@ def _row_bytes(values: int, kind: str, module: nn.Module) -> int:
 _MODULES: dict[tuple[type, str], type[nn.Module]] = {
     (nn.Linear, "gguf"): GGUFLinear,
     (nn.Linear, "int4"): Int4Linear,
+    (nn.Linear, "int4_cuda"): Int4CudaLinear,
     (nn.Linear, "q8"): Q8Linear,
     (nn.Embedding, "gguf"): GGUFEmbedding,
     (nn.Embedding, "q8"): Q8Embedding,

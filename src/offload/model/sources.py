@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 
 from offload.errors import ModelError
 from offload.model.default import cache_dir, conversion_failure, default_model_path, gguf_path
-from offload.model.quant_layouts import int4_cpu_layout
+from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout
 
 ACCEPTED = (
     "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "
@@ -58,16 +58,16 @@ def resolve_model(
     """The local folder `model` names (see the module's docstring); conversions go into
     `offload_folder` when given, else into the offload cache. `quantization="gguf"` keeps
     a GGUF's tensors as stored (`gguf_stored.py`) instead of converting them to float32,
-    laid out for `kernels` ("cpu" or "gguf"; by default "cpu" when `device` is the CPU
-    and torch has its int4 kernel there)."""
+    laid out for `kernels` ("cpu", "cuda" or "gguf"; by default the kernels of `device`
+    where torch has an int4 kernel there: `kernels_for`)."""
     if model is None and quantization is None:
         return default_model_path()
     into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
     path = gguf_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         if quantization == "gguf":
-            kernels = kernels or _kernels_for(device)
-            stored = f"{path.stem}.stored" + (f"-{int4_cpu_layout()}" if kernels == "cpu" else "")
+            kernels = kernels or kernels_for(device)
+            stored = f"{path.stem}.stored" + _PACKINGS.get(kernels, lambda: "")()
             write = functools.partial(_stored_gguf, path, kernels=kernels)
             return _converted(into, stored, [path], write)
         return _converted(into, path.stem, [path], lambda out: _from_gguf(path, out))
@@ -318,11 +318,17 @@ def _stored_gguf(source: Path, out: Path, kernels: str) -> None:
     save_as_stored(source, out, kernels)
 
 
-def _kernels_for(device: torch.device | None) -> str:
-    """GGUF weights on the CPU go to torch's int4 kernel where it has one; elsewhere they
-    stay in GGUF's blocks and are de-quantized per forward."""
-    on_cpu = device is None or device.type == "cpu"
-    return "cpu" if on_cpu and int4_cpu_layout() is not None else "gguf"
+def kernels_for(device: torch.device | None) -> str:
+    """GGUF weights go to torch's int4 kernel of the device they run on where it has one
+    (the CPU's; a GPU's from sm_80); elsewhere they stay in GGUF's blocks and are
+    de-quantized per forward."""
+    if device is None or device.type == "cpu":
+        return "cpu" if int4_cpu_layout() is not None else "gguf"
+    return "cuda" if device.type == "cuda" and int4_cuda_layout() is not None else "gguf"
+
+
+# The folder of a .gguf laid out for a device's kernels carries the packing's name.
+_PACKINGS = {"cpu": lambda: f"-{int4_cpu_layout()}", "cuda": lambda: f"-{int4_cuda_layout()}"}
 
 
 def _check_quantized_as(path: Path, quantization: str) -> None:
