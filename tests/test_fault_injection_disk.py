@@ -4,13 +4,17 @@ own code (placing reads, waiting, draining), then the next forward must be exact
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import test_fault_injection as sweep
+import torch
 import zoo
+from engines import SlowEngine
 
 from offload.memory import disk_reader, mapped_files
 from offload.model.loader import load_model
-from offload.offloader import disk_tier, sources
+from offload.offloader import disk_tier, factory, sources
 from offload.offloader.disk_tier import ReadHooks
 
 DISK_SOURCES = (sources.DirectRead, sources.StagedRead, sources.MappedRead, sources.DiskSource)
@@ -51,4 +55,43 @@ def test_an_interrupt_at_any_step_of_a_streamed_forward_leaves_the_next_forward_
     assert sweep._sweep(make, every=False) > 30
     assert min(moved) > 0
     for offloader in opened:
+        offloader.close()
+
+
+def test_a_copy_left_in_flight_by_an_interrupt_never_lands_over_a_later_read(tmp_path, monkeypatch):
+    """Units in RAM are copied into their slots by the copy engine, units on disk read
+    straight into theirs, and a slot serves both. A Ctrl-C while a read is awaited can
+    leave a copy queued (here: unit 4's, into the slot unit 1 shares); the next forward
+    reads unit 1 into that slot, and the old copy must not land over it."""
+    base = zoo.build("llama", num_layers=5)
+    base.save_pretrained(tmp_path, max_shard_size="60KB")
+    ids = zoo.inputs()
+    expected = zoo.logits(base, ids)
+    budget = 2.5 * zoo.layer_param_bytes(base) / 5 / 2**30  # two layers in RAM
+    config = {"offload_group_size": 1, "offload_prefetch_step": 2, "cpu_memory_gb": budget}
+    monkeypatch.setattr(factory, "make_copy_engine", lambda device: SlowEngine(delay_s=0.2))
+    model, offloader = load_model(tmp_path, {**config, "disk_io": "direct"})
+    try:
+        on_disk = [unit.disk is not None for unit in offloader._layers]
+        assert on_disk == [True, True, False, True, False]  # slots: (0, 3), (1, 4), (2,)
+        real_wait, calls = sources.DirectRead.wait, []
+
+        def interrupt_at_unit_3(source, ticket):
+            calls.append(ticket)
+            if len(calls) == 3:  # units 0 and 1 ran: unit 4's copy into slot 1 is queued
+                raise KeyboardInterrupt
+            real_wait(source, ticket)
+
+        def slow_wait(source, ticket):
+            real_wait(source, ticket)
+            calls.append(ticket)
+            if len(calls) == 5:  # unit 1 is in slot 1: a copy still queued lands now
+                time.sleep(0.3)
+
+        monkeypatch.setattr(sources.DirectRead, "wait", interrupt_at_unit_3)
+        with pytest.raises(KeyboardInterrupt):
+            zoo.logits(model, ids)
+        monkeypatch.setattr(sources.DirectRead, "wait", slow_wait)
+        assert torch.equal(zoo.logits(model, ids), expected)
+    finally:
         offloader.close()

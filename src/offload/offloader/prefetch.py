@@ -261,6 +261,10 @@ class PrefetchOffloader(BaseOffloader):
 
     def _forget_slots(self) -> None:
         self._disk.invalidate()  # no read issued so far lands after this
+        if self._engine is not None:
+            # Nor a copy: one queued by an abandoned forward would land over whatever the
+            # next forward reads from disk into the slot it shares (test_fault_injection_disk).
+            self._engine.synchronize()
         self._table = SlotTable(len(self._layers), self.prefetch_step)
         self._tickets = [None] * len(self._layers)
         self._units.forget_running()
