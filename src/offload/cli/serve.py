@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import socket
 import sys
 import threading
 
@@ -41,11 +42,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from offload.cli.commands import llm_of, model_path
-    from offload.cli.options import package_version
-    from offload.server.app import ServeSettings, make_app
+    from offload.cli.commands import model_path
 
     integer("--port", args.port, 0, 65535, what="in [0, 65535]")
     integer("--max-num-seqs", args.max_num_seqs, 1, what=">= 1")
@@ -58,6 +55,19 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ConfigError("give the model once: as MODEL or as --model")
     config = OffloadConfig.from_cli_args(args)
     path = model_path(args, name, config)
+    # The port is taken before the model loads (as vLLM does): a busy port is an error in
+    # a second, not after a load of minutes.
+    with _listening(args.host, args.port) as sock:
+        return _serve(args, sock, path, config, name, waiting)
+
+
+def _serve(args, sock, path, config, name, waiting) -> int:
+    import uvicorn
+
+    from offload.cli.commands import llm_of
+    from offload.cli.options import package_version
+    from offload.server.app import ServeSettings, make_app
+
     progress = not args.no_progress and sys.stderr.isatty()
     llm = llm_of(args, path, config, max_num_seqs=args.max_num_seqs, progress=progress)
     settings = ServeSettings(
@@ -82,13 +92,14 @@ def run_serve(args: argparse.Namespace) -> int:
             lifespan="on",
         )
     )
+    port = sock.getsockname()[1]  # (the one the system chose for --port 0)
     print(
-        f"offload serve: {settings.model_name} on http://{args.host}:{args.port}/v1 "
+        f"offload serve: {settings.model_name} on http://{args.host}:{port}/v1 "
         f"({llm.offloader.__class__.__name__}, {serving.engine.max_rows} sequences at once)",
         file=sys.stderr,
         flush=True,
     )
-    http = threading.Thread(target=_serve_http, args=(server, serving), name="offload-http")
+    http = threading.Thread(target=_serve_http, args=(server, serving, sock), name="offload-http")
     try:
         with _stop_on_signals(server, serving):
             http.start()
@@ -104,9 +115,28 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_http(server, serving) -> None:
+@contextlib.contextmanager
+def _listening(host: str, port: int):
+    """A socket bound to (host, port) for the HTTP server, closed at the end."""
     try:
-        server.run()  # (off the main thread uvicorn leaves the signals alone)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError:
+        raise OffloadError(f"offload serve could not listen on {host}:{port}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise OffloadError(f"offload serve could not listen on {host}:{port}") from None
+    with sock:
+        yield sock
+
+
+def _serve_http(server, serving, sock) -> None:
+    try:
+        server.run(sockets=[sock])  # (off the main thread uvicorn leaves the signals alone)
     finally:
         serving.close()  # the engine's loop on the main thread returns
 
