@@ -5,22 +5,65 @@ Configs, flags and the offloader API follow vLLM's (`OffloadConfig`, `UVAOffload
 `LLM(...).generate(prompts, SamplingParams(...))` loads a checkpoint with offloading in place.
 """
 
-from offload.api import apply
-from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
-from offload.engine.logprobs import Logprob
-from offload.engine.sampling_params import SamplingParams
-from offload.errors import ConfigError, ModelError, OffloadError
-from offload.llm import LLM, CompletionOutput, RequestOutput
-from offload.offloader import (
-    BaseOffloader,
-    NoopOffloader,
-    OffloadedParam,
-    PrefetchOffloader,
-    UVAOffloader,
-    create_offloader,
-    get_offloader,
-    set_offloader,
-)
+import importlib
+from typing import TYPE_CHECKING
+
+# Where each public name lives: imported on first use (PEP 562), so that `offload --help`
+# and the command's one-line errors start without torch (seconds on a small machine).
+_HOMES = {
+    "apply": "offload.api",
+    "OffloadConfig": "offload.config",
+    "PrefetchOffloadConfig": "offload.config",
+    "UVAOffloadConfig": "offload.config",
+    "Logprob": "offload.engine.logprobs",
+    "SamplingParams": "offload.engine.sampling_params",
+    "ConfigError": "offload.errors",
+    "ModelError": "offload.errors",
+    "OffloadError": "offload.errors",
+    "LLM": "offload.llm",
+    "CompletionOutput": "offload.llm",
+    "RequestOutput": "offload.llm",
+    "BaseOffloader": "offload.offloader",
+    "NoopOffloader": "offload.offloader",
+    "OffloadedParam": "offload.offloader",
+    "PrefetchOffloader": "offload.offloader",
+    "UVAOffloader": "offload.offloader",
+    "create_offloader": "offload.offloader",
+    "get_offloader": "offload.offloader",
+    "set_offloader": "offload.offloader",
+}
+
+if TYPE_CHECKING:
+    from offload.api import apply
+    from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
+    from offload.engine.logprobs import Logprob
+    from offload.engine.sampling_params import SamplingParams
+    from offload.errors import ConfigError, ModelError, OffloadError
+    from offload.llm import LLM, CompletionOutput, RequestOutput
+    from offload.offloader import (
+        BaseOffloader,
+        NoopOffloader,
+        OffloadedParam,
+        PrefetchOffloader,
+        UVAOffloader,
+        create_offloader,
+        get_offloader,
+        set_offloader,
+    )
+
+
+def __getattr__(name: str) -> object:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'offload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # (once: later lookups do not come here)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOMES])
+
 
 __all__ = [
     "LLM",

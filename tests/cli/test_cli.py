@@ -310,3 +310,27 @@ def test_inspect_says_what_a_disk_tier_reads_per_forward(capsys, smollm2_path):
     assert main([*floats, "--disk-io", "mmap"]) == 0
     out = capsys.readouterr().out
     assert "disk tier (mmap io): 310.6 MiB computed on in place (mapped) from the chec" in out
+
+
+def test_help_and_bad_commands_start_without_torch():
+    """The parser is built from torch-free modules and `offload`'s names load on first
+    use: `--help` and a bad command answer at once (torch takes seconds to import)."""
+    code = (
+        "import sys\n"
+        "from offload.cli.main import build_parser, main\n"
+        "import offload\n"
+        "build_parser().format_help()\n"
+        "try:\n    main(['frobnicate'])\nexcept SystemExit as stop:\n    assert stop.code == 2\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "assert offload.OffloadConfig and 'torch' not in sys.modules\n"
+        "assert offload.LLM and 'torch' in sys.modules  # (on first use)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_bench_methods_the_parser_names_are_the_benchs():
+    from offload.bench import METHODS
+    from offload.cli.options import BENCH_METHODS
+
+    assert BENCH_METHODS == tuple(METHODS)

@@ -12,7 +12,8 @@ from typing import TextIO
 import torch
 
 from offload.api import plan
-from offload.cli.defaults import QUESTION, whole_stack_config
+from offload.cli.defaults import whole_stack_config
+from offload.cli.options import QUESTION
 from offload.config import OffloadConfig
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats

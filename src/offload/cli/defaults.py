@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from offload.cli.options import QUESTION  # noqa: F401  (the question's one home)
 from offload.config import OffloadConfig, UVAOffloadConfig
 from offload.offloader.layers import find_layer_stacks
 from offload.sizes import GIB, parameter_bytes
-
-QUESTION = "What is the capital of France?"
 
 
 def whole_stack_config(model: nn.Module) -> OffloadConfig:

@@ -7,9 +7,10 @@ import sys
 import time
 from collections.abc import Sequence
 
-from offload.cli.defaults import QUESTION
 from offload.cli.options import (
+    BENCH_METHODS,
     DEVICE_HELP,
+    QUESTION,
     SAMPLING_FLAGS,
     add_budget_flags,
     add_device_flags,
@@ -170,8 +171,6 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
 
 def _add_bench(commands: argparse._SubParsersAction) -> None:
     """`offload bench`: one workload through every method side by side, with the bounds."""
-    from offload.bench import METHODS
-
     bench = commands.add_parser(
         "bench",
         help="tokens/s of every offloading method (ours, accelerate, diffusers) side by side, "
@@ -204,9 +203,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--methods",
         nargs="+",
-        choices=list(METHODS),
+        choices=list(BENCH_METHODS),
         metavar="METHOD",
-        help=f"what to run, of: {', '.join(METHODS)} (default: all; diffusers on a GPU only)",
+        help=f"what to run, of: {', '.join(BENCH_METHODS)} (default: all; diffusers on a GPU only)",
     )
     bench.add_argument("--out", default="offload-bench", help="folder for the JSON and PNG")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -10,6 +10,14 @@ from importlib import metadata
 from offload.config.limits import GPU_MEMORY_UTILIZATION
 from offload.engine.sampling_params import SamplingParams
 
+QUESTION = "What is the capital of France?"  # what generate and demo ask by default
+# `offload bench --methods`, by name (the parser is built without importing the bench
+# and torch; tests/bench checks these against offload.bench.METHODS).
+BENCH_METHODS = (
+    "resident", "uva", "prefetch-all", "prefetch-half", "disk", "disk-direct", "plan",
+    "accelerate-map", "accelerate-disk", "diffusers", "llama-cpp",
+)  # fmt: skip
+
 _SAMPLING = {field.name: field.default for field in dataclasses.fields(SamplingParams)}
 # The sampling flags of `generate` with a default: (flag, type, default, help).
 # SamplingParams' defaults, except that the command decodes greedily unless told.
