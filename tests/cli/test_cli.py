@@ -333,4 +333,4 @@ def test_the_bench_methods_the_parser_names_are_the_benchs():
     from offload.bench import METHODS
     from offload.cli.options import BENCH_METHODS
 
-    assert BENCH_METHODS == tuple(METHODS)
+    assert tuple(METHODS) == BENCH_METHODS
