@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, laid_out, layout_for
+from offload.model.quant_layouts import laid_out, layout_for, stored_settings
 
 
 def write_random_checkpoint(
@@ -68,7 +68,7 @@ def write_random_checkpoint(
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (staging / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
         if types:
-            config = {**config, "quantization_config": _stored_settings(types, layouts)}
+            config = {**config, "quantization_config": stored_settings(types, layouts)}
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         staging.rename(folder)
     finally:
@@ -122,17 +122,6 @@ def _random_tensor(
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype)
     return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
-
-
-def _stored_settings(types: dict[str, str], layouts: dict[str, str]) -> dict[str, object]:
-    settings: dict[str, object] = {"quant_method": "gguf", "weight_types": types}
-    if layouts:
-        settings["weight_layouts"] = layouts
-    if "int4" in layouts.values():
-        settings["int4_layout"] = int4_cpu_layout()
-    if "int4_cuda" in layouts.values():
-        settings["int4_cuda_layout"] = int4_cuda_layout()
-    return settings
 
 
 _Q4_0_BLOCK = (32, 18)  # values, bytes: a float16 scale, then 16 bytes of 4-bit values

@@ -19,7 +19,7 @@ import torch
 
 from offload.errors import ModelError
 from offload.model.gguf_quants import FORMATS
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, laid_out, layout_for
+from offload.model.quant_layouts import laid_out, layout_for, stored_settings
 
 # The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
 # rows (for its interleaved rotary layout): those are put back in transformers' order.
@@ -74,13 +74,7 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
                 f"{', '.join([*FORMATS, *_FLOATS])}"
             )
     settings = config.to_dict()
-    settings["quantization_config"] = {"quant_method": "gguf", "weight_types": weight_types}
-    if layouts:
-        settings["quantization_config"]["weight_layouts"] = layouts
-    if "int4" in layouts.values():
-        settings["quantization_config"]["int4_layout"] = int4_cpu_layout()
-    if "int4_cuda" in layouts.values():
-        settings["quantization_config"]["int4_cuda_layout"] = int4_cuda_layout()
+    settings["quantization_config"] = stored_settings(weight_types, layouts)
     settings.pop("torch_dtype", None)
     settings.pop("dtype", None)  # (the activations' dtype is the user's choice: float32)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -98,6 +98,19 @@ def layout_for(type_name: str, name: str, kernels: str, rows: int = 8) -> str:
     return "gguf"
 
 
+def stored_settings(types: dict[str, str], layouts: dict[str, str]) -> dict[str, object]:
+    """The `quantization_config` of weights of GGUF `types` kept in `layouts` (each
+    packing named by the fingerprint of the torch and device that made it)."""
+    settings: dict[str, object] = {"quant_method": "gguf", "weight_types": types}
+    if layouts:
+        settings["weight_layouts"] = layouts
+    if "int4" in layouts.values():
+        settings["int4_layout"] = int4_cpu_layout()
+    if "int4_cuda" in layouts.values():
+        settings["int4_cuda_layout"] = int4_cuda_layout()
+    return settings
+
+
 def laid_out(name: str, raw: torch.Tensor, kind: str, layout: str) -> dict[str, torch.Tensor]:
     """The tensors of one GGUF weight (uint8 [rows, bytes]) in `layout`, by the names of
     the module's parameters: `weight`, and `scale_zero` or `scales`."""
