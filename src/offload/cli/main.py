@@ -14,6 +14,7 @@ from offload.cli.options import (
     SAMPLING_FLAGS,
     add_budget_flags,
     add_device_flags,
+    add_weight_flags,
     package_version,
 )
 from offload.config import OffloadConfig, add_cli_args
@@ -181,17 +182,10 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         help="a model folder, a .gguf file, or a shipped shape such as llama-3-8b (random "
         "weights, written once into the cache folder) (default: SmolLM2-135M-Instruct)",
     )
-    bench.add_argument(
-        "-q",
-        "--quantization",
-        help="gguf: the GGUF's weights as stored (4-5 bits a weight), not converted to "
-        "float32; with a shape, its matrices as random Q4_0 blocks (default: converted)",
-    )
-    bench.add_argument(
-        "--dtype",
-        default="auto",
-        choices=("auto", "float32", "bfloat16", "float16"),
-        help="weights' dtype (auto: the checkpoint's)",
+    add_weight_flags(
+        bench,
+        "gguf: the GGUF's weights as stored (4-5 bits a weight), not converted to float32; "
+        "with a shape, its matrices as random Q4_0 blocks (default: converted)",
     )
     bench.add_argument("--device", default="auto", help=DEVICE_HELP)
     bench.add_argument(

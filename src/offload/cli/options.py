@@ -62,19 +62,23 @@ def add_budget_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
-    parser.add_argument(
-        "-q",
-        "--quantization",
-        help="gguf: a .gguf model's weights as stored (4-5 bits a weight), not converted "
-        "to float32 (vLLM's flag; its other methods are not read yet)",
-    )
+def add_weight_flags(parser: argparse.ArgumentParser, quantization_help: str) -> None:
+    """-q/--quantization (its help per command) and --dtype."""
+    parser.add_argument("-q", "--quantization", help=quantization_help)
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "float32", "bfloat16", "float16"),
         help="weights' dtype (auto: the checkpoint's)",
+    )
+
+
+def add_device_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    add_weight_flags(
+        parser,
+        "gguf: a .gguf model's weights as stored (4-5 bits a weight), not converted to "
+        "float32 (vLLM's flag; its other methods are not read yet)",
     )
     parser.add_argument(
         "--trust-remote-code",
