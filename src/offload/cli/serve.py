@@ -118,15 +118,11 @@ def _serve(args, sock, path, config, name, waiting) -> int:
 @contextlib.contextmanager
 def _listening(host: str, port: int):
     """A socket bound to (host, port) for the HTTP server, closed at the end."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, kind, proto, _, address = infos[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError:
-        raise OffloadError(f"offload serve could not listen on {host}:{port}") from None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (uvicorn's own choice)
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own)
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError:
         sock.close()
         raise OffloadError(f"offload serve could not listen on {host}:{port}") from None
