@@ -74,8 +74,12 @@ def pytest_unconfigure(config):
 # one worker finishing the README's commands alone (collection order puts tests/test_*.py
 # last). Each module stays whole, its fixtures shared as before.
 _LONG_FIRST = (
-    "offloader/test_prefetch.py", "test_fault_injection.py", "test_fault_injection_disk.py",
-    "test_readme.py", "server/test_load.py", "bench/test_run.py",
+    "offloader/test_prefetch.py",
+    "test_fault_injection.py",
+    "test_fault_injection_disk.py",
+    "test_readme.py",
+    "server/test_load.py",
+    "bench/test_run.py",
 )  # fmt: skip  (those needing no default model first: it is still converting then)
 
 

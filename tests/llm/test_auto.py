@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from offload import LLM, SamplingParams
-from offload.cli.defaults import QUESTION
+from offload.cli.options import QUESTION
 from offload.config import OffloadConfig
 from offload.llm.auto import _merged, planned_configs, wants_plan
 from offload.model.build import build_empty

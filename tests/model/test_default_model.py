@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import offload
-from offload.cli.defaults import QUESTION
 from offload.cli.demo import greedy, load_pretrained
+from offload.cli.options import QUESTION
 from offload.errors import OffloadError
 from offload.model import default
 

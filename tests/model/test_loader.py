@@ -17,8 +17,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from offload import ModelError
-from offload.cli.defaults import QUESTION
 from offload.cli.demo import load_pretrained as hf_load
+from offload.cli.options import QUESTION
 from offload.memory.safetensors import CheckpointError
 from offload.model.loader import load_model
 

@@ -18,7 +18,7 @@ from offload.memory.device import check_device
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
 from offload.model.default import cache_dir, default_model_path, gguf_path
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout
+from offload.model.quant_layouts import packing_of
 from offload.model.quantized import check_quantization
 from offload.model.sources import kernels_for, resolve_model
 from offload.offloader.layers import find_layers
@@ -188,8 +188,9 @@ def random_checkpoint(
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
     config["dtype"] = str(stored).removeprefix("torch.") if dtype == "auto" else dtype
     form = f"-{quantized}" if quantized else ""
-    packing = {"cpu": int4_cpu_layout, "cuda": int4_cuda_layout}.get(kernels, lambda: None)()
-    keyed = [config, quantized, packing] if quantized else config  # (float: their old keys)
+    keyed = (
+        [config, quantized, packing_of(kernels)] if quantized else config
+    )  # (float: their old keys)
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
     folder = cache_dir() / "bench" / f"{shape.name}-{config['dtype']}{form}-{key}"
     write_random_checkpoint(folder, config, SHARD_BYTES, quantized=quantized, kernels=kernels)

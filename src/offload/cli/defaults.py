@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from offload.cli.options import QUESTION  # noqa: F401  (the question's one home)
 from offload.config import OffloadConfig, UVAOffloadConfig
 from offload.offloader.layers import find_layer_stacks
 from offload.sizes import GIB, parameter_bytes

@@ -70,6 +70,12 @@ def int4_cuda_layout() -> str | None:
     return packing[0] if packing else None
 
 
+def packing_of(kernels: str) -> str | None:
+    """The name of the int4 packing that `kernels` ("cpu", "cuda", "gguf") lay weights out
+    in here, or None (GGUF's blocks, or no such kernel)."""
+    return {"cpu": int4_cpu_layout, "cuda": int4_cuda_layout}.get(kernels, lambda: None)()
+
+
 def inner_k_tiles(in_features: int) -> int:
     """The GPU packing's inner k-tiles for rows of `in_features` values (8, 4 or 2)."""
     return next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)

@@ -138,15 +138,20 @@ class Int4Linear(nn.Module):
 
     holds_stored_weights = True
 
+    op = "int4"  # (`stored_op`'s name for the product)
+
     def __init__(self, linear: nn.Linear, kind: str):
         super().__init__()
         self.in_features, self.out_features, self.kind = _sizes(linear, kind)
         _groups(linear.in_features, linear)
-        self.weight = _meta((linear.out_features, linear.in_features // 2), torch.uint8)
+        self.weight = _meta(*self._packed(linear.in_features, linear.out_features))
         shape = (linear.in_features // GROUP, linear.out_features, 2)
         self.scale_zero = _meta(shape, torch.bfloat16)
         self.bias = linear.bias
-        self.op = "int4"
+
+    @staticmethod
+    def _packed(rows_in: int, rows_out: int) -> tuple[tuple[int, ...], torch.dtype]:
+        return (rows_out, rows_in // 2), torch.uint8
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = stored_op(self.op, x.reshape(-1, self.in_features), self.weight, self.scale_zero)
@@ -160,17 +165,12 @@ class Int4CudaLinear(Int4Linear):
     """`Int4Linear` in torch's GPU int4 packing (`quant_layouts.py`): `weight` int32
     [out / 8, in / (16 k), 32, k / 2] for k inner tiles."""
 
-    def __init__(self, linear: nn.Linear, kind: str):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features, self.kind = _sizes(linear, kind)
-        _groups(linear.in_features, linear)
-        tiles = inner_k_tiles(linear.in_features)
-        shape = (linear.out_features // 8, linear.in_features // (16 * tiles), 32, tiles // 2)
-        self.weight = _meta(shape, torch.int32)
-        shape = (linear.in_features // GROUP, linear.out_features, 2)
-        self.scale_zero = _meta(shape, torch.bfloat16)
-        self.bias = linear.bias
-        self.op = "int4_cuda"
+    op = "int4_cuda"
+
+    @staticmethod
+    def _packed(rows_in: int, rows_out: int) -> tuple[tuple[int, ...], torch.dtype]:
+        tiles = inner_k_tiles(rows_in)
+        return (rows_out // 8, rows_in // (16 * tiles), 32, tiles // 2), torch.int32
 
 
 class Q8Linear(nn.Module):

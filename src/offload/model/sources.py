@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 
 from offload.errors import ModelError
 from offload.model.default import cache_dir, conversion_failure, default_model_path, gguf_path
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout
+from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, packing_of
 
 ACCEPTED = (
     "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "
@@ -67,7 +67,8 @@ def resolve_model(
     if path.is_file() and path.suffix == ".gguf":
         if quantization == "gguf":
             kernels = kernels or kernels_for(device)
-            stored = f"{path.stem}.stored" + _PACKINGS.get(kernels, lambda: "")()
+            packing = packing_of(kernels)  # (the folder names the packing it holds)
+            stored = f"{path.stem}.stored" + (f"-{packing}" if packing else "")
             write = functools.partial(_stored_gguf, path, kernels=kernels)
             return _converted(into, stored, [path], write)
         return _converted(into, path.stem, [path], lambda out: _from_gguf(path, out))
@@ -325,10 +326,6 @@ def kernels_for(device: torch.device | None) -> str:
     if device is None or device.type == "cpu":
         return "cpu" if int4_cpu_layout() is not None else "gguf"
     return "cuda" if device.type == "cuda" and int4_cuda_layout() is not None else "gguf"
-
-
-# The folder of a .gguf laid out for a device's kernels carries the packing's name.
-_PACKINGS = {"cpu": lambda: f"-{int4_cpu_layout()}", "cuda": lambda: f"-{int4_cuda_layout()}"}
 
 
 def _check_quantized_as(path: Path, quantization: str) -> None:
