@@ -270,11 +270,15 @@ def test_compiled_offloaded_equals_compiled_resident(two_layers):
 
 def test_quantization_is_checked_before_anything_is_read(tmp_path, smollm2_path):
     with pytest.raises(
-        ConfigError, match=r"quantization='gptq' is not supported \(yet; read: gguf\)"
+        ConfigError, match=r"quantization='bitsandbytes' is not supported \(yet; read: gguf, "
     ):
-        LLM(quantization="gptq")
-    with pytest.raises(ConfigError, match="quantization must be None or one of gguf; got 'int3'"):
+        LLM(quantization="bitsandbytes")
+    with pytest.raises(
+        ConfigError, match="quantization must be None or one of gguf, .*; got 'int3'"
+    ):
         LLM(quantization="int3")
+    with pytest.raises(ModelError, match=r"quantization='gptq' needs a checkpoint quantized that"):
+        LLM(quantization="gptq")
     with pytest.raises(ModelError, match=r"needs a \.gguf file or a folder offload made from one"):
         LLM(smollm2_path, quantization="gguf")
 

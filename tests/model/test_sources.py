@@ -221,14 +221,19 @@ def test_a_gguf_file_gives_transformers_tokens(tmp_path):
 def test_a_quantized_checkpoint_is_refused_naming_its_method(tmp_path, capsys):
     folder = zoo.save_tiny_llm(tmp_path / "gptq", 2)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        ModelError, match=r"quantized checkpoints are not supported yet \(quant_method gptq"
+        ModelError, match=r"quantized checkpoints are not supported yet \(quant_method bitsandb"
     ):
         LLM(folder)
     assert main(["inspect", str(folder)]) == 2
-    assert "quant_method gptq" in capsys.readouterr().err
+    assert "quant_method bitsandbytes" in capsys.readouterr().err
+    # A method that is read, over a checkpoint of float tensors: said as such.
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError, match=r"quant_method gptq, but no layer's tensors are quantiz"):
+        LLM(folder)
 
 
 def test_a_file_that_is_not_a_model_says_what_is_accepted(tmp_path):

@@ -15,9 +15,18 @@ import torch
 from torch import nn
 
 from offload.errors import ModelError
-from offload.memory.safetensors import json_type
+from offload.memory.safetensors import checkpoint_tensors, json_type
 from offload.model.limits import check_parameters, check_sizes
-from offload.model.quantized import READ, swap_in_quantized, weight_layouts, weight_types
+from offload.model.packed_modules import (
+    FORMS_KEY,
+    forms_from_setting,
+    forms_of,
+    forms_setting,
+    method_of,
+    packed_forms,
+    swap_in_packed,
+)
+from offload.model.quantized import swap_in_quantized, weight_layouts, weight_types
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,15 +85,40 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
             ) from None
     model.tie_weights()  # tied names become one parameter before anything is placed
     quantized = settings.get("quantization_config")
-    if _read_as_stored(quantized):
+    if isinstance(quantized, dict) and quantized.get("quant_method") == "gguf":
         types = weight_types(quantized, config_file)
         layouts = weight_layouts(quantized, config_file)
         swap_in_quantized(model, types, config_file, layouts)
+    elif isinstance(quantized, dict) and method_of(quantized):
+        swap_in_packed(model, _packed_forms(model, path, config_file, quantized))
     return model.eval()
 
 
 def _read_as_stored(quantized: object) -> bool:
-    return isinstance(quantized, dict) and quantized.get("quant_method") in READ
+    return isinstance(quantized, dict) and (
+        quantized.get("quant_method") == "gguf" or method_of(quantized) is not None
+    )
+
+
+def _packed_forms(model: nn.Module, path: Path, config_file: Path, quantized: dict[str, Any]):
+    """The forms of a packed checkpoint's quantized layers: as its tensors say, or as the
+    config of a model cut to a few layers carries them (its weights are dummies)."""
+    if isinstance(quantized.get(FORMS_KEY), dict):
+        return forms_from_setting(quantized[FORMS_KEY])
+    try:
+        stored = checkpoint_tensors(path)
+    except ModelError as error:
+        raise ModelError(
+            f"{config_file}: quant_method {quantized.get('quant_method')} is read from the "
+            f"checkpoint's tensors ({error})"
+        ) from None
+    return packed_forms(model, quantized, stored, config_file)
+
+
+def packed_layers(path: Path, trust_remote_code: bool = False) -> dict[str, Any]:
+    """The forms of the quantized layers of the packed checkpoint at `path`, as JSON, for
+    the config of the model cut to its first layers (`quantized.first_layers_only`)."""
+    return forms_setting(forms_of(build_empty(path, "auto", trust_remote_code)))
 
 
 def _checked_settings(path: Path) -> tuple[Path, dict[str, Any]]:

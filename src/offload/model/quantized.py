@@ -19,6 +19,7 @@ from torch import nn
 
 from offload.errors import ConfigError, ModelError
 from offload.model.gguf_quants import FORMATS
+from offload.model.packed_modules import FORMS_KEY, method_of
 from offload.model.quant_layouts import (
     GROUP,
     inner_k_tiles,
@@ -28,11 +29,8 @@ from offload.model.quant_layouts import (
 )
 
 # vLLM's `quantization=` values: those read here, then those refused by name.
-READ = ("gguf",)
-NOT_YET = (
-    "awq", "awq_marlin", "gptq", "gptq_marlin", "compressed-tensors", "fp8", "bitsandbytes",
-    "marlin", "modelopt", "torchao", "mxfp4",
-)  # fmt: skip
+READ = ("gguf", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "fp8")
+NOT_YET = ("bitsandbytes", "marlin", "modelopt", "torchao", "mxfp4", "gptq_bitblas", "awq_triton")
 
 
 def check_quantization(value: object, name: str = "LLM(): quantization") -> str | None:
@@ -78,20 +76,23 @@ def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]
 
 
 def stored_form(hf_config: Any) -> str | None:
-    """What a model built from `hf_config` holds as stored ("GGUF Q4_1, Q8_0 as stored"), or
-    None for a float model."""
+    """What a model built from `hf_config` holds as stored ("GGUF Q4_1, Q8_0 as stored",
+    "gptq as stored"), or None for a float model."""
     quantization = getattr(hf_config, "quantization_config", None)
-    if not isinstance(quantization, dict) or quantization.get("quant_method") != "gguf":
+    if not isinstance(quantization, dict):
         return None
-    kinds = sorted(set((quantization.get("weight_types") or {}).values()))
-    return f"GGUF {', '.join(kinds)} as stored"
+    if quantization.get("quant_method") == "gguf":
+        kinds = sorted(set((quantization.get("weight_types") or {}).values()))
+        return f"GGUF {', '.join(kinds)} as stored"
+    method = method_of(quantization)
+    return f"{method} as stored" if method else None
 
 
 def first_layers_only(quantization: dict[str, Any], count: int) -> None:
     """Keep in a `quantization_config` only the weights of the first `count` layers (and
     those outside the layer stack): the config of a model cut to `count` layers names no
     weight it lacks."""
-    for key in ("weight_types", "weight_layouts"):
+    for key in ("weight_types", "weight_layouts", FORMS_KEY):
         if isinstance(quantization.get(key), dict):
             quantization[key] = {
                 name: kind

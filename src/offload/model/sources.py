@@ -35,6 +35,7 @@ from safetensors import SafetensorError
 
 from offload.errors import ModelError
 from offload.model.default import cache_dir, conversion_failure, default_model_path, gguf_path
+from offload.model.packed_modules import ALIASES
 from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, packing_of
 
 ACCEPTED = (
@@ -65,6 +66,11 @@ def resolve_model(
     into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
     path = gguf_path() if model is None else Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        if quantization not in (None, "gguf"):
+            raise ModelError(
+                f"quantization={quantization!r} needs a checkpoint quantized that way; {path} "
+                "is a .gguf (quantization='gguf' or None reads it)"
+            )
         if quantization == "gguf":
             kernels = kernels or kernels_for(device)
             packing = packing_of(kernels)  # (the folder names the packing it holds)
@@ -337,9 +343,11 @@ def _check_quantized_as(path: Path, quantization: str) -> None:
         method = settings.get("quantization_config", {}).get("quant_method")
     except (OSError, ValueError, AttributeError):
         return  # (the loader says what is wrong with the folder)
-    if method != quantization:
+    if ALIASES.get(method, method) != ALIASES.get(quantization, quantization):
         held = f"quant_method {method}" if method else "not quantized"
-        raise ModelError(
-            f"quantization={quantization!r} needs a .gguf file or a folder offload made from "
-            f"one; {path} is {held}"
+        needs = (
+            "a .gguf file or a folder offload made from one"
+            if quantization == "gguf"
+            else f"a checkpoint whose config.json says quant_method {ALIASES.get(quantization, quantization)}"
         )
+        raise ModelError(f"quantization={quantization!r} needs {needs}; {path} is {held}")

@@ -18,7 +18,9 @@ import torch
 from offload.engine.graphs import DecodeStep
 from offload.engine.transformers_cache import static_cache
 from offload.errors import ModelError
+from offload.model.build import packed_layers
 from offload.model.loader import load_model
+from offload.model.packed_modules import FORMS_KEY, method_of
 from offload.model.quantized import first_layers_only
 from offload.planner.shape import ModelShape
 from offload.probes.link import Clock
@@ -224,8 +226,11 @@ def _cut_model(source: CutFrom, count: int, offload: dict | None = None):
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     cut = copy.deepcopy(config)
     cut.num_hidden_layers = count
-    if isinstance(getattr(cut, "quantization_config", None), dict):
-        first_layers_only(cut.quantization_config, count)  # (as stored: names per weight)
+    quantization = getattr(cut, "quantization_config", None)
+    if isinstance(quantization, dict):
+        if method_of(quantization) and FORMS_KEY not in quantization:  # (read from the files)
+            quantization[FORMS_KEY] = packed_layers(Path(path), trust_remote_code)
+        first_layers_only(quantization, count)  # (as stored: names per weight)
     derived = isinstance(getattr(type(cut), "layer_types", None), property)
     if isinstance(getattr(cut, "layer_types", None), list) and not derived:
         # A per-layer list follows the count (the last kind repeated past the model's own).
