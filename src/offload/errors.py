@@ -22,3 +22,11 @@ def shown(value: object) -> str:
             raise
         return f"an integer of {value.bit_length()} bits"
     return text if len(text) <= 60 else f"{text[:45]}...({len(text)} characters)"
+
+
+def did_you_mean(name: str, choices: object) -> str:
+    """ " (did you mean 'x'?)" for the choice closest to a mistyped `name`, or ""."""
+    import difflib
+
+    close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)  # type: ignore[attr-defined]
+    return f" (did you mean {close[0]!r}?)" if close else ""

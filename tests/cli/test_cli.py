@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from offload.cli import main
+from offload.errors import ConfigError
 
 
 def _in_process(argv, capsys):
@@ -334,3 +335,33 @@ def test_the_bench_methods_the_parser_names_are_the_benchs():
     from offload.cli.options import BENCH_METHODS
 
     assert tuple(METHODS) == BENCH_METHODS
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["generat"], "(did you mean 'generate'?)"),
+        (
+            ["generate", "--temprature", "1"],
+            "unrecognized arguments: --temprature 1 (did you mean '--temperature'?)",
+        ),
+        (["generate", "--max-token", "5"], "(did you mean '--max-tokens'?)"),  # no prefixes
+        (["plan", "--remesure"], "(did you mean '--remeasure'?)"),
+        (["bench", "--methods", "residnt"], "(did you mean 'resident'?)"),
+    ],
+)
+def test_a_typo_gets_one_line_with_the_nearest_name(argv, hint, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and hint in err and err.count("\n") == 1, err
+
+
+def test_mistyped_argument_names_get_the_nearest_in_python():
+    from offload import LLM, SamplingParams
+
+    with pytest.raises(TypeError, match=r"'max_token' \(did you mean 'max_tokens'\?\)"):
+        SamplingParams(max_token=5)
+    with pytest.raises(ConfigError, match=r"'cpu_ofload_gb' \(did you mean 'cpu_offload_gb'\?\)"):
+        LLM(cpu_ofload_gb=1)
+    assert SamplingParams(max_tokens=5, temperature=0).max_tokens == 5

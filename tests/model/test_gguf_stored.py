@@ -274,7 +274,7 @@ def test_quantization_is_checked_before_anything_is_read(tmp_path, smollm2_path)
     ):
         LLM(quantization="bitsandbytes")
     with pytest.raises(
-        ConfigError, match="quantization must be None or one of gguf, .*; got 'int3'"
+        ConfigError, match=r"quantization must be None or one of gguf, .*; got 'int3'"
     ):
         LLM(quantization="int3")
     with pytest.raises(ModelError, match=r"quantization='gptq' needs a checkpoint quantized that"):

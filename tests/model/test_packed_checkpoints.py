@@ -159,3 +159,15 @@ def test_the_checkpoint_holds_no_float_copy_of_a_packed_weight(pairs):
     quantized, _ = pairs["ct-w4a16"]
     names = load_file(quantized / "model.safetensors")
     assert not [n for n in names if re.search(r"layers\.\d+\..*proj\.weight$", n)]
+
+
+def test_every_fp8_code_reads_as_torchs_conversion():
+    """The float16-bits reading of E4M3 codes (a 256x larger scale beside it) gives every
+    value torch's own conversion gives, subnormals and signs included."""
+    from offload.model.packed_quant import _FP8_UNIT, _fp8_floats
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    expected = codes.to(torch.float32)
+    read = _fp8_floats(codes) * _FP8_UNIT
+    numbers = ~expected.isnan()
+    assert numbers.sum() == 254 and torch.equal(read[numbers], expected[numbers])

@@ -20,15 +20,38 @@ from offload.cli.options import (
 from offload.config import OffloadConfig, add_cli_args
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH
 from offload.config.validate import integer
-from offload.errors import OffloadError
+from offload.errors import OffloadError, did_you_mean
 
 
 class _Parser(argparse.ArgumentParser):
+    """One-line errors with a "did you mean" for a mistyped command or flag; a flag is
+    never taken from a prefix of it (`--max-token` is not `--max-tokens`)."""
+
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("formatter_class", _ShowDefaults)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # said by the command's own parser, which knows its flags
+            command = self._commands().get(getattr(parsed, "command", None), self)
+            flags = [a.split("=")[0] for a in extra if a.startswith("-")]
+            hint = did_you_mean(flags[0], command._option_string_actions) if flags else ""
+            command.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
+        return parsed
+
+    def _commands(self) -> dict[str, argparse.ArgumentParser]:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
     def error(self, message: str) -> None:  # one line, exit status 2, as argparse does
+        if "invalid choice: " in message and "did you mean" not in message:
+            wrong = message.split("invalid choice: ", 1)[1].split(" ", 1)[0].strip("'\"")
+            choices = self._commands() or [c for a in self._actions if a.choices for c in a.choices]
+            message += did_you_mean(wrong, choices)
         self.exit(2, f"offload: error: {message}\n")
 
 

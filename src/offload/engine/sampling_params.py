@@ -3,15 +3,16 @@ to stop. The sampler that reads them is `sampling.py`."""
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from offload.config.limits import SEED_RANGE
 from offload.config.validate import flag, integer, real, refusal
-from offload.errors import ConfigError, shown
+from offload.errors import ConfigError, did_you_mean, shown
 
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below this is greedy decoding
 # vLLM's bounds: a temperature in (0, MIN_TEMPERATURE) is raised to it (logits divided
@@ -28,6 +29,27 @@ def _items(name: str, value: object, what: str) -> list:
     return list(value)
 
 
+def _names_checked(cls):
+    """A mistyped argument name gets the nearest real one in its TypeError
+    (`SamplingParams(max_token=5)`: did you mean 'max_tokens'?)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def checked(self, *args, **kwargs):
+        names = [f.name for f in fields(cls)]
+        for name in kwargs:
+            if name not in names:
+                raise TypeError(
+                    f"{cls.__name__}() got an unexpected argument {name!r}"
+                    f"{did_you_mean(name, names)}; it takes {', '.join(names)}"
+                )
+        init(self, *args, **kwargs)
+
+    cls.__init__ = checked
+    return cls
+
+
+@_names_checked
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop (vLLM's `SamplingParams`, same meanings).

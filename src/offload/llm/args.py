@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from offload.config import OFFLOAD_KEYS, OffloadConfig
-from offload.errors import ConfigError, ModelError
+from offload.errors import ConfigError, ModelError, did_you_mean
 from offload.llm.vllm_args import IGNORED, check_ignored
 from offload.model.tokenizer import NoTokenizer, load_tokenizer
 from offload.offloader.factory import as_config
@@ -40,7 +40,8 @@ def offload_config_of(
     unknown = [key for key in flags if key not in OFFLOAD_KEYS]
     if unknown:
         raise ConfigError(
-            f"LLM() got an unexpected argument {unknown[0]!r}; it takes {', '.join(own_names)}; "
+            f"LLM() got an unexpected argument {unknown[0]!r}"
+            f"{did_you_mean(unknown[0], [*own_names, *OFFLOAD_KEYS])}; it takes {', '.join(own_names)}; "
             f"the offload flags {', '.join(OFFLOAD_KEYS)}; and, at values that change "
             f"nothing here, vLLM's {', '.join(IGNORED)}"
         )

@@ -218,7 +218,9 @@ def _form(
         if method == "awq":
             return "awq"
         version = "v2" if settings.get("checkpoint_format") == "gptq_v2" else "v1"
-        return f"gptq:{settings['bits']}:{version}"
+        # act-order groups by g_idx; without it vLLM ignores g_idx too (groups in order)
+        act = ":act" if settings.get("desc_act") and "g_idx" in tensors else ""
+        return f"gptq:{settings['bits']}:{version}{act}"
     if method == "fp8" and dtype in _FP8:
         return _fp8_form(settings.get("weight_block_size"), tensors)
     return None

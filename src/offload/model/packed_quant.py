@@ -26,44 +26,52 @@ Activations are not quantized: W8A8 checkpoints run with their weights de-quanti
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds
 _AWQ_UNDO = tuple(AWQ_ORDER.index(column) for column in range(8))  # nibble of each column
+_NIBBLES = 0x0F0F0F0F0F0F0F0F
 KINDS = ("ct_packed", "ct_plain", "gptq", "awq", "fp8")
 
 
 def unpack_words(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     """int32 words along the last dimension, 32 / bits values each, the first in the lowest
-    bits -> int32 [..., count] of values in [0, 2^bits)."""
+    bits -> uint8 [..., count] of values in [0, 2^bits). 4 and 8 bits read the words'
+    bytes (a little-endian word's first byte holds its lowest bits), others shift."""
+    if bits == 8 and sys.byteorder == "little":
+        return words.contiguous().view(torch.uint8)[..., :count]
+    if bits == 4 and sys.byteorder == "little":  # each nibble spread to a byte of an int64
+        spread = words.contiguous().to(torch.int64) & 0xFFFFFFFF
+        for shift, mask in ((16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, _NIBBLES)):
+            spread = (spread | (spread << shift)) & mask
+        return spread.view(torch.uint8)[..., :count]
     shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=words.device)
     values = (words.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return values.flatten(-2)[..., :count]
+    return values.flatten(-2)[..., :count].to(torch.uint8)
 
 
 def dequantize_packed(form: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The weight [out, in] that `tensors` (the module's, in `tensor_names(form)`'s order)
-    hold in `form` ("kind:setting:..."; see `forms`)."""
+    """The weight [out, in] that `tensors` (the module's, in `_used(form)`'s order) hold in
+    `form` ("kind:setting:...", as `packed_modules` names it)."""
     kind, *settings = form.split(":")
     if kind == "ct_packed":
         packed, scale, *zero = tensors
         bits = int(settings[0])
-        q = unpack_words(packed, bits, packed.shape[1] * 32 // bits) - (1 << (bits - 1))
-        zero_point = None
-        if zero:
-            zero_point = unpack_words(zero[0].T, bits, packed.shape[0]).T - (1 << (bits - 1))
-        return _grouped(q, scale, zero_point)
+        q = unpack_words(packed, bits, packed.shape[1] * 32 // bits)
+        offset = 1 << (bits - 1)  # (stored plus 2^(bits-1), zero points too)
+        zero_point = unpack_words(zero[0].T, bits, packed.shape[0]).T if zero else None
+        return _affine(q, scale, offset, zero_point, offset)
     if kind == "ct_plain":
         weight, scale, *zero = tensors
-        return _grouped(weight, scale, zero[0] if zero else None)
+        return _affine(weight, scale, 0, zero[0] if zero else None, 0)
     if kind == "gptq":
-        return _gptq(tensors, int(settings[0]), settings[1] == "v1")
+        return _gptq(tensors, int(settings[0]), settings[1] == "v1", "act" in settings)
     if kind == "awq":
         qweight, qzeros, scales = tensors
-        q = _awq_columns(qweight)  # [in, out]
-        zero = _awq_columns(qzeros).repeat_interleave(q.shape[0] // qzeros.shape[0], 0)
-        scale = scales.repeat_interleave(q.shape[0] // scales.shape[0], 0)
-        return ((q - zero).to(scales.dtype) * scale).T
+        q = _awq_columns(qweight).T  # [out, in]
+        return _affine(q, scales.T, 0, _awq_columns(qzeros).T, 0)
     if kind == "fp8":
         weight, scale = tensors[:2]
         block = [int(size) for size in settings] if settings else None
@@ -71,50 +79,80 @@ def dequantize_packed(form: str, tensors: list[torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"unknown packed form {form!r}")
 
 
-def _grouped(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None) -> torch.Tensor:
-    """compressed-tensors' de-quantization of integers q [out, in] with a scale (and zero
-    point) per group of inputs: [out, groups], [out, 1] (channel) or [1] / [] (tensor)."""
+def _affine(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    offset: int,
+    zero: torch.Tensor | None,
+    zero_offset: int,
+) -> torch.Tensor:
+    """(q - offset - (zero - zero_offset)) * scale in the scale's dtype, for integers q
+    [out, in] with a scale (and zero point) per group of inputs: [out, groups], [out, 1]
+    (per row) or [1] / [] (one). Computed in float32 and rounded once to the scale's dtype:
+    the difference is a small integer and its product with a 16-bit scale is exact in
+    float32, so the bits are those of the product in the scale's dtype (as the formats'
+    own code computes it), at float32's speed on a CPU."""
     scale = scale.reshape(-1, 1) if scale.dim() < 2 else scale
-    groups = scale.shape[-1]
-    values = q.unflatten(-1, (groups, -1)).to(scale.dtype)
+    values = q.unflatten(-1, (scale.shape[-1], -1)).to(torch.float32)
+    shift = scale.new_full((), offset, dtype=torch.float32)
     if zero is not None:
         zero = zero.reshape(-1, 1) if zero.dim() < 2 else zero
-        values = values - zero.to(scale.dtype).unsqueeze(-1)
-    return (values * scale.unsqueeze(-1)).flatten(-2)
+        shift = (zero.to(torch.float32) + (offset - zero_offset)).unsqueeze(-1)
+    if offset or zero is not None:
+        values.sub_(shift)  # (in place: each temporary of a weight's size costs page faults)
+    values.mul_(scale.to(torch.float32).unsqueeze(-1))
+    return values.flatten(-2).to(scale.dtype)
 
 
-def _gptq(tensors: list[torch.Tensor], bits: int, v1: bool) -> torch.Tensor:
+def _gptq(tensors: list[torch.Tensor], bits: int, v1: bool, act_order: bool) -> torch.Tensor:
+    """GPTQ's weight [out, in]: groups in input order, or with act-order by `g_idx`."""
     qweight, qzeros, scales, *g_idx = tensors
     rows_in, rows_out = qweight.shape[0] * 32 // bits, qweight.shape[1]
     q = unpack_words(qweight.T, bits, rows_in)  # [out, in]
     zero = unpack_words(qzeros, bits, rows_out)  # [groups, out]
     if v1:  # (v1 stores zero - 1; AutoGPTQ adds the 1 back within the bits)
         zero = (zero + 1) & ((1 << bits) - 1)
-    if g_idx:
+    if act_order and g_idx:
         group = g_idx[0].long()
-    else:
-        group = torch.arange(rows_in, device=q.device) // (rows_in // scales.shape[0])
-    return (q - zero[group].T).to(scales.dtype) * scales[group].T
+        values = q.to(torch.float32).sub_(zero[group].T)
+        return values.mul_(scales[group].T).to(scales.dtype)
+    return _affine(q, scales.T, 0, zero.T, 0)
 
 
 def _awq_columns(words: torch.Tensor) -> torch.Tensor:
-    """AWQ's words [rows, columns / 8] -> int32 [rows, columns] in column order."""
+    """AWQ's words [rows, columns / 8] -> uint8 [rows, columns] in column order."""
     nibbles = unpack_words(words, 4, words.shape[1] * 8).unflatten(-1, (-1, 8))
     return nibbles[..., list(_AWQ_UNDO)].flatten(-2)
 
 
 def _fp8(weight: torch.Tensor, scale: torch.Tensor, block: list[int] | None) -> torch.Tensor:
-    values = weight.to(torch.float32)
-    scale = scale.to(torch.float32)
+    values, scale = _fp8_floats(weight), scale.to(torch.float32) * _FP8_UNIT
     if block is not None:  # one scale per block of block[0] x block[1] values
         rows, columns = weight.shape
         scale = scale.repeat_interleave(block[0], 0)[:rows]
         scale = scale.repeat_interleave(block[1], 1)[:, :columns]
     elif scale.dim() == 2 and scale.shape[1] > 1:  # per group of inputs
-        return (values.unflatten(-1, (scale.shape[1], -1)) * scale.unsqueeze(-1)).flatten(-2)
+        return values.unflatten(-1, (scale.shape[1], -1)).mul_(scale.unsqueeze(-1)).flatten(-2)
     elif scale.numel() > 1:
         scale = scale.reshape(-1, 1)  # per row
-    return values * scale
+    return values.mul_(scale)
+
+
+_FP8_UNIT = 256.0  # an E4M3 code read as float16 bits (below) is its value / 256
+
+
+def _fp8_floats(weight: torch.Tensor) -> torch.Tensor:
+    """float8 E4M3 values / 256, as float32. The code's sign, exponent and mantissa moved
+    into a float16's places give value * 2^-8 exactly (normal and subnormal alike: the
+    exponent biases differ by 8), and float16 -> float32 is a fast vector conversion where
+    torch converts float8 element by element (5x slower on a CPU). Times a scale made 256
+    times larger, each product is the same real number rounded once: the same bits. (The
+    NaN code reads as 1.875; a checkpoint's weights hold none.)"""
+    if weight.device.type == "meta":
+        return weight.to(torch.float32)
+    code = weight.view(torch.uint8).to(torch.int16)
+    half = ((code & 0x80) << 8) | ((code & 0x7F) << 7)
+    return half.view(torch.float16).to(torch.float32)
 
 
 def out_features(form: str, tensors: list[torch.Tensor]) -> int:
