@@ -19,7 +19,10 @@ from offload.cli import main
         (["--model", "llama-9"], "must be a model folder or a shipped shape (llama-3-70b"),
         (["--output-len", "1"], "output_len (--output-len) must be an integer >= 2, got 1"),
         (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
-        (["-q", "gptq"], "quantization (--quantization)='gptq' is not supported (yet; read: gguf)"),
+        (
+            ["-q", "bitsandbytes"],
+            "quantization (--quantization)='bitsandbytes' is not supported (yet; read: gguf, ",
+        ),
         (["--device", "tpu"], "device must be 'cpu', 'cuda' or 'cuda:N'"),
         (
             ["--prompt-len", "100000000", "--model", "llama-3-8b"],

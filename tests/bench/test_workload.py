@@ -26,8 +26,8 @@ from offload.model.quantized import Int4Linear
         ({"rounds": 0}, r"rounds \(--rounds\) must be an integer >= 1, got 0"),
         ({"dtype": "int8"}, r"dtype \(--dtype\) must be auto, float32, .*got 'int8'"),
         (
-            {"quantization": "gptq"},
-            r"quantization \(--quantization\)='gptq' is not supported \(yet; read: gguf\)",
+            {"quantization": "bitsandbytes"},
+            r"quantization \(--quantization\)='bitsandbytes' is not supported \(yet; read: gguf, ",
         ),
         ({"quantization": "q3"}, r"quantization \(--quantization\) must be None or one of gguf"),
     ],

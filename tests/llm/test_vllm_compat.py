@@ -81,7 +81,7 @@ def test_vllm_arguments_that_change_nothing_are_accepted(tiny, llm):
 @pytest.mark.parametrize(
     ("name", "value"),
     [
-        ("quantization", "awq"),
+        ("quantization", "bitsandbytes"),
         ("kv_cache_dtype", "fp8"),
         ("enable_lora", True),
         ("pipeline_parallel_size", 2),
