@@ -1,5 +1,6 @@
-"""The CPU linear over a few rows (`weight @ x.T`): the same product as `F.linear` up to
-rounding, taken only where it was measured to pay, and only in the thread that asks."""
+"""The CPU linear over a few rows (`weight @ x.T`, one row as a batch of matrix-vector
+products): the same product as `F.linear` up to rounding, taken only where it was measured
+to pay, and only in the thread that asks."""
 
 import threading
 
@@ -10,7 +11,9 @@ import torch.nn.functional as F
 from offload.engine.cpu_linear import MAX_ROWS, FewRowsLinear, few_rows_linear
 
 
-@pytest.mark.parametrize("shape", [(2, 24), (4, 1, 24), (3, 5, 24), (MAX_ROWS, 24)])
+@pytest.mark.parametrize(
+    "shape", [(1, 24), (1, 1, 24), (24,), (2, 24), (4, 1, 24), (3, 5, 24), (MAX_ROWS, 24)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_it_is_the_linear_product(shape, with_bias):
     torch.manual_seed(0)
@@ -25,7 +28,8 @@ def test_it_is_the_linear_product(shape, with_bias):
 @pytest.mark.parametrize(
     "x, weight",
     [
-        (torch.randn(1, 24), torch.randn(40, 24)),  # one row: F.linear is as fast
+        (torch.randn(1, 24), torch.randn(41, 24)),  # one row of rows in no two blocks
+        (torch.randn(1, 24), torch.randn(24, 40).T),  # a weight that is not contiguous
         (torch.randn(MAX_ROWS + 1, 24), torch.randn(40, 24)),  # many: the same
         (torch.randn(4, 24, dtype=torch.bfloat16), torch.randn(40, 24, dtype=torch.bfloat16)),
         (torch.randn(4, 24), torch.randn(2, 40, 24)),
@@ -60,3 +64,20 @@ def test_the_mode_routes_linear_in_its_own_thread_only():
             through_module = module(x)
     assert torch.equal(routed, few) and torch.equal(through_module, few)
     assert torch.equal(elsewhere[0], plain)
+
+
+def test_a_rows_product_does_not_depend_on_the_threads_or_blocks():
+    """One row's product takes ATen's batched kernel, whose outputs are each one dot
+    product: the same bits for any number of threads (and so of row blocks)."""
+    torch.manual_seed(0)
+    x, weight = torch.randn(1, 576), torch.randn(1536, 576)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3, 4):
+            torch.set_num_threads(count)
+            results.append(few_rows_linear(x, weight))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    assert not torch.equal(results[0], F.linear(x, weight))  # (routed: it rounds otherwise)

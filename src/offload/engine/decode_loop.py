@@ -4,11 +4,13 @@ and the bytes each call moved added to the running totals."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from offload.engine.cpu_linear import FewRowsLinear
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
 from offload.engine.kv_shape import check_host_kv, kv_shape_of
@@ -130,6 +132,12 @@ class DecodeLoop:
             if sequence.finish_reason is None:
                 sequence.finish_reason = "length"
 
+    def _step_kernels(self):
+        """On a CPU a decode step's linears run as `cpu_linear` has them (a batch of
+        matrix-vector products for one row, `weight @ x.T` for a few): the weight streamed
+        at the read rate instead of MKL's one-thread rate; elsewhere nothing changes."""
+        return FewRowsLinear() if self.device.type == "cpu" else contextlib.nullcontext()
+
     def _count_moved(self, kv: KVOffloader | None, graphs: DecodeGraphs | None) -> None:
         """Add what this call moved to the running totals (graph replays included)."""
         if kv is not None:
@@ -207,7 +215,11 @@ class DecodeLoop:
             step.prepare(tokens, position)
             if graphs is None and self._use_graphs and position > batch.width:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
-            logits = graphs.run(position + 1) if graphs is not None else step()
+            if graphs is not None:
+                logits = graphs.run(position + 1)
+            else:
+                with self._step_kernels():
+                    logits = step()
             self._forwards += 1
             position += 1
 

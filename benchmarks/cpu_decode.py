@@ -1,0 +1,158 @@
+"""`LLM`'s CPU decode step against llama.cpp on the same float32 bytes (issue 28).
+
+The default model in float32 (`LLM(dtype="float32")`), resident and with the disk tier
+(every layer streamed, warm), against llama.cpp (`llama-cpp-python`, same threads) on an F32
+GGUF of the same weights (written once with `gguf`'s writer from our float32 conversion,
+into the cache folder). Batch 1 (and our batches 8 and 32), 32 tokens, decode time only (the
+time of a 1-token call taken off), medians of interleaved rounds; beside each figure the read
+bound: the weights' bytes over the two-thread read rate measured in the run.
+
+    python benchmarks/cpu_decode.py [--rounds 5] [--tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+from cpu_step import read_gb_per_s
+
+from offload import LLM, SamplingParams
+
+PROMPT = "What is the capital of France? Answer in one sentence, then say why."
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=32)
+    args = parser.parse_args()
+    ours = {
+        "resident": LLM(dtype="float32", device="cpu"),
+        "disk tier (warm)": LLM(dtype="float32", device="cpu", cpu_memory_gb=0),
+        "resident, F.linear": LLM(dtype="float32", device="cpu"),
+    }
+    # The step as it was before the CPU linears (every linear through F.linear), beside:
+    ours["resident, F.linear"]._step_kernels = contextlib.nullcontext
+    llama = _llama_cpp(_f32_gguf())
+    runs = {f"{name} b{b}": (llm, b) for name, llm in ours.items() for b in (1, 8, 32)}
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    rates["llama.cpp b1"] = []
+    for llm, batch in runs.values():  # warm-up
+        _ours_rate(llm, batch, 4)
+    for _ in range(args.rounds):
+        for name, (llm, batch) in runs.items():
+            rates[name].append(_ours_rate(llm, batch, args.tokens))
+        if llama is not None:
+            rates["llama.cpp b1"].append(_llama_rate(llama, ours["resident"], args.tokens))
+    weight_bytes = sum(p.numel() * p.element_size() for p in ours["resident"].model.parameters())
+    for llm in ours.values():
+        llm.close()
+    read = read_gb_per_s()
+    bound = read * 1e9 / weight_bytes
+    llama_rate = statistics.median(rates["llama.cpp b1"]) if rates["llama.cpp b1"] else None
+    print(f"{args.tokens} tokens, {args.rounds} rounds, threads {torch.get_num_threads()}; read "
+          f"{read:.1f} GB/s: batch-1 bound {bound:.1f} tok/s for {weight_bytes / 1e6:.0f} MB")  # fmt: skip
+    results = {}
+    for name, values in rates.items():
+        if not values:
+            print(f"{name:>22}: skipped (llama-cpp-python is not installed)")
+            continue
+        rate = statistics.median(values)
+        batch = int(name.rsplit("b", 1)[1])
+        results[name] = {"tokens_per_s": rate, "round_tokens_per_s": values, "batch": batch}
+        versus = f", {rate / llama_rate:.2f}x llama.cpp" if llama_rate and batch == 1 else ""
+        of_bound = f" ({rate / bound:.2f} of the bound{versus})" if batch == 1 else ""
+        print(f"{name:>22}: {rate:7.1f} tok/s{of_bound}")
+    payload = {"tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
+               "read_gb_per_s": read, "weight_bytes": weight_bytes, "bound_tokens_per_s": bound,
+               "results": results}  # fmt: skip
+    print(f"saved {common.save('cpu-decode', torch.device('cpu'), payload)}")
+
+
+def _ours_rate(llm: LLM, batch: int, tokens: int) -> float:
+    """Decode tok/s of `batch` copies of the prompt: `tokens` tokens less one token's call."""
+    prompts = [PROMPT] * batch
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    many = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    started = time.perf_counter()
+    llm.generate(prompts, one, use_tqdm=False)
+    prefill = time.perf_counter() - started
+    started = time.perf_counter()
+    llm.generate(prompts, many, use_tqdm=False)
+    return batch * (tokens - 1) / (time.perf_counter() - started - prefill)
+
+
+def _f32_gguf() -> Path:
+    """An F32 GGUF of the default model's float32 weights (written once)."""
+    from offload.model.default import cache_dir, gguf_path
+
+    out = cache_dir() / "smollm2-f32.gguf"
+    if not out.is_file():
+        _write_f32(gguf_path(), out)
+    return out
+
+
+def _write_f32(source: Path, out: Path) -> None:
+    """The GGUF `source` with every tensor de-quantized to float32 (`gguf`'s reference
+    values: what our float32 conversion holds), same names, orders and settings."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(out) + ".part", arch="llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1]
+                             if field.types[0] == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        writer.add_tensor(tensor.name, np.ascontiguousarray(values, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(out) + ".part").rename(out)
+
+
+def _llama_cpp(path: Path):
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    threads = torch.get_num_threads()
+    return llama_cpp.Llama(model_path=str(path), n_ctx=256, n_batch=256, n_threads=threads,
+                           n_threads_batch=threads, verbose=False)  # fmt: skip
+
+
+def _llama_rate(llama, ours: LLM, tokens: int) -> float:
+    import llama_cpp
+
+    ids = ours.tokenizer(PROMPT)["input_ids"]
+    llama.reset()
+    llama.eval(ids)
+    vocab = llama.n_vocab()
+
+    def greedy() -> int:
+        logits = llama_cpp.llama_get_logits(llama.ctx)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(vocab,))))
+
+    chosen = [greedy()]
+    started = time.perf_counter()
+    for _ in range(tokens - 1):
+        llama.eval(chosen[-1:])
+        chosen.append(greedy())
+    return (tokens - 1) / (time.perf_counter() - started)
+
+
+if __name__ == "__main__":
+    main()
