@@ -83,12 +83,27 @@ _LONG_FIRST = (
 )  # fmt: skip  (those needing no default model first: it is still converting then)
 
 
+# The modules of more than ~10 s of tests each (2026-11-27, `--durations=0`): marked `slow`,
+# so that `pytest -m "not slow"` is a quick subset (under 2 minutes on 2 cores) of the rest.
+_SLOW = (
+    "test_readme.py", "llm/test_llm.py", "bench/test_run.py", "model/test_gguf_stored.py",
+    "test_fault_injection.py", "llm/test_threads.py", "offloader/test_prefetch.py",
+    "test_fault_injection_disk.py", "cli/test_cli.py", "model/test_loader.py",
+    "server/test_load.py", "model/test_untrusted.py", "offloader/test_disk_tier.py",
+    "planner/test_fit.py", "server/test_openai_server.py", "llm/test_dropped.py",
+    "model/test_default_model.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item):
         path = item.path.as_posix()
         return next((i for i, tail in enumerate(_LONG_FIRST) if path.endswith(tail)), 99)
 
     items.sort(key=rank)  # (stable: the rest keep their order)
+    for item in items:
+        if item.path.as_posix().endswith(_SLOW):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
