@@ -352,3 +352,39 @@ def test_loading_as_stored_grows_rss_by_at_most_one_and_a_half_ggufs(stored):
     )  # fmt: skip
     growth = json.loads(result.stdout.strip().splitlines()[-1])["growth"]
     assert 0 < growth <= 1.5 * gguf_path().stat().st_size, growth / 2**20
+
+
+def test_each_layout_is_the_fastest_measured_for_its_type_and_shape(stored):
+    """The CPU layout of each quantized weight is the one whose one-row product timed
+    fastest here for its type and shape (the kernel's within 25%); the seconds are in the
+    config."""
+    settings = json.loads((stored / "config.json").read_text())["quantization_config"]
+    seconds, types = settings["layout_seconds"], settings["weight_types"]
+    layouts = settings.get("weight_layouts", {})
+    tensors = load_file(stored / "model.safetensors")
+    assert any({"int4", "gguf"} == set(s) for s in seconds.values())
+    for name, kind in types.items():
+        rows = tensors[name].shape[1] if layouts.get(name) == "q8" else tensors[name].shape[0]
+        key = next((k for k in seconds if k.startswith(f"{kind} {rows}x")), None)
+        if key is None:  # (a type with one possible layout: nothing to choose)
+            assert layouts.get(name, "gguf") == "gguf"
+            continue
+        chosen, timed = layouts.get(name, "gguf"), seconds[key]
+        assert all(timed[chosen] <= 1.25 * other for other in timed.values()), (name, timed)
+
+
+def test_a_slower_kernel_is_not_chosen(file_tensors, monkeypatch):
+    """Where the kernel's product times slower than de-quantizing GGUF's blocks (a CPU
+    without the vector units torch's int4 kernel is written for), the blocks are kept."""
+    from offload.model import layout_choice
+
+    name, raw = "model.layers.0.mlp.up_proj.weight", file_tensors["blk.0.ffn_up.weight"]
+    chooser = layout_choice.LayoutChooser("cpu")
+    assert chooser.choose(name, raw, "Q4_1") == "int4"  # (as measured on this machine)
+    monkeypatch.setattr(
+        layout_choice, "product_seconds", lambda n, r, k, layout: {"int4": 2e-3}.get(layout, 1e-3)
+    )
+    slow = layout_choice.LayoutChooser("cpu")
+    assert slow.choose(name, raw, "Q4_1") == "gguf"
+    assert slow.seconds == {"Q4_1 1536x576": {"int4": 2e-3, "gguf": 1e-3}}
+    assert layout_choice.LayoutChooser("cuda").choose(name, raw, "Q4_1") in ("gguf", "int4_cuda")

@@ -19,7 +19,8 @@ import torch
 
 from offload.errors import ModelError
 from offload.model.gguf_quants import FORMATS
-from offload.model.quant_layouts import laid_out, layout_for, stored_settings
+from offload.model.layout_choice import LayoutChooser
+from offload.model.quant_layouts import laid_out, stored_settings
 
 # The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
 # rows (for its interleaved rotary layout): those are put back in transformers' order.
@@ -51,6 +52,7 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
     tensors: dict[str, tuple[str, list[int], np.ndarray]] = {}
     weight_types: dict[str, str] = {}
     layouts: dict[str, str] = {}
+    chooser = LayoutChooser(kernels)
     for tensor in reader.tensors:
         if tensor.name not in names:
             raise ModelError(f"{source}: tensor {tensor.name!r} has no place in a {arch} model")
@@ -64,7 +66,7 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
             tensors[name] = (dtype, list(data.shape), data.astype(numpy_type, copy=False))
         elif kind in FORMATS:
             weight_types[name] = kind
-            layout = layout_for(kind, name, kernels, rows=data.shape[0])
+            layout = chooser.choose(name, data, kind)
             if layout != "gguf":
                 layouts[name] = layout
             tensors.update(_laid_out(name, data, kind, layout))
@@ -75,6 +77,11 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
             )
     settings = config.to_dict()
     settings["quantization_config"] = stored_settings(weight_types, layouts)
+    if chooser.seconds:  # (what the choice of each layout was made on)
+        settings["quantization_config"]["layout_seconds"] = {
+            key: {layout: round(s, 7) for layout, s in seconds.items()}
+            for key, seconds in chooser.seconds.items()
+        }
     settings.pop("torch_dtype", None)
     settings.pop("dtype", None)  # (the activations' dtype is the user's choice: float32)
     out_dir.mkdir(parents=True, exist_ok=True)

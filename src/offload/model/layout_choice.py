@@ -1,0 +1,85 @@
+"""Which layout a GGUF weight is kept in on a CPU, chosen by measuring this machine.
+
+Each weight has the layouts its type allows (`quant_layouts.layout_for` names the one a
+kernel exists for; GGUF's own blocks are always possible). When a .gguf is laid out for the
+CPU, the one-row product (a decode step's) of each candidate is timed once per type and
+shape, on the file's own first weight of that shape, and the fastest is kept for every
+weight of it (the kernel's unless another is faster by more than the timings' noise). torch's int4 kernel is fast where the CPU has the vector units it was written
+for and slow elsewhere; measuring keeps a machine without them on de-quantize-per-forward
+rather than on a slow kernel. The seconds measured go into the folder's config
+(`layout_seconds`), so `inspect` and the docs can say why. Every layout is exact in its own
+way (offloaded equals resident bitwise in each), so the choice changes speed, not the promise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from offload.model.gguf_quants import FORMATS
+from offload.model.quant_layouts import laid_out, layout_for, stored_op
+
+_REPEATS = 7  # timed calls of each candidate (after two warm-up calls); the median is kept
+_MARGIN = 1.25  # another layout replaces the kernel's only when this much faster (noise)
+
+
+def candidates(type_name: str, name: str, kernels: str, rows: int) -> list[str]:
+    """The layouts a weight may be kept in for `kernels`: the kernel's (if any), then GGUF's
+    blocks."""
+    layout = layout_for(type_name, name, kernels, rows)
+    return [layout] if layout == "gguf" else [layout, "gguf"]
+
+
+class LayoutChooser:
+    """Chooses each weight's layout for `kernels`: on the CPU by timing the candidates once
+    per (type, shape); elsewhere (a GPU's kernels, unmeasured here) the kernel's layout."""
+
+    def __init__(self, kernels: str):
+        self.kernels = kernels
+        self.seconds: dict[str, dict[str, float]] = {}  # "Q4_1 1536x576" -> layout -> s
+        self._chosen: dict[str, str] = {}
+
+    def choose(self, name: str, raw: torch.Tensor | np.ndarray, kind: str) -> str:
+        """The layout of weight `name`, GGUF type `kind`, stored bytes `raw` [rows, bytes]
+        (a numpy array is copied only when it is measured)."""
+        options = candidates(kind, name, self.kernels, raw.shape[0])
+        if len(options) == 1 or self.kernels != "cpu":
+            return options[0]
+        block = FORMATS[kind]
+        columns = raw.shape[1] // block.block_bytes * block.block_size
+        key = f"{kind} {raw.shape[0]}x{columns}"
+        if key not in self._chosen:
+            if isinstance(raw, np.ndarray):  # (the reader maps the file read-only)
+                raw = torch.from_numpy(np.array(raw))
+            measured = {layout: product_seconds(name, raw, kind, layout) for layout in options}
+            self.seconds[key] = measured
+            fastest = min(options, key=measured.__getitem__)
+            kept = measured[fastest] * _MARGIN < measured[options[0]]
+            self._chosen[key] = fastest if kept else options[0]
+        return self._chosen[key]
+
+
+@torch.inference_mode()
+def product_seconds(name: str, raw: torch.Tensor, kind: str, layout: str) -> float:
+    """The median seconds of one row times the weight `raw` laid out in `layout`."""
+    tensors = laid_out(name, raw, kind, layout)
+    weight = tensors[name]
+    stem = name.removesuffix(".weight")
+    if layout == "gguf":
+        op, args = "gguf", (weight, kind, None)
+    elif layout == "q8":
+        op, args = "q8", (weight, tensors[f"{stem}.scales"])
+    else:
+        op, args = layout, (weight, tensors[f"{stem}.scale_zero"])
+    block = FORMATS[kind]
+    x = torch.randn(1, raw.shape[1] // block.block_bytes * block.block_size)
+    times = []
+    for call in range(2 + _REPEATS):
+        started = time.perf_counter()
+        stored_op(op, x, *args)
+        if call >= 2:
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
