@@ -126,3 +126,32 @@ def test_kv_offload_lets_a_longer_context_fit(smollm2_path, resident_answer):
         llm.memory_needs.kv_cache == 2 * kv_cache_bytes(llm.model.config, 4096, torch.float32) // 30
     )
     assert llm.chat(QUESTION, GREEDY)[0].outputs[0].token_ids == resident_answer
+
+
+def test_a_model_larger_than_this_machines_ram_is_told_the_disk_tier(capsys):
+    """On a CPU the device is the host's RAM: moving weights to "host memory" frees
+    nothing, so a model larger than RAM is told the disk tier, not --cpu-offload-gb."""
+    assert main(["inspect", "llama-3-70b", "--device", "cpu", "--max-model-len", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit this machine's RAM" in out and "--cpu-offload-gb" not in out
+    assert re.search(r"the disk tier keeps \d+\.\d\d GiB of layers in RAM.*--cpu-memory-gb", out)
+    assert "add e.g. --cpu-memory-gb 4" in out
+
+
+def test_offloading_more_than_the_host_holds_is_told_the_disk_tier(smollm2_path, monkeypatch):
+    """A device budget (emulated here) whose fix would move more to RAM than is available:
+    the disk tier is the fix said, with the RAM it may keep."""
+    from offload.planner import fit
+
+    monkeypatch.setattr(fit, "available_ram_bytes", lambda: 100 * 2**20)
+    with pytest.raises(ModelError) as info:
+        LLM(smollm2_path, dtype="float32", device_memory_gb=0.3, max_model_len=512)
+    message = str(info.value)
+    assert "more than the 0.10 GiB of RAM available" in message and "\n" not in message
+    assert "--cpu-memory-gb 0.07 --offload-group-size 1 --offload-prefetch-step 2" in message
+
+
+def test_an_unknown_shape_name_lists_the_shipped_shapes(capsys):
+    assert main(["inspect", "llama-3-7b"]) == 2
+    err = capsys.readouterr().err
+    assert "(did you mean 'llama-3-70b'?)" in err and "llama-3-8b, llama-3.2-1b" in err

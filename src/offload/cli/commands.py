@@ -216,8 +216,12 @@ def inspect(args: argparse.Namespace) -> str:
     fits, config = _what_fits(path, model, config, device, args)
     lines.append(fits)
     if config.selected_backend == "none":
+        on_host = device.type == "cpu" and args.device_memory_gb is None
         lines.append(
-            "no offloading configured (add e.g. --cpu-offload-gb 4 or --offload-group-size 8)"
+            "no offloading configured (add e.g. --cpu-memory-gb 4: layers beyond 4 GiB of RAM "
+            "stream from the checkpoint's files)"
+            if on_host  # (the device is the host's RAM: moving weights to it frees nothing)
+            else "no offloading configured (add e.g. --cpu-offload-gb 4 or --offload-group-size 8)"
         )
         return "\n".join(lines)
     planned = plan(model, config, device)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.errors import ModelError
+from offload.errors import ModelError, did_you_mean
 from offload.memory.safetensors import checkpoint_tensors, json_type
 from offload.model.limits import check_parameters, check_sizes
 from offload.model.packed_modules import (
@@ -124,7 +124,7 @@ def packed_layers(path: Path, trust_remote_code: bool = False) -> dict[str, Any]
 def _checked_settings(path: Path) -> tuple[Path, dict[str, Any]]:
     """`path`'s config.json and its settings, checked before transformers reads them."""
     if not path.is_dir():
-        raise ModelError(f"model path {path} does not exist or is not a directory")
+        raise ModelError(f"model path {path} does not exist or is not a directory{_shapes(path)}")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ModelError(f"{path} is not a model directory (no config.json)")
@@ -172,6 +172,17 @@ def _needs_own_code(config_file: Path, model_type: object) -> str:
         "code (its auto_map), which offload does not run; trust_remote_code=True "
         "(--trust-remote-code) would run it"
     )
+
+
+def _shapes(path: Path) -> str:
+    """For a bare name (no folder in it): the shipped shapes it could have meant."""
+    if path.exists() or len(path.parts) != 1:
+        return ""
+    from offload.model.configs import shipped
+
+    names = shipped()
+    hint = did_you_mean(path.name, names)
+    return f"{hint}; the shapes shipped for dummy weights: {', '.join(names)}"
 
 
 def _read_config(config_file: Path) -> dict[str, Any]:

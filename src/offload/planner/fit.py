@@ -126,12 +126,21 @@ def smallest_offload_gb(needs: MemoryNeeds, budget: int) -> float | None:
 
 
 def check_fit(
-    needs: MemoryNeeds, budget: int, resident_weights: int, kv_on_device: bool = True
+    needs: MemoryNeeds,
+    budget: int,
+    resident_weights: int,
+    kv_on_device: bool = True,
+    host_room: int | None = None,
 ) -> None:
-    """Raise one clear message, with the numbers and the fix, if it does not fit."""
+    """Raise one clear message, with the numbers and the fix, if it does not fit.
+    `host_room`: the bytes of RAM that weights moved off the device could take (0 where
+    the device is the host's own RAM; None: not checked). Where offloading would need more
+    than that, the fix said is the disk tier."""
     need = resident_weights + needs.kv_cache + needs.activations + _MARGIN_BYTES
     if need <= budget:
         return
+    if host_room is not None:
+        _check_host_fits(needs, budget, host_room)
     numbers = (
         f"needs {need / GIB:.2f} GiB on the device (weights {resident_weights / GIB:.2f}, "
         f"KV cache {needs.kv_cache / GIB:.2f}, activations {needs.activations / GIB:.2f}) "
@@ -158,8 +167,40 @@ def check_fit(
     )
 
 
+def _check_host_fits(needs: MemoryNeeds, budget: int, host_room: int) -> None:
+    """The disk tier as the fix, where what must leave the device does not fit in RAM."""
+    smallest = smallest_offload_gb(needs, budget)
+    if smallest is None or smallest * GIB <= host_room:
+        return
+    rest = needs.weights - needs.layer_stack + needs.kv_cache + needs.activations + _MARGIN_BYTES
+    if host_room == 0:  # the device is this machine's RAM: every weight is in it
+        keep = math.floor(max(budget - rest, 0) / GIB * 100) / 100
+        ram = needs.weights + needs.kv_cache + needs.activations + _MARGIN_BYTES
+        raise ModelError(
+            f"the model does not fit this machine's RAM: it needs {ram / GIB:.2f} GiB "
+            f"(weights {needs.weights / GIB:.2f}, "
+            f"KV cache {needs.kv_cache / GIB:.2f}, activations {needs.activations / GIB:.2f}) "
+            f"but the budget is {budget / GIB:.2f} GiB; the disk tier keeps {keep:.2f} GiB of "
+            f"layers in RAM and streams the others from the checkpoint's files each step: "
+            f"--cpu-memory-gb {keep:.2f} (cpu_memory_gb={keep:.2f})"
+        )
+    keep = math.floor(host_room * 0.8 / GIB * 100) / 100  # (room for the rest of the host)
+    raise ModelError(
+        f"the model does not fit: {smallest:.2f} GiB of weights would have to leave the "
+        f"device, more than the {host_room / GIB:.2f} GiB of RAM available; the disk tier "
+        f"keeps what RAM holds and streams the other layers from the checkpoint's files "
+        f"each step: --cpu-memory-gb {keep:.2f} --offload-group-size 1 --offload-prefetch-step 2"
+    )
+
+
 def plan_fit(
-    empty, config: OffloadConfig, needs: MemoryNeeds, budget: int, device, kv_offload: bool
+    empty,
+    config: OffloadConfig,
+    needs: MemoryNeeds,
+    budget: int,
+    device,
+    kv_offload: bool,
+    host_room: int | None = None,
 ) -> tuple[OffloadConfig, int]:
     """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits; the
     config and the bytes it moves to host memory. ('auto' here is the smallest UVA amount
@@ -173,7 +214,7 @@ def plan_fit(
         config = replace(config, uva=replace(config.uva, cpu_offload_gb=smallest))
     planned = plan(empty, config, device)
     resident = needs.weights - planned.offloaded_bytes + planned.staging_bytes
-    check_fit(needs, budget, resident, not kv_offload)
+    check_fit(needs, budget, resident, not kv_offload, host_room)
     return config, planned.offloaded_bytes
 
 
@@ -225,23 +266,32 @@ def plan_memory(
         layers = empty.config.num_hidden_layers
         needs = replace(needs, kv_cache=min(KV_SLOTS, layers) * needs.kv_cache // layers)
     ranked = planned(max_model_len) if planned is not None else []
-    config, offloaded = first_fit(empty, [*ranked, config], needs, budget_bytes, device, kv_offload)
+    # RAM that offloaded weights could take: none where the device is the host's RAM.
+    room = 0 if device.type == "cpu" and device_memory_gb is None else available_ram_bytes()
+    configs = [*ranked, config]
+    config, offloaded = first_fit(empty, configs, needs, budget_bytes, device, kv_offload, room)
     check_host_room(swap_space_bytes, offloaded)
     return MemoryPlan(max_model_len, needs, config, bool(ranked))
 
 
 def first_fit(
-    empty, configs: list[OffloadConfig], needs: MemoryNeeds, budget: int, device, kv_offload: bool
+    empty,
+    configs: list[OffloadConfig],
+    needs: MemoryNeeds,
+    budget: int,
+    device,
+    kv_offload: bool,
+    host_room: int | None = None,
 ) -> tuple[OffloadConfig, int]:
     """`plan_fit` of the first of `configs` that fits; the last one's error where none
     does (the planner's ranked configs, then the user's own: its error is the one to
     show)."""
     for config in configs[:-1]:
         try:
-            return plan_fit(empty, config, needs, budget, device, kv_offload)
+            return plan_fit(empty, config, needs, budget, device, kv_offload, host_room)
         except ModelError:  # the engine counts memory to the byte: the planner's next
             continue
-    return plan_fit(empty, configs[-1], needs, budget, device, kv_offload)
+    return plan_fit(empty, configs[-1], needs, budget, device, kv_offload, host_room)
 
 
 def check_swap_space(swap_space: object) -> int:
