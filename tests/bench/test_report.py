@@ -81,7 +81,7 @@ RESULT = BenchResult(
 
 
 def test_the_table_has_a_row_per_record_and_the_skipped_methods():
-    lines = report.table(RESULT).splitlines()
+    lines = report.table(RESULT, wide=True).splitlines()
     assert "memcpy 10.00 GB/s" in lines[1] and "host->device pinned -" in lines[1]
     row = next(line for line in lines if line.split()[:2] == ["prefetch-all", "1"])
     assert row.split()[2:4] == ["50.0", "45.0-55.0"]  # tok/s, min-max
@@ -91,6 +91,21 @@ def test_the_table_has_a_row_per_record_and_the_skipped_methods():
     assert lines[-1] == (
         "planner: predicted step within 15% of the measured one for 1 of 2 (plan/step 0.80-1.10)"
     )
+
+
+def test_the_default_table_fits_100_columns_in_plain_words():
+    lines = report.table(RESULT).splitlines()
+    assert all(len(line) <= report.WIDTH for line in lines), max(lines, key=len)
+    heading = next(line for line in lines if line.split()[:2] == ["method", "batch"])
+    assert heading.split() == [
+        "method", "batch", "tokens/s", "step", "ms", "best", "ms", "x", "best", "moved/step",
+        "memory", "exact",
+    ]  # fmt: skip
+    row = next(line for line in lines if line.split()[:2] == ["prefetch-all", "1"])
+    assert row.split()[2] == "50.0" and row.split()[5] == "1.60"  # tok/s, step / best
+    legend = " ".join(lines[: lines.index(heading)])
+    assert "x best: step / best." in legend and "--wide shows every column" in legend
+    assert "diffusers: skipped, group offloading with a stream needs a CUDA device" in lines
 
 
 def test_the_png_is_written(tmp_path):

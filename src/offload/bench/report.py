@@ -3,7 +3,9 @@ tokens/s against batch size, one line per method, its bound dashed in the same c
 
 from __future__ import annotations
 
+import functools
 import sys
+import textwrap
 from pathlib import Path
 from typing import TextIO
 
@@ -43,25 +45,60 @@ _COLUMNS = (
 )
 
 
-def table(result: BenchResult) -> str:
-    """The result as lines of text: the workload, the limits, one row per method and
-    batch, and the methods skipped with why."""
+# The default table's columns, in plain words (within 100 columns; `--wide`: all of them)
+_NARROW = (
+    ("method", 16, lambda r: r.method),
+    ("batch", 6, lambda r: str(r.batch)),
+    ("tokens/s", 10, lambda r: _rate(r.tokens_per_s)),
+    ("step ms", 9, lambda r: _ms(r.step_s)),
+    ("best ms", 9, lambda r: _ms(r.bound_step_s)),
+    ("x best", 8, lambda r: _number(r.step_over_bound, ".2f")),
+    ("moved/step", 12, lambda r: format_bytes(r.moved_bytes_per_forward)),
+    ("memory", 12, lambda r: _bytes(r.peak_device_bytes) if r.peak_device_bytes else format_bytes(r.peak_rss_bytes)),
+    ("exact", 6, lambda r: "yes" if r.same_tokens else "NO"),
+)  # fmt: skip
+WIDTH = 100  # the default table's lines fit this many columns
+
+
+def table(result: BenchResult, wide: bool = False) -> str:
+    """The result as lines of text: the workload, the limits, a legend, one row per method
+    and batch, the methods skipped with why, and how the planner did. By default in plain
+    words within `WIDTH` columns; `wide`: every figure a record has."""
     work = result.workload
     lines = [
         f"{work.model} {work.dtype} on {work.device}: prompt {work.prompt_len}, "
         f"output {work.output_len} tokens, {work.rounds} round(s); "
-        f"weights {format_bytes(work.total_bytes)}, {work.num_layers} layers",
-        "limits: " + ", ".join(_limit(name, getattr(result.limits, key)) for name, key in _LIMITS),
-        f"compute per step: {result.compute.source}; same tokens as "
-        f"{result.reference}; tok/s = batch / median decode step; plan: the planner's "
-        f"step predicted from rates and compute measured before each run; plan/step: "
-        f"the median over rounds of each run's",
-        "".join(f"{heading:>{width}}" for heading, width, _ in _COLUMNS),
+        f"weights {format_bytes(work.total_bytes)}, {work.num_layers} layers.",
+        "Limits measured here: "
+        + ", ".join(_limit(name, getattr(result.limits, key)) for name, key in _LIMITS)
+        + ".",
     ]
-    for row in result.records:
-        lines.append("".join(f"{cell(row):>{width}}" for _, width, cell in _COLUMNS))
-    lines += [f"{name}: skipped, {why}" for name, why in result.skipped.items()]
-    return "\n".join(lines + _planner_lines(result))
+    if wide:
+        lines.append(
+            f"compute per step: {result.compute.source}; same tokens as "
+            f"{result.reference}; tok/s = batch / median decode step; plan: the planner's "
+            f"step predicted from rates and compute measured before each run; plan/step: "
+            f"the median over rounds of each run's"
+        )
+    else:
+        lines.append(
+            f"tokens/s: batch / the median decode step. best ms: the fastest step the "
+            f"slowest link allows (weights' bytes over its rate, or the resident compute: "
+            f"{result.compute.source}). x best: step / best. moved/step: weight bytes "
+            f"brought in per forward. memory: peak device memory (a GPU) or the process's "
+            f"peak RSS (a CPU). exact: the same tokens as {result.reference}. --wide shows "
+            f"every column and the planner's predictions."
+        )
+    columns = _COLUMNS if wide else _NARROW
+    rows = ["".join(f"{heading:>{width}}" for heading, width, _ in columns)]
+    rows += ["".join(f"{cell(r):>{width}}" for _, width, cell in columns) for r in result.records]
+    notes = [f"{name}: skipped, {why}" for name, why in result.skipped.items()]
+    notes += _planner_lines(result)
+    if wide:
+        return "\n".join([*lines, *rows, *notes])
+    wrap = functools.partial(textwrap.wrap, width=WIDTH, subsequent_indent="  ")
+    return "\n".join([*(t for line in lines for t in wrap(line)), *rows,
+                      *(t for note in notes for t in wrap(note))])  # fmt: skip
 
 
 PREDICTION_TOLERANCE = 0.15  # issue 16: the planner's step within 15% of the measured one
@@ -104,7 +141,7 @@ def save(result: BenchResult, folder: Path, err: TextIO | None = None) -> list[P
         saved.append(plot(result, path.with_suffix(".png")))
     except ImportError:
         print(
-            "offload bench: matplotlib is not installed, no PNG (pip install 'offload[bench]')",
+            "offload bench: matplotlib is not installed, no PNG (pip install matplotlib)",
             file=err or sys.stderr,
         )
     return saved

@@ -137,7 +137,7 @@ def bench(args: argparse.Namespace, out: TextIO | None = None) -> None:
     )
     show_progress = not args.no_progress and sys.stderr.isatty()
     result = run_bench(workload, args.methods, progress=show_progress)
-    out.write(report.table(result) + "\n")
+    out.write(report.table(result, wide=args.wide) + "\n")
     for path in report.save(result, Path(args.out)):
         out.write(f"saved {path}\n")
 

@@ -225,6 +225,9 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         help=f"what to run, of: {', '.join(BENCH_METHODS)} (default: all; diffusers on a GPU only)",
     )
     bench.add_argument("--out", default="offload-bench", help="folder for the JSON and PNG")
+    bench.add_argument(
+        "--wide", action="store_true", help="every column (the planner's predictions, rates)"
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
