@@ -7,11 +7,23 @@ import json
 import pytest
 import torch
 import zoo
+from hypothesis import given
+from hypothesis import strategies as st
 
 from offload.model.build import build_empty
 from offload.planner.measurements import Measurements
 from offload.planner.shape import shape_of
 from offload.probes.measure import MeasureSettings, cache_key_of, measure
+
+
+@pytest.fixture(autouse=True)
+def _a_quiet_machine(monkeypatch):
+    """The other test worker keeps this machine busy, as the measurements would rightly
+    say: each test here sees a quiet one unless it says otherwise."""
+    from offload.probes import measure as measuring
+
+    monkeypatch.setattr(measuring.OthersLoad, "fraction", lambda self: 0.0)
+
 
 TINY = MeasureSettings(
     copy_bytes=2**20, disk_bytes=2**20, probe_file_bytes=2**20, disk_passes=1, warmup=1, repeats=3
@@ -246,3 +258,59 @@ def test_a_layer_timed_as_no_time_is_timed_again(tiny):
     timer._step = step
     [layer], _ = timer.time([1], warmup=0, repeats=3)
     assert calls == {0: 6, 1: 6} and layer == pytest.approx(0.25 / timer.extra)
+
+
+@pytest.mark.parametrize(
+    ("seconds", "expected"),
+    [
+        ([1.0, 0.8, 5.0], [1.0, 1.0, 2.0]),  # batch 2 faster a step, batch 4 slower a sequence
+        ([1.0, 1.5, 2.5], [1.0, 1.5, 2.5]),  # physical: kept
+    ],
+)
+def test_compute_times_are_made_physical(seconds, expected):
+    from offload.probes.measure import consistent_times
+
+    assert consistent_times([1, 2, 4], seconds) == expected
+
+
+@given(st.lists(st.floats(1e-4, 1.0), min_size=1, max_size=7))
+def test_larger_batches_are_never_slower_a_sequence_nor_faster_a_step(seconds):
+    from offload.probes.measure import consistent_times
+
+    batches = [2**k for k in range(len(seconds))]
+    times = consistent_times(batches, seconds)
+    for i in range(1, len(times)):
+        assert times[i] >= times[i - 1] * (1 - 1e-12)
+        assert times[i] / batches[i] <= times[i - 1] / batches[i - 1] * (1 + 1e-12)
+
+
+def test_a_busy_machine_is_said_so_in_the_notes(tiny, monkeypatch):
+    from offload.probes import measure as measuring
+
+    path, shape = tiny
+    monkeypatch.setattr(measuring.OthersLoad, "fraction", lambda self: 0.6)
+    notes = measure(path, shape, CPU, [1, 2], 16, settings=TINY).measurements.notes
+    assert any("busy while measuring: other processes used 60% of its CPUs" in n for n in notes)
+    monkeypatch.setattr(measuring.OthersLoad, "fraction", lambda self: 0.1)
+    quiet = measure(path, shape, CPU, [1, 2], 16, settings=TINY, remeasure=True)
+    assert not any("busy" in n for n in quiet.measurements.notes)
+
+
+def test_another_process_spinning_reads_as_others_load():
+    """One other process spinning for the whole window uses one CPU of the machine's."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from offload.probes.host import _others_s
+
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
+    # Started through a shell that exits at once: not this process's descendant (whose
+    # time is its own), as another program's would be.
+    subprocess.run(["sh", "-c", f'"{sys.executable}" -c "{spin}" &'], check=True)
+    time.sleep(0.3)  # (its start-up)
+    before, started = _others_s(), time.perf_counter()
+    time.sleep(0.8)
+    busy = (_others_s() - before) / ((time.perf_counter() - started) * os.cpu_count())
+    assert busy >= 0.6 / os.cpu_count(), busy

@@ -4,7 +4,9 @@ flags, the prediction, the warnings and the best alternatives."""
 from __future__ import annotations
 
 import argparse
+import datetime
 import shlex
+import sys
 
 from offload.llm.auto import plan_for
 from offload.planner.choose import Candidate
@@ -26,8 +28,13 @@ def run_plan(args: argparse.Namespace) -> str:
         gpu_memory_utilization=args.gpu_memory_utilization,
         remeasure=args.remeasure,
         trust_remote_code=args.trust_remote_code,
+        progress=_progress if sys.stderr.isatty() else None,  # (a terminal's: no log noise)
     )
     return describe(plan)
+
+
+def _progress(part: str) -> None:
+    print(f"offload plan: {part}...", file=sys.stderr, flush=True)
 
 
 def describe(plan: Plan) -> str:
@@ -41,7 +48,8 @@ def describe(plan: Plan) -> str:
         f"  {prediction(plan.chosen)}",
         f"  memory: device {format_bytes(plan.chosen.device_bytes)}, host "
         f"{format_bytes(plan.chosen.host_bytes)}",
-        f"offload generate flags (with {plan.batch_size} prompts a call):",
+        f"offload generate flags (with {plan.batch_size} "
+        f"prompt{'s' if plan.batch_size != 1 else ''} a call):",
         f"  {shlex.join(offload_flags(plan))}",
     ]
     flags, missing = vllm_flags(plan)
@@ -70,5 +78,22 @@ def _measured_line(plan: Plan) -> str:
     measured = plan.measured
     when = measured.measurements.measured_at
     if measured.from_cache:
-        return f"measurements: cached {when} in {measured.path} (--remeasure measures again)"
+        return (
+            f"measurements: cached {when}{_age(when)} in {measured.path} (--remeasure "
+            "measures again)"
+        )
     return f"measurements: taken now, cached in {measured.path}"
+
+
+def _age(when: str) -> str:
+    """ " (3 hours ago)" for an ISO time, or "" where it cannot be read."""
+    try:
+        then = datetime.datetime.fromisoformat(when)
+    except (TypeError, ValueError):
+        return ""
+    seconds = (datetime.datetime.now(datetime.timezone.utc) - then).total_seconds()
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            count = int(seconds // size)
+            return f" ({count} {unit}{'s' if count != 1 else ''} ago)"
+    return " (just now)"

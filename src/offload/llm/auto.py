@@ -139,6 +139,7 @@ def plan_for(
     device_memory_gb: float | None = None,
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
     remeasure: bool = False,
+    progress: Callable[[str], None] | None = None,
     trust_remote_code: bool = False,
     settings: MeasureSettings = DEFAULT_SETTINGS,
 ) -> Plan:
@@ -175,5 +176,6 @@ def plan_for(
         remeasure=remeasure,
         settings=settings,
         trust_remote_code=trust_remote_code,
+        progress=progress,
     )
     return make_plan(shape, measured, budgets, batch_sizes, path)

@@ -123,7 +123,7 @@ def _reasons(
     larger = [c for c in found if c.batch_size > chosen.batch_size]
     if chosen.batch_size < max(batch_sizes):
         lines.append(
-            f"batch {chosen.batch_size}: larger batches are predicted slower"
+            f"batch {chosen.batch_size}: larger batches are predicted no faster"
             if larger
             else f"batch {chosen.batch_size}: no larger batch fits the budgets (KV cache)"
         )

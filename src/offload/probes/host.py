@@ -8,6 +8,7 @@ import datetime
 import gc
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -75,3 +76,52 @@ def reset_peak_rss() -> None:
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # returns freed heap pages to the kernel
     Path("/proc/self/clear_refs").write_text("5")
+
+
+class OthersLoad:
+    """How busy other programs kept the machine's CPUs between `start` and `stop`: the CPU
+    time of every user process outside this one and its children (from /proc/*/stat;
+    kernel threads, such as those doing this process's I/O, left out), over the wall time
+    and the CPUs. 0.0 where /proc cannot be read."""
+
+    def __init__(self):
+        self._start = (_others_s(), time.perf_counter())
+
+    def fraction(self) -> float:
+        (others0, wall0), others, wall = self._start, _others_s(), time.perf_counter()
+        if others is None or others0 is None or wall <= wall0:
+            return 0.0
+        return max(0.0, (others - others0) / ((wall - wall0) * (os.cpu_count() or 1)))
+
+
+_KERNEL_THREAD = 0x00200000  # PF_KTHREAD in /proc/<pid>/stat's flags
+
+
+def _others_s() -> float | None:
+    """Seconds of CPU used so far by the user processes that are not this one or its
+    descendants (processes gone since are not counted: an undercount, never an over)."""
+    try:
+        entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
+    except OSError:
+        return None
+    parents, ticks = {}, {}
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                text = stat.read()
+        except OSError:  # (gone meanwhile)
+            continue
+        fields = text[text.rindex(")") + 2 :].split()  # from the state on
+        if int(fields[6]) & _KERNEL_THREAD:
+            continue
+        parents[int(entry)] = int(fields[1])
+        ticks[int(entry)] = int(fields[11]) + int(fields[12])  # utime, stime
+    ours = {os.getpid()}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in ours and pid not in ours:
+                ours.add(pid)
+                grew = True
+    return sum(t for pid, t in ticks.items() if pid not in ours) / os.sysconf("SC_CLK_TCK")

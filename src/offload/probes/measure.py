@@ -10,10 +10,12 @@ import contextlib
 import datetime
 import gc
 import hashlib
+import itertools
 import json
 import os
 import statistics
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,9 +28,11 @@ from offload.planner.measurements import Measured, Measurements
 from offload.planner.shape import ModelShape
 from offload.probes import disk, link
 from offload.probes.compute import CutFrom, ForwardCopies, time_decode
-from offload.probes.host import machine_name, software
+from offload.probes.host import OthersLoad, machine_name, software
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 from offload.sizes import MIB
+
+BUSY = 0.25  # other processes' share of the CPUs above which the measurements say so
 
 # Raised whenever a probe measures differently, so that figures cached by the old one are
 # not read back (its history is in docs/design.md).
@@ -92,18 +96,25 @@ def measure(
     remeasure: bool = False,
     settings: MeasureSettings = DEFAULT_SETTINGS,
     trust_remote_code: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> Measured:
     """The measurements for this machine and workload: from the cache, or measured now
-    (`remeasure`: always) and cached."""
+    (`remeasure`: always) and cached. `progress` is told each part as it starts. A machine
+    whose other processes kept its CPUs busy while measuring is said so in the notes."""
     measured = record(device, shape, context_len, batch_sizes)
     cached = plans_dir() / f"{cache_key_of(measured)}.json"
     found = None if remeasure else _load(cached)
     if found is not None:
         return Measured(found, cached, True)
     target = _Target(path, shape, device, settings.on(device), trust_remote_code)
+    say = progress or (lambda _: None)
+    load = OthersLoad()
     try:
+        say("measuring the link (copies to the device)")
         _measure_links(measured, target)
+        say("measuring the disk")
         _measure_disk(measured, target)
+        say(f"timing decode steps at batch {', '.join(map(str, batch_sizes))}")
         _measure_compute(measured, target)
         if device.type == "cpu":
             _measure_forward_copies(measured, target)
@@ -111,6 +122,12 @@ def measure(
         if device.type == "cuda":  # the probes' memory goes back before the model loads
             gc.collect()
             torch.cuda.empty_cache()
+    busy = load.fraction()
+    if busy > BUSY:
+        measured.notes.append(
+            f"the machine was busy while measuring: other processes used {busy:.0%} of its "
+            f"CPUs, so the timings may be slow; on a quieter machine --remeasure measures again"
+        )
     _save(cached, measured)
     return Measured(measured, cached, False)
 
@@ -252,3 +269,20 @@ def _measure_compute(measured: Measurements, target: _Target) -> None:
         measured.notes.append(f"compute not measured ({error}): predictions count bytes only")
         measured.layer_s = [0.0] * len(measured.batch_sizes)
         measured.head_s = [0.0] * len(measured.batch_sizes)
+        return
+    for name in ("layer_s", "head_s"):  # (noise made a plan call larger batches slower)
+        setattr(measured, name, consistent_times(measured.batch_sizes, getattr(measured, name)))
+
+
+def consistent_times(batch_sizes: list[int], seconds: list[float]) -> list[float]:
+    """Step times by batch size made physical: a larger batch takes no less time a step,
+    and no more time a sequence, than a smaller one (timing noise breaks either; a plan
+    made on it called larger batches slower). Each time is kept within the bounds the
+    smaller batches set, in order."""
+    order = sorted(range(len(batch_sizes)), key=batch_sizes.__getitem__)
+    result = list(seconds)
+    for previous, current in itertools.pairwise(order):
+        low = result[previous]
+        high = result[previous] * batch_sizes[current] / batch_sizes[previous]
+        result[current] = min(max(result[current], low), high)
+    return result
