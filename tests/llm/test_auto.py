@@ -85,3 +85,16 @@ def test_llm_runs_the_planners_first_config_that_fits(smollm2_path, resident_tok
     if "cpu_memory_gb" in budgets:  # what host memory cannot hold stays on disk
         assert chosen.disk.is_active and llm.offloader.stats().disk.num_units > 0
     assert _answer(llm) == resident_tokens
+
+
+def test_offload_config_names_the_backend_that_ran(tmp_path):
+    """`llm.offload_config` says what runs: "auto" is named as the backend it chose."""
+    import zoo
+
+    path = zoo.save_tiny_llm(tmp_path, num_layers=2)
+    with LLM(path, cpu_offload_gb=1e-4) as llm:
+        assert llm.offload_config.offload_backend == "uva" and llm.offloader.offloaded_bytes
+    with LLM(path, offload_group_size=1, offload_num_in_group=1) as llm:
+        assert llm.offload_config.offload_backend == "prefetch"
+    with LLM(path) as llm:  # nothing offloaded: nothing to name
+        assert llm.offload_config.offload_backend == "auto"

@@ -167,7 +167,7 @@ class LLM(DecodeLoop):
             ),
         )
         self.max_model_len, self.memory_needs, config = plan.max_model_len, plan.needs, plan.config
-        self.offload_config = config  # what runs: "auto" resolved, the planner's choice
+        self.offload_config = _as_run(config)  # what runs: "auto" resolved, the planner's choice
         self._load(
             path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
         )
@@ -348,3 +348,16 @@ def _own_argument_names() -> list[str]:
 
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
+
+
+def _as_run(config: OffloadConfig) -> OffloadConfig:
+    """`config` with `offload_backend="auto"` named as the backend that runs (what
+    `llm.offload_config` shows); as it is where nothing is offloaded, or where the name
+    alone would not validate (the disk tier without a prefetch group)."""
+    backend = config.selected_backend
+    if config.offload_backend != "auto" or backend == "none":
+        return config
+    try:
+        return replace(config, offload_backend=backend)
+    except ConfigError:
+        return config
