@@ -343,11 +343,10 @@ def _check_quantized_as(path: Path, quantization: str) -> None:
         method = settings.get("quantization_config", {}).get("quant_method")
     except (OSError, ValueError, AttributeError):
         return  # (the loader says what is wrong with the folder)
-    if ALIASES.get(method, method) != ALIASES.get(quantization, quantization):
+    wanted = ALIASES.get(quantization, quantization)
+    if ALIASES.get(method, method) != wanted:
         held = f"quant_method {method}" if method else "not quantized"
-        needs = (
-            "a .gguf file or a folder offload made from one"
-            if quantization == "gguf"
-            else f"a checkpoint whose config.json says quant_method {ALIASES.get(quantization, quantization)}"
-        )
+        needs = f"a checkpoint whose config.json says quant_method {wanted}"
+        if quantization == "gguf":
+            needs = "a .gguf file or a folder offload made from one"
         raise ModelError(f"quantization={quantization!r} needs {needs}; {path} is {held}")
