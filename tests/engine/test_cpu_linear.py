@@ -81,3 +81,18 @@ def test_a_rows_product_does_not_depend_on_the_threads_or_blocks():
         torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
     assert not torch.equal(results[0], F.linear(x, weight))  # (routed: it rounds otherwise)
+
+
+def test_the_mode_is_taken_only_where_the_float32_weights_are_large():
+    """Its per-call cost pays only where streaming the weights is the step's time: not for
+    small models, nor for quantized ones (the default model as stored), nor on a GPU."""
+    from offload.engine.cpu_linear import PAYS_BYTES, kernels_for
+
+    cpu = torch.device("cpu")
+    large = torch.nn.Sequential(torch.nn.Linear(2048, PAYS_BYTES // 4 // 2048, bias=False))
+    small = torch.nn.Sequential(torch.nn.Linear(64, 96))
+    halves = torch.nn.Sequential(torch.nn.Linear(2048, 4096)).to(torch.bfloat16)
+    assert isinstance(kernels_for(large, cpu), FewRowsLinear)
+    assert not isinstance(kernels_for(small, cpu), FewRowsLinear)
+    assert not isinstance(kernels_for(halves, cpu), FewRowsLinear)
+    assert not isinstance(kernels_for(large, torch.device("cuda")), FewRowsLinear)

@@ -13,11 +13,10 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 
-from offload.engine.cpu_linear import FewRowsLinear
+from offload.engine.cpu_linear import kernels_for
 from offload.engine.requests import EngineModel, Group, Row, Submitted
 from offload.engine.rows import RowCache, read_width
 from offload.engine.transformers_cache import cache_argument
@@ -254,8 +253,8 @@ class BatchingEngine:
     def _forward(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
         model = self._runner.model
         # On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
-        # weight for a few rows); on a GPU the batch goes as it is.
-        kernels = FewRowsLinear() if self._runner.device.type == "cpu" else nullcontext()
+        # weight for a few rows) where the float32 weights are large enough for it to pay.
+        kernels = kernels_for(model, self._runner.device)
         with torch.inference_mode(), kernels:
             out = model(
                 input_ids=input_ids,

@@ -4,13 +4,12 @@ and the bytes each call moved added to the running totals."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from offload.engine.cpu_linear import FewRowsLinear
+from offload.engine.cpu_linear import kernels_for
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
 from offload.engine.kv_shape import check_host_kv, kv_shape_of
@@ -135,8 +134,9 @@ class DecodeLoop:
     def _step_kernels(self):
         """On a CPU a decode step's linears run as `cpu_linear` has them (a batch of
         matrix-vector products for one row, `weight @ x.T` for a few): the weight streamed
-        at the read rate instead of MKL's one-thread rate; elsewhere nothing changes."""
-        return FewRowsLinear() if self.device.type == "cpu" else contextlib.nullcontext()
+        at the read rate instead of MKL's one-thread rate, where the model's float32
+        linears are large enough for that to pay (`kernels_for`)."""
+        return kernels_for(self.model, self.device)
 
     def _count_moved(self, kv: KVOffloader | None, graphs: DecodeGraphs | None) -> None:
         """Add what this call moved to the running totals (graph replays included)."""
