@@ -75,7 +75,8 @@ PAYS_BYTES = 16 * 2**20  # float32 linear weights above which the mode pays for 
 
 def kernels_for(model: torch.nn.Module, device: torch.device):
     """The context a CPU decode step of `model` runs in: `FewRowsLinear` where its float32
-    `nn.Linear` weights hold at least `PAYS_BYTES` (there the weights' streaming rate is
+    `nn.Linear` weights (and the float weights its quantized modules de-quantize for
+    `F.linear`: `linear_of_floats`) hold at least `PAYS_BYTES` (there the weights' streaming rate is
     the step's time), else nothing: the mode sees every torch call of the step, and a
     model of small or quantized weights (the default model as stored) only pays its
     per-call cost (measured: the stored default model 47.1 -> 36.0 tok/s with it; a tiny
@@ -85,9 +86,10 @@ def kernels_for(model: torch.nn.Module, device: torch.device):
     pays = _PAYS.get(model)
     if pays is None:  # (once per model: a step should not walk its modules)
         floats = sum(
-            m.weight.numel() * 4
+            m.in_features * m.out_features * 4
             for m in model.modules()
-            if type(m) is torch.nn.Linear and m.weight.dtype == torch.float32
+            if (type(m) is torch.nn.Linear and m.weight.dtype == torch.float32)
+            or getattr(m, "linear_of_floats", False)  # (F.linear on a de-quantized weight)
         )
         pays = _PAYS[model] = floats >= PAYS_BYTES
     return FewRowsLinear() if pays else contextlib.nullcontext()

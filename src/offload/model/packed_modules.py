@@ -34,6 +34,7 @@ class PackedLinear(nn.Module):
     """`nn.Linear` with its weight as the checkpoint stores it in `form`."""
 
     holds_stored_weights = True  # (`sizes.compute_dtype` looks past them)
+    linear_of_floats = True  # (its product is F.linear: `cpu_linear.kernels_for` counts it)
 
     def __init__(self, linear: nn.Linear, form: str, specs: Mapping[str, Any]):
         super().__init__()

@@ -111,6 +111,7 @@ class GGUFLinear(nn.Module):
     """`nn.Linear` with its weight in GGUF blocks; `weight` is uint8 [out, bytes per row]."""
 
     holds_stored_weights = True  # (`sizes.compute_dtype` looks past them)
+    linear_of_floats = True  # (its product is F.linear: `cpu_linear.kernels_for` counts it)
 
     def __init__(self, linear: nn.Linear, kind: str):
         super().__init__()
