@@ -19,7 +19,8 @@ from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.safetensors import StoredTensor
-from offload.model.packed_quant import dequantize_packed, packed_linear
+from offload.model.packed_quant import dequantize_packed
+from offload.model.quant_layouts import stored_op
 
 METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}  # vLLM's kernel names, same files
@@ -55,7 +56,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tensors = [getattr(self, name) for name in self._used]
-        return packed_linear(x, tensors, self.form, self.bias)
+        return stored_op("packed", x, tensors, self.form, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.form}"

@@ -168,28 +168,19 @@ def out_features(form: str, tensors: list[torch.Tensor]) -> int:
 def packed_linear(
     x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """`F.linear` with the weight `tensors` hold in `form`, in x's dtype; under
-    torch.compile one opaque op (as `quant_layouts.stored_op`'s): a compiled model gives
-    the bits an eager one gives, wherever its weights came from."""
-    if torch.compiler.is_compiling():
-        return _packed_linear_op(x, tensors, form, bias)
-    return _packed_linear(x, tensors, form, bias)
-
-
-def _packed_linear(
-    x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
-) -> torch.Tensor:
+    """`F.linear` with the weight `tensors` hold in `form`, in x's dtype (under
+    torch.compile it runs as the opaque op below: `quant_layouts.stored_op`)."""
     weight = dequantize_packed(form, tensors).to(x.dtype)
     return torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
 @torch.library.custom_op("offload::packed_linear", mutates_args=())
-def _packed_linear_op(
+def packed_linear_op(
     x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return _packed_linear(x, tensors, form, bias)
+    return packed_linear(x, tensors, form, bias)
 
 
-@_packed_linear_op.register_fake
+@packed_linear_op.register_fake
 def _(x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None):
     return x.new_empty(*x.shape[:-1], out_features(form, tensors))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.model.gguf_quants import FORMATS, affine_4bit, dequantize
+from offload.model.packed_quant import packed_linear, packed_linear_op
 
 GROUP = 32  # inputs per scale, in both layouts
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -159,7 +160,8 @@ def q8_values(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
     """What a module computes from its stored weight, by `op`: a product of x [rows, in]
     ("int4", "q8"; "gguf": GGUF's blocks (with the type's name and the bias) de-quantized,
-    then `F.linear` on x of any shape), or the float32 rows of a table that ids [...] look
+    then `F.linear` on x of any shape; "packed": a safetensors format's tensors, its form
+    and the bias, `packed_quant`), or the float32 rows of a table that ids [...] look
     up ("q8_rows", "gguf_rows"). Under torch.compile each is one opaque op: inductor may
     not re-lay out what it computes inside, nor fuse it with what follows (a multiply
     fused with a later add becomes one rounding, not two), so a compiled model gives the
@@ -281,10 +283,12 @@ def _(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tens
 
 
 _EAGER = {
+    "packed": packed_linear,
     "int4": int4_matmul, "int4_cuda": int4_cuda_matmul, "q8": q8_matmul, "gguf": gguf_linear, "q8_rows": q8_rows,
     "gguf_rows": gguf_rows,
 }  # fmt: skip
 _OPAQUE = {
+    "packed": packed_linear_op,
     "int4": _int4_op, "int4_cuda": _int4_cuda_op, "q8": _q8_op, "gguf": _gguf_op, "q8_rows": _q8_rows_op,
     "gguf_rows": _gguf_rows_op,
 }  # fmt: skip
