@@ -1,11 +1,14 @@
 """`LLM`'s CPU decode step against llama.cpp on the same float32 bytes (issue 28).
 
-The default model in float32 (`LLM(dtype="float32")`), resident and with the disk tier
-(every layer streamed, warm), against llama.cpp (`llama-cpp-python`, same threads) on an F32
+The default model in float32 (`LLM(dtype="float32")`: at batch 1 its compiled step),
+resident and with the disk tier (every layer streamed, warm), and resident eager
+(`enforce_eager=True`: every batch size eager, as before the compiled step), against llama.cpp (`llama-cpp-python`, same threads) on an F32
 GGUF of the same weights (written once with `gguf`'s writer from our float32 conversion,
 into the cache folder). Batch 1 (and our batches 8 and 32), 32 tokens, decode time only (the
 time of a 1-token call taken off), medians of interleaved rounds; beside each figure the read
-bound: the weights' bytes over the two-thread read rate measured in the run.
+bound: the weights' bytes over the two-thread read rate measured in the run. Then the
+compiled step's compile time in fresh processes: first with an empty inductor cache, then
+twice from the cache it left.
 
     python benchmarks/cpu_decode.py [--rounds 5] [--tokens 32]
 """
@@ -13,9 +16,12 @@ bound: the weights' bytes over the two-thread read rate measured in the run.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,10 +45,8 @@ def main() -> None:
     ours = {
         "resident": LLM(dtype="float32", device="cpu"),
         "disk tier (warm)": LLM(dtype="float32", device="cpu", cpu_memory_gb=0),
-        "resident, F.linear": LLM(dtype="float32", device="cpu"),
+        "resident, eager": LLM(dtype="float32", device="cpu", enforce_eager=True),
     }
-    # The step as it was before the CPU linears (every linear through F.linear), beside:
-    ours["resident, F.linear"]._step_kernels = contextlib.nullcontext
     llama = _llama_cpp(_f32_gguf())
     runs = {f"{name} b{b}": (llm, b) for name, llm in ours.items() for b in (1, 8, 32)}
     rates: dict[str, list[float]] = {name: [] for name in runs}
@@ -75,7 +79,7 @@ def main() -> None:
         print(f"{name:>22}: {rate:7.1f} tok/s{of_bound}")
     payload = {"tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
                "read_gb_per_s": read, "weight_bytes": weight_bytes, "bound_tokens_per_s": bound,
-               "results": results}  # fmt: skip
+               "results": results, "compile_s": _compile_times()}  # fmt: skip
     print(f"saved {common.save('cpu-decode', torch.device('cpu'), payload)}")
 
 
@@ -90,6 +94,28 @@ def _ours_rate(llm: LLM, batch: int, tokens: int) -> float:
     started = time.perf_counter()
     llm.generate(prompts, many, use_tqdm=False)
     return batch * (tokens - 1) / (time.perf_counter() - started - prefill)
+
+
+_ONE_STEP = (
+    "from offload import LLM, SamplingParams; LLM(dtype='float32', device='cpu').generate("
+    "'Hi', SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)"
+)
+
+
+def _compile_times() -> dict[str, float]:
+    """Seconds the compiled step took to be ready in a fresh process: with an empty
+    inductor cache, then twice from what that left (as the step reports it on stderr)."""
+    times = {}
+    with tempfile.TemporaryDirectory() as folder:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
+        for name in ("cold", "cached", "cached again"):
+            err = subprocess.run(
+                [sys.executable, "-c", _ONE_STEP], env=env, capture_output=True, text=True
+            ).stderr
+            found = re.search(r"decode step ready in ([0-9.]+) s", err)
+            times[name] = float(found[1]) if found else float("nan")
+            print(f"{'compile, ' + name:>22}: {times[name]:7.1f} s")
+    return times
 
 
 def _f32_gguf() -> Path:

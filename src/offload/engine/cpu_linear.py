@@ -81,18 +81,24 @@ def kernels_for(model: torch.nn.Module, device: torch.device):
     model of small or quantized weights (the default model as stored) only pays its
     per-call cost (measured: the stored default model 47.1 -> 36.0 tok/s with it; a tiny
     test model 0.31 -> 0.55 s for the same steps)."""
-    if device.type != "cpu":
+    if device.type != "cpu" or not pays(model):
         return contextlib.nullcontext()
-    pays = _PAYS.get(model)
-    if pays is None:  # (once per model: a step should not walk its modules)
+    return FewRowsLinear()
+
+
+def pays(model: torch.nn.Module) -> bool:
+    """Whether `model`'s float32 linear weights (`nn.Linear`, and the `linear_of_floats`
+    modules that de-quantize for `F.linear`) hold at least `PAYS_BYTES`."""
+    known = _PAYS.get(model)
+    if known is None:  # (once per model: a step should not walk its modules)
         floats = sum(
             m.in_features * m.out_features * 4
             for m in model.modules()
             if (type(m) is torch.nn.Linear and m.weight.dtype == torch.float32)
             or getattr(m, "linear_of_floats", False)  # (F.linear on a de-quantized weight)
         )
-        pays = _PAYS[model] = floats >= PAYS_BYTES
-    return FewRowsLinear() if pays else contextlib.nullcontext()
+        known = _PAYS[model] = floats >= PAYS_BYTES
+    return known
 
 
 _PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from offload.engine.cpu_linear import kernels_for
+from offload.engine.cpu_linear import kernels_for, pays
+from offload.engine.cpu_step import CompiledCpuStep, cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
 from offload.engine.kv_shape import check_host_kv, kv_shape_of
@@ -50,6 +51,8 @@ class DecodeLoop:
     _kv_pool: KVHostPool
     _kv_dims: tuple | None
     _use_graphs: bool
+    _compile_cpu: bool  # a compiled decode step on a CPU where it pays (not enforce_eager)
+    _cpu_step: CompiledCpuStep | None  # made on first use
     _moved: TransferStats
     _forwards: int
     _on_step: Callable[[list[SequenceState]], None] | None
@@ -120,16 +123,27 @@ class DecodeLoop:
     def _decode(self, sequences: list[SequenceState], progress: RequestProgress) -> None:
         """All sequences as one left-padded batch in a static KV cache (fixed shapes, the
         shape CUDA-graph decode needs): a prefill, then one token per step."""
-        batch = Batch.of(sequences, self.tokenizer.pad_token_id, self.device)
-        cache = self._make_cache(len(sequences), batch.length)
+        compiled = self._compiled_step(len(sequences))
+        room = (lambda n: cache_length(n, self.max_model_len)) if compiled else (lambda n: n)
+        batch = Batch.of(sequences, self.tokenizer.pad_token_id, self.device, room)
+        cache = self._make_cache(len(sequences), batch.columns.numel())
         graphs = None
         try:
-            graphs = self._decode_steps(sequences, batch, cache, progress)
+            graphs = self._decode_steps(sequences, batch, cache, progress, compiled)
         finally:
             self._count_moved(cache.kv_offloader, graphs)
         for sequence in sequences:
             if sequence.finish_reason is None:
                 sequence.finish_reason = "length"
+
+    def _compiled_step(self, num_sequences: int) -> CompiledCpuStep | None:
+        """The compiled CPU step for a batch of one where it pays (`cpu_step`): a model
+        whose float32 linears hold enough bytes that the step is its weights' reading."""
+        if not self._compile_cpu or num_sequences != 1 or not pays(self.model):
+            return None
+        if self._cpu_step is None:
+            self._cpu_step = CompiledCpuStep()
+        return self._cpu_step
 
     def _step_kernels(self):
         """On a CPU a decode step's linears run as `cpu_linear` has them (a batch of
@@ -192,10 +206,16 @@ class DecodeLoop:
         return torch.cat(chunks, dim=1) if every_position else chunks[-1]
 
     def _decode_steps(
-        self, sequences: list[SequenceState], batch: Batch, cache, progress: RequestProgress
+        self,
+        sequences: list[SequenceState],
+        batch: Batch,
+        cache,
+        progress: RequestProgress,
+        compiled: CompiledCpuStep | None,
     ) -> DecodeGraphs | None:
         """The prefill, then one token per step: the first decode step eagerly (it also
-        warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`."""
+        warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`; on a
+        CPU, compiled where that pays (`compiled`)."""
         positions = (batch.columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
         every_position = any(s.params.prompt_logprobs is not None for s in sequences)
         logits = self._prefill(batch, positions, cache, every_position)  # [batch, cols, vocab]
@@ -217,6 +237,8 @@ class DecodeLoop:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
             if graphs is not None:
                 logits = graphs.run(position + 1)
+            elif compiled is not None:
+                logits = compiled(step)
             else:
                 with self._step_kernels():
                     logits = step()

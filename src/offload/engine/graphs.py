@@ -41,7 +41,8 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module, cache, mask: torch.Tensor, positions: torch.Tensor):
         batch = mask.shape[0]
-        self._model, self._cache = model, cache
+        self._model = model
+        self._cache = cache_argument(model, cache)  # (once: dynamo cannot trace its lookup)
         self.mask = mask  # [batch, length]
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=mask.device)
         self.position_ids = positions[:, -1:].clone()  # [batch, 1]
@@ -59,7 +60,7 @@ class DecodeStep:
             input_ids=self.input_ids,
             attention_mask=self.mask,
             position_ids=self.position_ids,
-            **cache_argument(self._model, self._cache),
+            **self._cache,
             cache_position=self.cache_position,
             use_cache=True,
             logits_to_keep=1,

@@ -46,18 +46,20 @@ class Batch:
 
     input_ids: torch.Tensor  # [batch, width]
     starts: torch.Tensor  # [batch]: where each prompt begins
-    columns: torch.Tensor  # [length]
-    mask: torch.Tensor  # [batch, length]: 1 where a real token is
+    columns: torch.Tensor  # [cache length]
+    mask: torch.Tensor  # [batch, cache length]: 1 where a real token is
     width: int
     length: int  # prompt width plus the longest output a row may have
 
     @classmethod
-    def of(cls, sequences, pad: int | None, device) -> Batch:
+    def of(cls, sequences, pad: int | None, device, room=lambda length: length) -> Batch:
+        """`room` gives the cache's length for `length` positions (a compiled step's
+        cache is rounded up, so that few shapes serve every prompt)."""
         width = max(len(s.prompt_ids) for s in sequences)
         length = width + max(s.limit for s in sequences)
         rows = [[pad or 0] * (width - len(s.prompt_ids)) + s.prompt_ids for s in sequences]
         starts = torch.tensor([width - len(s.prompt_ids) for s in sequences], device=device)
-        columns = torch.arange(length, device=device)
+        columns = torch.arange(room(length), device=device)
         mask = ((columns[None, :] >= starts[:, None]) & (columns[None, :] < width)).long()
         input_ids = torch.tensor(rows, device=device)
         return cls(input_ids, starts, columns, mask, width, length)

@@ -175,6 +175,8 @@ class LLM(DecodeLoop):
         # per-forward copies or disk reads (queued by a staging thread) cannot be captured.
         uncapturable = config.disable_pin_memory or config.disable_uva or config.disk.is_active
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
+        # On a CPU, a compiled decode step where it pays (engine/cpu_step.py), same switch.
+        self._compile_cpu, self._cpu_step = self.device.type == "cpu" and not enforce_eager, None
         self.seed = seed
         torch.manual_seed(seed)
 

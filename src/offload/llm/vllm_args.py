@@ -56,7 +56,10 @@ IGNORED: dict[str, tuple[Callable[[object], bool], str]] = {
     "task": (_one_of("auto", "generate"), "offload's LLM generates text"),
     "runner": (_one_of("auto", "generate"), "offload's LLM generates text"),
     "convert": (_one_of("auto", "none"), "offload's LLM generates text"),
-    "compilation_config": (_empty, "decode runs in CUDA graphs unless enforce_eager"),
+    "compilation_config": (
+        _empty,
+        "decode runs compiled (CUDA graphs on a GPU) unless enforce_eager",
+    ),
     "mm_processor_kwargs": (_empty, "text models only"),
     "limit_mm_per_prompt": (_empty, "text models only"),
     "allowed_local_media_path": (_one_of(""), "text models only"),

@@ -1,0 +1,107 @@
+"""The compiled CPU decode step (engine/cpu_step.py): where `LLM` takes it, and that it gives
+offloaded the bits it gives resident."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offload import SamplingParams
+from offload.engine import cpu_linear
+from offload.engine.cpu_step import cache_length, one_row_linear
+from offload.llm.llm import LLM
+from tests import zoo
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+# Greedy with the top logprobs of every step: equal floats there mean equal logits rows.
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [5, 9, 14, 3, 27, 8, 11]}
+OFFLOADS = {
+    "uva": {"cpu_offload_gb": 0.0005},
+    "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 1},
+    "disk": {"cpu_memory_gb": 0},
+    "kv-cache": {"kv_offload": True},
+}
+
+
+def test_the_cache_length_is_a_power_of_two_within_max_model_len():
+    assert cache_length(9, 2048) == 128
+    assert cache_length(128, 2048) == 128
+    assert cache_length(129, 2048) == 256
+    assert cache_length(300, 400) == 400  # capped by the model's length
+    assert cache_length(60, 64) == 64
+    assert cache_length(70, 64) == 70  # never shorter than asked
+
+
+def test_one_row_products_are_the_linears_and_only_for_one_float32_row():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 40), torch.randn(96)
+    x = torch.randn(1, 1, 40)
+    torch.testing.assert_close(one_row_linear(x, weight, bias), F.linear(x, weight, bias))
+    assert one_row_linear(torch.randn(2, 40), weight) is None
+    assert one_row_linear(x.bfloat16(), weight.bfloat16()) is None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return zoo.save_attentive_llm(tmp_path_factory.mktemp("tiny"), num_layers=4)
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The tiny model counts as one whose step pays for compiling."""
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)
+
+
+def _run(llm):
+    [out] = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    return out.outputs[0].token_ids, out.outputs[0].logprobs
+
+
+@pytest.fixture(scope="module")
+def resident_compiled(checkpoint):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_linear, "PAYS_BYTES", 0)
+        llm = LLM(checkpoint, device="cpu", dtype="float32")
+        result = _run(llm)
+        assert llm._cpu_step is not None and llm._cpu_step._shapes == {(1, 128)}
+        eager = _run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
+    return result, eager
+
+
+@pytest.mark.parametrize("setting", list(OFFLOADS))
+def test_compiled_offloaded_equals_compiled_resident_bitwise(
+    checkpoint, resident_compiled, compiles, setting, capsys
+):
+    llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
+    assert _run(llm) == resident_compiled[0]
+    assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
+    assert llm._cpu_step is not None and llm._cpu_step._shapes == {(1, 128)}
+    moved = llm.transfer_stats()
+    if setting == "kv-cache":
+        assert moved.kv_copied_bytes > 0
+    else:
+        assert llm.offloader.offloaded_bytes > 0
+        streamed = moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes
+        assert streamed > 0 or setting == "uva"  # (UVA reads in place on a CPU)
+
+
+def test_the_compiled_step_computes_the_eager_steps_function(resident_compiled):
+    (tokens, logprobs), (eager_tokens, eager_logprobs) = resident_compiled
+    assert tokens == eager_tokens
+    for step, eager_step in zip(logprobs, eager_logprobs, strict=True):
+        for token, logprob in step.items():
+            assert logprob.logprob == pytest.approx(eager_step[token].logprob, abs=1e-4)
+
+
+def test_enforce_eager_batches_and_small_models_stay_eager(checkpoint, compiles, monkeypatch):
+    eager = LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True)
+    _run(eager)
+    assert eager._cpu_step is None
+    batched = LLM(checkpoint, device="cpu", dtype="float32")
+    batched.generate([PROMPT, PROMPT], GREEDY, use_tqdm=False)
+    assert batched._cpu_step is None  # (one row only: the fused product is a one-row loop)
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 16 * 2**20)
+    small = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(small)
+    assert small._cpu_step is None
