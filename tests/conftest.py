@@ -80,6 +80,7 @@ _LONG_FIRST = (
     "test_readme.py",
     "server/test_load.py",
     "bench/test_run.py",
+    "engine/test_cpu_step.py",
 )  # fmt: skip  (those needing no default model first: it is still converting then)
 
 
@@ -91,7 +92,7 @@ _SLOW = (
     "test_fault_injection_disk.py", "cli/test_cli.py", "model/test_loader.py",
     "server/test_load.py", "model/test_untrusted.py", "offloader/test_disk_tier.py",
     "planner/test_fit.py", "server/test_openai_server.py", "llm/test_dropped.py",
-    "model/test_default_model.py",
+    "model/test_default_model.py", "engine/test_cpu_step.py",
 )  # fmt: skip
 
 
