@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 import types
 
@@ -93,19 +94,45 @@ class CompiledCpuStep:
         if shape in self._shapes:
             with OneRowProducts():
                 return self._fn(step)
-        print(
-            f"offload: compiling the CPU decode step for batch {shape[0]}, cache {shape[1]} "
-            "(once per machine: up to a minute; later runs read inductor's cache)...",
-            file=sys.stderr,
-            flush=True,
-        )
-        started = time.perf_counter()
-        with OneRowProducts():
+        what = f"compiling the CPU decode step for batch {shape[0]}, cache {shape[1]}"
+        what += " (once per machine, up to a minute)"
+        with _Announced(what), OneRowProducts():
             logits = self._fn(step)
         self._shapes.add(shape)
-        print(
-            f"offload: decode step ready in {time.perf_counter() - started:.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
         return logits
+
+
+class _Announced:
+    """A line on stderr while a compile runs: on a terminal its seconds count up in place;
+    elsewhere (a log) one line before and one after."""
+
+    def __init__(self, what: str):
+        self._what = f"offload: {what}"
+        self._tty = sys.stderr.isatty()
+        self._done = threading.Event()
+        self._clock = threading.Thread(target=self._tick, name="offload-compile-clock", daemon=True)
+
+    def __enter__(self):
+        self._started = time.perf_counter()
+        if self._tty:
+            self._clock.start()
+        else:
+            print(f"{self._what}...", file=sys.stderr, flush=True)
+        return self
+
+    def _tick(self) -> None:
+        while not self._done.wait(1.0):
+            print(f"\r{self._what}: {self._seconds():.0f} s", end="", file=sys.stderr, flush=True)
+
+    def _seconds(self) -> float:
+        return time.perf_counter() - self._started
+
+    def __exit__(self, kind, *_):
+        self._done.set()
+        if self._clock.is_alive():
+            self._clock.join()
+        ended = "stopped" if kind is not None else "ready"
+        line = f"offload: decode step {ended} in {self._seconds():.1f} s"
+        print(
+            f"\r{line:<{len(self._what) + 8}}" if self._tty else line, file=sys.stderr, flush=True
+        )
