@@ -78,6 +78,7 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
     assert llm._cpu_step is not None and llm._cpu_step._shapes == {(1, 128)}
     moved = llm.transfer_stats()
+    assert moved.num_compiled_steps == GREEDY.max_tokens - 1  # (the first token: the prefill's)
     if setting == "kv-cache":
         assert moved.kv_copied_bytes > 0
     else:
@@ -97,7 +98,7 @@ def test_the_compiled_step_computes_the_eager_steps_function(resident_compiled):
 def test_enforce_eager_batches_and_small_models_stay_eager(checkpoint, compiles, monkeypatch):
     eager = LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True)
     _run(eager)
-    assert eager._cpu_step is None
+    assert eager._cpu_step is None and eager.transfer_stats().num_compiled_steps == 0
     batched = LLM(checkpoint, device="cpu", dtype="float32")
     batched.generate([PROMPT, PROMPT], GREEDY, use_tqdm=False)
     assert batched._cpu_step is None  # (one row only: the fused product is a one-row loop)

@@ -162,7 +162,6 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
     weights = this_call.weight_copied_bytes / max(forwards, 1)
     kv = this_call.kv_moved_bytes / max(forwards, 1)
     stall = this_call.stall_s
-    replays = this_call.num_graph_replays
     # Per forward, not per token: a prefill chunk moves the weights as a decode step does.
     moved = f"moved {format_bytes(weights + kv)}/forward over {forwards} forwards"
     if llm.kv_offload:
@@ -178,13 +177,25 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
         moved += f"; computed on {format_bytes(mapped)}/forward of mapped checkpoint files"
     # Said on the figures line: this run executed Python code shipped with the checkpoint.
     trusted = "; trust_remote_code=True" if llm.trust_remote_code else ""
+    # The tokens/s of generating; a first compile is said apart (it is paid once).
+    seconds -= this_call.compile_s
+    compiling = f" (+ {this_call.compile_s:.1f} s compiling)" if this_call.compile_s else ""
     return (
-        f"[{tokens} tokens in {seconds:.2f} s on {llm.device}: {tokens / seconds:.1f} tok/s; "
+        f"[{tokens} tokens in {seconds:.2f} s{compiling} on {llm.device}: "
+        f"{tokens / seconds:.1f} tok/s; "
         f"offloaded {format_bytes(llm.offloader.offloaded_bytes)} "
         f"({type(llm.offloader).__name__}); "
         f"{moved}; stall {stall * 1e3:.0f} ms; "
-        f"decode {f'in CUDA graphs ({replays} replays)' if replays else 'eager'}{trusted}]"
+        f"decode {_decode_mode(this_call)}{trusted}]"
     )
+
+
+def _decode_mode(this_call) -> str:
+    if this_call.num_graph_replays:
+        return f"in CUDA graphs ({this_call.num_graph_replays} replays)"
+    if this_call.num_compiled_steps:
+        return f"compiled ({this_call.num_compiled_steps} steps)"
+    return "eager"
 
 
 def inspect(args: argparse.Namespace) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 
 from offload.cli.options import (
@@ -55,13 +56,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"offload: error: {message}\n")
 
 
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    return f"offload: warning{kind}: {message}\n"
+
+
 class _ShowDefaults(argparse.HelpFormatter):
-    """Each flag's help ends with its default, where it has one (not None or off)."""
+    """Each flag's help ends with its default, where it has one (not None or off; a 0 is
+    a default, so the test is by identity: 0 == False)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if "%(default)" in text or default in (None, False, argparse.SUPPRESS):
+        if "%(default)" in text or any(default is v for v in (None, False, argparse.SUPPRESS)):
             return text
         if not action.option_strings:
             return text
@@ -169,7 +176,9 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
         "--no-progress", action="store_true", help="no progress bars (loading, prompts)"
     )
     parser.add_argument(
-        "--enforce-eager", action="store_true", help="decode without CUDA graphs (GPU)"
+        "--enforce-eager",
+        action="store_true",
+        help="decode eagerly: no CUDA graphs on a GPU, no compiled step on a CPU",
     )
     parser.add_argument(
         "--no-stream",
@@ -272,6 +281,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    warnings.formatwarning = _one_line  # a user reads the warning, not our source line
     try:
         if args.command == "demo":
             return _demo(args)

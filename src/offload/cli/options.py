@@ -77,8 +77,9 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help=DEVICE_HELP)
     add_weight_flags(
         parser,
-        "gguf: a .gguf model's weights as stored (4-5 bits a weight), not converted to "
-        "float32 (vLLM's flag; its other methods are not read yet)",
+        "the checkpoint's quantization as vLLM names it (gguf, gptq, awq, compressed-tensors, "
+        "fp8; read from the checkpoint when left out); gguf: a .gguf model's weights as "
+        "stored (4-5 bits a weight), not converted to float32",
     )
     parser.add_argument(
         "--trust-remote-code",

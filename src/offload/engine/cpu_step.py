@@ -88,6 +88,11 @@ class CompiledCpuStep:
         code = _run.__code__.replace()
         self._fn = torch.compile(types.FunctionType(code, _run.__globals__, "step"), dynamic=False)
         self._shapes: set[tuple[int, ...]] = set()
+        self.compile_s = 0.0  # seconds of the calls that compiled, summed
+
+    def ready(self, step) -> bool:
+        """Whether `step`'s shape is compiled already (else its next call compiles)."""
+        return tuple(step.mask.shape) in self._shapes
 
     def __call__(self, step) -> torch.Tensor:
         shape = tuple(step.mask.shape)
@@ -96,8 +101,12 @@ class CompiledCpuStep:
                 return self._fn(step)
         what = f"compiling the CPU decode step for batch {shape[0]}, cache {shape[1]}"
         what += " (once per machine, up to a minute)"
-        with _Announced(what), OneRowProducts():
-            logits = self._fn(step)
+        started = time.perf_counter()
+        try:
+            with _Announced(what), OneRowProducts():
+                logits = self._fn(step)
+        finally:
+            self.compile_s += time.perf_counter() - started
         self._shapes.add(shape)
         return logits
 

@@ -55,6 +55,7 @@ class DecodeLoop:
     _cpu_step: CompiledCpuStep | None  # made on first use
     _moved: TransferStats
     _forwards: int
+    _compiled_steps: int
     _on_step: Callable[[list[SequenceState]], None] | None
 
     def _generate(self, prompts, ids, sampling_params, use_tqdm=False) -> list[RequestOutput]:
@@ -227,10 +228,13 @@ class DecodeLoop:
         while True:
             tokens = self._tokens.pick(logits, sequences)
             progress.update()
-            if self._on_step is not None:
-                self._on_step(sequences)
             # The text so far is position + 1 long.
-            if all(s.finish_reason is not None for s in sequences) or position + 1 >= batch.length:
+            done = all(s.finish_reason is not None for s in sequences)
+            done = done or position + 1 >= batch.length
+            # A stream waits for a step about to compile: its lines would cut the text.
+            if self._on_step is not None and (done or compiled is None or compiled.ready(step)):
+                self._on_step(sequences)
+            if done:
                 return graphs
             step.prepare(tokens, position)
             if graphs is None and self._use_graphs and position > batch.width:
@@ -239,6 +243,7 @@ class DecodeLoop:
                 logits = graphs.run(position + 1)
             elif compiled is not None:
                 logits = compiled(step)
+                self._compiled_steps += 1
             else:
                 with self._step_kernels():
                     logits = step()

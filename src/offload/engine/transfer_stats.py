@@ -23,6 +23,8 @@ class TransferStats:
     stall_s: float = 0.0
     num_graph_replays: int = 0
     num_forwards: int = 0
+    num_compiled_steps: int = 0  # decode steps run by the compiled CPU step (engine/cpu_step)
+    compile_s: float = 0.0  # of the time, what compiling those steps took
     disk_read_bytes: int = 0  # weights streamed from the checkpoint's files (disk tier)
     disk_read_s: float = 0.0  # wall time with a read in flight
     disk_stall_s: float = 0.0  # time compute waited for a read

@@ -208,6 +208,7 @@ class LLM(DecodeLoop):
         )
         self._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
         self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
+        self._compiled_steps = 0  # of which compiled CPU decode steps
         # Host memory of the offloaded KV cache, kept between calls (pinned once).
         self._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
         self._kv_pool = KVHostPool(self.device, disable_pin_memory=config.disable_pin_memory)
@@ -298,7 +299,11 @@ class LLM(DecodeLoop):
         weights = self.offloader.stats()
         now = TransferStats.of(weights)
         return self._moved + replace(
-            now, stall_s=weights.copies.stall_s, num_forwards=self._forwards
+            now,
+            stall_s=weights.copies.stall_s,
+            num_forwards=self._forwards,
+            num_compiled_steps=self._compiled_steps,
+            compile_s=self._cpu_step.compile_s if self._cpu_step is not None else 0.0,
         )
 
     def close(self) -> None:
