@@ -281,7 +281,8 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    warnings.formatwarning = _one_line  # a user reads the warning, not our source line
+    if argv is None:  # the program: a user reads the warning, not our source line
+        warnings.formatwarning = _one_line
     try:
         if args.command == "demo":
             return _demo(args)
