@@ -78,11 +78,14 @@ def relative_links(path: Path) -> list[str]:
     return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
 
 
-@pytest.mark.parametrize("path", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+PAGES = [*sorted(DOCS.glob("*.md")), DOCS.parent / "README.md"]
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_relative_links_in_the_docs_point_to_what_exists(path):
     for target in relative_links(path):
         name, _, anchor = target.partition("#")
         linked = (path.parent / name).resolve() if name else path
-        assert linked.exists(), f"docs/{path.name}: {target} names no file"
+        assert linked.exists(), f"{path.name}: {target} names no file"
         if anchor and linked.suffix == ".md":
-            assert anchor in anchors(linked), f"docs/{path.name}: {target} names no anchor"
+            assert anchor in anchors(linked), f"{path.name}: {target} names no anchor"
