@@ -32,17 +32,22 @@ def test_version(capsys):
 
 
 def test_every_flag_has_help_and_its_default_is_shown():
+    """A flag that takes a value says its default: argparse's "(default: X)", 0 included,
+    or where it is None what leaving it out does. A switch is off unless given."""
     parser = build_parser()
     for name, sub in _subparsers(parser):
-        text = sub.format_help()
+        text = " ".join(sub.format_help().split())
+        formatter = sub._get_formatter()
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
-            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
-            if action.option_strings and action.default not in (None, False):
-                assert f"(default: {action.default})" in " ".join(text.split()), (
-                    f"{name} {action.option_strings[0]}: default not shown"
-                )
+            flag = f"{name} {action.option_strings or action.dest}"
+            assert action.help, f"{flag} has no help"
+            if not action.option_strings or action.nargs == 0:
+                continue
+            if action.default is not None:
+                assert f"(default: {action.default})" in text, f"{flag}: default not shown"
+            assert "default" in formatter._expand_help(action), f"{flag}: default not said"
     generate = dict(_subparsers(parser))["generate"].format_help()
     assert "(default: auto)" in generate and "--no-stream" in generate
 

@@ -142,10 +142,14 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     generate.add_argument("--max-tokens", type=int, default=64, help="new tokens at most")
     for flag, kind, default, text in SAMPLING_FLAGS:
         generate.add_argument(flag, type=kind, default=default, help=text)
-    generate.add_argument("--seed", type=int, help="make sampling reproducible")
-    generate.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    generate.add_argument("--seed", type=int, help="make sampling reproducible (default: unseeded)")
     generate.add_argument(
-        "--max-num-batched-tokens", type=int, help="prefill prompts in chunks of this many tokens"
+        "--stop", action="append", help="a stop string (repeatable; default: none)"
+    )
+    generate.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        help="prefill prompts in chunks of this many tokens (default: each prompt whole)",
     )
     _run_flags(generate)
     _model_run_flags(generate, "prompt plus output at most (default: the model's)")
@@ -253,7 +257,11 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     )
     plan.add_argument("--model", help=_PLAN_MODEL_HELP)
     batch = plan.add_mutually_exclusive_group()
-    batch.add_argument("--batch-size", type=int, help="plan for this batch size only")
+    batch.add_argument(
+        "--batch-size",
+        type=int,
+        help="plan for this batch size only (default: the best up to --max-batch)",
+    )
     batch.add_argument(
         "--max-batch",
         type=int,

@@ -58,7 +58,8 @@ def add_budget_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device-memory-gb",
         type=float,
-        help="pretend the device has this many GiB (to plan for a smaller GPU)",
+        help="pretend the device has this many GiB (to plan for a smaller GPU; default: "
+        "its real memory)",
     )
 
 
@@ -78,8 +79,9 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
     add_weight_flags(
         parser,
         "the checkpoint's quantization as vLLM names it (gguf, gptq, awq, compressed-tensors, "
-        "fp8; read from the checkpoint when left out); gguf: a .gguf model's weights as "
-        "stored (4-5 bits a weight), not converted to float32",
+        "fp8); gguf: a .gguf model's weights as stored (4-5 bits a weight), not converted to "
+        "float32 (default: read from the checkpoint; a .gguf as stored on the CPU with "
+        "--dtype auto, else converted)",
     )
     parser.add_argument(
         "--trust-remote-code",

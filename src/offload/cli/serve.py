@@ -26,12 +26,15 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--served-model-name", help="the model's name in the API (default: "
                        "the --model given, or SmolLM2-135M-Instruct)")  # fmt: skip
-    serve.add_argument("--api-key", help="requests to /v1 must carry 'Authorization: Bearer KEY'")
-    serve.add_argument("--max-model-len", type=int, help="prompt plus output at most")
+    serve.add_argument("--api-key", help="requests to /v1 must carry 'Authorization: "
+                       "Bearer KEY' (default: none, no key asked)")  # fmt: skip
+    serve.add_argument("--max-model-len", type=int,
+                       help="prompt plus output at most (default: the model's)")  # fmt: skip
     serve.add_argument("--max-num-seqs", type=int, default=16,
                        help="sequences decoded together in one step")  # fmt: skip
     serve.add_argument("--max-num-batched-tokens", type=int,
-                       help="prefill prompts in chunks of this many tokens")  # fmt: skip
+                       help="prefill prompts in chunks of this many tokens "
+                       "(default: each prompt whole)")  # fmt: skip
     serve.add_argument("--max-waiting-requests", type=int,
                        help="requests that may wait beyond the running ones; more are "
                        "answered 503 at once (default: 8 x --max-num-seqs)")  # fmt: skip

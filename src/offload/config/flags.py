@@ -34,7 +34,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "offload_backend",
         {
             "choices": BACKENDS,
-            "help": "auto: prefetch if --offload-group-size > 0, else UVA if --cpu-offload-gb > 0",
+            "help": "auto (the default): prefetch if --offload-group-size > 0 or --cpu-memory-gb "
+            "is given, else UVA if --cpu-offload-gb > 0",
         },
     ),
     (
@@ -52,7 +53,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "nargs": "+",
             "metavar": "SEG",
-            "help": "UVA: only parameters whose names contain these dot-separated segments",
+            "help": "UVA: only parameters whose names contain these dot-separated segments "
+            "(default: any)",
         },
     ),
     (
@@ -88,7 +90,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "nargs": "+",
             "metavar": "SEG",
-            "help": "prefetch: only parameters whose names contain these segments",
+            "help": "prefetch: only parameters whose names contain these segments (default: "
+            "all of an offloaded layer's)",
         },
     ),
     (
@@ -119,7 +122,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "offload_folder",
         {
             "metavar": "DIR",
-            "help": "disk tier: where a checkpoint that is not safetensors is converted once",
+            "help": "disk tier: where a checkpoint that is not safetensors is converted once "
+            "(default: in the offload cache, ~/.cache/offload)",
         },
     ),
     (
@@ -133,8 +137,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "choices": DISK_IO,
             "help": "disk tier: direct reads around the page cache, reads through it (pages stay "
-            "cached), or compute on mapped files (CPU); auto maps a checkpoint already in the "
-            "page cache on the CPU, else reads directly",
+            "cached), or compute on mapped files (CPU); auto (the default) maps a checkpoint "
+            "already in the page cache on the CPU, else reads directly",
         },
     ),
     (
@@ -147,7 +151,8 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         "prefetch_unit",
         {
             "choices": PREFETCH_UNITS,
-            "help": "prefetch: what one copy brings in (ours; auto: layers, or on a CPU with a core free for the copy thread, modules when layers overflow its cache)",
+            "help": "prefetch: what one copy brings in (ours; auto, the default: layers, or on a "
+            "CPU with a core free for the copy thread, modules when layers overflow its cache)",
         },
     ),
 )
