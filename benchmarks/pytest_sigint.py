@@ -14,6 +14,7 @@ the output's last lines), and processes of the group left running after pytest e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import re
@@ -59,7 +60,7 @@ def main() -> None:
               f", {result['exit_after_s']} s after SIGINT, in {result['where']}"
               + (f"; left running: {result['left_running']}" if result["left_running"] else ""))  # fmt: skip
         if result["outcome"] not in CLEAN:
-            print("     " + "\n     ".join(result["tail"][-15:]))
+            print("     " + "\n     ".join(result["processes_when_hung"] + result["tail"][-15:]))
     failed = [r for r in results if r["outcome"] not in CLEAN]
     print(f"{len(results) - len(failed)} of {len(results)} exited cleanly")
     payload = {"command": PYTEST, "seed": args.seed, "delays_s": delays,
@@ -77,23 +78,25 @@ def interrupt_at(delay_s: float, timeout_s: float) -> dict[str, object]:
         )  # fmt: skip
         group = process.pid  # (a new session: its own group, led by pytest)
         signalled = None
-        try:
-            process.wait(timeout=delay_s)  # (finished before the moment)
-        except subprocess.TimeoutExpired:
+        if _running_after(process, delay_s):
             os.killpg(group, signal.SIGINT)
             signalled = time.perf_counter()
-        hung = False
-        try:
-            process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            hung = True
-            process.send_signal(signal.SIGABRT)  # pytest's faulthandler: every thread's stack
-            time.sleep(2)
+        hung, processes, second = False, [], None
+        if _running_after(process, timeout_s):
+            # Ignored: what runs now, then Ctrl-C again (pytest's summary then names the
+            # test that took the first one), else every thread's stack (pytest's
+            # faulthandler on SIGABRT).
+            hung, processes = True, _descendants(process.pid)
+            os.killpg(group, signal.SIGINT)
+            if _running_after(process, timeout_s):
+                process.send_signal(signal.SIGABRT)
+                time.sleep(2)
+            else:
+                second = process.returncode
         left = _group_members(group)
-        if hung:
-            left.append(group)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        for pid in [*left, group] if process.poll() is None else left:
+            with contextlib.suppress(ProcessLookupError):  # (it ended meanwhile)
+                os.kill(pid, signal.SIGKILL)
         process.wait()
         exit_after = None if signalled is None or hung else time.perf_counter() - signalled
         log.seek(0)
@@ -108,9 +111,19 @@ def interrupt_at(delay_s: float, timeout_s: float) -> dict[str, object]:
         "exit_after_s": None if exit_after is None else round(exit_after, 2),
         "where": _where(output),
         "left_running": left,
+        "processes_when_hung": processes,
+        "exit_code_after_second_sigint": second,
         # The whole output where something went wrong (the stacks of a hang), else its end.
-        "tail": output.rstrip().splitlines()[-15 if clean else -400 :],
+        "tail": output.rstrip().splitlines()[-15 if clean else -600 :],
     }
+
+
+def _running_after(process: subprocess.Popen, seconds: float) -> bool:
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return True
+    return False
 
 
 def _outcome(code: int, output: str, hung: bool, signalled: bool) -> str:
@@ -138,16 +151,33 @@ def _where(output: str) -> str:
 
 
 def _group_members(group: int) -> list[int]:
-    """The processes still in process group `group` (a test's server, a converter...)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    """The processes still running in process group `group` (a test's server...)."""
+    return [pid for pid, (_, pgid, state, _) in _processes().items()
+            if pgid == group and state != "Z" and pid != group]  # fmt: skip
+
+
+def _descendants(root: int) -> list[str]:
+    """`root`'s processes, children and theirs: "pid ppid pgid state command" each."""
+    table = _processes()
+    found, frontier = [], [root]
+    while frontier:
+        parent = frontier.pop()
+        found.append(parent)
+        frontier += [pid for pid, (ppid, *_) in table.items() if ppid == parent]
+    return [f"{pid} {' '.join(map(str, table[pid]))}" for pid in found if pid in table]
+
+
+def _processes() -> dict[int, tuple[int, int, str, str]]:
+    """Every process: pid -> (parent, group, state, command line) from /proc."""
+    table = {}
+    for folder in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = (folder / "stat").read_text().rsplit(")", 1)[1].split()
+            command = (folder / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
         except OSError:  # (it exited meanwhile)
             continue
-        if int(fields[2]) == group and fields[0] != "Z" and int(stat.parent.name) != group:
-            members.append(int(stat.parent.name))
-    return members
+        table[int(folder.name)] = (int(fields[1]), int(fields[2]), fields[0], command)
+    return table
 
 
 def _no_core_files() -> None:
