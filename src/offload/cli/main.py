@@ -288,6 +288,9 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The command. As the program (`argv` None: sys.argv's), Ctrl-C is one line and status
+    130; called from Python with `argv`, a KeyboardInterrupt goes on to the caller, whose
+    Ctrl-C it is (as a status it was lost: a test run went on after it)."""
     args = build_parser().parse_args(argv)
     if argv is None:  # the program: a user reads the warning, not our source line
         warnings.formatwarning = _one_line
@@ -316,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as error:  # unreadable files, a tokenizer missing from the model folder
         print(f"offload: error: {error.strerror or error}", file=sys.stderr)
     except KeyboardInterrupt:
+        if argv is not None:
+            raise
         print("offload: interrupted", file=sys.stderr)
         return 130  # the shell's status for SIGINT
     return 2
