@@ -9,6 +9,7 @@ import tempfile
 # on a 2-core machine. Outputs do not depend on it; a user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import interrupts
 import pytest
 import torch
 from hypothesis import settings
@@ -94,6 +95,22 @@ _SLOW = (
     "planner/test_fit.py", "server/test_openai_server.py", "llm/test_dropped.py",
     "model/test_default_model.py", "engine/test_cpu_step.py",
 )  # fmt: skip
+
+
+def pytest_sessionstart(session):
+    interrupts.install()  # (after pytest's own hook, which it wraps: set at configure)
+
+
+@pytest.hookimpl(wrapper=True)
+def _end_of_phase(item):
+    """A Ctrl-C that CPython dropped during the phase (tests/interrupts.py) ends the run."""
+    try:
+        return (yield)
+    finally:
+        interrupts.raise_if_dropped()
+
+
+pytest_runtest_setup = pytest_runtest_call = pytest_runtest_teardown = _end_of_phase
 
 
 def pytest_collection_modifyitems(config, items):

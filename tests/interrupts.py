@@ -1,0 +1,43 @@
+"""Ctrl-C stops the test run even where CPython drops it. A KeyboardInterrupt raised inside
+a gc callback (hypothesis times every collection with one) or a weakref finalizer goes to
+`sys.unraisablehook` as "ignored", and the run went on (benchmarks/pytest_sigint.py saw
+both). Here it is raised again in the main thread: at once from a helper thread, and at the
+end of the test's phase at the latest (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import _thread
+import signal
+import sys
+import threading
+import time
+
+_dropped = False  # a KeyboardInterrupt was dropped and not yet raised at a phase's end
+
+
+def install() -> None:
+    previous = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        global _dropped
+        if not issubclass(unraisable.exc_type, KeyboardInterrupt):
+            previous(unraisable)
+            return
+        _dropped = True
+        # Not from here: raised inside this hook, it would be dropped again.
+        _thread.start_new_thread(_interrupt_main_soon, ())
+
+    sys.unraisablehook = hook
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.05)  # the main thread is out of the callback by then (if not: dropped, again)
+    # A signal, as Ctrl-C's, to the main thread: it also ends a sleep or a wait there.
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def raise_if_dropped() -> None:
+    global _dropped
+    if _dropped:
+        _dropped = False
+        raise KeyboardInterrupt
