@@ -1,8 +1,13 @@
-"""Ctrl-C stops the test run even where CPython drops it. A KeyboardInterrupt raised inside
-a gc callback (hypothesis times every collection with one) or a weakref finalizer goes to
-`sys.unraisablehook` as "ignored", and the run went on (benchmarks/pytest_sigint.py saw
-both). Here it is raised again in the main thread: at once from a helper thread, and at the
-end of the test's phase at the latest (tests/conftest.py)."""
+"""Ctrl-C ends a test run cleanly (benchmarks/pytest_sigint.py).
+
+Even where CPython drops it: a KeyboardInterrupt raised inside a gc callback (hypothesis
+times every collection with one) or a weakref finalizer goes to `sys.unraisablehook` as
+"ignored", and the run went on. Here it is raised again in the main thread: at once from a
+helper thread, and at the end of the test's phase at the latest (tests/conftest.py).
+
+And with no thread of a test still running torch: at exit, CPython ends such a daemon
+thread inside torch's C++ ("terminate called without an active exception", SIGABRT).
+`run_in_threads` stops and joins a test's threads however its wait ends."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 _dropped = False  # a KeyboardInterrupt was dropped and not yet raised at a phase's end
 
@@ -41,3 +47,19 @@ def raise_if_dropped() -> None:
     if _dropped:
         _dropped = False
         raise KeyboardInterrupt
+
+
+def run_in_threads(work: Callable[[int, threading.Event], None], num_threads: int) -> None:
+    """`work(number, stop)` in `num_threads` threads, until each returns; if the wait ends
+    otherwise (Ctrl-C), `stop` is set and they are joined first (`work` checks it)."""
+    stop = threading.Event()
+    threads = [threading.Thread(target=work, args=(n, stop)) for n in range(num_threads)]
+    for thread in threads:
+        thread.start()
+    try:
+        for thread in threads:
+            thread.join()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()

@@ -1,9 +1,8 @@
 """One LLM shared by threads: every output equals the sequential run's."""
 
-import threading
-
 import pytest
 import zoo
+from interrupts import run_in_threads
 
 from offload import SamplingParams
 from offload.llm.llm import LLM
@@ -36,9 +35,11 @@ def _hammer(llm, requests, num_threads, calls_per_thread):
     """Each thread makes `calls_per_thread` calls, cycling through `requests`."""
     results, errors = {}, []
 
-    def work(thread):
+    def work(thread, stop):
         try:
             for call in range(calls_per_thread):
+                if stop.is_set():
+                    return
                 index = (thread * calls_per_thread + call) % len(requests)
                 prompt, params = requests[index]
                 out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -46,11 +47,7 @@ def _hammer(llm, requests, num_threads, calls_per_thread):
         except BaseException as error:  # reported below, in the test's thread
             errors.append(error)
 
-    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(num_threads)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_in_threads(work, num_threads)
     assert not errors, errors
     return results
 

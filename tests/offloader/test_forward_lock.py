@@ -9,6 +9,7 @@ import pytest
 import torch
 import zoo
 from engines import SlowEngine
+from interrupts import run_in_threads
 
 import offload
 from offload.api import finish, prepare
@@ -39,9 +40,11 @@ def test_forwards_from_four_threads_equal_the_resident_outputs(unit):
         expected = [reference(input_ids=ids).logits for ids in inputs]
     wrong, errors = [], []
 
-    def work(thread):
+    def work(thread, stop):
         try:
             for call in range(20):
+                if stop.is_set():
+                    return
                 index = (thread + call) % len(inputs)
                 with torch.no_grad():
                     out = model(input_ids=inputs[index]).logits
@@ -50,11 +53,7 @@ def test_forwards_from_four_threads_equal_the_resident_outputs(unit):
         except BaseException as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_in_threads(work, 4)
     assert not errors and not wrong, (errors, f"{len(wrong)} of 80 forwards were wrong")
     assert offloader.stats().bytes_copied > 0
 
@@ -88,7 +87,10 @@ def test_an_interrupted_forward_leaves_the_model_exact_for_this_and_other_thread
             target=lambda: other.update(out=model(input_ids=ids).logits), daemon=True
         )
         thread.start()
-        thread.join(timeout=30)
+        try:
+            thread.join(timeout=30)
+        finally:  # (a Ctrl-C in the join: the thread ends before the interpreter does)
+            thread.join(timeout=30)
         assert not thread.is_alive(), "the abandoned forward's lock was never given back"
         assert torch.equal(other["out"], expected)
         interrupt.armed = True
@@ -117,11 +119,13 @@ def test_a_thread_waits_for_a_forward_in_progress():
         target=lambda: finished.append(zoo.logits(model, zoo.inputs())), daemon=True
     )
     second.start()
-    time.sleep(0.3)
-    assert not finished, "a second forward ran while the first was inside the model"
-    release.set()
-    first.join(10)
-    second.join(10)
+    try:
+        time.sleep(0.3)
+        assert not finished, "a second forward ran while the first was inside the model"
+    finally:  # (however the test ends, its threads end before the interpreter does)
+        release.set()
+        first.join(10)
+        second.join(10)
     assert finished
 
 
@@ -175,11 +179,13 @@ def test_a_compiled_model_called_from_two_threads_at_once_is_refused_never_wrong
         target=lambda: first.update(out=zoo.logits(compiled, ids)), daemon=True
     )
     thread.start()
-    assert engine.waiting.wait(10)  # the first call is inside a layer's wait
-    with pytest.raises(offload.ModelError, match="two threads at once"):
-        zoo.logits(compiled, ids)
-    engine.gate.set()
-    thread.join(10)
+    try:
+        assert engine.waiting.wait(10)  # the first call is inside a layer's wait
+        with pytest.raises(offload.ModelError, match="two threads at once"):
+            zoo.logits(compiled, ids)
+    finally:  # (however the test ends, its thread ends before the interpreter does)
+        engine.gate.set()
+        thread.join(10)
     assert torch.equal(first["out"], expected)
     assert torch.equal(zoo.logits(compiled, ids), expected)  # and alone again: exact
     assert offloader.stats().bytes_copied > 0
