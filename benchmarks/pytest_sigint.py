@@ -102,7 +102,7 @@ def interrupt_at(delay_s: float, timeout_s: float) -> dict[str, object]:
         log.seek(0)
         output = log.read()
     outcome = _outcome(process.returncode, output, hung, signalled is not None)
-    clean = outcome in CLEAN
+    plain = outcome == "finished" or process.returncode == INTERRUPTED  # (short output kept)
     return {
         "delay_s": delay_s,
         "signalled": signalled is not None,
@@ -113,8 +113,8 @@ def interrupt_at(delay_s: float, timeout_s: float) -> dict[str, object]:
         "left_running": left,
         "processes_when_hung": processes,
         "exit_code_after_second_sigint": second,
-        # The whole output where something went wrong (the stacks of a hang), else its end.
-        "tail": output.rstrip().splitlines()[-15 if clean else -600 :],
+        # The whole output where anything was not plain (a hang's stacks), else its end.
+        "tail": output.rstrip().splitlines()[-15 if plain else -600 :],
     }
 
 

@@ -18,7 +18,8 @@ import threading
 import time
 from collections.abc import Callable
 
-_dropped = False  # a KeyboardInterrupt was dropped and not yet raised at a phase's end
+_dropped = False  # a KeyboardInterrupt was dropped and is not raised again yet
+_lock = threading.Lock()  # it is raised again once: by the helper or at the phase's end
 
 
 def install() -> None:
@@ -29,23 +30,30 @@ def install() -> None:
         if not issubclass(unraisable.exc_type, KeyboardInterrupt):
             previous(unraisable)
             return
-        _dropped = True
+        with _lock:
+            _dropped = True
         # Not from here: raised inside this hook, it would be dropped again.
         _thread.start_new_thread(_interrupt_main_soon, ())
 
     sys.unraisablehook = hook
 
 
+def _take() -> bool:
+    global _dropped
+    with _lock:
+        dropped, _dropped = _dropped, False
+    return dropped
+
+
 def _interrupt_main_soon() -> None:
     time.sleep(0.05)  # the main thread is out of the callback by then (if not: dropped, again)
-    # A signal, as Ctrl-C's, to the main thread: it also ends a sleep or a wait there.
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    if _take():  # (else raised at a phase's end already: a second one would cut its report)
+        # A signal, as Ctrl-C's, to the main thread: it also ends a sleep or a wait there.
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def raise_if_dropped() -> None:
-    global _dropped
-    if _dropped:
-        _dropped = False
+    if _take():
         raise KeyboardInterrupt
 
 
