@@ -113,6 +113,11 @@ def _end_of_phase(item):
 pytest_runtest_setup = pytest_runtest_call = pytest_runtest_teardown = _end_of_phase
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_keyboard_interrupt(excinfo):
+    interrupts.cut_lineless_frames(excinfo.value)  # (before the terminal's report of it)
+
+
 def pytest_collection_modifyitems(config, items):
     def rank(item):
         path = item.path.as_posix()

@@ -71,3 +71,19 @@ def run_in_threads(work: Callable[[int, threading.Event], None], num_threads: in
         stop.set()
         for thread in threads:
             thread.join()
+
+
+def cut_lineless_frames(error: BaseException | None) -> None:
+    """End each traceback of `error`'s chain before its first frame with no line number.
+    CPython 3.11 gives one to a KeyboardInterrupt raised at some instructions
+    (cpython#107901: "line -1"), and pytest's report of it failed on `None - 1`: exit 1
+    and an internal error instead of the interrupt's exit 2."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        entry = error.__traceback__
+        while entry is not None and entry.tb_next is not None:
+            if entry.tb_next.tb_lineno is None:
+                entry.tb_next = None
+            entry = entry.tb_next
+        error = error.__cause__ or error.__context__
