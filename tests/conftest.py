@@ -8,6 +8,10 @@ import tempfile
 # run beside another CPU-heavy process (or a test's own copy thread) is not slowed 10-100x
 # on a 2-core machine. Outputs do not depend on it; a user's own setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The compiled CPU decode step (engine/cpu_step.py) costs ~8 s of tracing per LLM even
+# with inductor's cache warm, for the float32 default model of most LLM tests (and their
+# subprocesses): off here, on in tests/engine/test_cpu_step.py, which tests it.
+os.environ["OFFLOAD_CPU_COMPILE"] = "0"
 
 import interrupts
 import pytest

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from offload import SamplingParams
-from offload.engine import cpu_linear
+from offload.engine import cpu_linear, cpu_step
 from offload.engine.cpu_step import cache_length, one_row_linear
 from offload.llm.llm import LLM
 from tests import zoo
@@ -49,7 +49,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture
 def compiles(monkeypatch):
-    """The tiny model counts as one whose step pays for compiling."""
+    """The compiled step on (the suite turns it off), and the tiny model counts as one
+    whose step pays for compiling."""
+    monkeypatch.setenv(cpu_step.ENV, "1")
     monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)
 
 
@@ -61,6 +63,7 @@ def _run(llm):
 @pytest.fixture(scope="module")
 def resident_compiled(checkpoint):
     with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_step.ENV, "1")
         patch.setattr(cpu_linear, "PAYS_BYTES", 0)
         llm = LLM(checkpoint, device="cpu", dtype="float32")
         result = _run(llm)
@@ -106,3 +109,16 @@ def test_enforce_eager_batches_and_small_models_stay_eager(checkpoint, compiles,
     small = LLM(checkpoint, device="cpu", dtype="float32")
     _run(small)
     assert small._cpu_step is None
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)
+    monkeypatch.setenv(cpu_step.ENV, "0")
+    switched_off = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(switched_off)
+    assert switched_off._cpu_step is None
+
+
+def test_a_rounded_cache_beyond_swap_space_decodes_eagerly(checkpoint, compiles):
+    """The compiled step's cache is rounded up to 128 positions; where that much host KV
+    would pass swap_space, the step runs eagerly on the cache the request needs."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32", kv_offload=True, swap_space=0.00005)
+    tokens, _ = _run(llm)
+    assert len(tokens) == GREEDY.max_tokens and llm.transfer_stats().num_compiled_steps == 0

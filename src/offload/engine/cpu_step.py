@@ -23,6 +23,7 @@ second process re-traces (seconds) but does not compile again.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -35,6 +36,11 @@ from torch.overrides import TorchFunctionMode
 _logger = logging.getLogger("offload")
 
 MIN_CACHE_LENGTH = 128  # the smallest cache a compiled step is built for
+ENV = "OFFLOAD_CPU_COMPILE"  # "0": every CPU decode step eager, as enforce_eager (the suite's)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") != "0"
 
 
 def cache_length(length: int, max_model_len: int) -> int:

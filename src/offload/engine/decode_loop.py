@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from offload.engine import cpu_step
 from offload.engine.cpu_linear import kernels_for, pays
 from offload.engine.cpu_step import CompiledCpuStep, cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
@@ -126,6 +127,8 @@ class DecodeLoop:
         shape CUDA-graph decode needs): a prefill, then one token per step."""
         compiled = self._compiled_step(len(sequences))
         room = (lambda n: cache_length(n, self.max_model_len)) if compiled else (lambda n: n)
+        if compiled and not self._host_kv_fits(len(sequences), room(Batch.length_of(sequences))):
+            compiled, room = None, (lambda n: n)  # the rounded cache would pass swap_space
         batch = Batch.of(sequences, self.tokenizer.pad_token_id, self.device, room)
         cache = self._make_cache(len(sequences), batch.columns.numel())
         graphs = None
@@ -140,7 +143,9 @@ class DecodeLoop:
     def _compiled_step(self, num_sequences: int) -> CompiledCpuStep | None:
         """The compiled CPU step for a batch of one where it pays (`cpu_step`): a model
         whose float32 linears hold enough bytes that the step is its weights' reading."""
-        if not self._compile_cpu or num_sequences != 1 or not pays(self.model):
+        if not self._compile_cpu or num_sequences != 1 or not cpu_step.enabled():
+            return None
+        if not pays(self.model):
             return None
         if self._cpu_step is None:
             self._cpu_step = CompiledCpuStep()
@@ -161,14 +166,31 @@ class DecodeLoop:
         if graphs is not None:
             self._moved += graphs.replayed
 
+    def _host_kv_fits(self, batch: int, length: int) -> bool:
+        """Whether a host KV cache of `length` positions fits swap_space (or none is used)."""
+        if not self.kv_offload:
+            return True
+        config, dtype = self.model.config, compute_dtype(self.model)
+        shape = kv_shape_of(config, batch, length, dtype, self._probed_kv_dims())
+        try:
+            check_host_kv(
+                shape, config.num_hidden_layers, self.swap_space_bytes, self._kv_pool.num_bytes
+            )
+        except ConfigError:
+            return False
+        return True
+
+    def _probed_kv_dims(self):
+        if self._kv_dims is None:  # once: what the attention layers really cache
+            self._kv_dims = (probe_kv_dims(self.model),)
+            self._forwards += 1  # the probe is a forward of the whole model too
+        return self._kv_dims[0]
+
     def _make_cache(self, batch: int, length: int):
         dtype = compute_dtype(self.model)
         dims = None
         if self.kv_offload:
-            if self._kv_dims is None:  # once: what the attention layers really cache
-                self._kv_dims = (probe_kv_dims(self.model),)
-                self._forwards += 1  # the probe is a forward of the whole model too
-            (dims,) = self._kv_dims
+            dims = self._probed_kv_dims()
             shape = kv_shape_of(self.model.config, batch, length, dtype, dims)
             layers = self.model.config.num_hidden_layers
             check_host_kv(shape, layers, self.swap_space_bytes, self._kv_pool.num_bytes)

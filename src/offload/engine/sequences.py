@@ -51,6 +51,11 @@ class Batch:
     width: int
     length: int  # prompt width plus the longest output a row may have
 
+    @staticmethod
+    def length_of(sequences) -> int:
+        """Prompt width plus the longest output a row may have."""
+        return max(len(s.prompt_ids) for s in sequences) + max(s.limit for s in sequences)
+
     @classmethod
     def of(cls, sequences, pad: int | None, device, room=lambda length: length) -> Batch:
         """`room` gives the cache's length for `length` positions (a compiled step's
