@@ -22,7 +22,6 @@ second process re-traces (seconds) but does not compile again.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
@@ -32,8 +31,6 @@ import types
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-_logger = logging.getLogger("offload")
 
 MIN_CACHE_LENGTH = 128  # the smallest cache a compiled step is built for
 ENV = "OFFLOAD_CPU_COMPILE"  # "0": every CPU decode step eager, as enforce_eager (the suite's)
