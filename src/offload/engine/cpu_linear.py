@@ -104,14 +104,24 @@ def pays(model: torch.nn.Module) -> bool:
 _PAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class FewRowsLinear(TorchFunctionMode):
-    """While entered (in this thread only), every `F.linear` takes `few_rows_linear`
-    where it applies."""
+class LinearMode(TorchFunctionMode):
+    """While entered (in this thread only), every `F.linear` takes the class's `linear`
+    where that gives a tensor (None: `F.linear` runs)."""
+
+    def linear(self, *args, **kwargs) -> torch.Tensor | None:
+        return None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:
-            out = few_rows_linear(*args, **kwargs)
+            out = self.linear(*args, **kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)
+
+
+class FewRowsLinear(LinearMode):
+    """`F.linear` as `few_rows_linear` where it applies."""
+
+    def linear(self, *args, **kwargs) -> torch.Tensor | None:
+        return few_rows_linear(*args, **kwargs)

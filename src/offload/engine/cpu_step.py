@@ -29,8 +29,8 @@ import time
 import types
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+
+from offload.engine.cpu_linear import LinearMode
 
 MIN_CACHE_LENGTH = 128  # the smallest cache a compiled step is built for
 ENV = "OFFLOAD_CPU_COMPILE"  # "0": every CPU decode step eager, as enforce_eager (the suite's)
@@ -62,17 +62,12 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
     return out if bias is None else out + bias
 
 
-class OneRowProducts(TorchFunctionMode):
-    """While entered, `F.linear` over one row takes `one_row_linear` (dynamo traces the
-    mode into the compiled graph)."""
+class OneRowProducts(LinearMode):
+    """`F.linear` over one row as `one_row_linear` (dynamo traces the mode into the
+    compiled graph)."""
 
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            out = one_row_linear(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+    def linear(self, *args, **kwargs) -> torch.Tensor | None:
+        return one_row_linear(*args, **kwargs)
 
 
 def _run(step) -> torch.Tensor:
