@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from offload import SamplingParams
 from offload.engine import cpu_linear, cpu_step
-from offload.engine.cpu_step import cache_length, one_row_linear
+from offload.engine.cpu_step import cache_length, one_row_linear, one_row_products
 from offload.llm.llm import LLM
 from tests import zoo
 
@@ -40,6 +40,27 @@ def test_one_row_products_are_the_linears_and_only_for_one_float32_row():
     torch.testing.assert_close(one_row_linear(x, weight, bias), F.linear(x, weight, bias))
     assert one_row_linear(torch.randn(2, 40), weight) is None
     assert one_row_linear(x.bfloat16(), weight.bfloat16()) is None
+
+
+@pytest.mark.parametrize(
+    ("rows", "dtype", "rewritten"),
+    [(1, torch.float32, 2), (2, torch.float32, 0), (1, torch.bfloat16, 0)],
+)
+def test_the_step_graph_takes_one_row_products_for_one_float32_row(rows, dtype, rewritten):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
+    model = model.to(dtype)
+    counts = []
+
+    def backend(graph_module, example_inputs):
+        counts.append(one_row_products(graph_module))
+        return graph_module.forward
+
+    x = torch.randn(1, rows, 40, dtype=dtype)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, dynamic=False)(x)
+        torch.testing.assert_close(out, model(x))
+    assert counts == [rewritten]
 
 
 @pytest.fixture(scope="module")

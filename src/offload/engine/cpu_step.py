@@ -29,8 +29,8 @@ import time
 import types
 
 import torch
-
-from offload.engine.cpu_linear import LinearMode
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 MIN_CACHE_LENGTH = 128  # the smallest cache a compiled step is built for
 ENV = "OFFLOAD_CPU_COMPILE"  # "0": every CPU decode step eager, as enforce_eager (the suite's)
@@ -50,24 +50,71 @@ def cache_length(length: int, max_model_len: int) -> int:
 
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor | None:
-    """`F.linear` of a single row as `(x * weight).sum(-1)` (float32 on a CPU, plain tensors,
-    under torch.compile); None where `F.linear` should run."""
-    if type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(x) is not torch.Tensor:
+    """`F.linear` of a single row as `(x * weight).sum(-1)` (float32 on a CPU, plain
+    tensors: fake ones while compiling); None where `F.linear` should run."""
+    if not _one_row(x, weight):
         return None
+    out = torch.sum(torch.mul(torch.reshape(x, (1, -1)), weight), -1)
+    out = torch.reshape(out, (*x.shape[:-1], weight.shape[0]))
+    return out if bias is None else torch.add(out, bias)
+
+
+def _one_row(x, weight) -> bool:
+    plain = (torch.Tensor, torch.nn.Parameter, FakeTensor)
+    if type(weight) not in plain or type(x) not in plain:
+        return False  # a tensor subclass (a quantized weight) keeps its own kernel
     if x.device.type != "cpu" or weight.dim() != 2 or x.numel() != x.shape[-1]:
-        return None
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return None
-    out = (x.reshape(1, -1) * weight).sum(-1).reshape(*x.shape[:-1], weight.shape[0])
-    return out if bias is None else out + bias
+        return False
+    return x.dtype == torch.float32 and weight.dtype == torch.float32
 
 
-class OneRowProducts(LinearMode):
-    """`F.linear` over one row as `one_row_linear` (dynamo traces the mode into the
-    compiled graph)."""
+def one_row_products(graph_module: torch.fx.GraphModule) -> int:
+    """Rewrite each `F.linear` of one float32 row in dynamo's graph as `one_row_linear`;
+    the number rewritten. Done on the graph, not by a TorchFunctionMode: dynamo traced
+    every torch call of the step through such a mode, half of its ~6 s of tracing."""
+    graph, rewritten = graph_module.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not F.linear or node.kwargs:
+            continue
+        x, weight, bias = (*node.args, None)[:3]
+        if not all(isinstance(arg, torch.fx.Node) for arg in (x, weight)):
+            continue
+        if not _one_row(x.meta.get("example_value"), weight.meta.get("example_value")):
+            continue
+        with graph.inserting_before(node):
+            out = _emit(graph, x, weight, bias)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        rewritten += 1
+    graph.lint()
+    graph_module.recompile()
+    return rewritten
 
-    def linear(self, *args, **kwargs) -> torch.Tensor | None:
-        return one_row_linear(*args, **kwargs)
+
+def _emit(graph: torch.fx.Graph, x, weight, bias) -> torch.fx.Node:
+    """The nodes of `one_row_linear(x, weight, bias)`, each with its fake value (as
+    dynamo leaves them for inductor's passes)."""
+    x_value, weight_value = x.meta["example_value"], weight.meta["example_value"]
+    shape = (*x_value.shape[:-1], weight_value.shape[0])
+    calls = [(torch.reshape, ((1, -1),)), (torch.mul, (weight,)), (torch.sum, (-1,)),
+             (torch.reshape, (shape,))]  # fmt: skip
+    if bias is not None:
+        calls.append((torch.add, (bias,)))
+    node, value = x, x_value
+    with x_value.fake_mode:
+        for function, rest in calls:
+            node = graph.call_function(function, (node, *rest))
+            fakes = [a.meta["example_value"] if isinstance(a, torch.fx.Node) else a for a in rest]
+            value = node.meta["example_value"] = function(value, *fakes)
+    return node
+
+
+def _backend(graph_module: torch.fx.GraphModule, example_inputs):
+    """Inductor, after `one_row_products`."""
+    from torch._inductor.compile_fx import compile_fx
+
+    one_row_products(graph_module)
+    return compile_fx(graph_module, example_inputs)
 
 
 def _run(step) -> torch.Tensor:
@@ -84,7 +131,8 @@ class CompiledCpuStep:
         # recompiles) per code object, so each LLM's steps neither meet another model's
         # guards nor use up a shared recompile limit.
         code = _run.__code__.replace()
-        self._fn = torch.compile(types.FunctionType(code, _run.__globals__, "step"), dynamic=False)
+        step = types.FunctionType(code, _run.__globals__, "step")
+        self._fn = torch.compile(step, backend=_backend, dynamic=False)
         self._shapes: set[tuple[int, ...]] = set()
         self.compile_s = 0.0  # seconds of the calls that compiled, summed
 
@@ -95,13 +143,12 @@ class CompiledCpuStep:
     def __call__(self, step) -> torch.Tensor:
         shape = tuple(step.mask.shape)
         if shape in self._shapes:
-            with OneRowProducts():
-                return self._fn(step)
+            return self._fn(step)
         what = f"compiling the CPU decode step for batch {shape[0]}, cache {shape[1]}"
         what += " (once per machine, up to a minute)"
         started = time.perf_counter()
         try:
-            with _Announced(what), OneRowProducts():
+            with _Announced(what):
                 logits = self._fn(step)
         finally:
             self.compile_s += time.perf_counter() - started
