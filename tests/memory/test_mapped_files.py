@@ -91,6 +91,20 @@ def test_a_failing_read_ahead_is_an_error_at_the_next_use(data_file, monkeypatch
     mapped.close()
 
 
+def test_a_hint_hands_only_missing_pages_to_the_reading_thread(data_file, monkeypatch):
+    mapped = MappedFiles([FileStamp.of(data_file)])
+    handed = []
+    monkeypatch.setattr(mapped._hints, "submit", lambda fn, extents: handed.append(extents))
+    cached, missing = Extent(data_file, 0, 4096, 0), Extent(data_file, 8192, 4096, 0)
+    monkeypatch.setattr(
+        mapped_files, "_sampled_pages_cached", lambda base, offset, size: offset == 0
+    )
+    mapped.hint([cached, missing])
+    mapped.hint([cached])  # all there: no hand-over (a wake-up per layer costs a step)
+    assert handed == [(missing,)]
+    mapped.close()
+
+
 def test_page_cache_residency_is_measured(data_file):
     fd = os.open(data_file, os.O_RDONLY)
     os.fsync(fd)  # dirty pages cannot be dropped

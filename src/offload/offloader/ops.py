@@ -50,7 +50,14 @@ def register(offloader: _Steps) -> int:
     return key
 
 
-@torch.library.custom_op("offload::wait_layer", mutates_args=("activations",))
+# Defined with `torch.library.Library`, not `torch.library.custom_op`: the latter's Python
+# autograd and in-place-or-view kernels cost ~17 µs a call (3.6 µs so), 60 calls a step of
+# the default model, ~5% of its compiled CPU step. Neither op touches data, and both run
+# under torch.no_grad, so they need neither kernel.
+_library = torch.library.Library("offload", "FRAGMENT")
+_SCHEMA = "(Tensor(a!)[] activations, Tensor[] weights, int offloader_id, int position) -> ()"
+
+
 def wait_layer(
     activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
@@ -59,18 +66,19 @@ def wait_layer(
     offloader.wait(position)
 
 
-@wait_layer.register_fake
-def _(activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int) -> None:
-    return None
-
-
-@torch.library.custom_op("offload::start_layer", mutates_args=("activations",))
 def start_layer(
     activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
     _offloaders[offloader_id].layer_done(position, compiled=True)
 
 
-@start_layer.register_fake
-def _(activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int) -> None:
+def _nothing(
+    activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
+) -> None:
     return None
+
+
+for _step in (wait_layer, start_layer):
+    _library.define(_step.__name__ + _SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
+    _library.impl(_step.__name__, _step, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"offload::{_step.__name__}", _nothing, lib=_library)
