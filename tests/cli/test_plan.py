@@ -41,6 +41,8 @@ def test_plan_prints_the_choice_flags_and_prediction(tiny, tmp_path, capsys):
         (["--device-memory-gb", "0"], "device_memory_gb must be a positive, finite number"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--batch-size", "x"], "invalid int value: 'x'"),
+        (["-q", "bogus"], "quantization must be None or one of gguf, "),
+        (["-q", "gguf"], "quantization='gguf' needs a .gguf file or a folder offload made"),
     ],
 )
 def test_bad_input_is_one_line_and_measures_nothing(tiny, tmp_path, capsys, argv, message):

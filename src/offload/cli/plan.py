@@ -20,6 +20,7 @@ def run_plan(args: argparse.Namespace) -> str:
         args.model,
         args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         context_len=args.context_len,
         batch_size=args.batch_size,
         max_batch=args.max_batch,
