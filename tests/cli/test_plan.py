@@ -2,8 +2,10 @@
 input is one line on stderr, exit status 2, and measures nothing."""
 
 import pytest
+import transformers
 import zoo
 
+from offload.bench.checkpoint import write_random_checkpoint
 from offload.cli import main
 
 
@@ -41,6 +43,8 @@ def test_plan_prints_the_choice_flags_and_prediction(tiny, tmp_path, capsys):
         (["--device-memory-gb", "0"], "device_memory_gb must be a positive, finite number"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--batch-size", "x"], "invalid int value: 'x'"),
+        (["-q", "bogus"], "quantization must be None or one of gguf, "),
+        (["-q", "gguf"], "quantization='gguf' needs a .gguf file or a folder offload made"),
     ],
 )
 def test_bad_input_is_one_line_and_measures_nothing(tiny, tmp_path, capsys, argv, message):
@@ -53,6 +57,25 @@ def test_bad_input_is_one_line_and_measures_nothing(tiny, tmp_path, capsys, argv
     assert status == 2 and "Traceback" not in err
     assert lines[-1].startswith("offload: error: ") and message in lines[-1]
     assert not (tmp_path / "cache" / "plans").exists()
+
+
+def test_a_quantized_model_is_planned_as_stored_and_its_header_says_so(tmp_path, capsys):
+    """The header names the form planned: the weights as stored, not the compute dtype
+    alone (the default model's said "float32" of its Q4_1 weights)."""
+    shape = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+    ).to_dict()  # fmt: skip
+    shape.pop("dtype", None)
+    shape.pop("torch_dtype", None)
+    q4_0 = tmp_path / "q4_0"
+    write_random_checkpoint(q4_0, shape, max_shard_bytes=10**7, quantized="Q4_0")
+    argv = ["plan", "--model", str(q4_0), "--batch-size", "1", "--context-len", "32"]
+    for quantization in ([], ["-q", "gguf"]):  # (read from its config, or named)
+        assert main([*argv, "--device", "cpu", *quantization]) == 0
+        out = capsys.readouterr().out
+        assert f"plan for {q4_0} (GGUF Q4_0 as stored, computing in float32) on cpu" in out
+        assert "offload generate flags (with 1 prompt a call):\n  --max-model-len 32\n" in out
 
 
 def test_nothing_fits_is_one_line(tiny, capsys):

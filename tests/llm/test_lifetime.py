@@ -1,6 +1,11 @@
-"""An LLM nobody references, or one closed, leaves no thread and no offloader behind."""
+"""An LLM nobody references, or one closed, leaves no thread and no offloader behind; one
+serving when the program ends is closed then."""
 
+import atexit
 import gc
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import weakref
@@ -85,3 +90,46 @@ def test_two_llms_with_different_configs_in_one_process_stay_independent(path):
             out = llm.generate(["t9 t4 t7"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
             assert out == expected
     assert prefetched.transfer_stats().weight_copied_bytes > 0
+
+
+# Exits while its engine thread is busy in a forward, the serving never closed.
+_NEVER_CLOSED = textwrap.dedent("""
+    import sys, threading
+    from offload import SamplingParams
+    from offload.llm.llm import LLM
+
+    llm = LLM(sys.argv[1])
+    serving = llm.serving()
+    ids = llm.get_tokenizer()("t3 t4").input_ids
+    busy = threading.Event()
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    for _ in range(8):
+        serving.submit(None, ids, params, lambda output: busy.set())
+    assert busy.wait(120)
+    print("exiting")
+""")
+
+
+def test_a_serving_never_closed_is_closed_at_exit_without_an_abort(path):
+    # Without the engine's exit hook, CPython ended its daemon thread inside torch's C++:
+    # "terminate called without an active exception" and SIGABRT (status 134).
+    done = subprocess.run(
+        [sys.executable, "-c", _NEVER_CLOSED, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "terminate called" not in done.stderr
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "exiting\n"
+
+
+def test_closing_the_serving_takes_its_exit_hook_back(path, monkeypatch):
+    hooks = []  # (atexit._ncallbacks() counts a hook taken back, on 3.11: not used)
+    monkeypatch.setattr(atexit, "register", hooks.append)
+    monkeypatch.setattr(atexit, "unregister", hooks.remove)
+    llm = LLM(path)
+    llm.serving()
+    assert len(hooks) == 1
+    llm.close()
+    assert hooks == []

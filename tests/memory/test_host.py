@@ -2,6 +2,7 @@ import ctypes
 import gc
 import os
 import sys
+import time
 import weakref
 
 import pytest
@@ -160,3 +161,23 @@ def test_an_llm_dropped_without_close_trims_the_heap_at_the_next_collection(monk
     assert len(calls) == 1
     gc.collect()  # once per dropped model, not at every collection
     assert len(calls) == 1
+
+
+def test_a_ctrl_c_during_the_trim_at_a_collection_still_stops_the_program(monkeypatch):
+    """CPython only prints a KeyboardInterrupt that leaves a gc callback ("Exception
+    ignored"): the trim's callback sends it again, and the code that collected gets it."""
+    from offload.memory import host
+
+    dropped = []  # (instead of tests/interrupts.py's hook, which would raise it again)
+    monkeypatch.setattr(sys, "unraisablehook", dropped.append)
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(host, "trim_freed_memory", interrupted)
+    host.trim_after_collection()
+    with pytest.raises(KeyboardInterrupt):
+        gc.collect()
+        for _ in range(500):  # (it comes within milliseconds, from a helper thread)
+            time.sleep(0.01)
+    assert dropped == []

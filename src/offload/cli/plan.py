@@ -20,6 +20,7 @@ def run_plan(args: argparse.Namespace) -> str:
         args.model,
         args.device,
         dtype=args.dtype,
+        quantization=args.quantization,
         context_len=args.context_len,
         batch_size=args.batch_size,
         max_batch=args.max_batch,
@@ -40,8 +41,10 @@ def _progress(part: str) -> None:
 def describe(plan: Plan) -> str:
     """The plan for people: what was weighed, the choice, the flags, the alternatives."""
     m = plan.measured.measurements
+    # The form planned: a quantized model's weights as stored (computing in m.dtype).
+    held = f"{plan.shape.stored}, computing in {m.dtype}" if plan.shape.stored else m.dtype
     lines = [
-        f"plan for {plan.path} ({m.dtype}) on {m.device_type}, decoding with "
+        f"plan for {plan.path} ({held}) on {m.device_type}, decoding with "
         f"{plan.context_len} positions of context:",
         *(f"  {reason}" for reason in plan.reasons),
         f"chosen: {plan.chosen.label}, batch {plan.batch_size}",

@@ -10,7 +10,10 @@ far goes to its `emit` callback after every step that changed it.
 
 from __future__ import annotations
 
+import atexit
+import functools
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 
@@ -52,9 +55,15 @@ class BatchingEngine:
         self._stop = False
         self.last_error: BaseException | None = None  # of the last forward; None once one works
         self._thread: threading.Thread | None = None
+        self._at_exit: Callable[[], None] | None = None
         if own_thread:  # else the owner calls run() in a thread of its choosing
             self._thread = threading.Thread(target=self.run, name="offload-batching", daemon=True)
             self._thread.start()
+            # An engine never closed is closed at exit: CPython ends a daemon thread that is
+            # still inside torch's C++ by aborting the process ("terminate called without an
+            # active exception", status 134). Weakly: the hook keeps no engine alive.
+            self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+            atexit.register(self._at_exit)
 
     # -- what callers see ------------------------------------------------------------
 
@@ -101,6 +110,8 @@ class BatchingEngine:
         with self._wake:
             self._stop = True
             self._wake.notify()
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
 
@@ -302,3 +313,9 @@ class BatchingEngine:
         for request in {id(r): r for r in pending}.values():
             if any(s.finish_reason is None for s in request.sequences):
                 self._fail(request, error)
+
+
+def _close_at_exit(engine: weakref.ref[BatchingEngine]) -> None:
+    alive = engine()
+    if alive is not None:
+        alive.close()

@@ -22,6 +22,7 @@ from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
 from offload.model.configs import resolve
+from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import candidates
 from offload.planner.fit import checked_context_len, model_len_limit
@@ -132,6 +133,7 @@ def plan_for(
     device: str | torch.device = "auto",
     *,
     dtype: str = "auto",
+    quantization: str | None = None,
     context_len: int | None = None,
     batch_size: int | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
@@ -148,14 +150,17 @@ def plan_for(
     cached; `remeasure` measures again), then choose the placement and batch size with
     the most tokens per second under the device budget (`gpu_memory_utilization` of the
     device, or `device_memory_gb`) and the host budget (`cpu_memory_gb`, default the RAM
-    available). Batch sizes: `batch_size`, or powers of two up to `max_batch`.
+    available). Batch sizes: `batch_size`, or powers of two up to `max_batch`. The weights
+    are planned in the form `LLM(model, dtype=dtype, quantization=quantization)` runs them
+    in (a .gguf as stored on the CPU when neither is given).
 
     To run a plan: `LLM(model, offload_config=plan.config, kv_offload=plan.kv_offload,
     max_model_len=plan.context_len)` and up to `plan.batch_size` prompts a call (an `LLM`
     given only budgets plans for batch 1 itself, see `planner_for`)."""
+    quantization = check_quantization(quantization, "quantization")
     device = check_device(device)
     model = resolve(model) if model is not None else None
-    quantization = stored_unless_asked(model, None, dtype, device)
+    quantization = stored_unless_asked(model, quantization, dtype, device)
     path = resolve_model(model, quantization=quantization, device=device)
     empty = build_empty(path, dtype, trust_remote_code)
     limit = model_len_limit(empty.config)

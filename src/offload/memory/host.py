@@ -6,11 +6,13 @@ APIs; everything above them runs unchanged with the CPU as the compute device.
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import functools
 import gc
 import mmap
 import os
+import signal
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -148,9 +150,28 @@ def trim_after_collection() -> None:
 
 
 def _trim_on_collection(phase: str, info: dict) -> None:
-    if phase == "stop" and _trim_pending.is_set():
-        _trim_pending.clear()
-        trim_freed_memory()
+    # CPython drops a KeyboardInterrupt that leaves a gc callback ("Exception ignored in"):
+    # a Ctrl-C during the trim is caught here and sent again from a helper thread once
+    # this callback has returned.
+    try:
+        if phase == "stop" and _trim_pending.is_set():
+            _trim_pending.clear()
+            trim_freed_memory()
+    except KeyboardInterrupt:
+        returning = _thread.allocate_lock()
+        returning.acquire()
+        _thread.start_new_thread(_interrupt_main_after, (returning,))
+        returning.release()  # the last call: only the return follows
+
+
+def _interrupt_main_after(returning: _thread.LockType) -> None:
+    """SIGINT to the main thread once the gc callback has let go of `returning` (this
+    thread then waits for the GIL, which the callback holds until it has returned). Not
+    from inside the callback: raised there, even by `signal.raise_signal`, it is dropped
+    again. A signal, as Ctrl-C's, not `_thread.interrupt_main()`: it also ends a sleep."""
+    with returning:
+        pass
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
 
 def pack_offsets(sizes: Sequence[int], align: int = ALIGN_BYTES) -> tuple[list[int], int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from offload.model.quantized import stored_form
 from offload.offloader.layers import find_layer_stacks, find_layers
 from offload.offloader.selection import matches_segments
 from offload.planner.fit import activation_bytes, kv_cache_bytes
@@ -41,6 +42,8 @@ class ModelShape:
     stack_name: str
     timed_layer: int  # the layer whose compute stands for all (the most common size)
     digest: str
+    # Quantized weights held as stored ("GGUF Q4_1, Q8_0 as stored"); None: all in `dtype`.
+    stored: str | None = None
 
     @property
     def num_layers(self) -> int:
@@ -78,6 +81,7 @@ def shape_of(model: nn.Module, context_len: int) -> ModelShape:
         stack_name=find_layer_stacks(model)[0][0],
         timed_layer=layer_bytes.index(common),
         digest=shape_digest(model.config, dtype),
+        stored=stored_form(model.config),
     )
 
 
