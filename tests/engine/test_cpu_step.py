@@ -143,3 +143,19 @@ def test_a_rounded_cache_beyond_swap_space_decodes_eagerly(checkpoint, compiles)
     llm = LLM(checkpoint, device="cpu", dtype="float32", kv_offload=True, swap_space=0.00005)
     tokens, _ = _run(llm)
     assert len(tokens) == GREEDY.max_tokens and llm.transfer_stats().num_compiled_steps == 0
+
+
+def test_prompts_of_other_lengths_reuse_the_compiled_step(checkpoint, compiles):
+    """Every input of the step is laid out alike for any prompt length within one cache
+    length, so the graph is traced once (a position column cut from the prompt's kept its
+    width as a stride, and each new length traced and compiled again, silently)."""
+    from torch._dynamo.utils import counters
+
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(llm)
+    graphs = counters["stats"]["unique_graphs"]
+    for length in (3, 12, 40):
+        llm.generate({"prompt_token_ids": list(range(5, 5 + length))}, GREEDY, use_tqdm=False)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert llm._cpu_step._shapes == {(1, 128)}
+    assert llm.transfer_stats().num_compiled_steps == 4 * (GREEDY.max_tokens - 1)

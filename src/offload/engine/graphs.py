@@ -45,7 +45,13 @@ class DecodeStep:
         self._cache = cache_argument(model, cache)  # (once: dynamo cannot trace its lookup)
         self.mask = mask  # [batch, length]
         self.input_ids = torch.zeros(batch, 1, dtype=torch.long, device=mask.device)
-        self.position_ids = positions[:, -1:].clone()  # [batch, 1]
+        # [batch, 1], laid out alike whatever the prompt's width (a clone of the column keeps
+        # the width as its row stride, and a compiled step guards strides: a new prompt
+        # length would compile again).
+        self.position_ids = torch.empty_like(
+            positions[:, -1:], memory_format=torch.contiguous_format
+        )
+        self.position_ids.copy_(positions[:, -1:])
         self.cache_position = torch.zeros(1, dtype=torch.long, device=mask.device)
 
     def prepare(self, tokens: torch.Tensor, position: int) -> None:
