@@ -53,7 +53,8 @@ def test_the_step_graph_takes_one_row_products_for_one_float32_row(rows, dtype, 
     counts = []
 
     def backend(graph_module, example_inputs):
-        counts.append(one_row_products(graph_module))
+        counts.append(one_row_products(graph_module.graph))
+        graph_module.recompile()
         return graph_module.forward
 
     x = torch.randn(1, rows, 40, dtype=dtype)
@@ -88,7 +89,7 @@ def resident_compiled(checkpoint):
         patch.setattr(cpu_linear, "PAYS_BYTES", 0)
         llm = LLM(checkpoint, device="cpu", dtype="float32")
         result = _run(llm)
-        assert llm._cpu_step is not None and llm._cpu_step._shapes == {(1, 128)}
+        assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {(1, 128)}
         eager = _run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
     return result, eager
 
@@ -100,7 +101,7 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
     assert _run(llm) == resident_compiled[0]
     assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
-    assert llm._cpu_step is not None and llm._cpu_step._shapes == {(1, 128)}
+    assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {(1, 128)}
     moved = llm.transfer_stats()
     assert moved.num_compiled_steps == GREEDY.max_tokens - 1  # (the first token: the prefill's)
     if setting == "kv-cache":
@@ -157,5 +158,69 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step(checkpoint, compiles):
     for length in (3, 12, 40):
         llm.generate({"prompt_token_ids": list(range(5, 5 + length))}, GREEDY, use_tqdm=False)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert llm._cpu_step._shapes == {(1, 128)}
+    assert set(llm._cpu_step._steps) == {(1, 128)}
     assert llm.transfer_stats().num_compiled_steps == 4 * (GREEDY.max_tokens - 1)
+
+
+def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(
+    checkpoint, compiles, monkeypatch, tmp_path
+):
+    """The step compiled ahead of time is kept on disk; the next LLM of the same model and
+    setting loads it (no trace) and computes the same bits. Another setting, a model
+    config that differs in one value, or a broken file: compiled, never loaded."""
+    from torch._dynamo.utils import counters
+
+    from offload.engine import step_cache
+
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    first = LLM(checkpoint, device="cpu", dtype="float32")
+    result = _run(first)
+    [kept] = list(step_cache.folder().glob("*.pt2"))
+    assert first._cpu_step.loaded == 0
+    graphs = counters["stats"]["unique_graphs"]
+    second = LLM(checkpoint, device="cpu", dtype="float32")
+    assert _run(second) == result
+    assert second._cpu_step.loaded == 1 and counters["stats"]["unique_graphs"] == graphs
+    assert second.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
+
+    other = LLM(checkpoint, device="cpu", dtype="float32", cpu_offload_gb=0.0005)
+    assert _run(other) == result and other._cpu_step.loaded == 0  # (UVA: its own file)
+    assert len(list(step_cache.folder().glob("*.pt2"))) == 2
+
+    kept.write_bytes(b"not a saved step")
+    broken = LLM(checkpoint, device="cpu", dtype="float32")
+    assert _run(broken) == result and broken._cpu_step.loaded == 0
+
+
+def test_the_kept_steps_name_holds_what_the_trace_bakes_in(checkpoint, compiles, tmp_path):
+    from offload.engine import step_cache
+    from offload.engine.graphs import DecodeStep
+
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    model = llm.model
+    cache = {"past_key_values": None}
+    mask = torch.ones(1, 128, dtype=torch.long)
+    positions = torch.zeros(1, 7, dtype=torch.long)
+
+    def name() -> str:
+        step = DecodeStep.__new__(DecodeStep)
+        step._model, step._cache, step.mask = model, cache, mask
+        step.input_ids = torch.zeros(1, 1, dtype=torch.long)
+        step.position_ids, step.cache_position = positions[:, -1:], torch.zeros(1)
+        return step_cache.fingerprint(step, "(1, 128)")
+
+    before = name()
+    assert name() == before  # the same model and setting: the same file
+    model.config.rms_norm_eps *= 2  # a constant the graph holds
+    assert name() != before
+    model.config.rms_norm_eps /= 2
+    assert name() == before
+    torch.set_num_threads(torch.get_num_threads() + 1)  # the kernels' thread count
+    try:
+        assert name() != before
+    finally:
+        torch.set_num_threads(torch.get_num_threads() - 1)
+    hook = model.model.layers[0].register_forward_pre_hook(lambda module, args: None)
+    assert name() != before
+    hook.remove()
+    assert name() == before

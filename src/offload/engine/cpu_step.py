@@ -16,21 +16,33 @@ the same bits as the compiled step resident. They may differ from the eager step
 
 The graph is specialised to its shapes (`dynamic=False`: kernels with constant sizes); the
 cache's length is one of them, so `LLM` rounds it up to a power of two (`cache_length`):
-a handful of compiles serve every prompt. Inductor keeps what it compiled on disk, so a
-second process re-traces (seconds) but does not compile again.
+a handful of compiles serve every prompt. Each step is compiled ahead of time and kept on
+disk (`step_cache`): a second process loads it in ~2 s instead of tracing it again (~7 s).
+Where it cannot be kept (a graph break; the prefetch and disk tiers' state in its guards)
+dynamo traces it in each process, and inductor's own cache spares the compile.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import inspect
+import logging
 import os
 import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
+
+from offload.engine import step_cache
+
+log = logging.getLogger(__name__)
 
 MIN_CACHE_LENGTH = 128  # the smallest cache a compiled step is built for
 ENV = "OFFLOAD_CPU_COMPILE"  # "0": every CPU decode step eager, as enforce_eager (the suite's)
@@ -68,11 +80,11 @@ def _one_row(x, weight) -> bool:
     return x.dtype == torch.float32 and weight.dtype == torch.float32
 
 
-def one_row_products(graph_module: torch.fx.GraphModule) -> int:
+def one_row_products(graph: torch.fx.Graph) -> int:
     """Rewrite each `F.linear` of one float32 row in dynamo's graph as `one_row_linear`;
     the number rewritten. Done on the graph, not by a TorchFunctionMode: dynamo traced
     every torch call of the step through such a mode, half of its ~6 s of tracing."""
-    graph, rewritten = graph_module.graph, 0
+    rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not F.linear or node.kwargs:
             continue
@@ -87,7 +99,6 @@ def one_row_products(graph_module: torch.fx.GraphModule) -> int:
         graph.erase_node(node)
         rewritten += 1
     graph.lint()
-    graph_module.recompile()
     return rewritten
 
 
@@ -109,12 +120,25 @@ def _emit(graph: torch.fx.Graph, x, weight, bias) -> torch.fx.Node:
     return node
 
 
-def _backend(graph_module: torch.fx.GraphModule, example_inputs):
-    """Inductor, after `one_row_products`."""
-    from torch._inductor.compile_fx import compile_fx
+class _OneRowPass(CustomGraphPass):
+    """`one_row_products` as inductor's pass over dynamo's graph (before autograd)."""
 
-    one_row_products(graph_module)
-    return compile_fx(graph_module, example_inputs)
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        one_row_products(graph)
+
+    def uuid(self) -> str:
+        return rewrite_digest()
+
+
+@functools.cache
+def rewrite_digest() -> str:
+    """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
+    functions = (one_row_linear, _one_row, one_row_products, _emit)
+    source = "".join(inspect.getsource(function) for function in functions)
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
+_OPTIONS = {"pre_grad_custom_pass": _OneRowPass()}
 
 
 def _run(step) -> torch.Tensor:
@@ -123,37 +147,80 @@ def _run(step) -> torch.Tensor:
 
 class CompiledCpuStep:
     """`step()` of a `graphs.DecodeStep` compiled, one graph per shape (batch, cache
-    length), each announced on stderr the first time this object meets it (the first
-    on a machine compiles for about a minute; later ones come from inductor's cache)."""
+    length), each announced on stderr the first time this object meets it: loaded from
+    the steps kept on disk (`step_cache`, ~2 s), else compiled (about a minute on a
+    machine's first, ~7 s more from inductor's cache) and kept there."""
 
     def __init__(self):
         # A code object of its own: dynamo keeps its compiled graphs (and counts
         # recompiles) per code object, so each LLM's steps neither meet another model's
         # guards nor use up a shared recompile limit.
         code = _run.__code__.replace()
-        step = types.FunctionType(code, _run.__globals__, "step")
-        self._fn = torch.compile(step, backend=_backend, dynamic=False)
-        self._shapes: set[tuple[int, ...]] = set()
+        self._function = types.FunctionType(code, _run.__globals__, "step")
+        self._traced = torch.compile(self._function, dynamic=False, options=_OPTIONS)
+        self._steps: dict[tuple[int, ...], Callable] = {}
         self.compile_s = 0.0  # seconds of the calls that compiled, summed
+        self.loaded = 0  # shapes loaded from disk
 
     def ready(self, step) -> bool:
         """Whether `step`'s shape is compiled already (else its next call compiles)."""
-        return tuple(step.mask.shape) in self._shapes
+        return tuple(step.mask.shape) in self._steps
 
     def __call__(self, step) -> torch.Tensor:
         shape = tuple(step.mask.shape)
-        if shape in self._shapes:
-            return self._fn(step)
+        run = self._steps.get(shape)
+        if run is not None:
+            return run(step)
         what = f"compiling the CPU decode step for batch {shape[0]}, cache {shape[1]}"
         what += " (once per machine, up to a minute)"
         started = time.perf_counter()
         try:
             with _Announced(what):
-                logits = self._fn(step)
+                run = self._prepare(step, shape)
+                logits = run(step)
         finally:
             self.compile_s += time.perf_counter() - started
-        self._shapes.add(shape)
+        self._steps[shape] = run
         return logits
+
+    def _prepare(self, step, shape: tuple[int, ...]) -> Callable:
+        """The step kept on disk for this model, setting and shape; else compiled ahead of
+        time and kept; else (it cannot be: a graph break) as torch.compile traces it."""
+        path = step_cache.folder() / f"{step_cache.fingerprint(step, repr(shape))}.pt2"
+        saved = step_cache.load(path)
+        if saved is not None and saved.guard_check(step):
+            self.loaded += 1
+            return _Checked(saved, self._traced)
+        unkept = path.with_suffix(".traced")  # this step cannot be kept: trace it at once
+        if unkept.exists():
+            return self._traced
+        options = {**_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
+        whole = torch.compile(self._function, fullgraph=True, dynamic=False, options=options)
+        try:
+            compiled = whole.aot_compile(((step,), {}))
+        except Exception as error:  # traced as before; only slower to start
+            # (A graph break, or state its guards would keep that does not pickle: the
+            # offloaders' slots and locks.) Said once, so no later process tries again.
+            log.info("the decode step compiles without being kept (%s)", error)
+            step_cache.mark(unkept)
+            return self._traced
+        step_cache.save(compiled, path)
+        compiled.disable_guard_check()
+        return _Checked(compiled, self._traced)
+
+
+class _Checked:
+    """A step compiled ahead of time, called where its guards hold for the step's inputs
+    (their sizes, strides and dtypes), else the step as torch.compile traces it."""
+
+    def __init__(self, compiled, traced: Callable):
+        self._compiled = compiled
+        self._traced = traced
+
+    def __call__(self, step) -> torch.Tensor:
+        if self._compiled.guard_check(step):
+            return self._compiled(step)
+        return self._traced(step)
 
 
 class _Announced:

@@ -1,0 +1,203 @@
+"""Compiled CPU decode steps kept on disk, so that a second process neither traces nor
+compiles (`cpu_step`).
+
+Inductor caches its kernels, but dynamo traces the step again in each process: ~4.5 s of
+Python for the default model's 30 layers (transformers' modules, config look-ups), ~7 s
+with the kernels loaded. torch's ahead-of-time compile (`aot_compile`) keeps dynamo's
+output too, and a saved step loads in ~2 s.
+
+Its guards are only the portable ones (each input tensor's size, stride and dtype): what
+dynamo would also guard (the model's classes, its config's values, the hooks around its
+layers, the offloader each custom op names) is folded into the file's name instead
+(`fingerprint`), with the versions of Python, torch, transformers and this package's own
+source, the CPU, the thread count and which inputs share storage. Anything that changes
+one of them reads another file (or compiles one); a file that is unreadable, fails its
+guards or does not load is left aside and the step is compiled as without the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+log = logging.getLogger(__name__)
+
+VERSION = 1  # of the saved files' naming: raise it when what a step depends on grows
+
+
+def folder() -> Path:
+    from offload.model.default import cache_dir
+
+    return cache_dir() / "compiled-steps"
+
+
+def fingerprint(step, extra: str) -> str:
+    """A digest of everything a traced decode step depends on besides its input tensors'
+    sizes, strides and dtypes (which the saved step's guards check)."""
+    parts = [f"v{VERSION}", extra, _environment(), torch.get_num_threads()]
+    parts += [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
+    model = step._model
+    parts.append(_source_of(type(model)))
+    parts.append(getattr(model.config, "_attn_implementation", None))
+    parts.append(model.config.to_json_string(use_diff=False))
+    storages: dict[int, int] = {}
+    for name, module in model.named_modules():
+        parts.append((name, _qualname(type(module)), _forward_of(module)))
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            parts.extend(_describe(hook) for hook in hooks.values())
+        for tensor_name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+            parts.append((tensor_name, _tensor(tensor, storages)))
+    for key, value in sorted(step._cache.items()):
+        parts.append((key, _describe(value, storages, depth=3)))
+    for tensor in (step.mask, step.input_ids, step.position_ids, step.cache_position):
+        parts.append(_tensor(tensor, storages))
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _environment() -> str:
+    import transformers
+
+    from offload.engine import cpu_step
+
+    return repr(
+        (
+            sys.version,
+            torch.__version__,
+            transformers.__version__,
+            platform.machine(),
+            _cpu_flags(),
+            _package_digest(),
+            cpu_step.rewrite_digest(),
+        )
+    )
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _package_digest() -> str:
+    """This package's source, every file (a change anywhere may change what is traced)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _source_of(cls: type) -> str:
+    """The digest of the file defining `cls` (transformers' or remote code's modeling)."""
+    try:
+        return hashlib.sha256(Path(inspect.getfile(cls)).read_bytes()).hexdigest()
+    except (OSError, TypeError):
+        return _qualname(cls)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _forward_of(module: torch.nn.Module) -> str | None:
+    """A forward set on the instance (a wrapper), else None (its class's)."""
+    forward = module.__dict__.get("forward")
+    return None if forward is None else _describe(forward)
+
+
+_PLAIN = (int, float, str, bool, type(None), torch.dtype, torch.device)
+
+
+def _describe(value, storages: dict[int, int] | None = None, depth: int = 1):
+    """What of `value` a trace can bake in: its type and its plain attributes (numbers,
+    strings, their collections; a tensor's layout), `depth` objects deep."""
+    storages = {} if storages is None else storages
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.Tensor):
+        return _tensor(value, storages)
+    if isinstance(value, (list, tuple, set, frozenset)):
+        items = [_describe(item, storages, depth) for item in value]
+        if isinstance(value, (set, frozenset)):
+            items = sorted(map(repr, items))
+        return (type(value).__name__, items)
+    if isinstance(value, dict):
+        return sorted((repr(k), repr(_describe(v, storages, depth))) for k, v in value.items())
+    if inspect.ismethod(value):
+        return (value.__qualname__, _describe(value.__self__, storages, depth))
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    described = [_qualname(type(value))]
+    if depth > 0 and hasattr(value, "__dict__"):
+        for name, attr in sorted(vars(value).items()):
+            if isinstance(attr, (torch.nn.Module, RemovableHandle)):
+                continue  # modules are described on their own; a handle's id is a count
+            described.append((name, _describe(attr, storages, depth - 1)))
+    return described
+
+
+def _tensor(tensor: torch.Tensor, storages: dict[int, int]):
+    """A tensor's layout, and which of the tensors seen so far share its storage."""
+    if tensor is None:
+        return None
+    try:
+        storage = storages.setdefault(tensor.untyped_storage().data_ptr(), len(storages))
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
+        storage = -1
+    return (
+        _qualname(type(tensor)),
+        tuple(tensor.shape),
+        tensor.stride(),
+        tensor.dtype,
+        tensor.device.type,
+        tensor.storage_offset(),
+        storage,
+        tensor.requires_grad,
+    )
+
+
+def load(path: Path):
+    """The saved step at `path`, or None (absent, unreadable, or from another torch)."""
+    if not path.is_file():
+        return None
+    try:
+        with path.open("rb") as file:
+            compiled = torch.compiler.load_compiled_function(file)
+    except Exception as error:  # any failure: compile as without the cache
+        log.info("the saved decode step %s did not load (%s): compiling it", path, error)
+        return None
+    compiled.disable_guard_check()  # checked by the caller, before each call
+    return compiled
+
+
+def save(compiled, path: Path) -> None:
+    """Keep `compiled` at `path` (written whole or not at all); a failure only logs."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        compiled.save_compiled_function(os.fspath(path))
+    except Exception as error:  # the step runs; only the next process pays
+        log.info("could not save the decode step to %s (%s)", path, error)
+
+
+def mark(path: Path) -> None:
+    """An empty file at `path` (a failure only logs)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError as error:
+        log.info("could not write %s (%s)", path, error)
