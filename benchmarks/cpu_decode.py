@@ -7,8 +7,8 @@ GGUF of the same weights (written once with `gguf`'s writer from our float32 con
 into the cache folder). Batch 1 (and our batches 8 and 32), 32 tokens, decode time only (the
 time of a 1-token call taken off), medians of interleaved rounds; beside each figure the read
 bound: the weights' bytes over the two-thread read rate measured in the run. Then the
-compiled step's compile time in fresh processes: first with an empty inductor cache, then
-twice from the cache it left.
+compiled step's compile time in fresh processes: first with empty caches, then twice
+loading the step it kept on disk, then traced again with only inductor's kernels cached.
 
     python benchmarks/cpu_decode.py [--rounds 5] [--tokens 32]
 """
@@ -103,18 +103,31 @@ _ONE_STEP = (
 
 
 def _compile_times() -> dict[str, float]:
-    """Seconds the compiled step took to be ready in a fresh process: with an empty
-    inductor cache, then twice from what that left (as the step reports it on stderr)."""
+    """Seconds the compiled step took to be ready in a fresh process (as the step reports
+    it on stderr): with empty caches (inductor's and the kept steps'), then twice loading
+    the step kept on disk, then once with the kept step gone (traced again; inductor's
+    kernels from its cache)."""
+    from offload.model.default import cache_dir
+
     times = {}
     with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder}
-        for name in ("cold", "cached", "cached again"):
+        ours = Path(folder) / "offload"
+        ours.mkdir()
+        for entry in cache_dir().iterdir():  # the converted model, without the kept steps
+            if entry.name != "compiled-steps":
+                (ours / entry.name).symlink_to(entry)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": folder + "/inductor"}
+        env["OFFLOAD_CACHE_DIR"] = str(ours)
+        for name in ("cold", "kept step", "kept step again", "traced, kernels cached"):
+            if name == "traced, kernels cached":
+                for kept in (ours / "compiled-steps").iterdir():
+                    kept.unlink()
             err = subprocess.run(
                 [sys.executable, "-c", _ONE_STEP], env=env, capture_output=True, text=True
             ).stderr
             found = re.search(r"decode step ready in ([0-9.]+) s", err)
             times[name] = float(found[1]) if found else float("nan")
-            print(f"{'compile, ' + name:>22}: {times[name]:7.1f} s")
+            print(f"{'compile, ' + name:>30}: {times[name]:7.1f} s")
     return times
 
 

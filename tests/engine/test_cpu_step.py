@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from offload import SamplingParams
-from offload.engine import cpu_linear, cpu_step
+from offload.engine import cpu_linear, cpu_step, step_cache
 from offload.engine.cpu_step import cache_length, one_row_linear, one_row_products
 from offload.llm.llm import LLM
 from tests import zoo
@@ -70,9 +70,10 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture
-def compiles(monkeypatch):
-    """The compiled step on (the suite turns it off), and the tiny model counts as one
-    whose step pays for compiling."""
+def compiles(monkeypatch, tmp_path):
+    """The compiled step on (the suite turns it off), the tiny model counts as one whose
+    step pays for compiling, and steps are kept in a folder of the test's own."""
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv(cpu_step.ENV, "1")
     monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)
 
@@ -102,6 +103,11 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     assert _run(llm) == resident_compiled[0]
     assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
     assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {(1, 128)}
+    # Kept on disk where it can be (UVA). Prefetch hooks are known not to be before
+    # compiling (their failure would come after a whole compile); KV offload's graph break
+    # fails the attempt while tracing, marked so that later processes do not try again.
+    kept = {path.suffix for path in step_cache.folder().glob("*")}
+    assert kept == {"uva": {".pt2"}, "kv-cache": {".traced"}}.get(setting, set())
     moved = llm.transfer_stats()
     assert moved.num_compiled_steps == GREEDY.max_tokens - 1  # (the first token: the prefill's)
     if setting == "kv-cache":
@@ -162,17 +168,12 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step(checkpoint, compiles):
     assert llm.transfer_stats().num_compiled_steps == 4 * (GREEDY.max_tokens - 1)
 
 
-def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(
-    checkpoint, compiles, monkeypatch, tmp_path
-):
+def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(checkpoint, compiles):
     """The step compiled ahead of time is kept on disk; the next LLM of the same model and
     setting loads it (no trace) and computes the same bits. Another setting, a model
     config that differs in one value, or a broken file: compiled, never loaded."""
     from torch._dynamo.utils import counters
 
-    from offload.engine import step_cache
-
-    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
     first = LLM(checkpoint, device="cpu", dtype="float32")
     result = _run(first)
     [kept] = list(step_cache.folder().glob("*.pt2"))
@@ -192,8 +193,7 @@ def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(
     assert _run(broken) == result and broken._cpu_step.loaded == 0
 
 
-def test_the_kept_steps_name_holds_what_the_trace_bakes_in(checkpoint, compiles, tmp_path):
-    from offload.engine import step_cache
+def test_the_kept_steps_name_holds_what_the_trace_bakes_in(checkpoint, compiles):
     from offload.engine.graphs import DecodeStep
 
     llm = LLM(checkpoint, device="cpu", dtype="float32")

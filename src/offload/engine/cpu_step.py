@@ -186,6 +186,8 @@ class CompiledCpuStep:
     def _prepare(self, step, shape: tuple[int, ...]) -> Callable:
         """The step kept on disk for this model, setting and shape; else compiled ahead of
         time and kept; else (it cannot be: a graph break) as torch.compile traces it."""
+        if not step_cache.keepable(step):
+            return self._traced
         path = step_cache.folder() / f"{step_cache.fingerprint(step, repr(shape))}.pt2"
         saved = step_cache.load(path)
         if saved is not None and saved.guard_check(step):

@@ -29,6 +29,8 @@ from pathlib import Path
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from offload.offloader.hooks import PrefetchHook
+
 log = logging.getLogger(__name__)
 
 VERSION = 1  # of the saved files' naming: raise it when what a step depends on grows
@@ -38,6 +40,19 @@ def folder() -> Path:
     from offload.model.default import cache_dir
 
     return cache_dir() / "compiled-steps"
+
+
+def keepable(step) -> bool:
+    """Whether the step can be kept: not where prefetch hooks bracket layers (their
+    offloader's slots and locks are in the guards' state, which does not pickle) nor
+    with a cache of ours (KV offload: a graph break). Known before compiling, which
+    `aot_compile` would only find after it (a second compile)."""
+    for module in step._model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            if any(isinstance(getattr(h, "__self__", None), PrefetchHook) for h in hooks.values()):
+                return False
+    caches = [value for value in step._cache.values() if value is not None]
+    return all(type(cache).__module__.startswith("transformers.") for cache in caches)
 
 
 def fingerprint(step, extra: str) -> str:
