@@ -188,7 +188,8 @@ class CompiledCpuStep:
         time and kept; else (it cannot be: a graph break) as torch.compile traces it."""
         if not step_cache.keepable(step):
             return self._traced
-        path = step_cache.folder() / f"{step_cache.fingerprint(step, repr(shape))}.pt2"
+        name = step_cache.fingerprint(step, f"{shape} {rewrite_digest()}")
+        path = step_cache.folder() / f"{name}.pt2"
         saved = step_cache.load(path)
         if saved is not None and saved.guard_check(step):
             self.loaded += 1

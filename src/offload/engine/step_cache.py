@@ -57,7 +57,8 @@ def keepable(step) -> bool:
 
 def fingerprint(step, extra: str) -> str:
     """A digest of everything a traced decode step depends on besides its input tensors'
-    sizes, strides and dtypes (which the saved step's guards check)."""
+    sizes, strides and dtypes (which the saved step's guards check), and `extra` (the
+    shape, the graph passes' source)."""
     parts = [f"v{VERSION}", extra, _environment(), torch.get_num_threads()]
     parts += [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     model = step._model
@@ -82,8 +83,6 @@ def fingerprint(step, extra: str) -> str:
 def _environment() -> str:
     import transformers
 
-    from offload.engine import cpu_step
-
     return repr(
         (
             sys.version,
@@ -92,7 +91,6 @@ def _environment() -> str:
             platform.machine(),
             _cpu_flags(),
             _package_digest(),
-            cpu_step.rewrite_digest(),
         )
     )
 
