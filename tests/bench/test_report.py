@@ -114,6 +114,19 @@ def test_the_png_is_written(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_each_distinct_bound_is_drawn_once_labelled_with_the_methods_it_bounds():
+    """Methods sharing a bound (the resident compute) get one line for it: drawn once per
+    method in its colour, the bounds lay on the methods' own lines, unseen."""
+    points: dict[str, list] = {}
+    for r in RESULT.records:
+        points.setdefault(r.method, []).append((r.batch, r.bound_tokens_per_s))
+    lines = report.bounds_of(RESULT)
+    assert len(lines) == len({tuple(p) for p in points.values()}) == 2
+    for line, (limit, methods) in lines.items():
+        assert limit == "memcpy" and all(tuple(points[m]) == line for m in methods)
+    assert sorted(m for _, methods in lines.values() for m in methods) == sorted(points)
+
+
 def test_without_matplotlib_the_png_is_skipped_with_a_notice(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # its import now fails
     err = io.StringIO()

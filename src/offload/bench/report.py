@@ -1,5 +1,5 @@
 """The result on the terminal (a table), as JSON (with the machine and date) and as a PNG:
-tokens/s against batch size, one line per method, its bound dashed in the same colour."""
+tokens/s against batch size, one line per method, each distinct bound once, labelled."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 
 from offload.bench.machine import save_json
 from offload.bench.records import BenchResult, Record
-from offload.bench.results import RESIDENT_COMPUTE
 from offload.sizes import format_bytes
 
 _LIMITS = (
@@ -148,41 +147,49 @@ def save(result: BenchResult, folder: Path, err: TextIO | None = None) -> list[P
 
 
 def plot(result: BenchResult, path: Path) -> Path:
-    """Tokens/s against batch size, one line per method, its bound dashed in its colour.
-    Drawn on a figure of its own (no pyplot: the caller's backend is left as it is)."""
+    """Tokens/s against batch size, one line per method; each distinct bound once, black,
+    dashed, on top, labelled with its limit and the methods it bounds (several methods
+    share one bound, e.g. the resident compute: drawn once in each method's colour they lay
+    on the methods' own lines and could not be seen). Drawn on a figure of its own (no
+    pyplot: the caller's backend is left as it is)."""
     from matplotlib import ticker
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 5))
+    figure = Figure(figsize=(9, 5.5))
     axes = figure.subplots()
     for number, method in enumerate(dict.fromkeys(r.method for r in result.records)):
         rows: list[Record] = [r for r in result.records if r.method == method]
-        colour = f"C{number % 10}"
-        axes.plot(
-            [r.batch for r in rows],
-            [r.tokens_per_s for r in rows],
-            "o-",
-            color=colour,
-            label=method,
-        )
-        bounded = [(r.batch, r.bound_tokens_per_s) for r in rows if r.bound_tokens_per_s]
-        if bounded and not _is_compute_reference(method, result):
-            axes.plot(*zip(*bounded, strict=True), "--", color=colour, alpha=0.6)
+        axes.plot([r.batch for r in rows], [r.tokens_per_s for r in rows], "o-",
+                  color=f"C{number % 10}", label=method)  # fmt: skip
+    for number, (line, (limit, methods)) in enumerate(bounds_of(result).items()):
+        named = ", ".join(methods[:3]) + (f" +{len(methods) - 3} more" if len(methods) > 3 else "")
+        label = f"bound, {limit}: {named}"
+        axes.plot(*zip(*line, strict=True), ("--", ":", "-.")[number % 3], color="black",
+                  linewidth=1.6, zorder=5, label=textwrap.shorten(label, 60))  # fmt: skip
     work = result.workload
     axes.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s")
-    axes.set_title(f"{work.model} {work.dtype} on {work.device} (dashed: bound)")
+    axes.set_title(f"{work.model} {work.dtype} on {work.device}")
     axes.xaxis.set_minor_locator(ticker.NullLocator())
     axes.set_xticks(work.batch_sizes, [str(b) for b in work.batch_sizes])
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize="small")
+    axes.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     return path
 
 
-def _is_compute_reference(method: str, result: BenchResult) -> bool:
-    """Resident's bound is its own step (it is the compute figure): no line of its own."""
-    return method == "resident" and result.compute.source == RESIDENT_COMPUTE
+def bounds_of(result: BenchResult) -> dict[tuple, tuple[str, list[str]]]:
+    """Each distinct bound line (its (batch, tokens/s) points, to 3 significant figures)
+    with its limit and the methods it bounds."""
+    lines: dict[tuple, tuple[str, list[str]]] = {}
+    for method in dict.fromkeys(r.method for r in result.records):
+        rows = [r for r in result.records if r.method == method and r.bound_tokens_per_s]
+        if not rows:
+            continue
+        line = tuple((r.batch, float(f"{r.bound_tokens_per_s:.3g}")) for r in rows)
+        limits = " / ".join(dict.fromkeys(r.bound_limit for r in rows))
+        lines.setdefault(line, (limits, []))[1].append(method)
+    return lines
 
 
 def _rate(per_s: float) -> str:
