@@ -224,3 +224,29 @@ def test_the_kept_steps_name_holds_what_the_trace_bakes_in(checkpoint, compiles)
     assert name() != before
     hook.remove()
     assert name() == before
+
+
+def test_a_kept_step_computes_with_the_weights_it_is_given(
+    checkpoint, compiles, tmp_path, monkeypatch
+):
+    """The kept step bakes in the model's shape and config, never its weights: another
+    checkpoint of the same config loads it and gives what its own compile gives."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    other = shutil.copytree(checkpoint, tmp_path / "other")
+    [weights] = list(other.glob("*.safetensors"))
+    noise = torch.Generator().manual_seed(1)
+    tensors = {
+        name: value + 0.05 * torch.randn(value.shape, generator=noise, dtype=value.dtype)
+        for name, value in load_file(weights).items()
+    }
+    save_file(tensors, weights, metadata={"format": "pt"})
+    first = _run(LLM(checkpoint, device="cpu", dtype="float32"))
+    kept = LLM(other, device="cpu", dtype="float32")
+    result = _run(kept)
+    assert kept._cpu_step.loaded == 1 and result != first
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "empty"))
+    own = LLM(other, device="cpu", dtype="float32")
+    assert _run(own) == result and own._cpu_step.loaded == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import json
 import logging
 import os
 import platform
@@ -55,16 +56,15 @@ def keepable(step) -> bool:
     return all(type(cache).__module__.startswith("transformers.") for cache in caches)
 
 
-def fingerprint(step, extra: str) -> str:
-    """A digest of everything a traced decode step depends on besides its input tensors'
-    sizes, strides and dtypes (which the saved step's guards check), and `extra` (the
-    shape, the graph passes' source)."""
+def _parts(step, extra: str) -> list:
     parts = [f"v{VERSION}", extra, _environment(), torch.get_num_threads()]
     parts += [torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
     model = step._model
     parts.append(_source_of(type(model)))
     parts.append(getattr(model.config, "_attn_implementation", None))
-    parts.append(model.config.to_json_string(use_diff=False))
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)  # where it was read from: no trace reads it
+    parts.append(json.dumps(config, sort_keys=True))
     storages: dict[int, int] = {}
     for name, module in model.named_modules():
         parts.append((name, _qualname(type(module)), _forward_of(module)))
@@ -76,7 +76,14 @@ def fingerprint(step, extra: str) -> str:
         parts.append((key, _describe(value, storages, depth=3)))
     for tensor in (step.mask, step.input_ids, step.position_ids, step.cache_position):
         parts.append(_tensor(tensor, storages))
-    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+    return parts
+
+
+def fingerprint(step, extra: str) -> str:
+    """A digest of everything a traced decode step depends on besides its input tensors'
+    sizes, strides and dtypes (which the saved step's guards check), and `extra` (the
+    shape, the graph passes' source)."""
+    return hashlib.sha256(repr(_parts(step, extra)).encode()).hexdigest()[:32]
 
 
 @functools.cache
