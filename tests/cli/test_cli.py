@@ -67,6 +67,27 @@ def test_in_a_fresh_process_bad_input_is_one_line_and_exit_2(smollm2_path):
         assert lines[-1].startswith("offload: error: ") and needle in lines[-1]
 
 
+def test_a_reader_gone_is_quiet_with_sigpipes_status(smollm2_path):
+    """`offload inspect | head -c 0`: the pipe closes before the answer is written; the
+    command ends quietly with 141 (a shell's status for SIGPIPE), as a shell's tools do."""
+    reader = subprocess.Popen(
+        [sys.executable, "-m", "offload.cli", "inspect"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    reader.stdout.close()
+    err = reader.stderr.read()
+    assert reader.wait(timeout=300) == 141
+    assert "Traceback" not in err and "error" not in err and "Exception ignored" not in err
+
+
+def test_inspect_names_the_dtype_as_the_flags_do(capsys, smollm2_path):
+    assert main(["inspect", "--dtype", "float32"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "(float32)" in first and "torch." not in first
+
+
 def test_generate_with_no_arguments_answers(capsys, smollm2_path):
     assert main(["generate"]) == 0
     out = capsys.readouterr().out.splitlines()

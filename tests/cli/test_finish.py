@@ -155,7 +155,7 @@ def test_inspect_without_a_path_is_the_default_model_against_a_budget(capsys, sm
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert ".Q4_1.stored-int4cpu-" in out.splitlines()[0]
-    assert "92.1 MiB of parameters (GGUF Q4_1, Q8_0 as stored, computing in torch.float32)" in out
+    assert "92.1 MiB of parameters (GGUF Q4_1, Q8_0 as stored, computing in float32)" in out
     assert "fits the cpu budget 276.5 MiB (max_model_len 512) without offloading" in out
     # The float32 conversion does not.
     argv = [*argv, "--dtype", "float32"]

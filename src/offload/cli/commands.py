@@ -204,7 +204,8 @@ def inspect(args: argparse.Namespace) -> str:
     total = parameter_bytes(model)
     dtype = compute_dtype(model)
     stored = stored_form(model.config)
-    held = f"{stored}, computing in {dtype}" if stored else dtype
+    named = str(dtype).removeprefix("torch.")  # "float32", as plan and the flags say it
+    held = f"{stored}, computing in {named}" if stored else named
     lines = [f"{path}: {type(model).__name__}, {format_bytes(total)} of parameters ({held})"]
     for name, stack in find_layer_stacks(model):
         sizes = [parameter_bytes(block) for block in stack]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import warnings
@@ -313,7 +314,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(run_plan(args))
         else:
             print(run.inspect(args))
+        sys.stdout.flush()  # a closed pipe (`| head -1`) is met here, not at exit
         return 0
+    except BrokenPipeError:
+        # The reader has gone (`offload plan | head -1`): quiet, as a shell's own tools
+        # are, with the status of a SIGPIPE; stdout to /dev/null so exit's flush is too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OffloadError as error:
         print(f"offload: error: {error}", file=sys.stderr)
     except OSError as error:  # unreadable files, a tokenizer missing from the model folder
