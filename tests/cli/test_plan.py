@@ -1,12 +1,15 @@
 """`offload plan`: a plan for a tiny model, measured once and then read from the cache; bad
 input is one line on stderr, exit status 2, and measures nothing."""
 
+import shlex
+
 import pytest
 import transformers
 import zoo
 
 from offload.bench.checkpoint import write_random_checkpoint
 from offload.cli import main
+from offload.cli.main import build_parser
 
 
 @pytest.fixture
@@ -23,7 +26,10 @@ def test_plan_prints_the_choice_flags_and_prediction(tiny, tmp_path, capsys):
     assert f"plan for {tiny} (float32) on cpu, decoding with 64 positions" in out
     assert "chosen: resident, batch 2\n  predicted step " in out
     assert "tokens/s (compute-bound: compute " in out
-    assert "offload generate flags (with 2 prompts a call):\n  --max-model-len 64\n" in out
+    flags = f"--model {tiny} --device cpu --max-model-len 64"
+    assert f"offload generate flags (with 2 prompts a call):\n  {flags}\n" in out
+    generate = build_parser().parse_args(["generate", *shlex.split(flags)])  # runs as printed
+    assert (generate.model, generate.device, generate.max_model_len) == (str(tiny), "cpu", 64)
     assert "vllm serve flags:\n  --max-num-seqs 2 --max-model-len 64\n" in out
     assert "warning: the model fits: no offloading needed" in out
     assert "measurements: taken now, cached in " + str(tmp_path / "cache" / "plans") in out
@@ -75,7 +81,9 @@ def test_a_quantized_model_is_planned_as_stored_and_its_header_says_so(tmp_path,
         assert main([*argv, "--device", "cpu", *quantization]) == 0
         out = capsys.readouterr().out
         assert f"plan for {q4_0} (GGUF Q4_0 as stored, computing in float32) on cpu" in out
-        assert "offload generate flags (with 1 prompt a call):\n  --max-model-len 32\n" in out
+        named = " --quantization gguf" if quantization else ""
+        flags = f"--model {q4_0} --device cpu{named} --max-model-len 32"
+        assert f"offload generate flags (with 1 prompt a call):\n  {flags}\n" in out
 
 
 def test_nothing_fits_is_one_line(tiny, capsys):

@@ -7,6 +7,7 @@ import argparse
 import datetime
 import shlex
 import sys
+from collections.abc import Sequence
 
 from offload.llm.auto import plan_for
 from offload.planner.choose import Candidate
@@ -31,15 +32,29 @@ def run_plan(args: argparse.Namespace) -> str:
         trust_remote_code=args.trust_remote_code,
         progress=_progress if sys.stderr.isatty() else None,  # (a terminal's: no log noise)
     )
-    return describe(plan)
+    return describe(plan, _model_flags(args))
+
+
+def _model_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that named what was planned (model, device, form), so that the flags
+    printed run that plan as they are: `-q gguf` planned on a GPU runs converted without it."""
+    flags = ["--model", args.model] if args.model else []
+    if args.device != "auto":
+        flags += ["--device", args.device]
+    if args.dtype != "auto":
+        flags += ["--dtype", args.dtype]
+    if args.quantization:
+        flags += ["--quantization", args.quantization]
+    return flags + (["--trust-remote-code"] if args.trust_remote_code else [])
 
 
 def _progress(part: str) -> None:
     print(f"offload plan: {part}...", file=sys.stderr, flush=True)
 
 
-def describe(plan: Plan) -> str:
-    """The plan for people: what was weighed, the choice, the flags, the alternatives."""
+def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
+    """The plan for people: what was weighed, the choice, the flags (`model_flags` first:
+    what was planned), the alternatives."""
     m = plan.measured.measurements
     # The form planned: a quantized model's weights as stored (computing in m.dtype).
     held = f"{plan.shape.stored}, computing in {m.dtype}" if plan.shape.stored else m.dtype
@@ -53,7 +68,7 @@ def describe(plan: Plan) -> str:
         f"{format_bytes(plan.chosen.host_bytes)}",
         f"offload generate flags (with {plan.batch_size} "
         f"prompt{'s' if plan.batch_size != 1 else ''} a call):",
-        f"  {shlex.join(offload_flags(plan))}",
+        f"  {shlex.join([*model_flags, *offload_flags(plan)])}",
     ]
     flags, missing = vllm_flags(plan)
     lines.append("vllm serve flags" + (" (for what vLLM can express):" if missing else ":"))
