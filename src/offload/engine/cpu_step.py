@@ -66,9 +66,21 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Te
     tensors: fake ones while compiling); None where `F.linear` should run."""
     if not _one_row(x, weight):
         return None
-    out = torch.sum(torch.mul(torch.reshape(x, (1, -1)), weight), -1)
-    out = torch.reshape(out, (*x.shape[:-1], weight.shape[0]))
-    return out if bias is None else torch.add(out, bias)
+    out = x
+    for function, rest in _one_row_calls(x, weight, bias):
+        out = function(out, *rest)
+    return out
+
+
+def _one_row_calls(x, weight, bias) -> list[tuple]:
+    """`one_row_linear`'s calls on `x` in turn, each with its other arguments (`x`, `weight`:
+    tensors, fake tensors, or graph nodes with the fake values as `example_value`)."""
+    x_value = x.meta["example_value"] if isinstance(x, torch.fx.Node) else x
+    weight_value = weight.meta["example_value"] if isinstance(weight, torch.fx.Node) else weight
+    shape = (*x_value.shape[:-1], weight_value.shape[0])
+    calls = [(torch.reshape, ((1, -1),)), (torch.mul, (weight,)), (torch.sum, (-1,)),
+             (torch.reshape, (shape,))]  # fmt: skip
+    return calls if bias is None else [*calls, (torch.add, (bias,))]
 
 
 def _one_row(x, weight) -> bool:
@@ -105,15 +117,9 @@ def one_row_products(graph: torch.fx.Graph) -> int:
 def _emit(graph: torch.fx.Graph, x, weight, bias) -> torch.fx.Node:
     """The nodes of `one_row_linear(x, weight, bias)`, each with its fake value (as
     dynamo leaves them for inductor's passes)."""
-    x_value, weight_value = x.meta["example_value"], weight.meta["example_value"]
-    shape = (*x_value.shape[:-1], weight_value.shape[0])
-    calls = [(torch.reshape, ((1, -1),)), (torch.mul, (weight,)), (torch.sum, (-1,)),
-             (torch.reshape, (shape,))]  # fmt: skip
-    if bias is not None:
-        calls.append((torch.add, (bias,)))
-    node, value = x, x_value
-    with x_value.fake_mode:
-        for function, rest in calls:
+    node, value = x, x.meta["example_value"]
+    with value.fake_mode:
+        for function, rest in _one_row_calls(x, weight, bias):
             node = graph.call_function(function, (node, *rest))
             fakes = [a.meta["example_value"] if isinstance(a, torch.fx.Node) else a for a in rest]
             value = node.meta["example_value"] = function(value, *fakes)
@@ -133,7 +139,7 @@ class _OneRowPass(CustomGraphPass):
 @functools.cache
 def rewrite_digest() -> str:
     """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
-    functions = (one_row_linear, _one_row, one_row_products, _emit)
+    functions = (one_row_linear, _one_row, _one_row_calls, one_row_products, _emit)
     source = "".join(inspect.getsource(function) for function in functions)
     return hashlib.sha256(source.encode()).hexdigest()
 

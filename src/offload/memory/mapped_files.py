@@ -134,20 +134,23 @@ class MappedFiles:
     def _cached(self, extent: Extent) -> bool:
         """Whether `extent`'s sampled pages are in the page cache (True where it maps
         nothing: there is nothing to read)."""
-        mapped = self._maps.get(extent.path)
-        if mapped is None or self._released:
-            return True
-        size = min(extent.num_bytes, len(mapped) - extent.file_offset)
+        size = self._span(extent)
         return size <= 0 or _sampled_pages_cached(
             self._bases[extent.path], extent.file_offset, size
         )
 
+    def _span(self, extent: Extent) -> int:
+        """The bytes of `extent` its mapping holds (0: none, or the mappings are gone)."""
+        mapped = self._maps.get(extent.path)
+        if mapped is None or self._released:
+            return 0
+        return min(extent.num_bytes, len(mapped) - extent.file_offset)
+
     def _hint(self, extents: tuple[Extent, ...]) -> None:
         for extent in extents:
-            mapped = self._maps.get(extent.path)
-            if mapped is None or self._released:
+            if self._released:
                 return
-            size = min(extent.num_bytes, len(mapped) - extent.file_offset)
+            size = self._span(extent)
             if size > 0:
                 try:
                     _populate(self._fds[extent.path], extent.file_offset, size)
