@@ -195,3 +195,11 @@ def _fp8(fmt, rows, columns, generator):
 def _int32(words: torch.Tensor) -> torch.Tensor:
     """Unsigned 32-bit words (in int64) as the int32 the files hold."""
     return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+def save_all(root: Path) -> Path:
+    """Every format's pair written under `root` (`<fmt>` and `<fmt>-float`)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for fmt in FORMATS:
+        save_pair(root, fmt)
+    return root

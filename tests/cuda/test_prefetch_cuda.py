@@ -167,3 +167,47 @@ def test_tiny_architectures_prefetch_exact_on_gpu(arch):
     offload.apply(model, {"offload_group_size": 1, "offload_prefetch_step": 2})
     for _ in range(2):
         assert torch.equal(zoo.logits(model, ids), expected)
+
+
+def _compiled_logits_and_bytes(offloaded: bool):
+    """A tiny Llama on the GPU compiled with fullgraph=True, offloaded by prefetch or not:
+    its logits (second call) and the bytes copied in over two calls."""
+    torch._dynamo.reset()
+    model = zoo.build("llama", num_layers=4).to(CUDA)
+    ids = zoo.inputs().to(CUDA)
+    config = {"offload_group_size": 1, "offload_prefetch_step": 1, "prefetch_unit": "layer"}
+    offloader = offload.apply(model, config) if offloaded else None
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        compiled(input_ids=ids)
+        logits = compiled(input_ids=ids).logits
+    moved = 0
+    if offloader is not None:
+        offloader.sync_prev_onload()
+        moved = offloader.stats().bytes_copied
+        offloader.close()
+    torch._dynamo.reset()
+    return logits, moved
+
+
+def test_torch_compile_fullgraph_of_prefetch_runs_on_gpu():
+    """Inductor and Triton on the GPU: the prefetch hooks and ops (`offload::wait_layer`,
+    `start_layer`) trace with fullgraph=True (under torch 2.11 the hooks' id() of a tensor
+    did not), the copies move bytes, and the logits are the compiled resident model's to
+    float32 rounding (bitwise: the next test)."""
+    expected, _ = _compiled_logits_and_bytes(offloaded=False)
+    logits, moved = _compiled_logits_and_bytes(offloaded=True)
+    assert moved > 0
+    assert torch.allclose(logits, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured on an H100 (torch 2.11, 2026-11-27): compiled with prefetch, the logits "
+    "differ from the compiled resident model's in the last bits (equal on the CPU); why is "
+    "not yet found (a guess: the wait/start ops bound Triton's fusions)",
+)
+def test_torch_compile_of_prefetch_equals_compiled_resident_bitwise_on_gpu():
+    expected, _ = _compiled_logits_and_bytes(offloaded=False)
+    logits, _ = _compiled_logits_and_bytes(offloaded=True)
+    assert torch.equal(logits, expected)

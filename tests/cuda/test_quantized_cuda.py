@@ -57,6 +57,27 @@ def test_every_type_dequantizes_on_the_gpu_to_the_cpus_values(kind):
     assert torch.equal(dequantize(raw.to(DEVICE), kind).cpu(), on_cpu)
 
 
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_every_type_dequantizes_inside_a_cuda_graph(kind):
+    """A decode step's graph captures the de-quantization of the weights kept in GGUF's
+    blocks: nothing in it may copy from the host (a capture refuses that), and each replay
+    writes the eager values."""
+    raw = _random_blocks(kind).to(DEVICE)
+    expected = dequantize(raw, kind)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        dequantize(raw, kind)  # (warm-up away from the capture, as torch advises)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = dequantize(raw, kind)
+    for _ in range(2):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, expected)
+
+
 @pytest.mark.parametrize("kind", INT4_TYPES)
 def test_the_gpu_int4_packing_holds_the_files_integers(kind):
     assert int4_cuda_layout() is not None  # (an sm_80+ GPU: tinygemm's packing reads back)

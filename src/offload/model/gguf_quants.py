@@ -155,7 +155,8 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     num = blocks.shape[0]
     low = _nibbles(blocks[:, :128], 64).reshape(num, 8, 32)
     # Each run of 32 high bytes gives 2-bit fields for 4 groups: bits 0-1 the first, ...
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=blocks.device)
+    # (made on the device: a list copied there cannot run inside a CUDA graph's capture)
+    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)
     high = blocks[:, 128:192].reshape(num, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)
     high = (high & 0x03).reshape(num, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).reshape(num, 16, 16).float()

@@ -31,7 +31,6 @@ import sys
 import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds
-_AWQ_UNDO = tuple(AWQ_ORDER.index(column) for column in range(8))  # nibble of each column
 _NIBBLES = 0x0F0F0F0F0F0F0F0F
 KINDS = ("ct_packed", "ct_plain", "gptq", "awq", "fp8")
 
@@ -121,8 +120,11 @@ def _gptq(tensors: list[torch.Tensor], bits: int, v1: bool, act_order: bool) -> 
 
 def _awq_columns(words: torch.Tensor) -> torch.Tensor:
     """AWQ's words [rows, columns / 8] -> uint8 [rows, columns] in column order."""
-    nibbles = unpack_words(words, 4, words.shape[1] * 8).unflatten(-1, (-1, 8))
-    return nibbles[..., list(_AWQ_UNDO)].flatten(-2)
+    nibbles = unpack_words(words, 4, words.shape[1] * 8).unflatten(-1, (-1, 2, 4))
+    # Column c of a word sits at nibble AWQ_ORDER.index(c) = c // 2 + 4 * (c % 2): the
+    # word's two halves interleaved, a transpose (an index list would be copied to the
+    # device, which a CUDA graph's capture refuses).
+    return nibbles.transpose(-1, -2).flatten(-3)
 
 
 def _fp8(weight: torch.Tensor, scale: torch.Tensor, block: list[int] | None) -> torch.Tensor:

@@ -194,18 +194,20 @@ def _streams(inputs: list[torch.Tensor], widths: set[int]) -> list[torch.Tensor]
     return inputs[:1] + [t for t in inputs[1:] if t.dim() and t.shape[-1] in widths]
 
 
-def _float_tensors(value: object, found: dict[int, torch.Tensor] | None = None) -> list:
+def _float_tensors(value: object, found: list[torch.Tensor] | None = None) -> list:
     """Every floating-point tensor in a (nested) structure of args or outputs, each once:
     the streams a block reads or returns (hidden states, rotary tables, a second stream),
     not positions or boolean masks."""
-    found = {} if found is None else found
+    found = [] if found is None else found
     if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            found.setdefault(id(value), value)
+        # (`is`, not a dict by id(): dynamo before torch 2.13 cannot trace id() of a tensor
+        # made inside the graph, and fullgraph=True then fails)
+        if value.is_floating_point() and not any(value is seen for seen in found):
+            found.append(value)
     elif isinstance(value, dict):
         for item in value.values():
             _float_tensors(item, found)
     elif isinstance(value, list | tuple):
         for item in value:
             _float_tensors(item, found)
-    return list(found.values())
+    return found
