@@ -277,3 +277,35 @@ def save_attentive_llm(path, num_layers: int = 6):
             layer.self_attn.q_proj.weight.mul_(8.0)
             layer.self_attn.k_proj.weight.mul_(8.0)
     return save_with_tokenizer(model, path)
+
+
+def save_cut_gguf(source, path, layers: int = 6):
+    """The .gguf `source` (the default model's, as shipped) cut to its first `layers`
+    decoder layers and written to `path`: the same tensor types, bytes, tokenizer and chat
+    template in a file small enough to travel where the package cannot (a GPU machine).
+    Its answers are not the model's, but every stored format of the file is there."""
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(path, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue  # (the writer writes these itself)
+        value = layers if key == f"{arch}.block_count" else field.contents()
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
+            continue
+        writer.add_tensor(
+            tensor.name,
+            tensor.data,
+            raw_shape=tensor.data.shape,
+            raw_dtype=tensor.tensor_type,
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -28,7 +28,7 @@ from offload.model.build import build_empty
 from offload.model.default import gguf_path
 from offload.model.gguf_quants import affine_4bit, dequantize
 from offload.model.loader import load_model
-from offload.model.quant_layouts import int4_matmul
+from offload.model.quant_layouts import int4_cuda_layout, int4_matmul
 from offload.model.quantized import GGUFEmbedding, GGUFLinear, Int4Linear, Q8Embedding, Q8Linear
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.shape import shape_of
@@ -290,7 +290,10 @@ def test_a_gguf_runs_as_stored_on_the_cpu_unless_a_dtype_is_asked_for(stored, sm
     for dtype in ("float32", torch.float32, "bfloat16"):
         assert stored_unless_asked(gguf_file, None, dtype, cpu) is None
     assert stored_unless_asked(smollm2_path, None, "auto", cpu) is None  # a float folder
-    assert stored_unless_asked(None, None, "auto", gpu) is None  # (not yet measured there)
+    # A GPU keeps it as stored where torch's GPU int4 kernel runs (sm_80 and later).
+    on_gpu = "gguf" if int4_cuda_layout() is not None else None
+    assert stored_unless_asked(None, None, "auto", gpu) == on_gpu
+    assert stored_unless_asked(None, None, "float32", gpu) is None
     assert stored_unless_asked(None, "gguf", "auto", gpu) == "gguf"
     with LLM(device="cpu", max_model_len=64) as llm:  # the default model, no argument
         assert isinstance(llm.model.model.layers[0].mlp.up_proj, Int4Linear)
@@ -382,7 +385,9 @@ def test_a_slower_kernel_is_not_chosen(file_tensors, monkeypatch):
     chooser = layout_choice.LayoutChooser("cpu")
     assert chooser.choose(name, raw, "Q4_1") == "int4"  # (as measured on this machine)
     monkeypatch.setattr(
-        layout_choice, "product_seconds", lambda n, r, k, layout: {"int4": 2e-3}.get(layout, 1e-3)
+        layout_choice,
+        "product_seconds",
+        lambda n, r, k, layout, *_: {"int4": 2e-3}.get(layout, 1e-3),
     )
     slow = layout_choice.LayoutChooser("cpu")
     assert slow.choose(name, raw, "Q4_1") == "gguf"

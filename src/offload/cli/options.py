@@ -80,8 +80,9 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
         parser,
         "the checkpoint's quantization as vLLM names it (gguf, gptq, awq, compressed-tensors, "
         "fp8); gguf: a .gguf model's weights as stored (4-5 bits a weight), not converted to "
-        "float32 (default: read from the checkpoint; a .gguf as stored on the CPU with "
-        "--dtype auto, else converted)",
+        "float32 (default: read from the checkpoint; a .gguf as stored with --dtype auto "
+        "where torch has an int4 kernel for the device (a CPU's; a GPU's from sm_80), else "
+        "converted)",
     )
     parser.add_argument(
         "--trust-remote-code",

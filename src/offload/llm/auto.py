@@ -152,7 +152,7 @@ def plan_for(
     device, or `device_memory_gb`) and the host budget (`cpu_memory_gb`, default the RAM
     available). Batch sizes: `batch_size`, or powers of two up to `max_batch`. The weights
     are planned in the form `LLM(model, dtype=dtype, quantization=quantization)` runs them
-    in (a .gguf as stored on the CPU when neither is given).
+    in (a .gguf as stored on a CPU or GPU when neither is given: `stored_unless_asked`).
 
     To run a plan: `LLM(model, offload_config=plan.config, kv_offload=plan.kv_offload,
     max_model_len=plan.context_len)` and up to `plan.batch_size` prompts a call (an `LLM`

@@ -1,14 +1,16 @@
-"""Which layout a GGUF weight is kept in on a CPU, chosen by measuring this machine.
+"""Which layout a GGUF weight is kept in on a CPU or a GPU, chosen by measuring this machine.
 
 Each weight has the layouts its type allows (`quant_layouts.layout_for` names the one a
-kernel exists for; GGUF's own blocks are always possible). When a .gguf is laid out for the
-CPU, the one-row product (a decode step's) of each candidate is timed once per type and
-shape, on the file's own first weight of that shape, and the fastest is kept for every
-weight of it (the kernel's unless another is faster by more than the timings' noise). torch's int4 kernel is fast where the CPU has the vector units it was written
-for and slow elsewhere; measuring keeps a machine without them on de-quantize-per-forward
-rather than on a slow kernel. The seconds measured go into the folder's config
-(`layout_seconds`), so `inspect` and the docs can say why. Every layout is exact in its own
-way (offloaded equals resident bitwise in each), so the choice changes speed, not the promise.
+kernel exists for; GGUF's own blocks are always possible). When a .gguf is laid out for a
+device's kernels, the one-row product (a decode step's) of each candidate is timed there
+once per type and shape, on the file's own first weight of that shape, and the fastest is
+kept for every weight of it (the kernel's unless another is faster by more than the
+timings' noise). torch's int4 kernel is fast where the CPU has the vector units it was
+written for and slow elsewhere; measuring keeps a machine without them on
+de-quantize-per-forward rather than on a slow kernel. The seconds measured go into the
+folder's config (`layout_seconds`), so `inspect` and the docs can say why. Every layout is
+exact in its own way (offloaded equals resident bitwise in each), so the choice changes
+speed, not the promise.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ import torch
 from offload.model.gguf_quants import FORMATS
 from offload.model.quant_layouts import laid_out, layout_for, stored_op
 
+
+def synchronize(device: torch.device) -> None:
+    """Waits for `device`'s queued kernels (a GPU's run after their call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 _REPEATS = 7  # timed calls of each candidate (after two warm-up calls); the median is kept
 _MARGIN = 1.25  # another layout replaces the kernel's only when this much faster (noise)
 
@@ -34,8 +43,8 @@ def candidates(type_name: str, name: str, kernels: str, rows: int) -> list[str]:
 
 
 class LayoutChooser:
-    """Chooses each weight's layout for `kernels`: on the CPU by timing the candidates once
-    per (type, shape); elsewhere (a GPU's kernels, unmeasured here) the kernel's layout."""
+    """Chooses each weight's layout for `kernels` ("cpu", "cuda" or "gguf") by timing the
+    candidates once per (type, shape) on the device the kernels are for."""
 
     def __init__(self, kernels: str):
         self.kernels = kernels
@@ -46,7 +55,7 @@ class LayoutChooser:
         """The layout of weight `name`, GGUF type `kind`, stored bytes `raw` [rows, bytes]
         (a numpy array is copied only when it is measured)."""
         options = candidates(kind, name, self.kernels, raw.shape[0])
-        if len(options) == 1 or self.kernels != "cpu":
+        if len(options) == 1:
             return options[0]
         block = FORMATS[kind]
         columns = raw.shape[1] // block.block_bytes * block.block_size
@@ -54,7 +63,10 @@ class LayoutChooser:
         if key not in self._chosen:
             if isinstance(raw, np.ndarray):  # (the reader maps the file read-only)
                 raw = torch.from_numpy(np.array(raw))
-            measured = {layout: product_seconds(name, raw, kind, layout) for layout in options}
+            device = torch.device(self.kernels)  # (the kernels' device: "cpu" or "cuda")
+            measured = {
+                layout: product_seconds(name, raw, kind, layout, device) for layout in options
+            }
             self.seconds[key] = measured
             fastest = min(options, key=measured.__getitem__)
             kept = measured[fastest] * _MARGIN < measured[options[0]]
@@ -63,9 +75,13 @@ class LayoutChooser:
 
 
 @torch.inference_mode()
-def product_seconds(name: str, raw: torch.Tensor, kind: str, layout: str) -> float:
-    """The median seconds of one row times the weight `raw` laid out in `layout`."""
-    tensors = laid_out(name, raw, kind, layout)
+def product_seconds(
+    name: str, raw: torch.Tensor, kind: str, layout: str, device: torch.device | None = None
+) -> float:
+    """The median seconds of one row times the weight `raw` laid out in `layout`, on
+    `device` (the CPU by default; a GPU's are timed to the end of their kernels)."""
+    device = device or torch.device("cpu")
+    tensors = {key: t.to(device) for key, t in laid_out(name, raw, kind, layout).items()}
     weight = tensors[name]
     stem = name.removesuffix(".weight")
     if layout == "gguf":
@@ -75,11 +91,13 @@ def product_seconds(name: str, raw: torch.Tensor, kind: str, layout: str) -> flo
     else:
         op, args = layout, (weight, tensors[f"{stem}.scale_zero"])
     block = FORMATS[kind]
-    x = torch.randn(1, raw.shape[1] // block.block_bytes * block.block_size)
+    x = torch.randn(1, raw.shape[1] // block.block_bytes * block.block_size, device=device)
     times = []
     for call in range(2 + _REPEATS):
+        synchronize(device)
         started = time.perf_counter()
         stored_op(op, x, *args)
+        synchronize(device)
         if call >= 2:
             times.append(time.perf_counter() - started)
     return statistics.median(times)

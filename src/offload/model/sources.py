@@ -1,7 +1,7 @@
 """What `model=` may name, resolved to a folder of safetensors that the loader reads.
 
 - None: the default model (SmolLM2-135M-Instruct, see `default.py`); callers keep it, and
-  any .gguf, as stored on the CPU unless a dtype is asked for (`stored_unless_asked`);
+  any .gguf, as stored on a CPU or GPU unless a dtype is asked for (`stored_unless_asked`);
 - a folder with safetensors weights: itself;
 - a folder with only `pytorch_model*.bin` weights, or a `.gguf` file: converted once into
   safetensors in the offload cache (or `offload_folder`), keyed by the source files'
@@ -93,14 +93,16 @@ def stored_unless_asked(
     model: str | Path | None, quantization: str | None, dtype: object, device: torch.device
 ) -> str | None:
     """The `quantization=` a model runs with when the caller named none: as vLLM reads a
-    .gguf as GGUF, a .gguf (the default model's included) keeps its weights as stored on the
-    CPU, whose kernels for them are measured; an explicit `dtype` ("float32", ...) asks for
-    the old de-quantized float32 conversion instead."""
-    if quantization is not None or dtype not in ("auto", None) or device.type != "cpu":
+    .gguf as GGUF, a .gguf (the default model's included) keeps its weights as stored on a
+    CPU or GPU where torch has an int4 kernel (each weight's layout is then measured there);
+    an explicit `dtype` ("float32", ...) asks for the old de-quantized float32 conversion
+    instead."""
+    if quantization is not None or dtype not in ("auto", None):
         return quantization
+    kernel = {"cpu": int4_cpu_layout, "cuda": int4_cuda_layout}.get(device.type)
     path = Path(model).expanduser() if model is not None else None
     is_gguf = path is None or (path.suffix == ".gguf" and path.is_file())
-    return "gguf" if is_gguf and int4_cpu_layout() is not None else None
+    return "gguf" if is_gguf and kernel is not None and kernel() is not None else None
 
 
 def _local_folder(path: Path, into: Path) -> Path:
