@@ -43,6 +43,37 @@ if [[ $part == one ]]; then
   tar cf "$out/results.tar" benchmarks/results/*-cuda-*.json 2>/dev/null
 fi
 
+if [[ $part == stored ]]; then
+  # One call (~6 min): every CUDA test, with the default model's .gguf cut to 6 layers and
+  # the packed-format checkpoints carried in .gpu/ (the package and compressed-tensors are
+  # not on the GPU machines), then the CUDA-graph decode step against HBM bandwidth. Made
+  # here first, in the repository's root (.gpu and .whl ignored in .git/info/exclude):
+  #   python -c "import sys; sys.path.insert(0, 'tests'); import zoo, packed_zoo, pathlib; \
+  #     from offload.model.default import gguf_path; zoo.save_cut_gguf(gguf_path(), \
+  #     '.gpu/cut6.gguf', 6); packed_zoo.save_all(pathlib.Path('.gpu/packed'))"
+  #   pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0
+  #   run(command="bash benchmarks/gpu_session.sh stored", carry=[".gpu", ".whl"], timeout_s=590)
+  # DECODE=0 leaves out the decode benchmark (1.5 min).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  export OFFLOAD_TEST_GGUF=$PWD/.gpu/cut6.gguf OFFLOAD_TEST_PACKED=$PWD/.gpu/packed
+  timeout 320 python3 -m pytest -m cuda tests/cuda -q -rfEP --tb=short -p no:cacheprovider \
+    --timeout 150 --junitxml="$out/cuda-tests.xml" 2>&1 | tee "$out/cuda-tests.log" | grep -v "Writing model\|Loading weights\|Converting" | tail -120
+  # The .gguf as stored (the default now on a GPU) against its float32 conversion, with
+  # graphs, every layer offloaded (UVA, the CLI's default) and resident.
+  for flags in "" "--dtype float32" "--no-offload" "--no-offload --dtype float32"; do
+    echo "== generate cut6.gguf $flags" | tee -a "$out/generate.log"
+    timeout 60 python3 -m offload.cli generate --model "$OFFLOAD_TEST_GGUF" --device cuda \
+      --prompt "What is the capital of France?" --max-tokens 256 --no-progress \
+      $flags 2>&1 | tail -1 | tee -a "$out/generate.log"
+  done
+  if [[ ${DECODE:-1} == 1 ]]; then
+    timeout 220 python3 benchmarks/gpu_decode.py 2>&1 | tee "$out/gpu-decode.log"
+    cp benchmarks/results/gpu-decode-cuda-*.json "$out/" 2>/dev/null
+  fi
+  rm -f "$out/pip.log"
+fi
+
 if [[ $part == tests || $part == all ]]; then
   python3 -m pytest -m cuda tests/cuda -q -p no:cacheprovider 2>&1 | tee "$out/cuda-tests.log"
 fi
