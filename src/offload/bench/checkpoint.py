@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from offload.model.gguf_quants import FORMATS
 from offload.model.quant_layouts import laid_out, layout_for, stored_settings
 
 
@@ -26,9 +27,10 @@ def write_random_checkpoint(
     order fill a shard up to `max_shard_bytes` (transformers' `max_shard_size` rule), so
     layers span files and at most one shard is ever in memory. Written into a staging
     folder renamed into place; an existing complete folder is reused. Returns the shards.
-    `quantized="Q4_0"`: every matrix (embedding, projections, head) is kept as GGUF Q4_0
-    blocks, as offload keeps a .gguf read as stored (4.5 bits a weight), laid out for
-    `kernels` as a .gguf converted for them would be (`quant_layouts.py`); the rest in
+    `quantized="Q4_0"` (or another GGUF type of `gguf_quants.FORMATS`): every matrix
+    (embedding, projections, head) whose rows are whole blocks is kept as random blocks of
+    that type, as offload keeps a .gguf read as stored (Q4_0: 4.5 bits a weight), laid out
+    for `kernels` as a .gguf converted for them would be (`quant_layouts.py`); the rest in
     the config's dtype."""
     import shutil
     import tempfile
@@ -43,7 +45,9 @@ def write_random_checkpoint(
     try:
         specs = _parameter_specs(config)
         types = _quantized_types(specs, quantized)
-        specs.update({name: (_q4_0_shape(specs[name][0]), torch.uint8) for name in types})
+        specs.update(
+            {name: (_blocks_shape(specs[name][0], quantized), torch.uint8) for name in types}
+        )
         shards = _shard_by_size(specs, max_shard_bytes)
         generator = torch.Generator().manual_seed(seed)
         weight_map: dict[str, str] = {}
@@ -56,7 +60,7 @@ def write_random_checkpoint(
                 if key not in types:
                     tensors[key] = _random_tensor(key, *specs[key], generator)
                     continue
-                raw = _random_q4_0(specs[key][0], generator)
+                raw = random_blocks(types[key], specs[key][0], generator)
                 layout = layout_for(types[key], key, kernels, rows=raw.shape[0])
                 tensors.update(laid_out(key, raw, types[key], layout))
                 if layout != "gguf":
@@ -124,7 +128,15 @@ def _random_tensor(
     return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
 
 
-_Q4_0_BLOCK = (32, 18)  # values, bytes: a float16 scale, then 16 bytes of 4-bit values
+# Each GGUF type's float16 fields (byte offsets in a block) and their size, so that its
+# values have about the 0.02 spread of `_random_tensor`'s: a scale d times 4-bit codes
+# (Q4), 5-bit (Q5) or 8-bit (Q8); the K types' d multiplies 6-bit (Q4_K, Q5_K) or 8-bit
+# (Q6_K) sub-scales as well. The second field of Q4_1, Q5_1 and the K types is a minimum.
+_F16_FIELDS = {
+    "Q4_0": ((0,), 5e-3), "Q4_1": ((0, 2), 5e-3), "Q5_0": ((0,), 2.5e-3),
+    "Q5_1": ((0, 2), 2.5e-3), "Q8_0": ((0,), 2e-4), "Q4_K": ((0, 2), 1.5e-4),
+    "Q5_K": ((0, 2), 8e-5), "Q6_K": ((208,), 2e-5),
+}  # fmt: skip
 
 
 def _quantized_types(
@@ -133,27 +145,35 @@ def _quantized_types(
     """The weights kept as `quantized` blocks: every matrix whose rows are whole blocks."""
     if quantized is None:
         return {}
-    if quantized != "Q4_0":
-        raise ValueError(f"quantized must be None or Q4_0, got {quantized!r}")
+    if quantized not in FORMATS:
+        raise ValueError(
+            f"quantized must be None or one of {', '.join(FORMATS)}, got {quantized!r}"
+        )
+    size = FORMATS[quantized].block_size
     return {
         name: quantized
         for name, (shape, _) in specs.items()
-        if len(shape) == 2 and shape[1] % _Q4_0_BLOCK[0] == 0
+        if len(shape) == 2 and shape[1] % size == 0
     }
 
 
-def _q4_0_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+def _blocks_shape(shape: tuple[int, ...], kind: str) -> tuple[int, int]:
     rows, values = shape
-    return rows, values // _Q4_0_BLOCK[0] * _Q4_0_BLOCK[1]
+    return rows, values // FORMATS[kind].block_size * FORMATS[kind].block_bytes
 
 
-def _random_q4_0(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """Q4_0 rows of random 4-bit values with scales about 0.005, so that the values
-    d * (q - 8) have about the 0.02 spread of `_random_tensor`'s."""
+def random_blocks(kind: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """uint8 [rows, row bytes] of random GGUF `kind` blocks whose float16 fields are about
+    `_F16_FIELDS`' size (random bytes there would be NaN or huge), every other byte random."""
     rows, row_bytes = shape
+    size = FORMATS[kind].block_bytes
     blocks = torch.randint(
-        0, 256, (rows, row_bytes // 18, 18), dtype=torch.uint8, generator=generator
+        0, 256, (rows, row_bytes // size, size), dtype=torch.uint8, generator=generator
     )
-    scales = (torch.rand(rows, row_bytes // 18, generator=generator) * 0.005 + 0.0025).half()
-    blocks[..., :2] = scales.unsqueeze(-1).view(torch.uint8)
+    offsets, scale = _F16_FIELDS[kind]
+    for at in offsets:
+        halves = (
+            torch.rand(rows, row_bytes // size, generator=generator) * scale + scale / 2
+        ).half()
+        blocks[..., at : at + 2] = halves.unsqueeze(-1).view(torch.uint8)
     return blocks.reshape(rows, row_bytes)
