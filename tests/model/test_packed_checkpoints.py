@@ -58,7 +58,7 @@ def test_weights_and_logits_equal_the_reference_dequantization(pairs, fmt):
     ],
     ids=["prefetch", "disk", "uva"],
 )
-@pytest.mark.parametrize("fmt", ["ct-w4-asym", "gptq-act-order", "awq", "fp8-block"])
+@pytest.mark.parametrize("fmt", packed_zoo.FORMATS)
 def test_offloaded_equals_resident_and_moves_the_stored_bytes(pairs, fmt, flags):
     quantized, _ = pairs[fmt]
     ids = zoo.inputs()
