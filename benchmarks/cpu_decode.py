@@ -3,7 +3,8 @@
 The default model in float32 (`LLM(dtype="float32")`: at batch 1 its compiled step),
 resident and with the disk tier (every layer streamed, warm), and resident eager
 (`enforce_eager=True`: every batch size eager, as before the compiled step), against llama.cpp (`llama-cpp-python`, same threads) on an F32
-GGUF of the same weights (written once with `gguf`'s writer from our float32 conversion,
+GGUF of the same weights; and the default model as stored (Q4_1, Q8_0; batch 1, compiled
+and eager) against llama.cpp on its own GGUF file (written once with `gguf`'s writer from our float32 conversion,
 into the cache folder). Batch 1 (and our batches 8 and 32), 32 tokens, decode time only (the
 time of a 1-token call taken off), medians of interleaved rounds; beside each figure the read
 bound: the weights' bytes over the two-thread read rate measured in the run. Then the
@@ -33,6 +34,7 @@ import common
 from cpu_step import read_gb_per_s
 
 from offload import LLM, SamplingParams
+from offload.model.default import gguf_path
 
 PROMPT = "What is the capital of France? Answer in one sentence, then say why."
 
@@ -47,10 +49,18 @@ def main() -> None:
         "disk tier (warm)": LLM(dtype="float32", device="cpu", cpu_memory_gb=0),
         "resident, eager": LLM(dtype="float32", device="cpu", enforce_eager=True),
     }
+    # The default model as stored (Q4_1, Q8_0): compiled at batch 1, and eager; llama.cpp
+    # on the same GGUF file.
+    stored = {
+        "as stored": LLM(device="cpu"),
+        "as stored, eager": LLM(device="cpu", enforce_eager=True),
+    }
     llama = _llama_cpp(_f32_gguf())
+    llama_q4 = _llama_cpp(gguf_path())
     runs = {f"{name} b{b}": (llm, b) for name, llm in ours.items() for b in (1, 8, 32)}
+    runs.update({f"{name} b1": (llm, 1) for name, llm in stored.items()})
     rates: dict[str, list[float]] = {name: [] for name in runs}
-    rates["llama.cpp b1"] = []
+    rates["llama.cpp b1"], rates["llama.cpp Q4_1 b1"] = [], []
     for llm, batch in runs.values():  # warm-up
         _ours_rate(llm, batch, 4)
     for _ in range(args.rounds):
@@ -58,8 +68,9 @@ def main() -> None:
             rates[name].append(_ours_rate(llm, batch, args.tokens))
         if llama is not None:
             rates["llama.cpp b1"].append(_llama_rate(llama, ours["resident"], args.tokens))
+            rates["llama.cpp Q4_1 b1"].append(_llama_rate(llama_q4, ours["resident"], args.tokens))
     weight_bytes = sum(p.numel() * p.element_size() for p in ours["resident"].model.parameters())
-    for llm in ours.values():
+    for llm in [*ours.values(), *stored.values()]:
         llm.close()
     read = read_gb_per_s()
     bound = read * 1e9 / weight_bytes
@@ -74,6 +85,11 @@ def main() -> None:
         rate = statistics.median(values)
         batch = int(name.rsplit("b", 1)[1])
         results[name] = {"tokens_per_s": rate, "round_tokens_per_s": values, "batch": batch}
+        if "stored" in name or "Q4_1" in name:  # (other bytes: against llama.cpp's Q4_1)
+            q4 = rates["llama.cpp Q4_1 b1"]
+            versus = f" ({rate / statistics.median(q4):.2f}x llama.cpp's Q4_1)" if q4 else ""
+            print(f"{name:>22}: {rate:7.1f} tok/s{versus}")
+            continue
         versus = f", {rate / llama_rate:.2f}x llama.cpp" if llama_rate and batch == 1 else ""
         of_bound = f" ({rate / bound:.2f} of the bound{versus})" if batch == 1 else ""
         print(f"{name:>22}: {rate:7.1f} tok/s{of_bound}")

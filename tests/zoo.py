@@ -309,3 +309,25 @@ def save_cut_gguf(source, path, layers: int = 6):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_gguf_type_llm(path, kind: str, kernels: str = "cpu", layers: int = 2):
+    """A small Llama (rows of 256 values, the K types' block) with every matrix in random
+    GGUF `kind` blocks laid out for `kernels`, as offload keeps a .gguf read as stored,
+    and a word tokenizer of its 512 ids."""
+    from offload.bench.checkpoint import write_random_checkpoint
+
+    shape = tf.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        tie_word_embeddings=False,
+    ).to_dict()
+    shape.pop("dtype", None)
+    shape.pop("torch_dtype", None)
+    write_random_checkpoint(path, shape, max_shard_bytes=2**18, quantized=kind, kernels=kernels)
+    _word_tokenizer(512).save_pretrained(path)
+    return path

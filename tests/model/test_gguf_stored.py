@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offload import LLM, SamplingParams
+from offload.engine import cpu_step
 from offload.errors import ConfigError, ModelError
 from offload.model.build import build_empty
 from offload.model.default import gguf_path
@@ -297,6 +298,7 @@ def test_a_gguf_runs_as_stored_on_the_cpu_unless_a_dtype_is_asked_for(stored, sm
     assert stored_unless_asked(None, "gguf", "auto", gpu) == "gguf"
     with LLM(device="cpu", max_model_len=64) as llm:  # the default model, no argument
         assert isinstance(llm.model.model.layers[0].mlp.up_proj, Int4Linear)
+        assert cpu_step.pays(llm.model)  # (its decode step of one sequence is compiled)
     with LLM(device="cpu", dtype="float32", max_model_len=64) as llm:
         assert isinstance(llm.model.model.layers[0].mlp.up_proj, torch.nn.Linear)
         assert llm.model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32

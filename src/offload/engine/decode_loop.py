@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from offload.engine import cpu_step
-from offload.engine.cpu_linear import kernels_for, pays
+from offload.engine.cpu_linear import kernels_for
 from offload.engine.cpu_step import CompiledCpuStep, cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
@@ -141,11 +141,10 @@ class DecodeLoop:
                 sequence.finish_reason = "length"
 
     def _compiled_step(self, num_sequences: int) -> CompiledCpuStep | None:
-        """The compiled CPU step for a batch of one where it pays (`cpu_step`): a model
-        whose float32 linears hold enough bytes that the step is its weights' reading."""
+        """The compiled CPU step for a batch of one where it pays (`cpu_step.pays`)."""
         if not self._compile_cpu or num_sequences != 1 or not cpu_step.enabled():
             return None
-        if not pays(self.model):
+        if not cpu_step.pays(self.model):
             return None
         if self._cpu_step is None:
             self._cpu_step = CompiledCpuStep()

@@ -30,6 +30,8 @@ import sys
 
 import torch
 
+from offload.offloader.ops import define_op
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds
 _NIBBLES = 0x0F0F0F0F0F0F0F0F
 KINDS = ("ct_packed", "ct_plain", "gptq", "awq", "fp8")
@@ -176,13 +178,16 @@ def packed_linear(
     return torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
-@torch.library.custom_op("offload::packed_linear", mutates_args=())
-def packed_linear_op(
+def _packed_fake(
     x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    return packed_linear(x, tensors, form, bias)
-
-
-@packed_linear_op.register_fake
-def _(x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None):
     return x.new_empty(*x.shape[:-1], out_features(form, tensors))
+
+
+# (opaque under torch.compile, as quant_layouts' ops: see `quant_layouts.stored_op`)
+packed_linear_op = define_op(
+    "packed_linear",
+    "(Tensor x, Tensor[] tensors, str form, Tensor? bias) -> Tensor",
+    packed_linear,
+    _packed_fake,
+)

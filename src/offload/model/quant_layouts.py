@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from offload.model.gguf_quants import FORMATS, affine_4bit, dequantize
 from offload.model.packed_quant import packed_linear, packed_linear_op
+from offload.offloader.ops import define_op
 
 GROUP = 32  # inputs per scale, in both layouts
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -165,10 +166,27 @@ def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
     up ("q8_rows", "gguf_rows"). Under torch.compile each is one opaque op: inductor may
     not re-lay out what it computes inside, nor fuse it with what follows (a multiply
     fused with a later add becomes one rounding, not two), so a compiled model gives the
-    same bits wherever its weights came from."""
+    same bits wherever its weights came from. One exception: a q8 product of one row on a
+    CPU is written out (`q8_one_row`), so that inductor reads the int8 weight once in one
+    loop instead of widening each block column to float32 for MKL."""
     if torch.compiler.is_compiling():
+        if op == "q8" and x.shape[0] == 1 and x.device.type == "cpu":
+            return q8_one_row(x, *stored)
         return _OPAQUE[op](x, *stored)
     return _EAGER[op](x, *stored)
+
+
+def q8_one_row(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`q8_matmul` of x [1, in], as plain tensor operations for a compiled step: each block
+    column's 32 products summed, scaled, then the columns summed. Inductor makes of it a
+    loop over the int8 weight at the memory's rate (the eager form widens each column to
+    float32: 113 MB written a step for the default model's head, ~6-16 ms). The sums' order
+    is the kernel's, so its bits may differ from the eager product's (as the compiled
+    float32 step's do); it is the same in a compiled offloaded step, whose weights are
+    inputs of the same loop (tests/model/test_gguf_types.py)."""
+    columns = x.reshape(values.shape[0], 1, GROUP)
+    parts = (columns * values.to(x.dtype)).sum(-1)  # [blocks, out]
+    return (parts * scales.to(x.dtype)).sum(0, keepdim=True)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
@@ -218,77 +236,59 @@ def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
     return dequantize(raw[ids.reshape(-1)], kind)
 
 
-@torch.library.custom_op("offload::q8_rows", mutates_args=())
-def _q8_rows_op(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q8_rows(ids, values, scales)
+# The opaque ops a compiled step calls (see `stored_op`), defined as offloader/ops.py
+# defines its own: a compiled step of the default model as stored makes ~210 such calls.
+def _int4_fake(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
 
 
-@_q8_rows_op.register_fake
-def _(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _int4_cuda_fake(
+    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0] * 8)
+
+
+def _q8_fake(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], values.shape[1])
+
+
+def _gguf_fake(
+    x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], raw.shape[0])
+
+
+def _q8_rows_fake(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return scales.new_empty(ids.numel(), values.shape[0] * GROUP, dtype=torch.float32)
 
 
-@torch.library.custom_op("offload::gguf_rows", mutates_args=())
-def _gguf_rows_op(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
-    return gguf_rows(ids, raw, kind)
-
-
-@_gguf_rows_op.register_fake
-def _(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
+def _gguf_rows_fake(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
     block = FORMATS[kind]
     width = raw.shape[-1] // block.block_bytes * block.block_size
     return raw.new_empty(ids.numel(), width, dtype=torch.float32)
 
 
-@torch.library.custom_op("offload::gguf_linear", mutates_args=())
-def _gguf_op(
-    x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return gguf_linear(x, raw, kind, bias)
-
-
-@_gguf_op.register_fake
-def _(x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], raw.shape[0])
-
-
-@torch.library.custom_op("offload::int4_matmul", mutates_args=())
-def _int4_op(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    return int4_matmul(x, packed, scale_zero)
-
-
-@torch.library.custom_op("offload::q8_matmul", mutates_args=())
-def _q8_op(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return q8_matmul(x, values, scales)
-
-
-@torch.library.custom_op("offload::int4_cuda_matmul", mutates_args=())
-def _int4_cuda_op(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    return int4_cuda_matmul(x, packed, scale_zero)
-
-
-@_int4_cuda_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * 8)
-
-
-@_int4_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
-@_q8_op.register_fake
-def _(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], values.shape[1])
-
-
+_PRODUCT = "(Tensor x, Tensor weight, Tensor scales) -> Tensor"
+_OPAQUE = {
+    "packed": packed_linear_op,
+    "int4": define_op("int4_matmul", _PRODUCT, int4_matmul, _int4_fake),
+    "int4_cuda": define_op("int4_cuda_matmul", _PRODUCT, int4_cuda_matmul, _int4_cuda_fake),
+    "q8": define_op("q8_matmul", _PRODUCT, q8_matmul, _q8_fake),
+    "gguf": define_op(
+        "gguf_linear",
+        "(Tensor x, Tensor raw, str kind, Tensor? bias) -> Tensor",
+        gguf_linear,
+        _gguf_fake,
+    ),
+    "q8_rows": define_op(
+        "q8_rows", "(Tensor ids, Tensor values, Tensor scales) -> Tensor", q8_rows, _q8_rows_fake
+    ),
+    "gguf_rows": define_op(
+        "gguf_rows", "(Tensor ids, Tensor raw, str kind) -> Tensor", gguf_rows, _gguf_rows_fake
+    ),
+}
 _EAGER = {
     "packed": packed_linear,
     "int4": int4_matmul, "int4_cuda": int4_cuda_matmul, "q8": q8_matmul, "gguf": gguf_linear, "q8_rows": q8_rows,
     "gguf_rows": gguf_rows,
-}  # fmt: skip
-_OPAQUE = {
-    "packed": packed_linear_op,
-    "int4": _int4_op, "int4_cuda": _int4_cuda_op, "q8": _q8_op, "gguf": _gguf_op, "q8_rows": _q8_rows_op,
-    "gguf_rows": _gguf_rows_op,
 }  # fmt: skip

@@ -197,6 +197,12 @@ class Q8Linear(nn.Module):
     extra_repr = GGUFLinear.extra_repr
 
 
+# Why an embedding keeps its compute dtype in a tuple, not as a `torch.dtype` attribute:
+# a kept compiled step (`engine/step_cache.py`, torch 2.13's aot_compile) pickles its guards
+# with every module attribute they do not read replaced by a placeholder, matched by
+# identity; a dtype is a singleton, so every float32 tensor's dtype in the guards became
+# the placeholder, and the step failed to load ("argument 'dtype' must be torch.dtype").
+# Only the tuple is replaced.
 class Q8Embedding(nn.Module):
     """`nn.Embedding` with a Q8_0 table by block column (as `Q8Linear`'s weight, so a tied
     head shares it): a lookup de-quantizes only the rows asked for, bit for bit."""
@@ -210,11 +216,11 @@ class Q8Embedding(nn.Module):
         columns = _groups(embedding.embedding_dim, embedding)
         self.weight = _meta((columns, embedding.num_embeddings, GROUP), torch.int8)
         self.scales = _meta((columns, embedding.num_embeddings), torch.float16)
-        self.compute_dtype = embedding.weight.dtype
+        self._compute = (embedding.weight.dtype,)  # (a tuple: see above)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         values = stored_op("q8_rows", ids, self.weight, self.scales)
-        return values.to(self.compute_dtype).reshape(*ids.shape, self.embedding_dim)
+        return values.to(self._compute[0]).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"
@@ -250,11 +256,11 @@ class GGUFEmbedding(nn.Module):
             torch.empty(embedding.num_embeddings, row_bytes, dtype=torch.uint8, device="meta"),
             requires_grad=False,
         )
-        self.compute_dtype = embedding.weight.dtype
+        self._compute = (embedding.weight.dtype,)  # (a tuple: see above Q8Embedding)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         values = stored_op("gguf_rows", ids, self.weight, self.kind)
-        return values.to(self.compute_dtype).reshape(*ids.shape, self.embedding_dim)
+        return values.to(self._compute[0]).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind}"

@@ -58,6 +58,17 @@ _library = torch.library.Library("offload", "FRAGMENT")
 _SCHEMA = "(Tensor(a!)[] activations, Tensor[] weights, int offloader_id, int position) -> ()"
 
 
+def define_op(name: str, schema: str, kernel, fake):
+    """`offload::<name>` with `schema` ("(Tensor x, ...) -> Tensor"): `kernel` on every
+    device, `fake` for tracing. The way the ops above are made (a few µs a call where
+    `custom_op` costs ~17), for the operations a compiled step keeps opaque; like them, no
+    autograd formula: they run under torch.no_grad. Returns the op."""
+    _library.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
+    _library.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"offload::{name}", fake, lib=_library)
+    return getattr(torch.ops.offload, name).default
+
+
 def wait_layer(
     activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
@@ -79,6 +90,4 @@ def _nothing(
 
 
 for _step in (wait_layer, start_layer):
-    _library.define(_step.__name__ + _SCHEMA, tags=(torch.Tag.pt2_compliant_tag,))
-    _library.impl(_step.__name__, _step, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"offload::{_step.__name__}", _nothing, lib=_library)
+    define_op(_step.__name__, _SCHEMA, _step, _nothing)
