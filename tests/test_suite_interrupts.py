@@ -27,6 +27,7 @@ def _drop_a_ctrl_c():
     assert raised
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_a_ctrl_c_dropped_in_a_gc_callback_is_raised_again_at_once():
     with pytest.raises(KeyboardInterrupt):  # from the helper thread
         _drop_a_ctrl_c()
@@ -44,6 +45,7 @@ def test_a_ctrl_c_dropped_is_raised_at_the_end_of_the_phase_if_that_comes_first(
         pytest.fail("raised twice")
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_a_ctrl_c_while_waiting_for_threads_stops_and_joins_them():
     threads = []
 

@@ -205,8 +205,6 @@ def save_q4_0_shape(path, layers=8, kernels="gguf"):
     GGUF Q4_0 blocks laid out for `kernels`, as offload keeps a .gguf read as stored, and
     a word tokenizer; `path`'s name ends in the kernels'."""
     path = path.with_name(f"{path.name}-{kernels}")
-    from offload.bench.checkpoint import write_random_checkpoint
-
     shape = tf.LlamaConfig(
         hidden_size=576,
         intermediate_size=1536,
@@ -215,11 +213,20 @@ def save_q4_0_shape(path, layers=8, kernels="gguf"):
         num_key_value_heads=3,
         vocab_size=49152,
         tie_word_embeddings=True,
-    ).to_dict()
-    shape.pop("dtype", None)
-    shape.pop("torch_dtype", None)
-    write_random_checkpoint(path, shape, max_shard_bytes=10**7, quantized="Q4_0", kernels=kernels)
-    _word_tokenizer(49152).save_pretrained(path)
+    )
+    return _save_quantized(path, shape, "Q4_0", kernels, max_shard_bytes=10**7)
+
+
+def _save_quantized(path, shape, kind: str, kernels: str, max_shard_bytes: int):
+    """Random GGUF `kind` blocks for every matrix of the Llama `shape` (a config), laid out
+    for `kernels`, and a word tokenizer of its vocabulary, written to `path`."""
+    from offload.bench.checkpoint import write_random_checkpoint
+
+    config = shape.to_dict()
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    write_random_checkpoint(path, config, max_shard_bytes, quantized=kind, kernels=kernels)
+    _word_tokenizer(shape.vocab_size).save_pretrained(path)
     return path
 
 
@@ -311,23 +318,34 @@ def save_cut_gguf(source, path, layers: int = 6):
     return path
 
 
-def save_gguf_type_llm(path, kind: str, kernels: str = "cpu", layers: int = 2):
-    """A small Llama (rows of 256 values, the K types' block) with every matrix in random
-    GGUF `kind` blocks laid out for `kernels`, as offload keeps a .gguf read as stored,
-    and a word tokenizer of its 512 ids."""
-    from offload.bench.checkpoint import write_random_checkpoint
+# A small Llama whose rows are 256 values (the K types' block), its head untied.
+GGUF_TYPE_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    tie_word_embeddings=False,
+)
 
-    shape = tf.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        tie_word_embeddings=False,
-    ).to_dict()
-    shape.pop("dtype", None)
-    shape.pop("torch_dtype", None)
-    write_random_checkpoint(path, shape, max_shard_bytes=2**18, quantized=kind, kernels=kernels)
-    _word_tokenizer(512).save_pretrained(path)
-    return path
+
+def save_gguf_type_llm(path, kind: str, kernels: str = "cpu", layers: int = 2):
+    """`GGUF_TYPE_SHAPE` with `layers` layers and every matrix in random GGUF `kind` blocks
+    laid out for `kernels`, as offload keeps a .gguf read as stored, and a word tokenizer
+    of its 512 ids."""
+    shape = tf.LlamaConfig(**GGUF_TYPE_SHAPE, num_hidden_layers=layers)
+    return _save_quantized(path, shape, kind, kernels, max_shard_bytes=2**18)
+
+
+def predictions(llm, text: str) -> list[tuple[float, int]]:
+    """For each token of `text` after the first, from an `LLM`'s prompt logprobs: (its
+    logprob, the most likely token there)."""
+    from offload import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    output = llm.generate(text, params, use_tqdm=False)[0]
+    ids, entries = output.prompt_token_ids, output.prompt_logprobs
+    return [
+        (entry[token].logprob, max(entry, key=lambda t: entry[t].logprob))
+        for entry, token in zip(entries[1:], ids[1:], strict=True)
+    ]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import zoo
 
 from offload import LLM, SamplingParams
 from offload.model.quant_layouts import int4_cuda_layout
@@ -98,16 +99,6 @@ def test_a_gguf_is_kept_as_stored_on_the_gpu_in_the_layout_measured_there(gguf_f
         print(key, {k: f"{v * 1e6:.1f} us" for k, v in measured.items()})
 
 
-def _predictions(llm):
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    output = llm.generate(TEXT, params, use_tqdm=False)[0]
-    ids, entries = output.prompt_token_ids, output.prompt_logprobs
-    return [
-        (entry[token].logprob, max(entry, key=lambda t: entry[t].logprob))
-        for entry, token in zip(entries[1:], ids[1:], strict=True)
-    ]
-
-
 def test_the_stored_model_agrees_with_its_float32_conversion_on_the_gpu(gguf_file, cache):
     """bfloat16 activations into the GPU's int4 kernel round differently from float32, so
     they are compared by rate (as on the CPU): the most likely next token of a fixed text,
@@ -115,11 +106,11 @@ def test_the_stored_model_agrees_with_its_float32_conversion_on_the_gpu(gguf_fil
     little (perplexity ~1.3e7), and there its last digits move more with the rounding:
     measured on an H100, 94.3% agreement and 1.5% apart; its bounds are 90% and 2%."""
     with LLM(str(gguf_file), device=DEVICE, max_model_len=256) as llm:
-        ours = _predictions(llm)
+        ours = zoo.predictions(llm, TEXT)
     _free()
     with LLM(str(gguf_file), device=DEVICE, dtype="float32", max_model_len=256) as llm:
         assert isinstance(llm.model.model.layers[0].mlp.up_proj, torch.nn.Linear)
-        theirs = _predictions(llm)
+        theirs = zoo.predictions(llm, TEXT)
     _free()
     agree = sum(a[1] == b[1] for a, b in zip(ours, theirs, strict=True)) / len(ours)
     perplexities = [math.exp(-sum(p[0] for p in side) / len(side)) for side in (ours, theirs)]

@@ -163,6 +163,7 @@ def test_an_llm_dropped_without_close_trims_the_heap_at_the_next_collection(monk
     assert len(calls) == 1
 
 
+@pytest.mark.usefixtures("ctrl_c_raises")
 def test_a_ctrl_c_during_the_trim_at_a_collection_still_stops_the_program(monkeypatch):
     """CPython only prints a KeyboardInterrupt that leaves a gc callback ("Exception
     ignored"): the trim's callback sends it again, and the code that collected gets it."""

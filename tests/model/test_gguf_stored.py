@@ -20,6 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import zoo
 from safetensors.torch import load_file, save_file
 
 from offload import LLM, SamplingParams
@@ -167,17 +168,6 @@ TEXT = (
 )
 
 
-def _predictions(llm, text):
-    """For each token of `text` after the first: (its logprob, the most likely token)."""
-    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    output = llm.generate(text, params, use_tqdm=False)[0]
-    ids, entries = output.prompt_token_ids, output.prompt_logprobs
-    return [
-        (entry[token].logprob, max(entry, key=lambda t: entry[t].logprob))
-        for entry, token in zip(entries[1:], ids[1:], strict=True)
-    ]
-
-
 def test_the_cpu_kernels_agree_with_the_float32_model(stored, smollm2_path):
     """bfloat16 activations into torch's int4 and int8 kernels round differently from
     float32, so answers are compared by rate, not bitwise: on a fixed text, the most likely
@@ -186,7 +176,7 @@ def test_the_cpu_kernels_agree_with_the_float32_model(stored, smollm2_path):
     params = SamplingParams(temperature=0, max_tokens=12)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     with LLM(stored, device="cpu") as quantized, LLM(smollm2_path, device="cpu") as floats:
-        ours, theirs = _predictions(quantized, TEXT), _predictions(floats, TEXT)
+        ours, theirs = zoo.predictions(quantized, TEXT), zoo.predictions(floats, TEXT)
         answers = [
             llm.chat(question, params, use_tqdm=False)[0].outputs[0] for llm in (quantized, floats)
         ]

@@ -12,24 +12,13 @@ import json
 import pytest
 import torch
 import transformers as tf
+import zoo
 from safetensors.torch import load_file
 
-from offload.bench.checkpoint import write_random_checkpoint
 from offload.model.gguf_quants import FORMATS, dequantize
 from offload.model.loader import load_model
 
-# Rows of 256 values (the K types' block), two layers, an untied head.
-SHAPE = tf.LlamaConfig(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=512,
-    tie_word_embeddings=False,
-).to_dict()
-for _key in ("dtype", "torch_dtype"):
-    SHAPE.pop(_key, None)
+SHAPE = {**zoo.GGUF_TYPE_SHAPE, "num_hidden_layers": 2}
 IDS = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(5))
 OFFLOADED = {
     "prefetch": {"offload_group_size": 1, "offload_num_in_group": 1, "offload_prefetch_step": 1},
@@ -41,12 +30,8 @@ OFFLOADED = {
 def written(request, tmp_path_factory):
     """(type, the checkpoint in GGUF's blocks, the same bytes laid out for the CPU)."""
     kind, root = request.param, tmp_path_factory.mktemp(request.param)
-    paths = {}
-    for kernels in ("gguf", "cpu"):
-        paths[kernels] = root / kernels
-        write_random_checkpoint(paths[kernels], SHAPE, max_shard_bytes=2**18, quantized=kind,
-                                kernels=kernels)  # fmt: skip
-    return kind, paths["gguf"], paths["cpu"]
+    blocks = zoo.save_gguf_type_llm(root / "gguf", kind, kernels="gguf")
+    return kind, blocks, zoo.save_gguf_type_llm(root / "cpu", kind, kernels="cpu")
 
 
 @torch.no_grad()
