@@ -183,7 +183,7 @@ def q8_one_row(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> t
     float32: 113 MB written a step for the default model's head, ~6-16 ms). The sums' order
     is the kernel's, so its bits may differ from the eager product's (as the compiled
     float32 step's do); it is the same in a compiled offloaded step, whose weights are
-    inputs of the same loop (tests/model/test_gguf_types.py)."""
+    inputs of the same loop (tests/engine/test_cpu_step.py)."""
     columns = x.reshape(values.shape[0], 1, GROUP)
     parts = (columns * values.to(x.dtype)).sum(-1)  # [blocks, out]
     return (parts * scales.to(x.dtype)).sum(0, keepdim=True)
