@@ -178,7 +178,7 @@ class CompiledCpuStep:
         # guards nor use up a shared recompile limit.
         code = _run.__code__.replace()
         self._function = types.FunctionType(code, _run.__globals__, "step")
-        self._traced = torch.compile(self._function, dynamic=False, options=_OPTIONS)
+        self._traced_step: Callable | None = None  # (made at the first shape: `_traced`)
         self._steps: dict[tuple[int, ...], Callable] = {}
         self.compile_s = 0.0  # seconds of the calls that compiled, summed
         self.loaded = 0  # shapes loaded from disk
@@ -203,6 +203,15 @@ class CompiledCpuStep:
             self.compile_s += time.perf_counter() - started
         self._steps[shape] = run
         return logits
+
+    @property
+    def _traced(self) -> Callable:
+        """The step as torch.compile traces it. Made at the first compile, whose seconds
+        count it: making it checks the CPU's vector units in ~11 compiler runs (~1 s, once
+        a process), which would else count as decoding time."""
+        if self._traced_step is None:
+            self._traced_step = torch.compile(self._function, dynamic=False, options=_OPTIONS)
+        return self._traced_step
 
     def _prepare(self, step, shape: tuple[int, ...]) -> Callable:
         """The step kept on disk for this model, setting and shape; else compiled ahead of
