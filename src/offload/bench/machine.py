@@ -12,12 +12,8 @@ from pathlib import Path
 
 import torch
 
+from offload.model.layout_choice import synchronize
 from offload.probes.host import machine
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median_seconds(
