@@ -1,6 +1,8 @@
 """The compiled CPU decode step (engine/cpu_step.py): where `LLM` takes it, and that it gives
 offloaded the bits it gives resident."""
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,11 +105,11 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     assert _run(llm) == resident_compiled[0]
     assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
     assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {(1, 128)}
-    # Kept on disk where it can be (UVA). Prefetch hooks are known not to be before
-    # compiling (their failure would come after a whole compile); KV offload's graph break
-    # fails the attempt while tracing, marked so that later processes do not try again.
+    # Kept on disk where it can be (every weight backend: prefetch hooks name their
+    # offloader by id); KV offload's graph break fails the attempt while tracing, marked so
+    # that later processes do not try again.
     kept = {path.suffix for path in step_cache.folder().glob("*")}
-    assert kept == {"uva": {".pt2"}, "kv-cache": {".traced"}}.get(setting, set())
+    assert kept == ({".traced"} if setting == "kv-cache" else {".pt2"})
     moved = llm.transfer_stats()
     assert moved.num_compiled_steps == GREEDY.max_tokens - 1  # (the first token: the prefill's)
     if setting == "kv-cache":
@@ -191,6 +193,42 @@ def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(checkpoint, compile
     kept.write_bytes(b"not a saved step")
     broken = LLM(checkpoint, device="cpu", dtype="float32")
     assert _run(broken) == result and broken._cpu_step.loaded == 0
+
+
+@pytest.mark.parametrize("setting", ["prefetch", "disk"])
+def test_an_offloaded_step_is_kept_and_loads_with_its_bits(
+    checkpoint, resident_compiled, compiles, setting
+):
+    """A step with prefetch hooks (the disk tier's too) is kept like a resident one: the
+    next LLM loads it, traces nothing, still waits for and refills its slots (bytes move)
+    and gives the compiled resident bits."""
+    from torch._dynamo.utils import counters
+
+    gc.collect()  # (offloaders are in reference cycles) the earlier tests' ids are free
+    first = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
+    assert _run(first) == resident_compiled[0] and first._cpu_step.loaded == 0
+    del first
+    gc.collect()  # its id is free for the next, as in a new process
+    graphs = counters["stats"]["unique_graphs"]
+    second = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
+    assert _run(second) == resident_compiled[0]
+    assert second._cpu_step.loaded == 1 and counters["stats"]["unique_graphs"] == graphs
+    moved = second.transfer_stats()
+    assert moved.num_compiled_steps == GREEDY.max_tokens - 1
+    assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes > 0
+
+
+def test_two_offloaded_llms_side_by_side_keep_a_step_each(checkpoint, resident_compiled, compiles):
+    """A compiled step holds its offloader's id as a constant: a second offloaded LLM of
+    the same model and setting, alive beside the first, has another id and so its own kept
+    step (the first's would wait on the first's slots)."""
+    gc.collect()
+    first = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS["prefetch"])
+    second = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS["prefetch"])
+    for llm in (first, second, first):
+        assert _run(llm) == resident_compiled[0]
+    assert second._cpu_step.loaded == 0
+    assert len(list(step_cache.folder().glob("*.pt2"))) == 2
 
 
 def test_the_kept_steps_name_holds_what_the_trace_bakes_in(checkpoint, compiles):

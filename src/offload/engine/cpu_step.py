@@ -18,8 +18,10 @@ The graph is specialised to its shapes (`dynamic=False`: kernels with constant s
 cache's length is one of them, so `LLM` rounds it up to a power of two (`cache_length`):
 a handful of compiles serve every prompt. Each step is compiled ahead of time and kept on
 disk (`step_cache`): a second process loads it in ~2 s instead of tracing it again (~7 s).
-Where it cannot be kept (a graph break; the prefetch and disk tiers' state in its guards)
-dynamo traces it in each process, and inductor's own cache spares the compile.
+Steps offloaded by prefetch or the disk tier are kept too (their hooks name the
+offloader by id, `ops.register`). Where a step cannot be kept (a graph break: KV offload;
+module units' read checks in its guards) dynamo traces it in each process, and inductor's
+own cache spares the compile.
 """
 
 from __future__ import annotations

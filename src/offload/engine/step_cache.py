@@ -30,11 +30,12 @@ from pathlib import Path
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from offload.offloader.hooks import PrefetchHook
+from offload.offloader.unit_check import UnitReadCheck
 
 log = logging.getLogger(__name__)
 
 VERSION = 1  # of the saved files' naming: raise it when what a step depends on grows
+ALIGNMENT = 64  # bytes: the widest alignment inductor's kernels may assume of an input
 
 
 def folder() -> Path:
@@ -44,13 +45,14 @@ def folder() -> Path:
 
 
 def keepable(step) -> bool:
-    """Whether the step can be kept: not where prefetch hooks bracket layers (their
-    offloader's slots and locks are in the guards' state, which does not pickle) nor
-    with a cache of ours (KV offload: a graph break). Known before compiling, which
-    `aot_compile` would only find after it (a second compile)."""
+    """Whether the step can be kept: not where module units' read checks bracket layers
+    (their offloader's slots and locks are in the guards' state, which does not pickle;
+    prefetch hooks name theirs by id) nor with a cache of ours (KV offload: a graph
+    break). Known before compiling, which `aot_compile` would only find after it (a
+    second compile)."""
     for module in step._model.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            if any(isinstance(getattr(h, "__self__", None), PrefetchHook) for h in hooks.values()):
+            if any(isinstance(getattr(h, "__self__", None), UnitReadCheck) for h in hooks.values()):
                 return False
     caches = [value for value in step._cache.values() if value is not None]
     return all(type(cache).__module__.startswith("transformers.") for cache in caches)
@@ -172,20 +174,24 @@ def _describe(value, storages: dict[int, int] | None = None, depth: int = 1):
 
 
 def _tensor(tensor: torch.Tensor, storages: dict[int, int]):
-    """A tensor's layout, and which of the tensors seen so far share its storage."""
+    """A tensor's layout, which of the tensors seen so far share its storage, and how its
+    first byte is aligned (what inductor's kernels assume of an input's address; not its
+    offset in its storage, which for a slot's views depends on where the allocator put
+    the slot, so the same model's step would be named anew in each LLM)."""
     if tensor is None:
         return None
     try:
         storage = storages.setdefault(tensor.untyped_storage().data_ptr(), len(storages))
+        alignment = tensor.data_ptr() % ALIGNMENT
     except (RuntimeError, NotImplementedError):  # a tensor subclass without one storage
-        storage = -1
+        storage = alignment = -1
     return (
         _qualname(type(tensor)),
         tuple(tensor.shape),
         tensor.stride(),
         tensor.dtype,
         tensor.device.type,
-        tensor.storage_offset(),
+        alignment,
         storage,
         tensor.requires_grad,
     )

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from offload.errors import ModelError
+from offload.offloader import ops
 from offload.offloader.units import Unit
 
 
@@ -99,15 +100,19 @@ class PrefetchHook(ModuleHooks):
     layer's activations (see `offload.offloader.ops`)."""
 
     def __init__(
-        self, offloader, offloader_id: int, position: int, weights: Sequence[nn.Parameter]
+        self, offloader_id: int, position: int, params: Sequence[tuple[str, nn.Parameter]]
     ):
-        self._offloader = offloader
+        # The offloader by its id (`ops.register`) and the weights by their names in the
+        # module, not references: a compiled step is kept on disk with a pickle of the
+        # hooks its graph met (`engine/step_cache`), where the offloader's host memory and
+        # locks do not pickle, and its weights must be found through the module's own
+        # attributes (through the hooks' dict, a loaded step cannot find them).
         self._id = offloader_id
         self._position = position
-        self._weights = list(weights)
+        self._paths = [tuple(name.split(".")) for name, _ in params]
         # The input widths its weight matrices take (a linear layer's in_features; not a
         # norm's size, which for Qwen3's q/k norms is the head size of the rotary tables).
-        self._widths = {w.shape[-1] for w in self._weights if w.dim() >= 2}
+        self._widths = {p.shape[-1] for _, p in params if p.dim() >= 2}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
 
     def attach(self, module: nn.Module) -> PrefetchHook:
@@ -119,7 +124,7 @@ class PrefetchHook(ModuleHooks):
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.compiler.is_compiling():
-            self._offloader.wait(self._position)
+            ops.offloader(self._id).wait(self._position)
             return
         activations = _streams(_float_tensors((args, kwargs)), self._widths)
         if not activations:
@@ -127,11 +132,12 @@ class PrefetchHook(ModuleHooks):
                 f"{type(module).__name__} got no floating-point tensor argument; under "
                 "torch.compile the prefetch wait is ordered through the layer's inputs"
             )
-        torch.ops.offload.wait_layer(activations, self._weights, self._id, self._position)
+        weights = self._weights(module)
+        torch.ops.offload.wait_layer(activations, weights, self._id, self._position)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.compiler.is_compiling():
-            self._offloader.layer_done(self._position)
+            ops.offloader(self._id).layer_done(self._position)
             return
         activations = _float_tensors(output)
         if not activations:
@@ -139,7 +145,16 @@ class PrefetchHook(ModuleHooks):
                 f"{type(module).__name__} returned no floating-point tensor; under "
                 "torch.compile the next prefetch is ordered through the layer's outputs"
             )
-        torch.ops.offload.start_layer(activations, self._weights, self._id, self._position)
+        torch.ops.offload.start_layer(activations, self._weights(module), self._id, self._position)
+
+    def _weights(self, module: nn.Module) -> list[torch.Tensor]:
+        weights = []
+        for path in self._paths:
+            value = module
+            for part in path:
+                value = getattr(value, part)
+            weights.append(value)
+        return weights
 
 
 class StateDictHooks(ModuleHooks):

@@ -24,6 +24,7 @@ inductor (aot_eager), the mutation clones every weight and writes it back at gra
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Protocol
 
@@ -40,13 +41,19 @@ class _Steps(Protocol):
 
 
 _offloaders: weakref.WeakValueDictionary[int, _Steps] = weakref.WeakValueDictionary()
-_ids = itertools.count()
+_registering = threading.Lock()
 
 
 def register(offloader: _Steps) -> int:
-    """An id that the ops use to find `offloader` (several may live side by side)."""
-    key = next(_ids)
-    _offloaders[key] = offloader
+    """An id that the ops use to find `offloader` (several may live side by side): the
+    smallest no live offloader holds. A compiled graph holds it as a constant, so a
+    process's first offloader has the same id in every process, and a compiled step kept
+    on disk by one is found by the next (`engine/step_cache` names it by the id). An id is
+    free again only once its offloader is gone, and with it the hooks that name it (they
+    hold it alive through its state-dict hooks)."""
+    with _registering:
+        key = next(key for key in itertools.count() if key not in _offloaders)
+        _offloaders[key] = offloader
     return key
 
 
@@ -67,6 +74,11 @@ def define_op(name: str, schema: str, kernel, fake):
     _library.impl(name, kernel, "CompositeExplicitAutograd")
     torch.library.register_fake(f"offload::{name}", fake, lib=_library)
     return getattr(torch.ops.offload, name).default
+
+
+def offloader(offloader_id: int) -> _Steps:
+    """The offloader registered under `offloader_id`."""
+    return _offloaders[offloader_id]
 
 
 def wait_layer(

@@ -158,9 +158,8 @@ class PrefetchOffloader(BaseOffloader):
                 layer.slab = self.ledger.pack_into_slab(layer.params, self.device)
                 for (_, param), host in zip(layer.params, layer.slab.views, strict=True):
                     set_param_data(param, host)  # frees the device copy; the slot: post_init
-            weights = [p for _, p in layer.params]
             self.ledger.hooks.append(
-                PrefetchHook(self, self._id, position, weights).attach(layer.module)
+                PrefetchHook(self._id, position, layer.params).attach(layer.module)
             )
             self.ledger.hooks.append(StateDictHooks(self, layer).attach(layer.module))
         self.ledger.hooks += self._units.attach_read_checks(self._layers)
