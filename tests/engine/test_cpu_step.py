@@ -146,6 +146,40 @@ def test_enforce_eager_batches_and_small_models_stay_eager(checkpoint, compiles,
     assert switched_off._cpu_step is None
 
 
+def test_a_trace_that_breaks_says_so_and_one_that_fails_counts_as_eager(
+    checkpoint, resident_compiled, compiles, capsys, monkeypatch
+):
+    """A step whose trace breaks into pieces runs them and says how many; one where
+    dynamo compiles nothing runs the eager step, and its steps do not count as compiled
+    (they did, silently, before)."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+
+    def refuses(module, args):  # a raise inside the trace only: dynamo splits around it
+        if torch.compiler.is_compiling():
+            raise RuntimeError("not traceable")
+
+    handle = llm.model.model.layers[1].register_forward_pre_hook(refuses)
+    tokens, _ = _run(llm)
+    handle.remove()
+    assert len(tokens) == GREEDY.max_tokens
+    [graphs] = llm._cpu_step.graphs.values()
+    assert graphs > 1 and f"in {graphs} graphs: its trace broke" in capsys.readouterr().err
+    assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
+
+    monkeypatch.setattr(step_cache, "keepable", lambda step: False)
+    monkeypatch.setattr(cpu_step.CompiledCpuStep, "_traced", property(lambda self: _run_step))
+    failed = LLM(checkpoint, device="cpu", dtype="float32")
+    # (the eager step's tokens; its first step ran as dynamo left it, without cpu_linear's
+    # products, so its last bits may differ)
+    assert _run(failed)[0] == resident_compiled[1][0]
+    assert "nothing compiled: its trace failed" in capsys.readouterr().err
+    assert failed.transfer_stats().num_compiled_steps == 0
+
+
+def _run_step(step):
+    return step()
+
+
 def test_a_rounded_cache_beyond_swap_space_decodes_eagerly(checkpoint, compiles):
     """The compiled step's cache is rounded up to 128 positions; where that much host KV
     would pass swap_space, the step runs eagerly on the cache the request needs."""

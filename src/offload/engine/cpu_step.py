@@ -39,6 +39,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -184,10 +185,16 @@ class CompiledCpuStep:
         self._steps: dict[tuple[int, ...], Callable] = {}
         self.compile_s = 0.0  # seconds of the calls that compiled, summed
         self.loaded = 0  # shapes loaded from disk
+        self.graphs: dict[tuple[int, ...], int] = {}  # graphs each shape's step runs in
 
     def ready(self, step) -> bool:
         """Whether `step`'s shape is compiled already (else its next call compiles)."""
         return tuple(step.mask.shape) in self._steps
+
+    def usable(self, step) -> bool:
+        """False once `step`'s shape is known to trace into no graph at all (dynamo gave
+        up on every frame of it): its steps run eagerly, and count as eager."""
+        return self.graphs.get(tuple(step.mask.shape), 1) > 0
 
     def __call__(self, step) -> torch.Tensor:
         shape = tuple(step.mask.shape)
@@ -197,10 +204,15 @@ class CompiledCpuStep:
         what = f"compiling the CPU decode step for batch {shape[0]}, cache {shape[1]}"
         what += " (once per machine, up to a minute)"
         started = time.perf_counter()
+        before = counters["stats"]["unique_graphs"]
         try:
-            with _Announced(what):
+            with _Announced(what) as announced:
                 run = self._prepare(step, shape)
                 logits = run(step)
+                # A step kept on disk is one graph; a traced one may break into pieces
+                # (or none: dynamo gave up), which the line on stderr says.
+                made = counters["stats"]["unique_graphs"] - before
+                announced.graphs = self.graphs[shape] = 1 if isinstance(run, _Checked) else made
         finally:
             self.compile_s += time.perf_counter() - started
         self._steps[shape] = run
@@ -264,6 +276,7 @@ class _Announced:
 
     def __init__(self, what: str):
         self._what = f"offload: {what}"
+        self.graphs = 1  # what it compiled into (said when not one)
         self._tty = sys.stderr.isatty()
         self._done = threading.Event()
         self._clock = threading.Thread(target=self._tick, name="offload-compile-clock", daemon=True)
@@ -289,6 +302,13 @@ class _Announced:
             self._clock.join()
         ended = "stopped" if kind is not None else "ready"
         line = f"offload: decode step {ended} in {self._seconds():.1f} s"
+        if kind is None and self.graphs != 1:
+            line += (
+                f", in {self.graphs} graphs: its trace broke"
+                if self.graphs
+                else ", but nothing compiled: its trace failed, and it runs eagerly"
+            )
+            line += " (TORCH_LOGS=graph_breaks says why)"
         print(
             f"\r{line:<{len(self._what) + 8}}" if self._tty else line, file=sys.stderr, flush=True
         )

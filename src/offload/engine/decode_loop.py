@@ -262,9 +262,9 @@ class DecodeLoop:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
             if graphs is not None:
                 logits = graphs.run(position + 1)
-            elif compiled is not None:
+            elif compiled is not None and compiled.usable(step):
                 logits = compiled(step)
-                self._compiled_steps += 1
+                self._compiled_steps += compiled.usable(step)  # (known after its first call)
             else:
                 with self._step_kernels():
                     logits = step()
