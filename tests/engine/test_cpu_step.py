@@ -152,6 +152,7 @@ def test_a_trace_that_breaks_says_so_and_one_that_fails_counts_as_eager(
     """A step whose trace breaks into pieces runs them and says how many; one where
     dynamo compiles nothing runs the eager step, and its steps do not count as compiled
     (they did, silently, before)."""
+    torch._dynamo.reset()  # (the step's inner frames may have met their recompile limit)
     llm = LLM(checkpoint, device="cpu", dtype="float32")
 
     def refuses(module, args):  # a raise inside the trace only: dynamo splits around it
