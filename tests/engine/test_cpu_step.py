@@ -2,6 +2,7 @@
 offloaded the bits it gives resident."""
 
 import gc
+import os
 
 import pytest
 import torch
@@ -216,9 +217,11 @@ def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(checkpoint, compile
     [kept] = list(step_cache.folder().glob("*.pt2"))
     assert first._cpu_step.loaded == 0
     graphs = counters["stats"]["unique_graphs"]
+    os.utime(kept, (1, 1))
     second = LLM(checkpoint, device="cpu", dtype="float32")
     assert _run(second) == result
     assert second._cpu_step.loaded == 1 and counters["stats"]["unique_graphs"] == graphs
+    assert kept.stat().st_mtime > 1  # loaded: used now, the last to be pruned
     assert second.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
 
     other = LLM(checkpoint, device="cpu", dtype="float32", cpu_offload_gb=0.0005)
@@ -264,6 +267,20 @@ def test_two_offloaded_llms_side_by_side_keep_a_step_each(checkpoint, resident_c
         assert _run(llm) == resident_compiled[0]
     assert second._cpu_step.loaded == 0
     assert len(list(step_cache.folder().glob("*.pt2"))) == 2
+
+
+def test_the_folder_keeps_the_most_recently_used_steps(tmp_path):
+    """Old steps and marks go (every new version names its steps anew); other files
+    stay."""
+    for age, name in enumerate(["c.pt2", "b.traced", "a.pt2", "notes.txt"]):
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (1000 - age * 100, 1000 - age * 100))
+    assert step_cache.load(tmp_path / "a.pt2") is None  # (not a step: nothing loads)
+    step_cache.prune(tmp_path, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.traced", "c.pt2", "notes.txt"]
+    os.utime(tmp_path / "b.traced", (10, 10))
+    step_cache.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.pt2", "notes.txt"]
 
 
 def test_the_kept_steps_name_holds_what_the_trace_bakes_in(checkpoint, compiles):

@@ -13,10 +13,12 @@ layers, the offloader each custom op names) is folded into the file's name inste
 source, the CPU, the thread count and which inputs share storage. Anything that changes
 one of them reads another file (or compiles one); a file that is unreadable, fails its
 guards or does not load is left aside and the step is compiled as without the cache.
+The folder keeps the `KEPT` most recently used steps (`prune`, at each save).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -208,16 +210,38 @@ def load(path: Path):
         log.info("the saved decode step %s did not load (%s): compiling it", path, error)
         return None
     compiled.disable_guard_check()  # checked by the caller, before each call
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used now: among the last to go when the folder is pruned
     return compiled
 
 
 def save(compiled, path: Path) -> None:
-    """Keep `compiled` at `path` (written whole or not at all); a failure only logs."""
+    """Keep `compiled` at `path` (written whole or not at all), then prune the folder; a
+    failure only logs."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         compiled.save_compiled_function(os.fspath(path))
     except Exception as error:  # the step runs; only the next process pays
         log.info("could not save the decode step to %s (%s)", path, error)
+    prune(path.parent)
+
+
+KEPT = 64  # steps a folder keeps, the most recently used (the default model's: ~6 MB each)
+
+
+def prune(where: Path, keep: int = KEPT) -> None:
+    """Remove all but the `keep` most recently used kept steps (and marks) in `where`:
+    every new version of torch, transformers or this package, and every model and
+    setting, names its steps anew, and nothing else would ever remove the old ones. A
+    step another process is about to load, removed meanwhile, is compiled again there."""
+    try:
+        kept = [p for p in where.iterdir() if p.suffix in (".pt2", ".traced")]
+        kept.sort(key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:  # (a file removed meanwhile by another process's prune)
+        return
+    for old in kept[keep:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
 
 
 def mark(path: Path) -> None:
