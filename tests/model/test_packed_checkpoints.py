@@ -114,7 +114,9 @@ def test_the_planner_times_a_layer_of_a_packed_model(pairs):
     quantized, _ = pairs["awq"]
     shape = shape_of(build_empty(quantized, "auto"), 16)
     layer_s, rest_s = time_decode(quantized, shape, torch.device("cpu"), [1], 16, repeats=2)
-    assert layer_s[0] > 0 and rest_s[0] > 0
+    # The rest of the step (embedding, norm, head of a 64-wide model) is the difference of
+    # two noisy timings, clamped at zero; a layer's time is retried until it is positive.
+    assert layer_s[0] > 0 and rest_s[0] >= 0
 
 
 def _rewrite(path, tmp_path, change):
