@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from offload.engine import cpu_linear
 from offload.engine.cpu_linear import MAX_ROWS, FewRowsLinear, few_rows_linear
 
 
@@ -96,3 +97,22 @@ def test_the_mode_is_taken_only_where_the_float32_weights_are_large():
     assert not isinstance(kernels_for(small, cpu), FewRowsLinear)
     assert not isinstance(kernels_for(halves, cpu), FewRowsLinear)
     assert not isinstance(kernels_for(large, torch.device("cuda")), FewRowsLinear)
+
+
+@pytest.mark.parametrize("offset", [4, 8, 40])
+@pytest.mark.parametrize("rows", [2, 4, 33])
+def test_a_batchs_product_does_not_depend_on_where_the_weight_lies(offset, rows):
+    """A weight read or mapped from a file lies where its offset puts it; MKL's sums over
+    one 4 or 8 bytes off a 16-byte boundary rounded differently (the disk tier's batches
+    then differed from resident's). The product gives the aligned weight's bits."""
+    torch.manual_seed(0)
+    weight = torch.randn(1536, 576)
+    x = torch.randn(rows, 576)
+    buffer = torch.empty(weight.numel() + 16)
+    moved = buffer[offset // 4 :][: weight.numel()].view_as(weight).copy_(weight)
+    assert moved.data_ptr() % cpu_linear.ALIGNMENT == offset
+    expected = cpu_linear.few_rows_linear(x, weight)
+    assert torch.equal(cpu_linear.few_rows_linear(x, moved), expected)
+    assert torch.equal(
+        cpu_linear.WEIGHT_TIMES(moved, x.t()), cpu_linear.weight_times(weight, x.t())
+    )

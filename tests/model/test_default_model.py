@@ -29,6 +29,34 @@ def test_converted_checkpoint_is_plain_safetensors(smollm2_path):
     assert "quantization_config" not in (smollm2_path / "config.json").read_text()
 
 
+def test_every_tensor_of_the_converted_checkpoint_starts_64_byte_aligned(smollm2_path):
+    """The disk tier reads or maps a tensor at its file offset modulo 64: aligned, a
+    batch's products need no copy (`cpu_linear.weight_times`)."""
+    import json
+
+    path = smollm2_path / "model.safetensors"
+    start = default.data_start(path)
+    with open(path, "rb") as file:
+        file.seek(8)
+        header = json.loads(file.read(start - 8))
+    offsets = [start + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"]
+    assert len(offsets) == 272 and all(offset % 64 == 0 for offset in offsets)
+
+
+def test_a_checkpoint_is_aligned_in_place_with_the_same_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"a": torch.randn(3, 16), "b": torch.arange(10, dtype=torch.int64)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path, metadata={"format": "pt"})
+    assert default.data_start(path) % 64 != 0  # (as safetensors writes it: 8-byte padding)
+    default.align_safetensors(path)
+    assert default.data_start(path) % 64 == 0
+    loaded = load_file(path)
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+
+
 def test_greedy_answer(resident):
     tokenizer, tokens, _, _ = resident
     assert tokenizer.decode(tokens, skip_special_tokens=True) == ANSWER
