@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from offload import SamplingParams
 from offload.engine import cpu_linear, cpu_step, step_cache
-from offload.engine.cpu_step import cache_length, one_row_linear, one_row_products
+from offload.engine.cpu_step import cache_length, step_linear, step_products
 from offload.llm.llm import LLM
 from tests import zoo
 
@@ -36,27 +36,29 @@ def test_the_cache_length_is_a_power_of_two_within_max_model_len():
     assert cache_length(70, 64) == 70  # never shorter than asked
 
 
-def test_one_row_products_are_the_linears_and_only_for_one_float32_row():
+def test_step_products_are_the_linears_for_a_few_float32_rows():
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 40), torch.randn(96)
-    x = torch.randn(1, 1, 40)
-    torch.testing.assert_close(one_row_linear(x, weight, bias), F.linear(x, weight, bias))
-    assert one_row_linear(torch.randn(2, 40), weight) is None
-    assert one_row_linear(x.bfloat16(), weight.bfloat16()) is None
+    for rows in (1, 2, cpu_linear.MAX_ROWS):
+        x = torch.randn(1, rows, 40)
+        torch.testing.assert_close(step_linear(x, weight, bias), F.linear(x, weight, bias))
+        torch.testing.assert_close(step_linear(x, weight), F.linear(x, weight))
+    assert step_linear(torch.randn(cpu_linear.MAX_ROWS + 1, 40), weight) is None
+    assert step_linear(torch.randn(1, 40).bfloat16(), weight.bfloat16()) is None
 
 
 @pytest.mark.parametrize(
     ("rows", "dtype", "rewritten"),
-    [(1, torch.float32, 2), (2, torch.float32, 0), (1, torch.bfloat16, 0)],
+    [(1, torch.float32, 2), (2, torch.float32, 2), (65, torch.float32, 0), (1, torch.bfloat16, 0)],
 )
-def test_the_step_graph_takes_one_row_products_for_one_float32_row(rows, dtype, rewritten):
+def test_the_step_graph_takes_its_products_for_a_few_float32_rows(rows, dtype, rewritten):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(40, 96), torch.nn.ReLU(), torch.nn.Linear(96, 8))
     model = model.to(dtype)
     counts = []
 
     def backend(graph_module, example_inputs):
-        counts.append(one_row_products(graph_module.graph))
+        counts.append(step_products(graph_module.graph))
         graph_module.recompile()
         return graph_module.forward
 
@@ -106,11 +108,10 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     assert _run(llm) == resident_compiled[0]
     assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
     assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {(1, 128)}
-    # Kept on disk where it can be (every weight backend: prefetch hooks name their
-    # offloader by id); KV offload's graph break fails the attempt while tracing, marked so
-    # that later processes do not try again.
-    kept = {path.suffix for path in step_cache.folder().glob("*")}
-    assert kept == ({".traced"} if setting == "kv-cache" else {".pt2"})
+    # Kept on disk (prefetch hooks and KV offload's layers name their offloader by id),
+    # in one graph (KV offload's cache update is one op).
+    assert {path.suffix for path in step_cache.folder().glob("*")} == {".pt2"}
+    assert llm._cpu_step.graphs == {(1, 128): 1}
     moved = llm.transfer_stats()
     assert moved.num_compiled_steps == GREEDY.max_tokens - 1  # (the first token: the prefill's)
     if setting == "kv-cache":
@@ -129,13 +130,16 @@ def test_the_compiled_step_computes_the_eager_steps_function(resident_compiled):
             assert logprob.logprob == pytest.approx(eager_step[token].logprob, abs=1e-4)
 
 
-def test_enforce_eager_batches_and_small_models_stay_eager(checkpoint, compiles, monkeypatch):
+def test_enforce_eager_large_batches_and_small_models_stay_eager(
+    checkpoint, compiles, monkeypatch
+):
     eager = LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True)
     _run(eager)
     assert eager._cpu_step is None and eager.transfer_stats().num_compiled_steps == 0
+    monkeypatch.setattr(cpu_linear, "MAX_ROWS", 1)  # (a batch past the rows it writes)
     batched = LLM(checkpoint, device="cpu", dtype="float32")
     batched.generate([PROMPT, PROMPT], GREEDY, use_tqdm=False)
-    assert batched._cpu_step is None  # (one row only: the fused product is a one-row loop)
+    assert batched._cpu_step is None
     monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 16 * 2**20)
     small = LLM(checkpoint, device="cpu", dtype="float32")
     _run(small)
@@ -145,6 +149,47 @@ def test_enforce_eager_batches_and_small_models_stay_eager(checkpoint, compiles,
     switched_off = LLM(checkpoint, device="cpu", dtype="float32")
     _run(switched_off)
     assert switched_off._cpu_step is None
+
+
+BATCH = [PROMPT, {"prompt_token_ids": [7, 3, 30, 2]}]  # (rows of other lengths: padded)
+
+
+def _run_batch(llm):
+    outs = llm.generate(BATCH, GREEDY, use_tqdm=False)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def resident_batch(checkpoint):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_step.ENV, "1")
+        patch.setattr(cpu_linear, "PAYS_BYTES", 0)
+        llm = LLM(checkpoint, device="cpu", dtype="float32")
+        result = _run_batch(llm)
+        assert set(llm._cpu_step._steps) == {(2, 128)}
+        eager = _run_batch(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
+    return result, eager
+
+
+@pytest.mark.parametrize("setting", list(OFFLOADS))
+def test_a_compiled_batch_offloaded_equals_it_resident_bitwise(
+    checkpoint, resident_batch, compiles, setting
+):
+    """A batch's step is compiled too (its products as `weight @ x.T`, as the eager step
+    has them): offloaded, it gives the compiled resident batch's bits."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
+    assert _run_batch(llm) == resident_batch[0]
+    assert set(llm._cpu_step._steps) == {(2, 128)}
+    assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
+
+
+def test_a_compiled_batch_computes_the_eager_batchs_function(resident_batch):
+    result, eager = resident_batch
+    assert [tokens for tokens, _ in result] == [tokens for tokens, _ in eager]
+    for (_, logprobs), (_, eager_logprobs) in zip(result, eager, strict=True):
+        for step, eager_step in zip(logprobs, eager_logprobs, strict=True):
+            for token, logprob in step.items():
+                assert logprob.logprob == pytest.approx(eager_step[token].logprob, abs=1e-4)
 
 
 def test_a_trace_that_breaks_says_so_and_one_that_fails_counts_as_eager(

@@ -79,41 +79,55 @@ def pays(model: torch.nn.Module) -> bool:
     return floats >= cpu_linear.PAYS_BYTES
 
 
-def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor | None:
-    """`F.linear` of a single row as `(x * weight).sum(-1)` (float32 on a CPU, plain
-    tensors: fake ones while compiling); None where `F.linear` should run."""
-    if not _one_row(x, weight):
+def step_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor | None:
+    """`F.linear` as the compiled step writes it (float32 on a CPU, plain tensors: fake
+    ones while compiling): one row as `(x * weight).sum(-1)`, 2 to `cpu_linear.MAX_ROWS`
+    as `weight @ x.T` (as the eager step has them, `cpu_linear.few_rows_linear`); None
+    where `F.linear` should run."""
+    if not _rewritten(x, weight):
         return None
     out = x
-    for function, rest in _one_row_calls(x, weight, bias):
-        out = function(out, *rest)
+    for function, rest in _linear_calls(x, weight, bias):
+        out = function(*(out if arg is _X else arg for arg in rest))
     return out
 
 
-def _one_row_calls(x, weight, bias) -> list[tuple]:
-    """`one_row_linear`'s calls on `x` in turn, each with its other arguments (`x`, `weight`:
-    tensors, fake tensors, or graph nodes with the fake values as `example_value`)."""
+_X = object()  # where a call of `_linear_calls` takes the value so far
+
+
+def _linear_calls(x, weight, bias) -> list[tuple]:
+    """`step_linear`'s calls in turn, each with its arguments, `_X` for the value so far
+    (`x`, `weight`: tensors, fake tensors, or graph nodes with the fake values as
+    `example_value`)."""
     x_value = x.meta["example_value"] if isinstance(x, torch.fx.Node) else x
     weight_value = weight.meta["example_value"] if isinstance(weight, torch.fx.Node) else weight
     shape = (*x_value.shape[:-1], weight_value.shape[0])
-    calls = [(torch.reshape, ((1, -1),)), (torch.mul, (weight,)), (torch.sum, (-1,)),
-             (torch.reshape, (shape,))]  # fmt: skip
-    return calls if bias is None else [*calls, (torch.add, (bias,))]
+    rows = x_value.numel() // x_value.shape[-1]
+    if rows == 1:  # one loop over the weight's rows, split across the threads
+        calls = [(torch.reshape, (_X, (1, -1))), (torch.mul, (_X, weight)), (torch.sum, (_X, -1))]
+    else:  # MKL's product with the weight as stored (x @ weight.T repacks it every call)
+        calls = [(torch.reshape, (_X, (rows, -1))), (torch.t, (_X,)),
+                 (cpu_linear.WEIGHT_TIMES, (weight, _X)), (torch.t, (_X,))]  # fmt: skip
+    calls.append((torch.reshape, (_X, shape)))
+    return calls if bias is None else [*calls, (torch.add, (_X, bias))]
 
 
-def _one_row(x, weight) -> bool:
+def _rewritten(x, weight) -> bool:
     plain = (torch.Tensor, torch.nn.Parameter, FakeTensor)
     if type(weight) not in plain or type(x) not in plain:
         return False  # a tensor subclass (a quantized weight) keeps its own kernel
-    if x.device.type != "cpu" or weight.dim() != 2 or x.numel() != x.shape[-1]:
+    if x.device.type != "cpu" or weight.dim() != 2 or not x.dim():
+        return False
+    if not 1 <= x.numel() // max(x.shape[-1], 1) <= cpu_linear.MAX_ROWS:
         return False
     return x.dtype == torch.float32 and weight.dtype == torch.float32
 
 
-def one_row_products(graph: torch.fx.Graph) -> int:
-    """Rewrite each `F.linear` of one float32 row in dynamo's graph as `one_row_linear`;
-    the number rewritten. Done on the graph, not by a TorchFunctionMode: dynamo traced
-    every torch call of the step through such a mode, half of its ~6 s of tracing."""
+def step_products(graph: torch.fx.Graph) -> int:
+    """Rewrite each `F.linear` of 1 to `cpu_linear.MAX_ROWS` float32 rows in dynamo's
+    graph as `step_linear`; the number rewritten. Done on the graph, not by a
+    TorchFunctionMode: dynamo traced every torch call of the step through such a mode,
+    half of its ~6 s of tracing."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not F.linear or node.kwargs:
@@ -121,7 +135,7 @@ def one_row_products(graph: torch.fx.Graph) -> int:
         x, weight, bias = (*node.args, None)[:3]
         if not all(isinstance(arg, torch.fx.Node) for arg in (x, weight)):
             continue
-        if not _one_row(x.meta.get("example_value"), weight.meta.get("example_value")):
+        if not _rewritten(x.meta.get("example_value"), weight.meta.get("example_value")):
             continue
         with graph.inserting_before(node):
             out = _emit(graph, x, weight, bias)
@@ -133,22 +147,27 @@ def one_row_products(graph: torch.fx.Graph) -> int:
 
 
 def _emit(graph: torch.fx.Graph, x, weight, bias) -> torch.fx.Node:
-    """The nodes of `one_row_linear(x, weight, bias)`, each with its fake value (as
-    dynamo leaves them for inductor's passes)."""
+    """The nodes of `step_linear(x, weight, bias)`, each with its fake value (as dynamo
+    leaves them for inductor's passes)."""
     node, value = x, x.meta["example_value"]
     with value.fake_mode:
-        for function, rest in _one_row_calls(x, weight, bias):
-            node = graph.call_function(function, (node, *rest))
-            fakes = [a.meta["example_value"] if isinstance(a, torch.fx.Node) else a for a in rest]
-            value = node.meta["example_value"] = function(value, *fakes)
+        for function, rest in _linear_calls(x, weight, bias):
+            args = tuple(node if arg is _X else arg for arg in rest)
+            fakes = [value if arg is _X else _fake(arg) for arg in rest]
+            node = graph.call_function(function, args)
+            value = node.meta["example_value"] = function(*fakes)
     return node
 
 
-class _OneRowPass(CustomGraphPass):
-    """`one_row_products` as inductor's pass over dynamo's graph (before autograd)."""
+def _fake(arg):
+    return arg.meta["example_value"] if isinstance(arg, torch.fx.Node) else arg
+
+
+class _ProductsPass(CustomGraphPass):
+    """`step_products` as inductor's pass over dynamo's graph (before autograd)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        one_row_products(graph)
+        step_products(graph)
 
     def uuid(self) -> str:
         return rewrite_digest()
@@ -157,12 +176,12 @@ class _OneRowPass(CustomGraphPass):
 @functools.cache
 def rewrite_digest() -> str:
     """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
-    functions = (one_row_linear, _one_row, _one_row_calls, one_row_products, _emit)
+    functions = (step_linear, _rewritten, _linear_calls, step_products, _emit)
     source = "".join(inspect.getsource(function) for function in functions)
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-_OPTIONS = {"pre_grad_custom_pass": _OneRowPass()}
+_OPTIONS = {"pre_grad_custom_pass": _ProductsPass()}
 
 
 def _run(step) -> torch.Tensor:
@@ -204,10 +223,10 @@ class CompiledCpuStep:
         what = f"compiling the CPU decode step for batch {shape[0]}, cache {shape[1]}"
         what += " (once per machine, up to a minute)"
         started = time.perf_counter()
-        before = counters["stats"]["unique_graphs"]
         try:
             with _Announced(what) as announced:
                 run = self._prepare(step, shape)
+                before = counters["stats"]["unique_graphs"]  # (after a failed keeping compile)
                 logits = run(step)
                 # A step kept on disk is one graph; a traced one may break into pieces
                 # (or none: dynamo gave up), which the line on stderr says.

@@ -4,12 +4,13 @@ and the bytes each call moved added to the running totals."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from offload.engine import cpu_step
+from offload.engine import cpu_linear, cpu_step
 from offload.engine.cpu_linear import kernels_for
 from offload.engine.cpu_step import CompiledCpuStep, cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
@@ -28,8 +29,10 @@ from offload.engine.sequences import (
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import cache_argument, probe_kv_dims, static_cache
-from offload.errors import ConfigError
+from offload.errors import ConfigError, ModelError
 from offload.offloader.base import BaseOffloader
+from offload.offloader.hooks import attach_boundaries
+from offload.offloader.layers import find_layers
 from offload.sizes import compute_dtype
 
 
@@ -141,13 +144,18 @@ class DecodeLoop:
                 sequence.finish_reason = "length"
 
     def _compiled_step(self, num_sequences: int) -> CompiledCpuStep | None:
-        """The compiled CPU step for a batch of one where it pays (`cpu_step.pays`)."""
-        if not self._compile_cpu or num_sequences != 1 or not cpu_step.enabled():
+        """The compiled CPU step where it pays (`cpu_step.pays`), for a batch of 1 to
+        `cpu_linear.MAX_ROWS` sequences (those whose products it writes, `step_linear`)."""
+        if not self._compile_cpu or not cpu_step.enabled():
             return None
-        if not cpu_step.pays(self.model):
+        if num_sequences > cpu_linear.MAX_ROWS or not cpu_step.pays(self.model):
             return None
+        if num_sequences > 1 and not cpu_linear.pays(self.model):
+            return None  # (a batch of stored weights: their products are opaque ops; unmeasured)
         if self._cpu_step is None:
             self._cpu_step = CompiledCpuStep()
+            with contextlib.suppress(ModelError):  # (no layer stack: nothing offloads either)
+                attach_boundaries(find_layers(self.model))
         return self._cpu_step
 
     def _step_kernels(self):

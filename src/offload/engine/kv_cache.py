@@ -23,6 +23,7 @@ from offload.errors import ConfigError
 from offload.memory.copy_engine import CopyEngine, CopyStats, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, device_view, should_pin_memory
 from offload.memory.slots import SlotTable, slot_of
+from offload.offloader import ops
 
 KV_SLOTS = 2  # device slots of the KV ring: the next layer arrives while one computes
 
@@ -121,6 +122,7 @@ class KVOffloader:
         self._last: int | None = None  # the layer that updated last (its slot is in use)
         self.capture_rows: int | None = None  # rows a CUDA graph copies (None: all)
         self.bytes_written_back = 0
+        self.id = ops.register(self)  # what a compiled step's cache update finds it by
 
     def _writable(self, rows: torch.Tensor, slab: HostSlab) -> torch.Tensor:
         if self.device.type == "cuda" and slab.is_pinned:
@@ -162,6 +164,21 @@ class KVOffloader:
             # Compute waits until the copy into this slot has landed.
             self._engine.wait(self._tickets[slot])
             self._tickets[slot] = None
+
+    def __reduce__(self):
+        # A compiled step kept on disk pickles what its guards met, the cache and its
+        # layers with it: the offloader goes as its id (its host memory, slots and copy
+        # thread do not pickle, and the step finds it by id).
+        return (KVOffloaderId, (self.id,))
+
+    def check_compiled(self, layer: int, keys: torch.Tensor) -> None:
+        """What a compiled step's cache update checks: the graph passed `layer`'s own
+        slot view, not a copy (its writes would then miss the slot the host copy and the
+        next layers are refilled from)."""
+        if self._closed or keys.data_ptr() != self.views(layer)[0].data_ptr():
+            raise RuntimeError(
+                "the compiled graph passed a copy of an offloaded KV cache layer, not its slot"
+            )
 
     def after_update(self, layer: int, positions: torch.Tensor, count: int) -> None:
         """`count` new positions (`positions`, on the device) were written into the
@@ -228,6 +245,7 @@ class KVOffloader:
         if self._closed:
             return
         self._closed = True
+        ops.unregister(self.id)
         self._engine.synchronize()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
@@ -240,3 +258,10 @@ class KVOffloader:
             host_bytes=self.host_bytes,
             device_bytes=self.device_bytes,
         )
+
+
+@dataclass(frozen=True)
+class KVOffloaderId:
+    """What a pickled `KVOffloader` becomes: its id, nothing to run."""
+
+    id: int

@@ -49,9 +49,9 @@ def folder() -> Path:
 def keepable(step) -> bool:
     """Whether the step can be kept: not where module units' read checks bracket layers
     (their offloader's slots and locks are in the guards' state, which does not pickle;
-    prefetch hooks name theirs by id) nor with a cache of ours (KV offload: a graph
-    break). Known before compiling, which `aot_compile` would only find after it (a
-    second compile)."""
+    prefetch hooks and KV offload's layers name theirs by id) nor with a cache that is not
+    transformers' (its classes unknown here). Known before compiling, which `aot_compile`
+    would only find after it (a second compile)."""
     for module in step._model.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
             if any(isinstance(getattr(h, "__self__", None), UnitReadCheck) for h in hooks.values()):

@@ -75,14 +75,15 @@ def static_cache(
     of device memory is used. Other layer kinds (sliding windows, linear attention) are
     small and stay on the device."""
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
 
     cache = StaticCache(config=hf_config, max_cache_len=max_cache_len)
     cache.kv_offloader = None
-    if not offload:
-        return cache
-    from transformers.cache_utils import StaticLayer
-
     indices = [i for i, layer in enumerate(cache.layers) if type(layer) is StaticLayer]
+    if not offload:
+        for index in indices:
+            cache.layers[index] = _static_layers().StepStaticLayer(max_cache_len)
+        return cache
     if not indices:
         _logger.warning(
             "KV offload: this model's attention layers all use sliding windows, whose caches "
@@ -106,8 +107,8 @@ def static_cache(
 
 
 def _offloaded_layer(max_cache_len: int, offloader: KVOffloader, position: int):
-    layer = _layer_class()(max_cache_len)
-    layer.offloader, layer.position = offloader, position
+    layer = _static_layers().OffloadedStaticLayer(max_cache_len)
+    layer.offloader, layer.offloader_id, layer.position = offloader, offloader.id, position
     shape = offloader.shape
     layer.dtype, layer.device = shape.dtype, offloader.device
     layer.batch_size = layer.max_batch_size = shape.batch
@@ -121,48 +122,12 @@ def _offloaded_layer(max_cache_len: int, offloader: KVOffloader, position: int):
     return layer
 
 
-@functools.cache
-def _layer_class() -> type:
-    """Made on first use, so that importing offload does not import transformers."""
-    from transformers.cache_utils import StaticLayer
+def _static_layers():
+    """The module of our static layer classes (it imports transformers: on first use, so
+    that importing offload does not)."""
+    from offload.engine import static_layers
 
-    class OffloadedStaticLayer(StaticLayer):
-        """A `StaticLayer` whose keys and values are views of a device slot that a
-        `KVOffloader` fills from host memory before each update."""
-
-        offloader: KVOffloader
-        position: int
-
-        def lazy_initialization(self, *args, **kwargs) -> None:
-            return None  # allocated up front, by the offloader
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            count = key_states.shape[-2]
-            cache_kwargs = kwargs.get("cache_kwargs", args[0] if args else None)
-            positions = (
-                cache_kwargs.get("cache_position") if isinstance(cache_kwargs, dict) else None
-            )
-            if positions is None:  # transformers >= 5.17 counts positions itself
-                start = getattr(self, "cumulative_length", self.offloader.lengths[self.position])
-                positions = torch.arange(count, device=self.device) + start
-            if hasattr(self, "cumulative_length"):
-                self.cumulative_length.add_(count)
-            self.offloader.before_update(self.position)
-            self.keys.index_copy_(2, positions, key_states)
-            self.values.index_copy_(2, positions, value_states)
-            self.offloader.after_update(self.position, positions, count)
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int | torch.Tensor:
-            # As StaticLayer: the device counter where there is one. The mask's query
-            # offset is read from here, and a Python int would be frozen into a CUDA graph
-            # at its capture (every replay then masked as the captured step).
-            counter = getattr(self, "cumulative_length", None)
-            if isinstance(counter, torch.Tensor):
-                return counter
-            return self.offloader.lengths[self.position]
-
-    return OffloadedStaticLayer
+    return static_layers
 
 
 def cache_argument(model: torch.nn.Module, cache: object) -> dict[str, object]:

@@ -124,7 +124,8 @@ class PrefetchHook(ModuleHooks):
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if not torch.compiler.is_compiling():
-            ops.offloader(self._id).wait(self._position)
+            if self._id != ops.NO_OFFLOADER:
+                ops.offloader(self._id).wait(self._position)
             return
         activations = _streams(_float_tensors((args, kwargs)), self._widths)
         if not activations:
@@ -137,7 +138,8 @@ class PrefetchHook(ModuleHooks):
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
         if not torch.compiler.is_compiling():
-            ops.offloader(self._id).layer_done(self._position)
+            if self._id != ops.NO_OFFLOADER:
+                ops.offloader(self._id).layer_done(self._position)
             return
         activations = _float_tensors(output)
         if not activations:
@@ -155,6 +157,24 @@ class PrefetchHook(ModuleHooks):
                 value = getattr(value, part)
             weights.append(value)
         return weights
+
+
+def attach_boundaries(layers: Sequence[nn.Module]) -> list[PrefetchHook]:
+    """`PrefetchHook`s without an offloader (`ops.NO_OFFLOADER`) on each of `layers` that
+    has none: under torch.compile the same ops at the same places as an offloader's, doing
+    nothing. A compiled graph of the model resident then splits its fusions where an
+    offloaded one must (its wait and start declare the layer's streams mutated), so the
+    two compute alike: inductor fused a layer's residual add into the next layer's norm
+    resident but not offloaded, and for a batch of rows that summed in another order.
+    Eagerly they return at once. Detach them with their `detach`."""
+    hooks = []
+    for position, layer in enumerate(layers):
+        own = [*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()]
+        if any(isinstance(getattr(hook, "__self__", None), PrefetchHook) for hook in own):
+            continue
+        params = list(layer.named_parameters())
+        hooks.append(PrefetchHook(ops.NO_OFFLOADER, position, params).attach(layer))
+    return hooks
 
 
 class StateDictHooks(ModuleHooks):

@@ -57,6 +57,14 @@ def register(offloader: _Steps) -> int:
     return key
 
 
+def unregister(offloader_id: int) -> None:
+    """Free `offloader_id` now (an offloader made per call frees its id when it closes, so
+    that the next call's gets the same one and a compiled graph that holds it still
+    matches)."""
+    with _registering:
+        _offloaders.pop(offloader_id, None)
+
+
 # Defined with `torch.library.Library`, not `torch.library.custom_op`: the latter's Python
 # autograd and in-place-or-view kernels cost ~17 µs a call (3.6 µs so), 60 calls a step of
 # the default model, ~5% of its compiled CPU step. Neither op touches data, and both run
@@ -81,9 +89,14 @@ def offloader(offloader_id: int) -> _Steps:
     return _offloaders[offloader_id]
 
 
+NO_OFFLOADER = -1  # the id of a layer boundary without an offloader: both ops do nothing
+
+
 def wait_layer(
     activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
+    if offloader_id == NO_OFFLOADER:
+        return
     offloader = _offloaders[offloader_id]
     offloader.check_compiled(position, weights)
     offloader.wait(position)
@@ -92,7 +105,8 @@ def wait_layer(
 def start_layer(
     activations: list[Tensor], weights: list[Tensor], offloader_id: int, position: int
 ) -> None:
-    _offloaders[offloader_id].layer_done(position, compiled=True)
+    if offloader_id != NO_OFFLOADER:
+        _offloaders[offloader_id].layer_done(position, compiled=True)
 
 
 def _nothing(

@@ -1,0 +1,129 @@
+"""transformers' `StaticLayer` as a compiled step and KV offload need it: the classes at
+a module's top level (a compiled step kept on disk names its objects' classes), in a
+module of their own because it imports transformers (`transformers_cache` imports it on
+first use)."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import StaticLayer
+
+from offload.engine.kv_cache import KVOffloader
+from offload.offloader import ops
+
+
+class StepStaticLayer(StaticLayer):
+    """A `StaticLayer` whose update, in a compiled step, is one op (`UPDATE_OP`): the
+    same op at the same place as an offloaded layer's, so that inductor splits its
+    fusions alike and a compiled offloaded step computes the resident one's bits."""
+
+    update_op: torch._ops.OpOverload
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not torch.compiler.is_compiling() or not self.is_initialized:
+            return super().update(key_states, value_states, *args, **kwargs)
+        positions = self._positions(key_states, args, kwargs)
+        self._write(key_states, value_states, positions)
+        return self.keys, self.values
+
+    def _positions(self, key_states, args, kwargs) -> torch.Tensor:
+        """The new tokens' positions, counted on (transformers >= 5.17 counts them
+        itself) or as the caller passes them."""
+        count = key_states.shape[-2]
+        cache_kwargs = kwargs.get("cache_kwargs", args[0] if args else None)
+        positions = cache_kwargs.get("cache_position") if isinstance(cache_kwargs, dict) else None
+        counter = getattr(self, "cumulative_length", None)
+        if positions is None:
+            # (not an offloader's Python count where a counter is: a compiled step
+            # would guard on its value and trace again at every token)
+            start = self._written() if counter is None else counter
+            positions = torch.arange(count, device=self.device) + start
+        if counter is not None:
+            counter.add_(count)
+        return positions
+
+    def _written(self) -> int:
+        raise RuntimeError("a static cache layer without a position counter")
+
+    def _write(self, key_states, value_states, positions, offloader_id=ops.NO_OFFLOADER):
+        kv = [self.keys, self.values]
+        position = getattr(self, "position", 0)
+        UPDATE_OP(kv, key_states, value_states, positions, offloader_id, position)
+
+
+class OffloadedStaticLayer(StepStaticLayer):
+    """A `StaticLayer` whose keys and values are views of a device slot that a
+    `KVOffloader` fills from host memory before each update."""
+
+    offloader: KVOffloader
+    offloader_id: int  # its `ops` id
+    position: int
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        return None  # allocated up front, by the offloader
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        positions = self._positions(key_states, args, kwargs)
+        if torch.compiler.is_compiling():  # one op: the step's graph stays whole
+            # (its id, not the offloader: a step kept on disk pickles what its guards
+            # read, and an offloader holds host memory and a copy thread)
+            self._write(key_states, value_states, positions, self.offloader_id)
+        else:
+            keys, values = self.keys, self.values
+            _update(
+                self.offloader, self.position, keys, values, key_states, value_states, positions
+            )
+        return self.keys, self.values
+
+    def _written(self) -> int:
+        return self.offloader.lengths[self.position]
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        # As StaticLayer: the device counter where there is one. The mask's query
+        # offset is read from here, and a Python int would be frozen into a CUDA graph
+        # at its capture (every replay then masked as the captured step).
+        counter = getattr(self, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            return counter
+        return self.offloader.lengths[self.position]
+
+
+def _update(offloader, position: int, keys, values, key_states, value_states, positions):
+    """A layer's cache update: (an offloaded one's, `offloader` not None: its slot filled)
+    the new positions written (and back to the host)."""
+    if offloader is not None:
+        offloader.before_update(position)
+    keys.index_copy_(2, positions, key_states)
+    values.index_copy_(2, positions, value_states)
+    if offloader is not None:
+        offloader.after_update(position, positions, key_states.shape[-2])
+
+
+def _update_kernel(kv, key_states, value_states, positions, offloader_id: int, position: int):
+    offloader = None
+    if offloader_id != ops.NO_OFFLOADER:
+        offloader = ops.offloader(offloader_id)
+        offloader.check_compiled(position, kv[0])
+    _update(offloader, position, *kv, key_states, value_states, positions)
+
+
+def _no_update(kv, key_states, value_states, positions, offloader_id: int, position: int):
+    return None
+
+
+def _define_update_op():
+    """`offload::kv_update`: a static cache layer's update as one op in a compiled step,
+    resident (`ops.NO_OFFLOADER`) or offloaded. Traced through, an offloaded layer's
+    per-layer Python (the slot table, the copy engine's clock) broke the graph in every
+    layer, and past dynamo's recompile limit the later layers' attention ran eagerly; and
+    where inductor fused a resident layer's writes with the work around them but could not
+    an offloaded one's, a batch summed in another order. It declares the layer's keys and
+    values mutated, so their reads come after it."""
+    schema = (
+        "(Tensor(a!)[] kv, Tensor key_states, Tensor value_states, Tensor positions, "
+        "int offloader_id, int position) -> ()"
+    )
+    return ops.define_op("kv_update", schema, _update_kernel, _no_update)
+
+
+UPDATE_OP = _define_update_op()  # (at import: dynamo cannot trace a define)
