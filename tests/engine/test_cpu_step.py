@@ -130,9 +130,7 @@ def test_the_compiled_step_computes_the_eager_steps_function(resident_compiled):
             assert logprob.logprob == pytest.approx(eager_step[token].logprob, abs=1e-4)
 
 
-def test_enforce_eager_large_batches_and_small_models_stay_eager(
-    checkpoint, compiles, monkeypatch
-):
+def test_enforce_eager_large_batches_and_small_models_stay_eager(checkpoint, compiles, monkeypatch):
     eager = LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True)
     _run(eager)
     assert eager._cpu_step is None and eager.transfer_stats().num_compiled_steps == 0
