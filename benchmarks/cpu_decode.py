@@ -1,7 +1,7 @@
 """`LLM`'s CPU decode step against llama.cpp on the same float32 bytes (issue 28).
 
-The default model in float32 (`LLM(dtype="float32")`: at batch 1 its compiled step),
-resident and with the disk tier (every layer streamed, warm), and resident eager
+The default model in float32 (`LLM(dtype="float32")`: its compiled step, at every batch
+size here), resident and with the disk tier (every layer streamed, warm), and resident eager
 (`enforce_eager=True`: every batch size eager, as before the compiled step), against llama.cpp (`llama-cpp-python`, same threads) on an F32
 GGUF of the same weights; and the default model as stored (Q4_1, Q8_0; batch 1, compiled
 and eager) against llama.cpp on its own GGUF file (written once with `gguf`'s writer from our float32 conversion,
