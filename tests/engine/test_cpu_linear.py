@@ -116,3 +116,46 @@ def test_a_batchs_product_does_not_depend_on_where_the_weight_lies(offset, rows)
     assert torch.equal(
         cpu_linear.WEIGHT_TIMES(moved, x.t()), cpu_linear.weight_times(weight, x.t())
     )
+
+
+def _misaligned(path, by: int):
+    """The safetensors file at `path` rewritten so that its tensor bytes begin `by` bytes
+    past a 64-byte boundary (its header padded with spaces), as a checkpoint may come."""
+    file = path / "model.safetensors"
+    data = file.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    header = data[8:start].rstrip(b" ")
+    header += b" " * ((by - 8 - len(header)) % 64)
+    file.write_bytes(len(header).to_bytes(8, "little") + header + data[start:])
+    return path
+
+
+@pytest.mark.parametrize("by", [8, 40])
+def test_a_batch_on_the_disk_tier_of_a_misaligned_checkpoint_gives_the_resident_bits(tmp_path, by):
+    """The disk tier computes on tensors at their file offsets modulo 64; a batch's
+    products there give the bits they give resident (the real model's shapes: MKL rounds
+    differently over an unaligned 576-wide weight)."""
+    import transformers as tf
+
+    from offload import LLM, SamplingParams
+    from tests import zoo
+
+    shape = tf.LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                           num_attention_heads=9, num_key_value_heads=3, vocab_size=512)  # fmt: skip
+    torch.manual_seed(0)
+    path = _misaligned(zoo.save_with_tokenizer(tf.LlamaForCausalLM(shape), tmp_path), by)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5 + i, 9, 14 * i + 1]} for i in range(4)]
+
+    def run(**settings):
+        llm = LLM(path, device="cpu", dtype="float32", enforce_eager=True, **settings)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
+
+    resident, _ = run()
+    on_disk, llm = run(cpu_memory_gb=0)
+    weight = llm.model.model.layers[0].mlp.up_proj.weight
+    assert weight.data_ptr() % cpu_linear.ALIGNMENT == by  # (where the file put it)
+    moved = llm.transfer_stats()
+    assert moved.disk_read_bytes + moved.disk_mapped_bytes > 0
+    assert on_disk == resident
