@@ -88,16 +88,21 @@ def _run(llm):
     return out.outputs[0].token_ids, out.outputs[0].logprobs
 
 
-@pytest.fixture(scope="module")
-def resident_compiled(checkpoint):
+def _resident_runs(checkpoint, run, shape: tuple[int, int]):
+    """`run` of the resident model compiled (its step of `shape` only), and eager."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(cpu_step.ENV, "1")
         patch.setattr(cpu_linear, "PAYS_BYTES", 0)
         llm = LLM(checkpoint, device="cpu", dtype="float32")
-        result = _run(llm)
-        assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {(1, 128)}
-        eager = _run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
+        result = run(llm)
+        assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {shape}
+        eager = run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
     return result, eager
+
+
+@pytest.fixture(scope="module")
+def resident_compiled(checkpoint):
+    return _resident_runs(checkpoint, _run, (1, 128))
 
 
 @pytest.mark.parametrize("setting", list(OFFLOADS))
@@ -159,14 +164,7 @@ def _run_batch(llm):
 
 @pytest.fixture(scope="module")
 def resident_batch(checkpoint):
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(cpu_step.ENV, "1")
-        patch.setattr(cpu_linear, "PAYS_BYTES", 0)
-        llm = LLM(checkpoint, device="cpu", dtype="float32")
-        result = _run_batch(llm)
-        assert set(llm._cpu_step._steps) == {(2, 128)}
-        eager = _run_batch(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
-    return result, eager
+    return _resident_runs(checkpoint, _run_batch, (2, 128))
 
 
 @pytest.mark.parametrize("setting", list(OFFLOADS))
