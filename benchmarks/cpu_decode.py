@@ -7,7 +7,7 @@ GGUF of the same weights; and the default model as stored (Q4_1, Q8_0; batch 1, 
 and eager) against llama.cpp on its own GGUF file (written once with `gguf`'s writer from our float32 conversion,
 into the cache folder). Batch 1 (and our batches 8 and 32), 32 tokens, decode time only (the
 time of a 1-token call taken off), medians of interleaved rounds; beside each figure the read
-bound: the weights' bytes over the two-thread read rate measured in the run. Then the
+bound: the weights' bytes over the two-thread read rate (its median, measured after each round). Then the
 compiled step's compile time in fresh processes: first with empty caches, then twice
 loading the step it kept on disk, then traced again with only inductor's kernels cached.
 
@@ -63,16 +63,18 @@ def main() -> None:
     rates["llama.cpp b1"], rates["llama.cpp Q4_1 b1"] = [], []
     for llm, batch in runs.values():  # warm-up
         _ours_rate(llm, batch, 4)
+    reads = []  # the read rate, measured after each round: the bound of the same moments
     for _ in range(args.rounds):
         for name, (llm, batch) in runs.items():
             rates[name].append(_ours_rate(llm, batch, args.tokens))
         if llama is not None:
             rates["llama.cpp b1"].append(_llama_rate(llama, ours["resident"], args.tokens))
             rates["llama.cpp Q4_1 b1"].append(_llama_rate(llama_q4, ours["resident"], args.tokens))
+        reads.append(read_gb_per_s())
     weight_bytes = sum(p.numel() * p.element_size() for p in ours["resident"].model.parameters())
     for llm in [*ours.values(), *stored.values()]:
         llm.close()
-    read = read_gb_per_s()
+    read = statistics.median(reads)
     bound = read * 1e9 / weight_bytes
     llama_rate = statistics.median(rates["llama.cpp b1"]) if rates["llama.cpp b1"] else None
     print(f"{args.tokens} tokens, {args.rounds} rounds, threads {torch.get_num_threads()}; read "
@@ -94,7 +96,8 @@ def main() -> None:
         of_bound = f" ({rate / bound:.2f} of the bound{versus})" if batch == 1 else ""
         print(f"{name:>22}: {rate:7.1f} tok/s{of_bound}")
     payload = {"tokens": args.tokens, "rounds": args.rounds, "threads": torch.get_num_threads(),
-               "read_gb_per_s": read, "weight_bytes": weight_bytes, "bound_tokens_per_s": bound,
+               "read_gb_per_s": read, "round_read_gb_per_s": reads,
+               "weight_bytes": weight_bytes, "bound_tokens_per_s": bound,
                "results": results, "compile_s": _compile_times()}  # fmt: skip
     print(f"saved {common.save('cpu-decode', torch.device('cpu'), payload)}")
 
