@@ -154,3 +154,43 @@ def test_an_unwritable_cache_dir_is_one_line(cache, monkeypatch):
         f"OFFLOAD_CACHE_DIR={cache}: cannot write the default model there (Permission "
         "denied); set OFFLOAD_CACHE_DIR to a writable folder"
     )
+
+
+def _converted_misaligned(cache):
+    """A converted model as an older version left it: its tensors 8 bytes off a 64-byte
+    boundary (safetensors' own padding)."""
+    import torch
+    from safetensors.torch import save_file
+
+    (cache / NAME).mkdir(parents=True)
+    path = cache / NAME / "model.safetensors"
+    for width in range(1, 64):  # a header length that leaves the data unaligned
+        save_file({"w": torch.arange(width, dtype=torch.float32)}, path)
+        if default.data_start(path) % 64:
+            break
+    (cache / NAME / "config.json").write_text("{}")
+    return path
+
+
+def test_a_model_converted_before_is_aligned_once_in_place(cache, conversions):
+    from safetensors.torch import load_file
+
+    path = _converted_misaligned(cache)
+    before = load_file(path)["w"]
+    assert default.default_model_path() == cache / NAME
+    assert default.data_start(path) % 64 == 0 and conversions == []
+    assert load_file(path)["w"].equal(before)
+    assert sorted(p.name for p in (cache / NAME).iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_cache_that_cannot_be_written_keeps_its_model_as_it_is(cache, monkeypatch):
+    path = _converted_misaligned(cache)
+    data = path.read_bytes()
+
+    def full_disk(source, out, length=0):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(default.shutil, "copyfileobj", full_disk)
+    assert default.default_model_path() == cache / NAME
+    assert path.read_bytes() == data  # unchanged, and no half-written copy beside it
+    assert sorted(p.name for p in (cache / NAME).iterdir()) == ["config.json", "model.safetensors"]

@@ -57,7 +57,9 @@ def default_model_path() -> Path:
     """A safetensors directory of the default model, converted on first use only."""
     folder = cache_dir()
     target = folder / DEFAULT_MODEL_NAME
-    if _converted(target) and _aligned(target / "model.safetensors"):
+    if _converted(target):
+        if not _aligned(target / "model.safetensors"):  # (converted by an older version)
+            _align_if_writable(folder, target / "model.safetensors")
         _remove_leftovers_if_free(folder)
         return target
     source = gguf_path()
@@ -70,11 +72,25 @@ def default_model_path() -> Path:
         _remove_leftovers(folder)
         if not _converted(target):  # else another process finished while we waited
             _convert_into(source, folder, target)
-        else:  # (converted by a version that did not align it)
-            align_safetensors(target / "model.safetensors")
     finally:
         os.close(lock)  # drops the lock
     return target
+
+
+def _align_if_writable(folder: Path, path: Path) -> None:
+    """Align the converted file in place, under the conversion lock; where the cache cannot
+    be written (a read-only copy), leave it: the model works as it is, its batches on the
+    disk tier only copy each weight for their products."""
+    try:
+        lock = _lock(folder, wait=True)
+    except OSError:
+        return
+    try:
+        align_safetensors(path)
+    except OSError:
+        pass
+    finally:
+        os.close(lock)
 
 
 def _converted(target: Path) -> bool:
@@ -277,15 +293,19 @@ def align_safetensors(path: Path) -> None:
         return
     start = data_start(path)
     aligning = path.with_name(f".{path.name}.aligning")
-    with open(path, "rb") as source, open(aligning, "wb") as out:
-        source.seek(8)
-        header = source.read(start - 8).rstrip(b" ")
-        padded = header + b" " * (-(8 + len(header)) % _ALIGNMENT)
-        out.write(len(padded).to_bytes(8, "little") + padded)
-        shutil.copyfileobj(source, out, 16 * 2**20)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(aligning, path)
+    try:
+        with open(path, "rb") as source, open(aligning, "wb") as out:
+            source.seek(8)
+            header = source.read(start - 8).rstrip(b" ")
+            padded = header + b" " * (-(8 + len(header)) % _ALIGNMENT)
+            out.write(len(padded).to_bytes(8, "little") + padded)
+            shutil.copyfileobj(source, out, 16 * 2**20)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(aligning, path)
+    except BaseException:  # a full disk, Ctrl-C: the file stays as it was, and no half copy
+        aligning.unlink(missing_ok=True)
+        raise
 
 
 _GGUF_PATCH = threading.Lock()
