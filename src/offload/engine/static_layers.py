@@ -17,8 +17,6 @@ class StepStaticLayer(StaticLayer):
     same op at the same place as an offloaded layer's, so that inductor splits its
     fusions alike and a compiled offloaded step computes the resident one's bits."""
 
-    update_op: torch._ops.OpOverload
-
     def update(self, key_states, value_states, *args, **kwargs):
         if not torch.compiler.is_compiling() or not self.is_initialized:
             return super().update(key_states, value_states, *args, **kwargs)
