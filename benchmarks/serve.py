@@ -3,7 +3,8 @@ clients, for each way of holding the weights, with the per-token bound beside ea
 
     python benchmarks/serve.py [--settings resident uva prefetch disk] [--concurrency 1 4 16 32]
                                [--requests-per-client 2] [--max-tokens 32] [--model PATH]
-                               [--peers transformers] [--quick]
+                               [--peers transformers] [--quick] [--dtype float32]
+                               [--compare-eager]
 
 Each setting starts its own server (`python -m offload.cli serve MODEL --max-num-seqs 32
 <flags>`, its stderr in a log file) and waits for GET /health:
@@ -28,6 +29,10 @@ gap at N=1. The issue's target: 16 clients >= 6x one client's tokens/s.
 `--peers transformers` runs the same workload on `transformers serve --continuous-batching`
 over the same model folder; when it cannot run, the reason is printed and recorded.
 `--quick`: resident only, N = 1 and 4, 1 request per client, 8 tokens (a smoke test).
+`--dtype` is passed to each server (`float32`: the default model de-quantized, whose batches
+run the compiled CPU step); `--compare-eager` runs each setting a second time with
+`--enforce-eager` (eager batches), as "<setting> eager". A server compiles its step (or
+loads it from disk) before it answers /health, so the runs time the step as it serves.
 
 The clients run on the server's machine and take CPU from it; the CPU seconds of the server
 and of the clients over each run are recorded beside the figures.
@@ -491,10 +496,15 @@ def cpu_seconds(server_pid: int) -> dict[str, float]:
     return {"server": ticks / os.sysconf("SC_CLK_TCK"), "clients": time.process_time()}
 
 
-def bench_setting(setting: str, model: Path, work: Workload, plan: Plan, logs: Path) -> dict:
-    flags = setting_flags(setting, model)
+def bench_setting(
+    setting: str, model: Path, work: Workload, plan: Plan, logs: Path, extra: list[str]
+) -> dict:
+    flags = setting_flags(setting.removesuffix(" eager"), model) + extra
+    if setting.endswith(" eager"):
+        flags.append("--enforce-eager")
     port = free_port()
-    server = Server(offload_command(model, port, flags), port, logs / f"{setting}.log")
+    log = logs / f"{setting.replace(' ', '-')}.log"
+    server = Server(offload_command(model, port, flags), port, log)
     return {"flags": flags, **bench(f"offload serve, {setting}", server, work, plan)}
 
 
@@ -542,6 +552,11 @@ def plot(payload: dict, path: Path) -> None:
     print(f"saved {path.with_suffix('.png')}")
 
 
+def settings_of(settings: list[str], compare_eager: bool) -> list[str]:
+    """Each setting, and after it (`compare_eager`) the same with --enforce-eager."""
+    return [v for s in settings for v in ([s, f"{s} eager"] if compare_eager else [s])]
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model folder (default: the default model)")
@@ -551,6 +566,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--peers", nargs="*", choices=["transformers"], default=[])
     parser.add_argument("--quick", action="store_true", help="resident, N=1 and 4, 8 tokens")
+    parser.add_argument("--dtype", help="passed to each server (float32: de-quantized)")
+    parser.add_argument(
+        "--compare-eager", action="store_true", help="each setting again with --enforce-eager"
+    )
     args = parser.parse_args()
     if args.quick:
         args.settings, args.concurrency = ["resident"], [1, 4]
@@ -565,6 +584,7 @@ def main() -> None:
     plan = Plan(args.concurrency, args.requests_per_client, min_single)
     work = Workload(SERVED_NAME, args.max_tokens, {"ignore_eos": True})
     logs = Path(tempfile.mkdtemp(prefix="offload-serve-bench-"))
+    extra = ["--dtype", args.dtype] if args.dtype else []
     payload: dict[str, object] = {
         "model": str(model),
         "max_tokens": args.max_tokens,
@@ -573,7 +593,11 @@ def main() -> None:
         "max_num_seqs": MAX_NUM_SEQS,
         "concurrency": args.concurrency,
         "target": f"{TARGET_N} clients >= {TARGET_RATIO:.0f}x one client's tokens/s",
-        "settings": {s: bench_setting(s, model, work, plan, logs) for s in args.settings},
+        "dtype": args.dtype,
+        "settings": {
+            s: bench_setting(s, model, work, plan, logs, extra)
+            for s in settings_of(args.settings, args.compare_eager)
+        },
         "peers": {p: bench_transformers(model, args.max_tokens, plan, logs) for p in args.peers},
     }
     path = common.save("serve", torch.device("cpu"), payload)

@@ -404,3 +404,114 @@ def test_a_stored_model_compiles_and_offloaded_gives_its_compiled_resident_bits(
         result, moved = run(**OFFLOADS[setting])
         assert result == expected, setting
         assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes > 0
+
+
+# -- the server's batches (rows.RowStep): one graph of dynamic rows and width -------------
+
+# (prompt, max_tokens): B leaves early, and C is prefilled (in chunks of 4 tokens) into the
+# row beside A while A decodes alone, with a padding row there.
+SERVED = [([5, 9, 14, 3], 10), ([7, 3], 2), ([30, 2, 8, 11, 4, 6], 6), ([12], 5), ([9, 9, 9], 4)]
+
+
+def _serve(llm, max_num_seqs=2):
+    """All of `SERVED` queued at once (one schedule whatever the timing: rows join and
+    leave, batches of 1 and 2 rows, several widths): each one's tokens and logprobs."""
+    import queue
+
+    serving = llm.serving(max_num_seqs)
+    queues = [queue.Queue() for _ in SERVED]
+    requests = [
+        serving.prepare(None, ids, _served_params(tokens), out.put)
+        for (ids, tokens), out in zip(SERVED, queues, strict=True)
+    ]
+    serving.engine.submit_all(requests)
+    results = []
+    for out in queues:
+        while not (item := out.get(timeout=600)).finished:
+            assert not isinstance(item, BaseException), item
+        completion = item.outputs[0]
+        logprobs = [{t: lp.logprob for t, lp in step.items()} for step in completion.logprobs]
+        results.append((completion.token_ids, logprobs))
+    serving.close()
+    return results
+
+
+def _served_params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, tmp_path_factory):
+    """The served prompts on the resident model: compiled (its graphs counted), and eager."""
+    from torch._dynamo.utils import counters
+
+    from offload.engine.batching import BatchingEngine
+
+    prefills = []
+    chunk = BatchingEngine._prefill_chunk
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cpu_step.ENV, "1")
+        patch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path_factory.mktemp("served")))
+        patch.setattr(cpu_linear, "PAYS_BYTES", 0)
+        patch.setattr(
+            BatchingEngine, "_prefill_chunk", lambda self: (prefills.append(1), chunk(self))
+        )
+        llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
+        graphs = counters["stats"]["unique_graphs"]
+        compiled = _serve(llm)
+        made = counters["stats"]["unique_graphs"] - graphs
+        steps = llm.transfer_stats().num_compiled_steps
+        # (prefill chunks of 4 tokens: a lone row decodes beside a group still prefilling)
+        assert steps == llm.transfer_stats().num_forwards - len(prefills) > 0
+        eager_llm = LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True)
+        eager = _serve(eager_llm)
+        assert eager_llm.transfer_stats().num_compiled_steps == 0
+    return compiled, eager, made, steps, llm
+
+
+def test_served_batches_of_every_size_run_one_compiled_graph(served):
+    *_, made, _, llm = served
+    assert made == 1 and set(llm._cpu_step._steps) == {("rows",)}
+    assert llm._cpu_step.graphs == {("rows",): 1}
+
+
+def test_the_served_compiled_step_computes_the_eager_steps_function(served):
+    compiled, eager, *_ = served
+    assert [tokens for tokens, _ in compiled] == [tokens for tokens, _ in eager]
+    for (_, logprobs), (_, eager_logprobs) in zip(compiled, eager, strict=True):
+        for step, eager_step in zip(logprobs, eager_logprobs, strict=True):
+            for token, logprob in step.items():
+                assert logprob == pytest.approx(eager_step[token], abs=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["prefetch", "disk", "uva"])
+def test_served_compiled_batches_offloaded_equal_them_resident_bitwise(
+    checkpoint, served, compiles, setting
+):
+    llm = LLM(
+        checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4, **OFFLOADS[setting]
+    )
+    assert _serve(llm) == served[0]
+    assert llm.transfer_stats().num_compiled_steps == served[3]
+    moved = llm.transfer_stats()
+    assert llm.offloader.offloaded_bytes > 0
+    streamed = moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes
+    assert streamed > 0 or setting == "uva"  # (UVA reads in place on a CPU)
+
+
+def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint, served, compiles):
+    """`warm_up` compiles the step before any request (what `offload serve` does before it
+    listens) and keeps it on disk; the next server of the same model loads it (no trace)
+    and serves the same bits."""
+    from torch._dynamo.utils import counters
+
+    first = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
+    first.serving(2).warm_up()
+    assert set(first._cpu_step._steps) == {("rows",)} and first._cpu_step.loaded == 0
+    assert _serve(first) == served[0]
+    graphs = counters["stats"]["unique_graphs"]
+    second = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
+    second.serving(2).warm_up()
+    assert second._cpu_step.loaded == 1 and counters["stats"]["unique_graphs"] == graphs
+    assert _serve(second) == served[0]
+    assert second.transfer_stats().num_compiled_steps == served[3]

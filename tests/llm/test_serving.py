@@ -152,19 +152,21 @@ def test_requests_that_cannot_fit_are_refused_at_once(checkpoint):
         llm.serving()
 
 
-def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(checkpoint):
+def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(checkpoint, monkeypatch):
+    from offload.engine.rows import RowStep
+
     with LLM(checkpoint) as llm:
         engine = llm.serving().engine
-        real = engine._forward
+        real = RowStep.__call__
         calls = {"n": 0}
 
-        def failing_once(*args):
+        def failing_once(step):
             calls["n"] += 1
-            if calls["n"] == 2:  # the first decode step
+            if calls["n"] == 1:  # the first decode step
                 raise OSError("injected read error")
-            return real(*args)
+            return real(step)
 
-        engine._forward = failing_once
+        monkeypatch.setattr(RowStep, "__call__", failing_once)
         with pytest.raises(OSError, match="injected"):
             list(llm.stream("t3 t4", GREEDY))
         assert isinstance(engine.last_error, OSError)

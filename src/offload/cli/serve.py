@@ -40,7 +40,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        "answered 503 at once (default: 8 x --max-num-seqs)")  # fmt: skip
     serve.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
     serve.add_argument("--enforce-eager", action="store_true",
-                       help="accepted for vLLM's sake: the server decodes eagerly")  # fmt: skip
+                       help="decode eagerly: no compiled CPU step (nor its compile at start)")  # fmt: skip
     serve.add_argument("--no-progress", action="store_true", help="no loading progress bar")
 
 
@@ -83,6 +83,12 @@ def _serve(args, sock, path, config, name, waiting) -> int:
     # torch's OpenMP teams are only fast while one thread leads them (measured: a
     # 16-sequence step 210 -> 103 ms; docs/benchmarks.md).
     serving = llm.serving(fixed_length=args.max_model_len is not None, engine_thread=False)
+    try:
+        serving.warm_up()  # the compiled decode step before any request waits on it
+    except BaseException:
+        serving.close()
+        llm.close()
+        raise
     app = make_app(llm, settings)
     server = uvicorn.Server(
         uvicorn.Config(

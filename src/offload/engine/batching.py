@@ -19,9 +19,10 @@ from collections.abc import Callable
 
 import torch
 
+from offload.engine import cpu_linear
 from offload.engine.cpu_linear import kernels_for
 from offload.engine.requests import EngineModel, Group, Row, Submitted
-from offload.engine.rows import RowCache, read_width
+from offload.engine.rows import MAX_WIDTH, MIN_ROWS, RowCache, RowStep, read_width
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError, OffloadError
 from offload.sizes import compute_dtype
@@ -237,29 +238,61 @@ class BatchingEngine:
         self._running.extend(group.rows)
         self._pick(group.rows, logits)
 
+    @torch.inference_mode()
     def _decode_step(self) -> None:
         rows = self._running
+        # (its inputs made in inference mode, as the warm-up's: a compiled step's guards
+        # check each input's dispatch keys, and a step made outside it missed the graph)
+        step = self._row_step(rows)
+        compiled = self._runner.compiled
+        if compiled is not None and step.compiled and compiled.usable(step):
+            logits = compiled(step)
+            counted = compiled.usable(step)  # (known after its first call)
+        else:
+            with kernels_for(self._runner.model, self._runner.device):
+                logits = step()
+            counted = False
+        logits = logits[: len(rows)]  # (less the padding rows)
+        self._runner.on_forward(counted)
+        for row in rows:
+            row.column += row.is_live
+        self._pick(rows, logits)
+
+    def _row_step(self, rows: list[Row]) -> RowStep:
+        """The decode step of `rows`: compiled where the runner has a compiled step, there
+        are at most `cpu_linear.MAX_ROWS` rows and they read at most `MAX_WIDTH` columns. Fewer than `MIN_ROWS` run with
+        padding rows beside them (copies of the first, or of an empty row), which write
+        only the column past `max_len`."""
         device = self._runner.device
         last = [row.sequence.tokens[-1] if row.sequence.tokens else 0 for row in rows]
         # (a finished row still in the batch rewrites its last column: never past the end)
         at = [min(row.column, self.max_len - 1) for row in rows]
+        starts = [row.start for row in rows]
+        width = read_width(max(at, default=0) + 1, self.max_len)
+        compiled = self._runner.compiled is not None and len(rows) <= cpu_linear.MAX_ROWS
+        compiled = compiled and width <= MAX_WIDTH
+        if compiled and len(rows) < MIN_ROWS:
+            pad = MIN_ROWS - len(rows)
+            last, at, starts = (
+                [*values, *(values or [0])[:1] * pad] for values in (last, at, starts)
+            )
         columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
-        starts = torch.tensor([[row.start] for row in rows], device=device)  # [rows, 1]
-        width = read_width(max(at) + 1, self.max_len)
+        start = torch.tensor(starts, device=device)[:, None]  # [rows, 1]
         every = torch.arange(width, device=device)
-        mask = ((every[None, :] >= starts) & (every[None, :] <= columns)).long()
-        # The causal part of the mask is measured from the last column read (so it
-        # allows every column); the 2D mask says which ones each row reads.
-        self._cache.select(0, len(rows), columns, width - 1, width)
-        logits = self._forward(
-            torch.tensor(last, device=device)[:, None],
-            mask,
-            columns - starts,
-            torch.tensor([width - 1], device=device),
-        )
-        for row in rows:
-            row.column += row.is_live
-        self._pick(rows, logits)
+        mask = ((every[None, :] >= start) & (every[None, :] <= columns)).long()
+        positions = columns - start
+        columns[len(rows) :] = self.max_len  # padding rows write past what is read
+        input_ids = torch.tensor(last, device=device)[:, None]
+        model = self._runner.model
+        return RowStep(model, self._cache, input_ids, mask, positions, columns, compiled)
+
+    def warm_up(self) -> None:
+        """Compile (or load from disk) the compiled decode step now, with padding rows
+        only, before a request waits on it (`offload serve` does, before it listens)."""
+        if self._runner.compiled is None:
+            return
+        with self._runner.lock, torch.inference_mode():
+            self._runner.compiled(self._row_step([]))
 
     def _forward(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
         model = self._runner.model
@@ -276,7 +309,7 @@ class BatchingEngine:
                 use_cache=True,
                 logits_to_keep=1,
             )
-        self._runner.on_forward()
+        self._runner.on_forward(False)
         return out.logits[:, -1, :]  # [rows, vocab]
 
     def _pick(self, rows: list[Row], logits: torch.Tensor) -> None:

@@ -101,12 +101,15 @@ def _linear_calls(x, weight, bias) -> list[tuple]:
     `example_value`)."""
     x_value = x.meta["example_value"] if isinstance(x, torch.fx.Node) else x
     weight_value = weight.meta["example_value"] if isinstance(weight, torch.fx.Node) else weight
-    shape = (*x_value.shape[:-1], weight_value.shape[0])
-    rows = x_value.numel() // x_value.shape[-1]
-    if rows == 1:  # one loop over the weight's rows, split across the threads
+    # (-1 for the leading size: a step of dynamic rows, `rows.RowStep`, has a symbol there)
+    shape = (-1, *x_value.shape[1:-1], weight_value.shape[0])
+    width = x_value.shape[-1]
+    if (
+        x_value.numel() == width
+    ):  # one row: one loop over the weight's rows, split across the threads
         calls = [(torch.reshape, (_X, (1, -1))), (torch.mul, (_X, weight)), (torch.sum, (_X, -1))]
     else:  # MKL's product with the weight as stored (x @ weight.T repacks it every call)
-        calls = [(torch.reshape, (_X, (rows, -1))), (torch.t, (_X,)),
+        calls = [(torch.reshape, (_X, (-1, width))), (torch.t, (_X,)),
                  (cpu_linear.WEIGHT_TIMES, (weight, _X)), (torch.t, (_X,))]  # fmt: skip
     calls.append((torch.reshape, (_X, shape)))
     return calls if bias is None else [*calls, (torch.add, (_X, bias))]
@@ -208,20 +211,21 @@ class CompiledCpuStep:
 
     def ready(self, step) -> bool:
         """Whether `step`'s shape is compiled already (else its next call compiles)."""
-        return tuple(step.mask.shape) in self._steps
+        return _key(step) in self._steps
 
     def usable(self, step) -> bool:
         """False once `step`'s shape is known to trace into no graph at all (dynamo gave
         up on every frame of it): its steps run eagerly, and count as eager."""
-        return self.graphs.get(tuple(step.mask.shape), 1) > 0
+        return self.graphs.get(_key(step), 1) > 0
 
     def __call__(self, step) -> torch.Tensor:
-        shape = tuple(step.mask.shape)
+        shape = _key(step)
         run = self._steps.get(shape)
         if run is not None:
             return run(step)
-        what = f"compiling the CPU decode step for batch {shape[0]}, cache {shape[1]}"
-        what += " (once per machine, up to a minute)"
+        what = getattr(step, "compile_what", None) or f"batch {shape[0]}, cache {shape[1]}"
+        what = f"compiling the CPU decode step for {what} (once per machine, "
+        what += "up to two minutes)" if hasattr(step, "compile_key") else "up to a minute)"
         started = time.perf_counter()
         try:
             with _Announced(what) as announced:
@@ -246,20 +250,25 @@ class CompiledCpuStep:
             self._traced_step = torch.compile(self._function, dynamic=False, options=_OPTIONS)
         return self._traced_step
 
+    def _trace(self, step) -> torch.Tensor:
+        """The step as torch.compile traces it, its dynamic sizes marked (`_marked`)."""
+        return self._traced(_marked(step))
+
     def _prepare(self, step, shape: tuple[int, ...]) -> Callable:
         """The step kept on disk for this model, setting and shape; else compiled ahead of
         time and kept; else (it cannot be: a graph break) as torch.compile traces it."""
         if not step_cache.keepable(step):
-            return self._traced
+            return self._trace
         name = step_cache.fingerprint(step, f"{shape} {rewrite_digest()}")
         path = step_cache.folder() / f"{name}.pt2"
         saved = step_cache.load(path)
         if saved is not None and saved.guard_check(step):
             self.loaded += 1
-            return _Checked(saved, self._traced)
+            return _Checked(saved, self._trace)
         unkept = path.with_suffix(".traced")  # this step cannot be kept: trace it at once
         if unkept.exists():
-            return self._traced
+            return self._trace
+        _marked(step)
         options = {**_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
         whole = torch.compile(self._function, fullgraph=True, dynamic=False, options=options)
         try:
@@ -269,10 +278,26 @@ class CompiledCpuStep:
             # offloaders' slots and locks.) Said once, so no later process tries again.
             log.info("the decode step compiles without being kept (%s)", error)
             step_cache.mark(unkept)
-            return self._traced
+            return self._trace
         step_cache.save(compiled, path)
         compiled.disable_guard_check()
-        return _Checked(compiled, self._traced)
+        return _Checked(compiled, self._trace)
+
+
+def _marked(step):
+    """`step` with its dynamic sizes marked (`rows.RowStep.mark_dynamic`), for a call that
+    may compile. Only such calls: a kept step's guards are rebuilt from tensors that lost
+    their marks, and refuse a marked input (an unmarked one passes the marked graph's)."""
+    if hasattr(step, "mark_dynamic"):
+        step.mark_dynamic()
+    return step
+
+
+def _key(step) -> tuple:
+    """What a step's graph is specialised to: its mask's shape (batch, cache length), or
+    the step's own `compile_key` (a step of dynamic sizes, `rows.RowStep`)."""
+    key = getattr(step, "compile_key", None)
+    return key if key is not None else tuple(step.mask.shape)
 
 
 class _Checked:

@@ -7,11 +7,15 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from offload.engine.sequences import RequestOutput, SequenceState, completion_of
 from offload.engine.tokens import TokenSteps
+
+if TYPE_CHECKING:
+    from offload.engine.cpu_step import CompiledCpuStep
 
 Emit = Callable[[RequestOutput | BaseException], None]
 
@@ -67,4 +71,5 @@ class EngineModel:
     device: torch.device
     pad_id: int
     lock: threading.Lock  # held for each forward: the model's other callers wait
-    on_forward: Callable[[], None] = lambda: None
+    on_forward: Callable[[bool], None] = lambda compiled: None  # after each (a compiled step?)
+    compiled: CompiledCpuStep | None = None  # the compiled CPU decode step, where it pays

@@ -8,20 +8,24 @@ row writes; the layers write there and hand attention the slice, and the mask th
 passes (2D, one row per sequence) says which columns each row may read. A prompt is
 written right-aligned in its row's first columns (`start` = where it begins), so the
 column of a token is its position plus the row's start.
+
+Each row has one column more than it holds, `max_len`: where a padding row writes (a
+compiled step runs at least two rows, `RowStep`); no mask reads it.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 
+from offload.engine import cpu_linear
 from offload.engine.kv_shape import config_kv_dims
+from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError
 
 
-@dataclass
+@dataclass(slots=True)  # (no __dict__: a kept step's name holds none of a window's values)
 class RowWindow:
     """Which rows the next forward runs, and where each row writes: shared by every
     layer of a `RowCache`."""
@@ -35,11 +39,18 @@ class RowWindow:
     offset: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
 
 
+MIN_ROWS = 2  # the fewest rows a compiled step runs (`RowStep`)
+# The most columns a compiled step reads: inductor sums a longer float reduction through a
+# chunked accumulator (other kernels, and a second compile); wider steps run eagerly.
+MAX_WIDTH = 4096
+
+
 class RowCache:
     """`max_rows` rows of `max_len` columns of keys and values in every attention layer,
     on `device`; `cache` is the transformers object a forward takes."""
 
     def __init__(self, hf_config, max_rows: int, max_len: int, dtype, device, dims=None):
+        held = max(max_rows, MIN_ROWS)  # (room for a padding row beside a lone one)
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
 
@@ -56,14 +67,14 @@ class RowCache:
             layer = _row_layer_class()(max_len)
             layer.window = self.window
             layer.dtype, layer.device = dtype, torch.device(device)
-            layer.max_batch_size = layer.batch_size = max_rows
+            layer.max_batch_size = layer.batch_size = held
             layer.num_heads, layer.k_head_dim, layer.v_head_dim = heads, k_dim, v_dim
             layer.head_dim = k_dim
             layer.all_keys = torch.zeros(
-                max_rows, heads, max_len, k_dim, dtype=dtype, device=device
+                held, heads, max_len + 1, k_dim, dtype=dtype, device=device
             )
             layer.all_values = torch.zeros(
-                max_rows, heads, max_len, v_dim, dtype=dtype, device=device
+                held, heads, max_len + 1, v_dim, dtype=dtype, device=device
             )
             layer.keys, layer.values = layer.all_keys, layer.all_values
             layer.is_initialized = True
@@ -90,6 +101,55 @@ class RowCache:
             layer.all_values[target, :, :num_columns] = layer.all_values[source, :, :num_columns]
 
 
+class RowStep:
+    """One decode forward of rows [0, rows) of a `RowCache`: each row's new token, the
+    column it writes, its position and its mask ([rows, width]). As a compiled CPU step
+    (`cpu_step.CompiledCpuStep`, `compiled=True`) its rows and width are dynamic: one graph
+    serves every batch of `MIN_ROWS` to `cpu_linear.MAX_ROWS` rows, up to `MAX_WIDTH` wide,
+    since a server's batch changes at every step (a graph per shape would be a compile
+    each). The window is set inside the step from its inputs' sizes, so nothing of it is
+    baked in."""
+
+    compile_key = ("rows",)  # (one graph: `CompiledCpuStep` keys its graphs so)
+
+    def __init__(self, model, rows: RowCache, input_ids, mask, position_ids, columns, compiled):
+        self._model = model
+        self._rows = rows
+        self._cache = cache_argument(model, rows.cache)
+        self.input_ids = input_ids  # [rows, 1]
+        self.mask = mask  # [rows, width]
+        self.position_ids = position_ids  # [rows, 1]
+        self.columns = columns  # [rows, 1]
+        self.compiled = compiled
+        # (the causal part of the mask measured from the last column read: it allows every
+        # column, and the 2D mask says which ones each row reads)
+        self.cache_position = torch.tensor([mask.shape[1] - 1], device=mask.device)
+
+    def mark_dynamic(self) -> None:
+        """Mark the rows and the width as dynamic (for a call that compiles)."""
+        for tensor in (self.input_ids, self.mask, self.position_ids, self.columns):
+            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(self.mask, 1)
+
+    @property
+    def compile_what(self) -> str:
+        return f"batches of {MIN_ROWS} to {cpu_linear.MAX_ROWS} rows"
+
+    def __call__(self) -> torch.Tensor:
+        num_rows, width = self.columns.shape[0], self.mask.shape[1]
+        self._rows.select(0, num_rows, self.columns, width - 1, width)
+        out = self._model(
+            input_ids=self.input_ids,
+            attention_mask=self.mask,
+            position_ids=self.position_ids,
+            **self._cache,
+            cache_position=self.cache_position,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :]  # [rows, vocab]
+
+
 def read_width(num_columns: int, max_len: int) -> int:
     """Columns a forward reads when its rows have written `num_columns`: the next power
     of two (at least 64, at most `max_len`), so that a few shapes serve every step."""
@@ -106,37 +166,8 @@ def bytes_per_row(hf_config, max_len: int, dtype: torch.dtype, dims=None) -> int
     return per_column * max_len * hf_config.num_hidden_layers
 
 
-@functools.cache
 def _row_layer_class() -> type:
-    """Made on first use, so that importing offload does not import transformers."""
-    from transformers.cache_utils import StaticLayer
-
-    class RowLayer(StaticLayer):
-        """Writes each row's new keys and values at that row's own columns, and gives
-        attention the rows of this forward."""
-
-        window: RowWindow
-        all_keys: torch.Tensor  # [max_rows, heads, max_len, dim]
-        all_values: torch.Tensor
-
-        def lazy_initialization(self, *args, **kwargs) -> None:
-            return None  # allocated up front
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            window = self.window
-            keys = self.all_keys[window.first : window.last, :, : window.width]
-            values = self.all_values[window.first : window.last, :, : window.width]
-            rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
-            rows = rows.expand_as(window.columns)
-            # [rows, len, heads, dim] views: one (row, column) pair per new token.
-            keys.transpose(1, 2).index_put_((rows, window.columns), key_states.transpose(1, 2))
-            values.transpose(1, 2).index_put_((rows, window.columns), value_states.transpose(1, 2))
-            return keys, values
-
-        def get_seq_length(self) -> torch.Tensor:
-            return self.window.offset
-
-        def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-            return self.window.width, 0
+    """Imported on first use, so that importing offload does not import transformers."""
+    from offload.engine.static_layers import RowLayer
 
     return RowLayer

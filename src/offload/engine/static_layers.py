@@ -1,7 +1,7 @@
-"""transformers' `StaticLayer` as a compiled step and KV offload need it: the classes at
-a module's top level (a compiled step kept on disk names its objects' classes), in a
-module of their own because it imports transformers (`transformers_cache` imports it on
-first use)."""
+"""transformers' `StaticLayer` as a compiled step, KV offload and continuous batching need
+it: the classes at a module's top level (a compiled step kept on disk names its objects'
+classes), in a module of their own because it imports transformers (`transformers_cache`
+and `rows` import it on first use)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from offload.engine.kv_cache import KVOffloader
+from offload.engine.rows import RowWindow
 from offload.offloader import ops
 
 
@@ -125,3 +126,33 @@ def _define_update_op():
 
 
 UPDATE_OP = _define_update_op()  # (at import: dynamo cannot trace a define)
+
+
+class RowLayer(StaticLayer):
+    """A layer of continuous batching's cache (`rows.RowCache`): writes each row's new keys
+    and values at that row's own columns, and gives attention the rows of this forward."""
+
+    window: RowWindow
+    all_keys: torch.Tensor  # [rows, heads, max_len + 1, dim]
+    all_values: torch.Tensor
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        return None  # allocated up front
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        window = self.window
+        keys = self.all_keys[window.first : window.last]
+        values = self.all_values[window.first : window.last]
+        rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
+        rows = rows.expand_as(window.columns)
+        # [rows, len, heads, dim] views: one (row, column) pair per new token (a padding
+        # row's in the column past max_len, which attention does not read).
+        keys.transpose(1, 2).index_put_((rows, window.columns), key_states.transpose(1, 2))
+        values.transpose(1, 2).index_put_((rows, window.columns), value_states.transpose(1, 2))
+        return keys[:, :, : window.width], values[:, :, : window.width]
+
+    def get_seq_length(self) -> torch.Tensor:
+        return self.window.offset
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.window.width, 0

@@ -16,7 +16,7 @@ import torch
 
 from offload.engine.batching import BatchingEngine
 from offload.engine.requests import EngineModel, Submitted
-from offload.engine.rows import bytes_per_row
+from offload.engine.rows import MIN_ROWS, bytes_per_row
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
 from offload.errors import ConfigError, OffloadError
@@ -102,6 +102,8 @@ class Serving:
             llm.tokenizer.pad_token_id or 0,
             llm._lock,
             on_forward=self._count_forward,
+            # (one graph for every batch of 2 to 64 rows: `rows.RowStep`)
+            compiled=llm._compiled_step(MIN_ROWS),
         )
         self.engine = BatchingEngine(
             runner,
@@ -113,8 +115,9 @@ class Serving:
         self.max_model_len = plan.length  # what a request may hold here (prompt + output)
         self._probe: _Probe | None = None
 
-    def _count_forward(self) -> None:
+    def _count_forward(self, compiled: bool) -> None:
         self._llm._forwards += 1
+        self._llm._compiled_steps += compiled
 
     def submit(self, *args, **kwargs) -> Submitted:
         """`prepare` one request, then queue it: `emit` gets its output after each step
@@ -166,6 +169,11 @@ class Serving:
                 self.submit(None, [self._llm.tokenizer.eos_token_id or 0], params, probe.emit)
                 self._probe = probe
         return False
+
+    def warm_up(self) -> None:
+        """The compiled decode step of the batches compiled (or loaded from disk) now,
+        rather than at the first decode step, where each request would wait on it."""
+        self.engine.warm_up()
 
     def close(self) -> None:
         self.engine.close()
