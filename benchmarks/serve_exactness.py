@@ -1,7 +1,7 @@
 """How often a request served in a continuous batch gets the greedy answer it would get
 alone, and whether offloading changes a single bit of what the server answers.
 
-    python benchmarks/serve_exactness.py [--max-tokens 32] [--model PATH]
+    python benchmarks/serve_exactness.py [--max-tokens 32] [--model PATH] [--dtype float32]
 
 1. Each of the serving benchmark's 16 chat prompts alone through `LLM.chat` (greedy).
 2. The same 16 through `LLM.stream` from 16 threads that start 0-50 ms apart (so they
@@ -10,6 +10,8 @@ alone, and whether offloading changes a single bit of what the server answers.
 3. The 16 queued at once (one schedule, whatever the timing) on a resident server, one with
    every decoder layer prefetched, and one with every decoder layer read from the disk
    tier: tokens and logprobs must be bitwise equal (the promise), and bytes must move.
+`--dtype float32` (the default model de-quantized) runs the servers' compiled CPU step
+(`rows.RowStep`): the JSON records how many decode steps were compiled in each.
 """
 
 from __future__ import annotations
@@ -83,10 +85,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     model = args.model or str(default_model_path())
     greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    with LLM(model) as llm:
+    with LLM(model, dtype=args.dtype) as llm:
         ids = prompt_ids(llm)
         alone = [
             llm.generate([{"prompt_token_ids": i}], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -98,18 +101,21 @@ def main() -> None:
     with_logprobs = SamplingParams(
         temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2
     )
-    answers, moved = {}, {}
+    answers, moved, compiled = {}, {}, {}
     for name, flags in SETTINGS.items():
-        with LLM(model, **flags) as llm:
+        with LLM(model, dtype=args.dtype, **flags) as llm:
             answers[name] = together(llm, ids, with_logprobs)
             stats = llm.offloader.stats()
             moved[name] = stats.bytes_copied + stats.disk.bytes_read
+            compiled[name] = llm.transfer_stats().num_compiled_steps
     bitwise = {name: answers[name] == answers["resident"] for name in SETTINGS}
     for name in SETTINGS:
         print(f"{name}: bitwise the resident server's tokens and logprobs: {bitwise[name]}; "
-              f"weight bytes moved {moved[name] / 2**20:.0f} MiB")  # fmt: skip
+              f"weight bytes moved {moved[name] / 2**20:.0f} MiB; "
+              f"{compiled[name]} compiled decode steps")  # fmt: skip
     path = common.save("serve-exactness", torch.device("cpu"), {
-        "model": model, "max_tokens": args.max_tokens, "prompts": len(ids),
+        "model": model, "dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": len(ids),
+        "compiled_steps": compiled,
         "same_as_alone": same, "bitwise_equal_to_resident": bitwise, "bytes_moved": moved,
     })  # fmt: skip
     print(f"saved {path}")

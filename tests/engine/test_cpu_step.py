@@ -447,22 +447,25 @@ def served(checkpoint, tmp_path_factory):
 
     from offload.engine.batching import BatchingEngine
 
-    prefills = []
-    chunk = BatchingEngine._prefill_chunk
+    batches = []  # the rows of each decode step
+    decode = BatchingEngine._decode_step
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(cpu_step.ENV, "1")
         patch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path_factory.mktemp("served")))
         patch.setattr(cpu_linear, "PAYS_BYTES", 0)
         patch.setattr(
-            BatchingEngine, "_prefill_chunk", lambda self: (prefills.append(1), chunk(self))
+            BatchingEngine,
+            "_decode_step",
+            lambda self: (batches.append(len(self._running)), decode(self)),
         )
         llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
         graphs = counters["stats"]["unique_graphs"]
         compiled = _serve(llm)
         made = counters["stats"]["unique_graphs"] - graphs
         steps = llm.transfer_stats().num_compiled_steps
-        # (prefill chunks of 4 tokens: a lone row decodes beside a group still prefilling)
-        assert steps == llm.transfer_stats().num_forwards - len(prefills) > 0
+        # Steps of 2 rows compiled, a lone row's eager (one decodes while a group is
+        # prefilled beside it, in chunks of 4 tokens).
+        assert 1 in batches and steps == batches.count(2) > 0
         eager_llm = LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True)
         eager = _serve(eager_llm)
         assert eager_llm.transfer_stats().num_compiled_steps == 0

@@ -258,24 +258,23 @@ class BatchingEngine:
             row.column += row.is_live
         self._pick(rows, logits)
 
-    def _row_step(self, rows: list[Row]) -> RowStep:
+    def _row_step(self, rows: list[Row], pad_to: int = 0) -> RowStep:
         """The decode step of `rows`: compiled where the runner has a compiled step, there
-        are at most `cpu_linear.MAX_ROWS` rows and they read at most `MAX_WIDTH` columns. Fewer than `MIN_ROWS` run with
-        padding rows beside them (copies of the first, or of an empty row), which write
-        only the column past `max_len`."""
+        are `MIN_ROWS` to `cpu_linear.MAX_ROWS` of them and they read at most `MAX_WIDTH`
+        columns (measured, docs/benchmarks.md: a lone row is faster eagerly than beside a
+        padding row, and wider steps' attention is faster eagerly). `pad_to`: padding rows
+        up to that many (copies of the first row, or of an empty one), which write only the
+        column past `max_len` (the warm-up's step is all padding)."""
         device = self._runner.device
         last = [row.sequence.tokens[-1] if row.sequence.tokens else 0 for row in rows]
         # (a finished row still in the batch rewrites its last column: never past the end)
         at = [min(row.column, self.max_len - 1) for row in rows]
         starts = [row.start for row in rows]
         width = read_width(max(at, default=0) + 1, self.max_len)
-        compiled = self._runner.compiled is not None and len(rows) <= cpu_linear.MAX_ROWS
-        compiled = compiled and width <= MAX_WIDTH
-        if compiled and len(rows) < MIN_ROWS:
-            pad = MIN_ROWS - len(rows)
-            last, at, starts = (
-                [*values, *(values or [0])[:1] * pad] for values in (last, at, starts)
-            )
+        pad = max(pad_to - len(rows), 0)
+        compiled = MIN_ROWS <= len(rows) + pad <= cpu_linear.MAX_ROWS and width <= MAX_WIDTH
+        compiled = compiled and self._runner.compiled is not None
+        last, at, starts = ([*values, *(values or [0])[:1] * pad] for values in (last, at, starts))
         columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
         start = torch.tensor(starts, device=device)[:, None]  # [rows, 1]
         every = torch.arange(width, device=device)
@@ -292,7 +291,7 @@ class BatchingEngine:
         if self._runner.compiled is None:
             return
         with self._runner.lock, torch.inference_mode():
-            self._runner.compiled(self._row_step([]))
+            self._runner.compiled(self._row_step([], pad_to=MIN_ROWS))
 
     def _forward(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
         model = self._runner.model
