@@ -509,8 +509,19 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
     from torch._dynamo.utils import counters
 
     first = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
-    first.serving(2).warm_up()
+    serving = first.serving(2)
+    rows = serving.engine._cache
+    for layer in rows.cache.layers:  # (marked, to see what the warm-up writes)
+        layer.all_keys.fill_(float("nan"))
+    serving.warm_up()
     assert set(first._cpu_step._steps) == {("rows",)} and first._cpu_step.loaded == 0
+    # Its padding rows wrote only the column past max_len, which no row reads (the first
+    # layer's keys there are the tokens' own; the later ones' come from what the marks gave).
+    layers = rows.cache.layers
+    assert not layers[0].all_keys[:2, :, rows.max_len].isnan().any()
+    for layer in layers:
+        assert layer.all_keys[:, :, : rows.max_len].isnan().all()
+        layer.all_keys.zero_()
     assert _serve(first) == served[0]
     graphs = counters["stats"]["unique_graphs"]
     second = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)

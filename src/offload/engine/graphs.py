@@ -62,16 +62,22 @@ class DecodeStep:
         self.mask[:, position] = 1
 
     def __call__(self) -> torch.Tensor:
-        out = self._model(
-            input_ids=self.input_ids,
-            attention_mask=self.mask,
-            position_ids=self.position_ids,
-            **self._cache,
-            cache_position=self.cache_position,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :]  # [batch, vocab]
+        return last_logits(self)
+
+
+def last_logits(step) -> torch.Tensor:
+    """The one-token forward of `step` (a `DecodeStep` or a `rows.RowStep`: its model,
+    cache argument and inputs); the logits of each row's new token, [rows, vocab]."""
+    out = step._model(
+        input_ids=step.input_ids,
+        attention_mask=step.mask,
+        position_ids=step.position_ids,
+        **step._cache,
+        cache_position=step.cache_position,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1, :]
 
 
 class DecodeGraphs:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.engine import cpu_linear
+from offload.engine.graphs import last_logits
 from offload.engine.kv_shape import config_kv_dims
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError
@@ -140,16 +141,7 @@ class RowStep:
     def __call__(self) -> torch.Tensor:
         num_rows, width = self.columns.shape[0], self.mask.shape[1]
         self._rows.select(0, num_rows, self.columns, width - 1, width)
-        out = self._model(
-            input_ids=self.input_ids,
-            attention_mask=self.mask,
-            position_ids=self.position_ids,
-            **self._cache,
-            cache_position=self.cache_position,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :]  # [rows, vocab]
+        return last_logits(self)
 
 
 def read_width(num_columns: int, max_len: int) -> int:

@@ -9,7 +9,6 @@ import torch
 from transformers.cache_utils import StaticLayer
 
 from offload.engine.kv_cache import KVOffloader
-from offload.engine.rows import RowWindow
 from offload.offloader import ops
 
 
@@ -132,7 +131,7 @@ class RowLayer(StaticLayer):
     """A layer of continuous batching's cache (`rows.RowCache`): writes each row's new keys
     and values at that row's own columns, and gives attention the rows of this forward."""
 
-    window: RowWindow
+    window: object  # the cache's `rows.RowWindow` (not imported: rows imports this module)
     all_keys: torch.Tensor  # [rows, heads, max_len + 1, dim]
     all_values: torch.Tensor
 
