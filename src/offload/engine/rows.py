@@ -42,9 +42,10 @@ class RowWindow:
 
 
 MIN_ROWS = 2  # the fewest rows a compiled step runs (`RowStep`)
-# The most columns a compiled step reads. Its attention is inductor's own loops over dynamic
-# sizes, slower than ATen's kernel past this (measured: 8 rows at 128 columns 1.16x eager,
-# at 256 1.04x, at 512 0.91x; 16 rows at 2048 0.58x): wider steps run eagerly.
+# The most columns a compiled step reads; wider steps run eagerly, which is faster there
+# (measured: 8 rows at 128 columns 1.16x eager, at 256 1.04x, at 512 0.91x; 16 rows at 2048
+# 0.58x). Compiled, transformers repeats each KV head's keys and values for its query
+# heads; at one new token its eager attention packs the query heads instead.
 MAX_WIDTH = 128
 
 
