@@ -104,9 +104,7 @@ def _linear_calls(x, weight, bias) -> list[tuple]:
     # (-1 for the leading size: a step of dynamic rows, `rows.RowStep`, has a symbol there)
     shape = (-1, *x_value.shape[1:-1], weight_value.shape[0])
     width = x_value.shape[-1]
-    if (
-        x_value.numel() == width
-    ):  # one row: one loop over the weight's rows, split across the threads
+    if x_value.numel() == width:  # one row: one loop over the weight's rows, across threads
         calls = [(torch.reshape, (_X, (1, -1))), (torch.mul, (_X, weight)), (torch.sum, (_X, -1))]
     else:  # MKL's product with the weight as stored (x @ weight.T repacks it every call)
         calls = [(torch.reshape, (_X, (-1, width))), (torch.t, (_X,)),
