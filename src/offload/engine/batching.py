@@ -22,7 +22,7 @@ import torch
 from offload.engine import cpu_linear
 from offload.engine.cpu_linear import kernels_for
 from offload.engine.requests import EngineModel, Group, Row, Submitted
-from offload.engine.rows import MAX_WIDTH, MIN_ROWS, RowCache, RowStep, read_width
+from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError, OffloadError
 from offload.sizes import compute_dtype
@@ -260,9 +260,8 @@ class BatchingEngine:
 
     def _row_step(self, rows: list[Row], pad_to: int = 0) -> RowStep:
         """The decode step of `rows`: compiled where the runner has a compiled step, there
-        are `MIN_ROWS` to `cpu_linear.MAX_ROWS` of them and they read at most `MAX_WIDTH`
-        columns (measured, docs/benchmarks.md: a lone row is faster eagerly than beside a
-        padding row, and wider steps' attention is faster eagerly). `pad_to`: padding rows
+        are `MIN_ROWS` to `cpu_linear.MAX_ROWS` of them (measured, docs/benchmarks.md: a
+        lone row is faster eagerly than beside a padding row). `pad_to`: padding rows
         up to that many (copies of the first row, or of an empty one), which write only the
         column past `max_len` (the warm-up's step is all padding)."""
         device = self._runner.device
@@ -272,7 +271,7 @@ class BatchingEngine:
         starts = [row.start for row in rows]
         width = read_width(max(at, default=0) + 1, self.max_len)
         pad = max(pad_to - len(rows), 0)
-        compiled = MIN_ROWS <= len(rows) + pad <= cpu_linear.MAX_ROWS and width <= MAX_WIDTH
+        compiled = MIN_ROWS <= len(rows) + pad <= cpu_linear.MAX_ROWS
         compiled = compiled and self._runner.compiled is not None
         last, at, starts = ([*values, *(values or [0])[:1] * pad] for values in (last, at, starts))
         columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]

@@ -43,7 +43,8 @@ from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 
-from offload.engine import cpu_linear, step_cache
+from offload.engine import cpu_linear, step_attention, step_cache
+from offload.engine.step_attention import Emitter, rewrite_attention
 from offload.model.quantized import Int4Linear, Q8Linear
 
 log = logging.getLogger(__name__)
@@ -148,27 +149,20 @@ def step_products(graph: torch.fx.Graph) -> int:
 
 
 def _emit(graph: torch.fx.Graph, x, weight, bias) -> torch.fx.Node:
-    """The nodes of `step_linear(x, weight, bias)`, each with its fake value (as dynamo
-    leaves them for inductor's passes)."""
-    node, value = x, x.meta["example_value"]
-    with value.fake_mode:
-        for function, rest in _linear_calls(x, weight, bias):
-            args = tuple(node if arg is _X else arg for arg in rest)
-            fakes = [value if arg is _X else _fake(arg) for arg in rest]
-            node = graph.call_function(function, args)
-            value = node.meta["example_value"] = function(*fakes)
+    """The nodes of `step_linear(x, weight, bias)`, each with its fake value."""
+    emit, node = Emitter(graph, x.meta["example_value"].fake_mode), x
+    for function, rest in _linear_calls(x, weight, bias):
+        node = emit(function, *(node if arg is _X else arg for arg in rest))
     return node
 
 
-def _fake(arg):
-    return arg.meta["example_value"] if isinstance(arg, torch.fx.Node) else arg
-
-
 class _ProductsPass(CustomGraphPass):
-    """`step_products` as inductor's pass over dynamo's graph (before autograd)."""
+    """`step_products` and `step_attention.rewrite_attention` as inductor's pass over
+    dynamo's graph (before autograd)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         step_products(graph)
+        rewrite_attention(graph)
 
     def uuid(self) -> str:
         return rewrite_digest()
@@ -179,10 +173,17 @@ def rewrite_digest() -> str:
     """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
     functions = (step_linear, _rewritten, _linear_calls, step_products, _emit)
     source = "".join(inspect.getsource(function) for function in functions)
+    source += inspect.getsource(step_attention)
     return hashlib.sha256(source.encode()).hexdigest()
 
 
-_OPTIONS = {"pre_grad_custom_pass": _ProductsPass()}
+# (Without inductor's checks of its buffers' sizes, strides and alignment in the step's
+# wrapper: ~1,100 Python calls a step, 4% of it at batch 1. The guards check the inputs.)
+_OPTIONS = {
+    "pre_grad_custom_pass": _ProductsPass(),
+    "size_asserts": False,
+    "alignment_asserts": False,
+}
 
 
 def _run(step) -> torch.Tensor:

@@ -42,11 +42,6 @@ class RowWindow:
 
 
 MIN_ROWS = 2  # the fewest rows a compiled step runs (`RowStep`)
-# The most columns a compiled step reads; wider steps run eagerly, which is faster there
-# (measured: 8 rows at 128 columns 1.16x eager, at 256 1.04x, at 512 0.91x; 16 rows at 2048
-# 0.58x). Compiled, transformers repeats each KV head's keys and values for its query
-# heads; at one new token its eager attention packs the query heads instead.
-MAX_WIDTH = 128
 
 
 class RowCache:
@@ -109,8 +104,7 @@ class RowStep:
     """One decode forward of rows [0, rows) of a `RowCache`: each row's new token, the
     column it writes, its position and its mask ([rows, width]). As a compiled CPU step
     (`cpu_step.CompiledCpuStep`, `compiled=True`) its rows and width are dynamic: one graph
-    serves every batch of `MIN_ROWS` to `cpu_linear.MAX_ROWS` rows, up to `MAX_WIDTH` wide,
-    since a server's batch changes at every step (a graph per shape would be a compile
+    serves every batch of `MIN_ROWS` to `cpu_linear.MAX_ROWS` rows of any width, since a server's batch changes at every step (a graph per shape would be a compile
     each). The window is set inside the step from its inputs' sizes, so nothing of it is
     baked in."""
 

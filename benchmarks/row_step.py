@@ -1,0 +1,91 @@
+"""The server's decode step alone (`rows.RowStep`), compiled against eager, by rows and
+columns read (issue 28): where the compiled step pays, which `rows.MAX_WIDTH` follows.
+
+The default model in float32, a server's row cache (`Serving`, with the layer boundaries
+it attaches), rows made up at the given width (every row has written all but the last
+column it reads). A lone row ("1xW") runs eagerly in the server: here its compiled figure
+is the step with a padding row beside it (`MIN_ROWS`). The compiled step is the server's (one graph, rows and width dynamic:
+compiled or loaded from disk first, timed apart); the eager one is what the server runs
+otherwise (`weight @ x.T` products, transformers' attention). Per shape: a warm-up of each,
+then `--repeats` steps of each in turn; medians in ms. Saves JSON to benchmarks/results/.
+
+    python benchmarks/row_step.py [--shapes 2x64 8x128 32x512 ...] [--repeats 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+from offload import LLM
+from offload.engine.cpu_linear import kernels_for
+from offload.engine.rows import MIN_ROWS
+from offload.llm.serving import Serving
+
+SHAPES = ("1x64", "1x512", "2x64", "8x64", "32x64", "8x128", "32x128", "2x256", "8x256", "32x256", "8x512",
+          "32x512", "16x1024", "16x2048")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
+    llm = LLM(dtype="float32", device="cpu", max_model_len=max(w for _, w in shapes) + 1)
+    serving = Serving(llm, max_num_seqs=max(r for r, _ in shapes), engine_thread=False)
+    engine, runner = serving.engine, serving.engine._runner
+    started = time.perf_counter()
+    serving.warm_up()
+    ready_s = time.perf_counter() - started
+    print(f"compiled step ready in {ready_s:.1f} s")
+    results = {}
+    with torch.inference_mode():
+        for num_rows, width in shapes:
+            rows = [_row(width) for _ in range(num_rows)]
+            step = engine._row_step(rows)
+            padded = engine._row_step(rows, pad_to=MIN_ROWS)
+
+            def compiled(step=padded, num_rows=num_rows):
+                return runner.compiled(step)[:num_rows]
+
+            def eager(step=step):
+                with kernels_for(runner.model, runner.device):
+                    return step()
+
+            same = torch.allclose(compiled(), eager(), atol=1e-3, rtol=1e-3)
+            times = {"compiled": [], "eager": []}
+            for _ in range(args.repeats):
+                for name, run in (("compiled", compiled), ("eager", eager)):
+                    began = time.perf_counter()
+                    run()
+                    times[name].append(time.perf_counter() - began)
+            ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+            results[f"{num_rows}x{width}"] = {**ms, "agree": same, "rounds_ms": times}
+            print(f"{num_rows:>3} rows x {width:>5} columns: compiled {ms['compiled']:7.1f} ms, "
+                  f"eager {ms['eager']:7.1f} ms, eager/compiled {ms['eager'] / ms['compiled']:.2f}"
+                  f"{'' if same else ' (logits differ!)'}", flush=True)  # fmt: skip
+    serving.close()
+    llm.close()
+    payload = {"repeats": args.repeats, "threads": torch.get_num_threads(),
+               "compiled_ready_s": ready_s, "results": results}  # fmt: skip
+    print(f"saved {common.save('row-step', torch.device('cpu'), payload)}")
+
+
+def _row(width: int) -> SimpleNamespace:
+    """A row that has written `width - 1` columns and writes its next token at the last."""
+    sequence = SimpleNamespace(tokens=[42])
+    return SimpleNamespace(sequence=sequence, start=0, column=width - 1, is_live=True)
+
+
+if __name__ == "__main__":
+    main()
