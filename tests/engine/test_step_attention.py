@@ -47,7 +47,9 @@ def _inputs(rows: int, width: int, query_positions: int = 1, bool_mask: bool = T
     return query, keys, values, mask
 
 
-@pytest.mark.parametrize(("rows", "width", "bool_mask"), [(1, 7, True), (3, 40, True), (2, 33, False)])
+@pytest.mark.parametrize(
+    ("rows", "width", "bool_mask"), [(1, 7, True), (3, 40, True), (2, 33, False)]
+)
 def test_one_query_position_is_rewritten_and_computes_the_same(rows, width, bool_mask):
     inputs = _inputs(rows, width, bool_mask=bool_mask)
     graphs = []
