@@ -3,9 +3,8 @@ columns read (issue 28): where the compiled step pays, which `rows.MAX_WIDTH` fo
 
 The default model in float32, a server's row cache (`Serving`, with the layer boundaries
 it attaches), rows made up at the given width (every row has written all but the last
-column it reads). A lone row ("1xW") runs eagerly in the server: here its compiled figure
-is the step with a padding row beside it (`MIN_ROWS`). The compiled step is the server's (one graph, rows and width dynamic:
-compiled or loaded from disk first, timed apart); the eager one is what the server runs
+column it reads). A lone row ("1xW") has a compiled graph of its own (its width dynamic). The compiled step is the server's (two graphs, a lone row's and the batches', the
+rows and width dynamic: compiled or loaded from disk first, timed apart); the eager one is what the server runs
 otherwise (`weight @ x.T` products, transformers' attention). Per shape: a warm-up of each,
 then `--repeats` steps of each in turn; medians in ms. Saves JSON to benchmarks/results/.
 
@@ -28,10 +27,9 @@ import common
 
 from offload import LLM
 from offload.engine.cpu_linear import kernels_for
-from offload.engine.rows import MIN_ROWS
 from offload.llm.serving import Serving
 
-SHAPES = ("1x64", "1x512", "2x64", "8x64", "32x64", "8x128", "32x128", "2x256", "8x256", "32x256", "8x512",
+SHAPES = ("1x64", "1x512", "1x2048", "2x64", "8x64", "32x64", "8x128", "32x128", "2x256", "8x256", "32x256", "8x512",
           "32x512", "16x1024", "16x2048")  # fmt: skip
 
 
@@ -53,10 +51,9 @@ def main() -> None:
         for num_rows, width in shapes:
             rows = [_row(width) for _ in range(num_rows)]
             step = engine._row_step(rows)
-            padded = engine._row_step(rows, pad_to=MIN_ROWS)
 
-            def compiled(step=padded, num_rows=num_rows):
-                return runner.compiled(step)[:num_rows]
+            def compiled(step=step):
+                return runner.compiled(step)
 
             def eager(step=step):
                 with kernels_for(runner.model, runner.device):

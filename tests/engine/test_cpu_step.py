@@ -406,10 +406,10 @@ def test_a_stored_model_compiles_and_offloaded_gives_its_compiled_resident_bits(
         assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes > 0
 
 
-# -- the server's batches (rows.RowStep): one graph of dynamic rows and width -------------
+# -- the server's steps (rows.RowStep): a graph for a lone row, one for batches ----------
 
 # (prompt, max_tokens): B leaves early, and C is prefilled (in chunks of 4 tokens) into the
-# row beside A while A decodes alone, with a padding row there.
+# row beside A while A decodes alone.
 SERVED = [([5, 9, 14, 3], 10), ([7, 3], 2), ([30, 2, 8, 11, 4, 6], 6), ([12], 5), ([9, 9, 9], 4)]
 
 
@@ -463,19 +463,19 @@ def served(checkpoint, tmp_path_factory):
         compiled = _serve(llm)
         made = counters["stats"]["unique_graphs"] - graphs
         steps = llm.transfer_stats().num_compiled_steps
-        # Steps of 2 rows compiled, a lone row's eager (one decodes while a group is
-        # prefilled beside it, in chunks of 4 tokens).
-        assert 1 in batches and steps == batches.count(2) > 0
+        # Every decode step compiled: of 2 rows, and of a lone row (one decodes while a
+        # group is prefilled beside it, in chunks of 4 tokens).
+        assert 1 in batches and 2 in batches and steps == len(batches)
         eager_llm = LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True)
         eager = _serve(eager_llm)
         assert eager_llm.transfer_stats().num_compiled_steps == 0
     return compiled, eager, made, steps, llm
 
 
-def test_served_batches_of_every_size_run_one_compiled_graph(served):
+def test_served_steps_run_two_compiled_graphs_a_lone_row_s_and_the_batches(served):
     *_, made, _, llm = served
-    assert made == 1 and set(llm._cpu_step._steps) == {("rows",)}
-    assert llm._cpu_step.graphs == {("rows",): 1}
+    assert made == 2 and set(llm._cpu_step._steps) == {("rows",), ("row",)}
+    assert llm._cpu_step.graphs == {("rows",): 1, ("row",): 1}
 
 
 def test_the_served_compiled_step_computes_the_eager_steps_function(served):
@@ -514,7 +514,7 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
     for layer in rows.cache.layers:  # (marked, to see what the warm-up writes)
         layer.all_keys.fill_(float("nan"))
     serving.warm_up()
-    assert set(first._cpu_step._steps) == {("rows",)} and first._cpu_step.loaded == 0
+    assert set(first._cpu_step._steps) == {("rows",), ("row",)} and first._cpu_step.loaded == 0
     # Its padding rows wrote only the column past max_len, which no row reads (the first
     # layer's keys there are the tokens' own; the later ones' come from what the marks gave).
     layers = rows.cache.layers
@@ -526,6 +526,6 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
     graphs = counters["stats"]["unique_graphs"]
     second = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
     second.serving(2).warm_up()
-    assert second._cpu_step.loaded == 1 and counters["stats"]["unique_graphs"] == graphs
+    assert second._cpu_step.loaded == 2 and counters["stats"]["unique_graphs"] == graphs
     assert _serve(second) == served[0]
     assert second.transfer_stats().num_compiled_steps == served[3]

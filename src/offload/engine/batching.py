@@ -259,9 +259,8 @@ class BatchingEngine:
         self._pick(rows, logits)
 
     def _row_step(self, rows: list[Row], pad_to: int = 0) -> RowStep:
-        """The decode step of `rows`: compiled where the runner has a compiled step, there
-        are `MIN_ROWS` to `cpu_linear.MAX_ROWS` of them (measured, docs/benchmarks.md: a
-        lone row is faster eagerly than beside a padding row). `pad_to`: padding rows
+        """The decode step of `rows`: compiled where the runner has a compiled step and
+        there are at most `cpu_linear.MAX_ROWS` of them. `pad_to`: padding rows
         up to that many (copies of the first row, or of an empty one), which write only the
         column past `max_len` (the warm-up's step is all padding)."""
         device = self._runner.device
@@ -271,7 +270,7 @@ class BatchingEngine:
         starts = [row.start for row in rows]
         width = read_width(max(at, default=0) + 1, self.max_len)
         pad = max(pad_to - len(rows), 0)
-        compiled = MIN_ROWS <= len(rows) + pad <= cpu_linear.MAX_ROWS
+        compiled = len(rows) + pad <= cpu_linear.MAX_ROWS
         compiled = compiled and self._runner.compiled is not None
         last, at, starts = ([*values, *(values or [0])[:1] * pad] for values in (last, at, starts))
         columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
@@ -285,12 +284,14 @@ class BatchingEngine:
         return RowStep(model, self._cache, input_ids, mask, positions, columns, compiled)
 
     def warm_up(self) -> None:
-        """Compile (or load from disk) the compiled decode step now, with padding rows
-        only, before a request waits on it (`offload serve` does, before it listens)."""
+        """Compile (or load from disk) the compiled decode steps now, a lone row's and the
+        batches', with padding rows only, before a request waits on them (`offload serve`
+        does, before it listens)."""
         if self._runner.compiled is None:
             return
         with self._runner.lock, torch.inference_mode():
-            self._runner.compiled(self._row_step([], pad_to=MIN_ROWS))
+            for rows in (1, MIN_ROWS):
+                self._runner.compiled(self._row_step([], pad_to=rows))
 
     def _forward(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
         model = self._runner.model

@@ -41,7 +41,7 @@ class RowWindow:
     offset: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
 
 
-MIN_ROWS = 2  # the fewest rows a compiled step runs (`RowStep`)
+MIN_ROWS = 2  # the fewest rows of the compiled batches' graph (`RowStep`)
 
 
 class RowCache:
@@ -103,12 +103,12 @@ class RowCache:
 class RowStep:
     """One decode forward of rows [0, rows) of a `RowCache`: each row's new token, the
     column it writes, its position and its mask ([rows, width]). As a compiled CPU step
-    (`cpu_step.CompiledCpuStep`, `compiled=True`) its rows and width are dynamic: one graph
-    serves every batch of `MIN_ROWS` to `cpu_linear.MAX_ROWS` rows of any width, since a server's batch changes at every step (a graph per shape would be a compile
-    each). The window is set inside the step from its inputs' sizes, so nothing of it is
-    baked in."""
-
-    compile_key = ("rows",)  # (one graph: `CompiledCpuStep` keys its graphs so)
+    (`cpu_step.CompiledCpuStep`, `compiled=True`) its width is dynamic, and its rows: one
+    graph serves every batch of `MIN_ROWS` to `cpu_linear.MAX_ROWS` rows of any width, since
+    a server's batch changes at every step (a graph per shape would be a compile each), and
+    one a lone row of any width (its products are one-row loops, as `LLM`'s batch of one;
+    in the batches' graph they are MKL's `weight @ x.T`). The window is set inside the step
+    from its inputs' sizes, so nothing of it is baked in."""
 
     def __init__(self, model, rows: RowCache, input_ids, mask, position_ids, columns, compiled):
         self._model = model
@@ -123,14 +123,22 @@ class RowStep:
         # column, and the 2D mask says which ones each row reads)
         self.cache_position = torch.tensor([mask.shape[1] - 1], device=mask.device)
 
+    @property
+    def compile_key(self) -> tuple[str]:
+        """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so)."""
+        return ("rows",) if self.columns.shape[0] >= MIN_ROWS else ("row",)
+
     def mark_dynamic(self) -> None:
-        """Mark the rows and the width as dynamic (for a call that compiles)."""
-        for tensor in (self.input_ids, self.mask, self.position_ids, self.columns):
-            torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        """Mark the width, and the rows of a batch, as dynamic (for a call that compiles)."""
+        if self.columns.shape[0] >= MIN_ROWS:
+            for tensor in (self.input_ids, self.mask, self.position_ids, self.columns):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
         torch._dynamo.maybe_mark_dynamic(self.mask, 1)
 
     @property
     def compile_what(self) -> str:
+        if self.columns.shape[0] < MIN_ROWS:
+            return "a lone row"
         return f"batches of {MIN_ROWS} to {cpu_linear.MAX_ROWS} rows"
 
     def __call__(self) -> torch.Tensor:
