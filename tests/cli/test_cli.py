@@ -386,3 +386,22 @@ def test_mistyped_argument_names_get_the_nearest_in_python():
     with pytest.raises(ConfigError, match=r"'cpu_ofload_gb' \(did you mean 'cpu_offload_gb'\?\)"):
         LLM(cpu_ofload_gb=1)
     assert SamplingParams(max_tokens=5, temperature=0).max_tokens == 5
+
+
+@pytest.mark.parametrize("flags", [[], ["--enforce-eager"]])
+def test_serve_enforce_eager_reaches_the_llm(tmp_path, monkeypatch, flags):
+    """`offload serve --enforce-eager` serves without the compiled CPU step (it once
+    compiled it all the same: the flag did not reach the LLM)."""
+    from offload.cli.main import build_parser
+    from offload.cli.serve import serve_llm
+    from offload.config import OffloadConfig
+    from tests import zoo
+
+    monkeypatch.setenv("OFFLOAD_CPU_COMPILE", "1")
+    path = zoo.save_attentive_llm(tmp_path / "tiny", num_layers=2)
+    args = build_parser().parse_args(["serve", str(path), "--device", "cpu", *flags])
+    llm = serve_llm(args, path, OffloadConfig.from_cli_args(args))
+    try:
+        assert llm._compile_cpu is not bool(flags)
+    finally:
+        llm.close()

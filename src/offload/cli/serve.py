@@ -67,12 +67,11 @@ def run_serve(args: argparse.Namespace) -> int:
 def _serve(args, sock, path, config, name, waiting) -> int:
     import uvicorn
 
-    from offload.cli.commands import llm_of
     from offload.cli.options import package_version
     from offload.server.app import ServeSettings, make_app
 
     progress = not args.no_progress and sys.stderr.isatty()
-    llm = llm_of(args, path, config, max_num_seqs=args.max_num_seqs, progress=progress)
+    llm = serve_llm(args, path, config, progress)
     settings = ServeSettings(
         model_name=args.served_model_name or name or DEFAULT_MODEL_NAME,
         api_key=args.api_key,
@@ -122,6 +121,20 @@ def _serve(args, sock, path, config, name, waiting) -> int:
     if not server.should_exit:  # (set by a signal only): the HTTP side ended by itself
         raise OffloadError("offload serve: the HTTP server stopped (see the lines above)")
     return 0
+
+
+def serve_llm(args: argparse.Namespace, path, config: OffloadConfig, progress: bool = False):
+    """The `LLM` that `offload serve` runs (`--enforce-eager`: no compiled CPU step)."""
+    from offload.cli.commands import llm_of
+
+    return llm_of(
+        args,
+        path,
+        config,
+        max_num_seqs=args.max_num_seqs,
+        progress=progress,
+        enforce_eager=args.enforce_eager,
+    )
 
 
 @contextlib.contextmanager
