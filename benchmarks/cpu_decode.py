@@ -2,10 +2,11 @@
 
 The default model in float32 (`LLM(dtype="float32")`: its compiled step, at every batch
 size here), resident and with the disk tier (every layer streamed, warm), and resident eager
-(`enforce_eager=True`: every batch size eager, as before the compiled step), against llama.cpp (`llama-cpp-python`, same threads) on an F32
-GGUF of the same weights; and the default model as stored (Q4_1, Q8_0; batch 1, compiled
-and eager) against llama.cpp on its own GGUF file (written once with `gguf`'s writer from our float32 conversion,
-into the cache folder). Batch 1 (and our batches 8 and 32), 32 tokens, decode time only (the
+(`enforce_eager=True`: every batch size eager, as before the compiled step), against
+llama.cpp (`llama-cpp-python`, same threads) on an F32 GGUF of the same weights (written
+once into the cache folder, `offload.bench.llama_cpp.write_f32`, as `offload bench` runs
+it); and the default model as stored (Q4_1, Q8_0; batch 1, compiled and eager) against
+llama.cpp on the shipped GGUF file. Batch 1 (and our batches 8 and 32), 32 tokens, decode time only (the
 time of a 1-token call taken off), medians of interleaved rounds; beside each figure the read
 bound: the weights' bytes over the two-thread read rate (its median, measured after each round). Then the
 compiled step's compile time in fresh processes: first with empty caches, then twice
@@ -34,6 +35,7 @@ import common
 from cpu_step import read_gb_per_s
 
 from offload import LLM, SamplingParams
+from offload.bench.llama_cpp import write_f32
 from offload.model.default import gguf_path
 
 PROMPT = "What is the capital of France? Answer in one sentence, then say why."
@@ -55,7 +57,7 @@ def main() -> None:
         "as stored": LLM(device="cpu"),
         "as stored, eager": LLM(device="cpu", enforce_eager=True),
     }
-    llama = _llama_cpp(_f32_gguf())
+    llama = _llama_cpp(write_f32(gguf_path()))
     llama_q4 = _llama_cpp(gguf_path())
     runs = {f"{name} b{b}": (llm, b) for name, llm in ours.items() for b in (1, 8, 32)}
     runs.update({f"{name} b1": (llm, 1) for name, llm in stored.items()})
@@ -155,38 +157,6 @@ def _compile_times() -> dict[str, float]:
             times[name] = float(found[1]) if found else float("nan")
             print(f"{'compile, ' + name:>30}: {times[name]:7.1f} s")
     return times
-
-
-def _f32_gguf() -> Path:
-    """An F32 GGUF of the default model's float32 weights (written once)."""
-    from offload.model.default import cache_dir, gguf_path
-
-    out = cache_dir() / "smollm2-f32.gguf"
-    if not out.is_file():
-        _write_f32(gguf_path(), out)
-    return out
-
-
-def _write_f32(source: Path, out: Path) -> None:
-    """The GGUF `source` with every tensor de-quantized to float32 (`gguf`'s reference
-    values: what our float32 conversion holds), same names, orders and settings."""
-    import gguf
-
-    reader = gguf.GGUFReader(source)
-    writer = gguf.GGUFWriter(str(out) + ".part", arch="llama")
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1]
-                             if field.types[0] == gguf.GGUFValueType.ARRAY else None)  # fmt: skip
-    for tensor in reader.tensors:
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        writer.add_tensor(tensor.name, np.ascontiguousarray(values, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    Path(str(out) + ".part").rename(out)
 
 
 def _llama_cpp(path: Path):

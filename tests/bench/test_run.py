@@ -6,6 +6,7 @@ import json
 import statistics
 import sys
 
+import numpy as np
 import pytest
 import torch
 from small_probes import SMALL_PROBES
@@ -350,13 +351,48 @@ def test_the_default_gguf_as_stored_runs_ours_and_says_why_the_peers_do_not(monk
     assert "pip install llama-cpp-python" in result.skipped["llama-cpp"]
 
 
-def test_llama_cpp_decodes_the_same_gguf_as_ours_where_it_is_installed():
+def test_llama_cpp_reads_the_bytes_ours_read(tmp_path, monkeypatch):
+    """Against our float32 run llama.cpp gets an F32 GGUF of the same weights (each tensor
+    the `gguf` reference's de-quantized values, the same names and settings, written once);
+    against our run as stored, the GGUF as stored."""
+    import types
+
+    import gguf
+
+    from offload.bench.llama_cpp import LlamaCpp, write_f32
+    from offload.model.default import gguf_path
+    from tests import zoo
+
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    source = tmp_path / "cut.gguf"
+    zoo.save_cut_gguf(gguf_path(), source, layers=1)
+    for quantization, expected in ((None, tmp_path / "cache" / "cut.F32.gguf"), ("gguf", source)):
+        workload = types.SimpleNamespace(quantization=quantization)
+        method = LlamaCpp(types.SimpleNamespace(gguf=source, workload=workload, device="cpu"))
+        assert method.gguf_file() == expected
+    written = write_f32(source)
+    assert written == tmp_path / "cache" / "cut.F32.gguf"
+    assert write_f32(source).stat().st_mtime_ns == written.stat().st_mtime_ns  # (once)
+    stored, f32 = gguf.GGUFReader(source), gguf.GGUFReader(written)
+    assert [t.name for t in f32.tensors] == [t.name for t in stored.tensors]
+    assert {t.tensor_type for t in f32.tensors} == {gguf.GGMLQuantizationType.F32}
+    assert {t.tensor_type for t in stored.tensors} != {gguf.GGMLQuantizationType.F32}
+    for theirs, ours in zip(stored.tensors, f32.tensors, strict=True):
+        values = gguf.quants.dequantize(theirs.data, theirs.tensor_type)
+        assert np.array_equal(np.asarray(ours.data).reshape(values.shape), values), theirs.name
+    for name in ("llama.block_count", "tokenizer.ggml.tokens", "general.architecture"):
+        assert f32.fields[name].contents() == stored.fields[name].contents()
+
+
+@pytest.mark.parametrize("quantization", ["gguf", None])
+def test_llama_cpp_decodes_the_same_gguf_as_ours_where_it_is_installed(quantization):
     """(Skipped where llama-cpp-python is not installed: it builds llama.cpp from source.)
-    Its first greedy token is ours; every row of a batch is decoded in full."""
+    Its first greedy token is ours, on the GGUF as stored and on the F32 one; every row of a
+    batch is decoded in full."""
     pytest.importorskip("llama_cpp")
     from offload.bench.llama_cpp import LlamaCpp
 
-    workload = Workload(quantization="gguf", device="cpu", batch_sizes=(2,), output_len=4)
+    workload = Workload(quantization=quantization, device="cpu", batch_sizes=(2,), output_len=4)
     prepared = prepare(workload)
     ids = prepared.prompt_ids(2)
     theirs, ours = LlamaCpp(prepared), Resident(prepared)
