@@ -54,6 +54,7 @@ RECORD_FIELDS = {
     "predicted_over_step",
     "round_step_s",
     "round_predicted_s",
+    "of_read_bound",
 }
 LIMIT_FIELDS = {
     "memcpy_gb_per_s",
@@ -69,6 +70,8 @@ LIMIT_FIELDS = {
     "disk_busy_read_gb_per_s",
     "memcpy_samples_gb_per_s",
     "forward_copy_samples_gb_per_s",
+    "memory_read_gb_per_s",
+    "memory_read_samples_gb_per_s",
     "notes",
 }
 BATCHES = (1, 2)
@@ -157,6 +160,19 @@ def test_one_record_per_method_and_batch_with_every_field(result):
     assert len(result.limits.disk_busy_read_gb_per_s) == expected
     assert result.compute.source == RESIDENT_COMPUTE
     assert result.reference == "resident"
+
+
+def test_on_a_cpu_each_run_is_set_against_the_read_bound(result):
+    """The memory read rate, measured before each run; each record's fraction of the read
+    bound (weights' bytes over that rate, over its step), in the table for batch 1."""
+    limits = result.limits
+    assert len(limits.memory_read_samples_gb_per_s) > len(result.records)
+    assert limits.memory_read_gb_per_s == statistics.median(limits.memory_read_samples_gb_per_s)
+    floor = result.workload.total_bytes / (limits.memory_read_gb_per_s * 1e9)
+    for row in result.records:
+        assert row.of_read_bound == pytest.approx(floor / row.step_s)
+    line = next(t for t in report.table(result, wide=True).split("\n") if "read bound" in t)
+    assert f"resident {_rows(result, 'resident')[0].of_read_bound:.2f}" in line
 
 
 def test_ours_give_the_reference_tokens_and_a_broken_method_does_not(result):

@@ -52,6 +52,9 @@ class Record:
     predicted_step_s: float | None = None
     predicted_over_step: float | None = None
     round_predicted_s: list[float] = dataclasses.field(default_factory=list)
+    # On a CPU: the weights' bytes over the memory read rate (a step reads each weight once),
+    # over the step: the fraction of that floor the method reaches (None on a GPU).
+    of_read_bound: float | None = None
 
 
 @dataclass(frozen=True)

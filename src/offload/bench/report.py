@@ -21,6 +21,7 @@ _LIMITS = (
     ("page cache", "page_cache_read_gb_per_s"),
     ("host->device pinned", "h2d_pinned_gb_per_s"),
     ("pageable", "h2d_pageable_gb_per_s"),
+    ("memory read", "memory_read_gb_per_s"),
 )
 # (heading, width, the cell's text from a `Record`)
 _COLUMNS = (
@@ -40,6 +41,7 @@ _COLUMNS = (
     ("stall ms", 9, lambda r: _ms(r.stall_s_per_step)),
     ("peak dev", 11, lambda r: _bytes(r.peak_device_bytes)),
     ("peak RSS", 11, lambda r: format_bytes(r.peak_rss_bytes)),
+    ("of read", 8, lambda r: _number(r.of_read_bound, ".2f")),
     ("same", 5, lambda r: "yes" if r.same_tokens else "NO"),
 )
 
@@ -92,12 +94,28 @@ def table(result: BenchResult, wide: bool = False) -> str:
     rows = ["".join(f"{heading:>{width}}" for heading, width, _ in columns)]
     rows += ["".join(f"{cell(r):>{width}}" for _, width, cell in columns) for r in result.records]
     notes = [f"{name}: skipped, {why}" for name, why in result.skipped.items()]
+    notes += _read_bound_lines(result)
     notes += _planner_lines(result)
     if wide:
         return "\n".join([*lines, *rows, *notes])
     wrap = functools.partial(textwrap.wrap, width=WIDTH, subsequent_indent="  ")
     return "\n".join([*(t for line in lines for t in wrap(line)), *rows,
                       *(t for note in notes for t in wrap(note))])  # fmt: skip
+
+
+def _read_bound_lines(result: BenchResult) -> list[str]:
+    """On a CPU, each method's fraction of the read bound at batch 1 (weights' bytes over
+    the memory read rate: a step reads each weight once)."""
+    rows = [r for r in result.records if r.batch == 1 and r.of_read_bound is not None]
+    if not rows:
+        return []
+    floor = result.workload.total_bytes / (result.limits.memory_read_gb_per_s * 1e9)
+    fractions = ", ".join(f"{r.method} {r.of_read_bound:.2f}" for r in rows)
+    return [
+        f"of the read bound at batch 1 ({format_bytes(result.workload.total_bytes)} of weights "
+        f"read at {result.limits.memory_read_gb_per_s:.1f} GB/s: {floor * 1e3:.1f} ms a "
+        f"step): {fractions}"
+    ]
 
 
 PREDICTION_TOLERANCE = 0.15  # issue 16: the planner's step within 15% of the measured one

@@ -18,6 +18,7 @@ from offload.bench.runner import Loaded, Measured, Sample, run_methods
 from offload.bench.workload import Prepared, Workload, prepare
 from offload.errors import ConfigError
 from offload.planner.choose import evaluate
+from offload.probes.limits import Limits
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 
 RESIDENT_COMPUTE = "resident step"
@@ -39,6 +40,15 @@ def run_bench(
     return result(prepared, measured)
 
 
+def of_read_bound(weight_bytes: int, limits: Limits, step_s: float) -> float | None:
+    """The read bound (`weight_bytes` over the memory read rate: a CPU step reads each
+    weight once) over `step_s`; None where the rate was not measured (a GPU)."""
+    rate = limits.memory_read_gb_per_s
+    if not rate or not step_s:
+        return None
+    return weight_bytes / (rate * 1e9) / step_s
+
+
 def _method(method: str | type[Method]) -> type[Method]:
     if not isinstance(method, str):
         return method
@@ -50,14 +60,17 @@ def _method(method: str | type[Method]) -> type[Method]:
 def result(prepared: Prepared, measured: Measured) -> BenchResult:
     compute_s, source = compute_per_step(prepared, measured)
     links = measured.limits.link_gb_per_s()
-    records = [
-        Record(
-            **record(entry, batch, measured.samples[entry.method.name, batch], compute_s, links),
-            **prediction(entry.method, batch, measured),
-        )
-        for entry in measured.loaded
-        for batch in prepared.workload.batch_sizes
-    ]
+    records = []
+    for entry in measured.loaded:
+        for batch in prepared.workload.batch_sizes:
+            sample = measured.samples[entry.method.name, batch]
+            figures = record(entry, batch, sample, compute_s, links)
+            of_read = of_read_bound(prepared.total_bytes, measured.limits, figures["step_s"])
+            records.append(
+                Record(
+                    **figures, **prediction(entry.method, batch, measured), of_read_bound=of_read
+                )
+            )
     planner = measured.planner
     return BenchResult(
         workload=workload_fields(prepared),

@@ -22,7 +22,13 @@ from offload.errors import ModelError
 from offload.memory.placement import Placement
 from offload.probes.around import RunProbes
 from offload.probes.host import process_memory_bytes, reset_peak_rss
-from offload.probes.limits import Limits, measure_disk, measure_limits, measure_memcpy
+from offload.probes.limits import (
+    Limits,
+    measure_disk,
+    measure_limits,
+    measure_memcpy,
+    measure_memory_read,
+)
 from offload.probes.settings import MeasureSettings
 
 T = TypeVar("T")
@@ -150,6 +156,8 @@ def _around_run(
     copies = layout is not None and Placement.HOST in layout.places
 
     def measure_rates() -> None:
+        if prepared.device.type == "cpu":  # (the read bound of the run, `Record.of_read_bound`)
+            measure_memory_read(limits, settings)
         if method.reads_disk:
             measure_disk(limits, prepared.files, prepared.device, settings, layer_reads=reads)
         if copies:

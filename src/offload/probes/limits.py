@@ -6,6 +6,7 @@ and on a GPU host-to-device copies from pinned and from pageable memory."""
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,11 @@ class Limits:
     # cut model, every layer streamed), each time: they drift apart from a plain memory
     # copy (`planner.compute.ForwardCopies`).
     forward_copy_samples_gb_per_s: list[float] = field(default_factory=list)
+    # On a CPU, reading memory with torch's threads (a sum over more than the caches hold),
+    # before each run: a CPU decode step reads every weight once, so weights' bytes over it
+    # is the step's floor (`memory_read_gb_per_s`: the median).
+    memory_read_gb_per_s: float | None = None
+    memory_read_samples_gb_per_s: list[float] = field(default_factory=list)
     notes: dict[str, str] = field(default_factory=dict)
 
     def tier_disk_gb_per_s(self) -> float | None:
@@ -89,6 +95,8 @@ def measure_limits(
     )
     copy_bytes = settings.copy_bytes
     measure_memcpy(limits, settings)
+    if device.type == "cpu":
+        measure_memory_read(limits, settings)
     if files:
         measure_disk(limits, files, device, settings, layer_reads)
         chosen = first_files(files, settings.disk_bytes)
@@ -107,6 +115,20 @@ def measure_memcpy(limits: Limits, settings: MeasureSettings) -> None:
     cpu = torch.device("cpu")
     limits.memcpy_samples_gb_per_s.append(_copy_gb_per_s(cpu, settings.copy_bytes))
     limits.memcpy_gb_per_s = statistics.median(limits.memcpy_samples_gb_per_s)
+
+
+def measure_memory_read(limits: Limits, settings: MeasureSettings) -> None:
+    """One more measurement of reading host memory with torch's threads: a sum over
+    `settings.copy_bytes` of float32 (more than the caches hold, as the copy)."""
+    values = torch.ones(settings.copy_bytes // 4)
+    values.sum()  # (its pages touched, its threads started)
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        values.sum()
+        times.append(time.perf_counter() - started)
+    limits.memory_read_samples_gb_per_s.append(values.nbytes / statistics.median(times) / 1e9)
+    limits.memory_read_gb_per_s = statistics.median(limits.memory_read_samples_gb_per_s)
 
 
 def _copy_gb_per_s(device: torch.device, num_bytes: int, pinned: bool | None = None) -> float:
