@@ -98,8 +98,8 @@ def test_keys_not_repeated_by_transformers_are_read_as_given():
     query, keys, values, _ = _inputs(2, 12)
     keys, values = (t.repeat_interleave(HEADS // KV_HEADS, dim=1) for t in (keys, values))
 
-    def plain(query, keys, values):
-        return F.scaled_dot_product_attention(query, keys, values)
+    def plain(query, keys, values):  # (passed by name: read so too)
+        return F.scaled_dot_product_attention(query=query, key=keys, value=values)
 
     graphs = []
     with torch.inference_mode():

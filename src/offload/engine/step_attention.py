@@ -51,12 +51,13 @@ def rewrite_attention(graph: torch.fx.Graph) -> int:
         parts = _parts(node)
         if parts is None:
             continue
+        query = parts[0]
         with graph.inserting_before(node):
-            out = _emit(Emitter(graph, node.args[0].meta["example_value"].fake_mode), *parts)
+            out = _emit(Emitter(graph, query.meta["example_value"].fake_mode), *parts)
         node.replace_all_uses_with(out)
-        repeated = node.args[1:3]
+        given = _arguments(node)
         graph.erase_node(node)
-        for tensor in repeated:
+        for tensor in (given["key"], given["value"]):
             _erase_unused(graph, tensor)
         rewritten += 1
     graph.lint()
@@ -67,8 +68,7 @@ def _parts(node: torch.fx.Node) -> tuple | None:
     """(query, keys, values, mask, scale) of an attention node to rewrite, the keys and
     values before transformers repeated them; None where it is not one (more than one
     query position, dropout, a causal flag, a per-head mask, not float32 on a CPU)."""
-    arg_names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
-    given = dict(zip(arg_names, node.args, strict=False)) | dict(node.kwargs)
+    given = _arguments(node)
     query, key, value = given.get("query"), given.get("key"), given.get("value")
     if not all(isinstance(x, torch.fx.Node) for x in (query, key, value)):
         return None
@@ -94,6 +94,12 @@ def _parts(node: torch.fx.Node) -> tuple | None:
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return query, keys, values, mask, scale
+
+
+def _arguments(node: torch.fx.Node) -> dict:
+    """An attention call's arguments by name, however they were passed."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+    return dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
 
 
 def _heads(node: torch.fx.Node) -> int:
