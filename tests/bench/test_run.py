@@ -340,6 +340,21 @@ def test_without_resident_compute_is_estimated_and_ours_are_the_reference(tiny_l
     assert row.same_tokens is True and row.compute_s > 0
 
 
+def test_the_llm_engine_is_a_method_timed_where_it_picks_each_token(tiny_llama_path):
+    """`llm`: our `LLM` engine (its own decode loop, not `generate`): the reference's
+    tokens, one timed step per token after the first, for each batch size."""
+    workload = Workload(
+        model=str(tiny_llama_path), device="cpu", batch_sizes=(1, 3), output_len=5, rounds=2
+    )
+    result = run_bench(workload, ["resident", "llm"], progress=False, settings=SMALL_PROBES)
+    rows = _rows(result, "llm")
+    assert [row.batch for row in rows] == [1, 3]
+    for row in rows:
+        assert row.same_tokens is True and row.step_s > 0 and row.prefill_s > 0
+        assert row.tokens_per_s == pytest.approx(row.batch / row.step_s)
+        assert row.of_read_bound is not None
+
+
 def test_diffusers_is_skipped_on_a_cpu_with_why(tiny_llama_path):
     workload = Workload(
         model=str(tiny_llama_path), device="cpu", batch_sizes=(1,), output_len=2, rounds=1

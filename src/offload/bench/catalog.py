@@ -4,6 +4,7 @@ not there."""
 
 from __future__ import annotations
 
+from offload.bench.engine import Engine
 from offload.bench.llama_cpp import LlamaCpp
 from offload.bench.method import Method
 from offload.bench.ours import UVA, Disk, DiskDirect, PrefetchAll, PrefetchHalf, Resident
@@ -14,6 +15,7 @@ METHODS: dict[str, type[Method]] = {
     method.name: method
     for method in (
         Resident,
+        Engine,
         UVA,
         PrefetchAll,
         PrefetchHalf,

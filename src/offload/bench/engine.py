@@ -1,0 +1,67 @@
+"""`LLM`, this library's engine, as a bench method: every weight resident, its own decode
+loop (a compiled step on a CPU, CUDA graphs on a GPU) instead of transformers' `generate`,
+which every other method runs. Beside llama.cpp it is the figure a user of `LLM` gets."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import torch
+
+from offload.bench.decode import Decoded
+from offload.bench.machine import synchronize
+from offload.bench.method import Figures, Method
+
+
+class Engine(Method):
+    name = "llm"
+    label = "offload's LLM engine, resident (compiled CPU step / CUDA graphs; not generate)"
+
+    def __init__(self, prepared):
+        super().__init__(prepared)
+        self._llm: Any = None
+
+    def load(self) -> None:
+        from offload import LLM
+
+        dtype = self.prepared.workload.dtype
+        self._llm = LLM(str(self.prepared.path), dtype=dtype, device=str(self.device))
+        self.model = self._llm.model
+
+    def run(self, ids: torch.Tensor) -> Decoded:
+        """Greedy decode as the others, each token's time taken where the engine picks it.
+        A short call first compiles (or loads) the step of this batch size, untimed."""
+        from offload import SamplingParams
+
+        num_tokens = self.prepared.workload.output_len
+        prompts = [{"prompt_token_ids": row} for row in ids.tolist()]
+        warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self._llm.generate(prompts, warm, use_tqdm=False)
+        times: list[float] = []
+
+        def picked(_sequences) -> None:
+            synchronize(self.device)
+            times.append(time.perf_counter())
+
+        params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+        self._llm._on_step = picked
+        started = time.perf_counter()
+        try:
+            outputs = self._llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            self._llm._on_step = None
+        tokens = torch.tensor([out.outputs[0].token_ids for out in outputs])
+        steps = [after - before for before, after in itertools.pairwise(times)]
+        self.num_forwards += 2 + num_tokens
+        return Decoded(tokens, times[0] - started, steps[: num_tokens - 1])
+
+    def figures(self) -> Figures:
+        return Figures()
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
+        super().close()
