@@ -24,7 +24,7 @@ class Engine(Method):
         self._llm: Any = None
 
     def load(self) -> None:
-        from offload import LLM
+        from offload.llm import LLM
 
         dtype = self.prepared.workload.dtype
         self._llm = LLM(str(self.prepared.path), dtype=dtype, device=str(self.device))
@@ -33,7 +33,7 @@ class Engine(Method):
     def run(self, ids: torch.Tensor) -> Decoded:
         """Greedy decode as the others, each token's time taken where the engine picks it.
         A short call first compiles (or loads) the step of this batch size, untimed."""
-        from offload import SamplingParams
+        from offload.engine.sampling_params import SamplingParams
 
         num_tokens = self.prepared.workload.output_len
         prompts = [{"prompt_token_ids": row} for row in ids.tolist()]
