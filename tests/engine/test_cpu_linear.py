@@ -118,6 +118,19 @@ def test_a_batchs_product_does_not_depend_on_where_the_weight_lies(offset, rows)
     )
 
 
+@pytest.mark.parametrize("rows", [2, 4, 8])
+def test_a_batchs_product_does_not_depend_on_how_its_columns_are_laid_out(rows):
+    """A compiled step may hand the op its columns row-major (the down projection's input,
+    fused from the products before it): MKL's sums over them round differently, and took
+    ~3x as long. The op gives the bits of the eager step's layout (`x.t()`)."""
+    torch.manual_seed(0)
+    weight = torch.randn(576, 1536)
+    x = torch.randn(rows, 1536)
+    expected = cpu_linear.weight_times(weight, x.t())
+    assert torch.equal(cpu_linear.WEIGHT_TIMES(weight, x.t().contiguous()), expected)
+    assert torch.equal(cpu_linear.few_rows_linear(x, weight).t(), expected)
+
+
 def _misaligned(path, by: int):
     """The safetensors file at `path` rewritten so that its tensor bytes begin `by` bytes
     past a 64-byte boundary (its header padded with spaces), as a checkpoint may come."""

@@ -69,9 +69,14 @@ def weight_times(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     tensor read or mapped from a safetensors file sits where its file offset puts it (the
     default model's: 40 bytes past a 64-byte boundary). Such a weight is copied to an
     aligned one first, so that a batch's products on the disk tier give the bits they give
-    resident (a copy per product; the default model is written aligned, and pays none)."""
+    resident (a copy per product; the default model is written aligned, and pays none).
+    The columns are laid out as `x.t()` of a contiguous `x` is, each row's values
+    together: MKL's product over them stored the other way took ~3.3x as long (measured:
+    576x1536, 2 rows, 353 against 106 µs), as a compiled step's down projection had them."""
     if weight.data_ptr() % ALIGNMENT:
         weight = torch.empty_like(weight, memory_format=torch.contiguous_format).copy_(weight)
+    if columns.stride(0) != 1:  # (a compiled step may hand them over row-major)
+        columns = columns.t().contiguous().t()
     return torch.mm(weight, columns)
 
 
