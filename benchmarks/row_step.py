@@ -1,7 +1,7 @@
 """The server's decode step alone (`rows.RowStep`), compiled against eager, by rows and
 columns read (issue 28): where the compiled step pays, which `rows.MAX_WIDTH` follows.
 
-The default model in float32, a server's row cache (`Serving`, with the layer boundaries
+The default model in float32 (`--dtype auto`: as stored), a server's row cache (`Serving`, with the layer boundaries
 it attaches), rows made up at the given width (every row has written all but the last
 column it reads). A lone row ("1xW") has a compiled graph of its own (its width dynamic). The compiled step is the server's (two graphs, a lone row's and the batches', the
 rows and width dynamic: compiled or loaded from disk first, timed apart); the eager one is what the server runs
@@ -37,9 +37,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--dtype", default="float32", help="float32, or auto: the weights as stored"
+    )
     args = parser.parse_args()
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
-    llm = LLM(dtype="float32", device="cpu", max_model_len=max(w for _, w in shapes) + 1)
+    llm = LLM(dtype=args.dtype, device="cpu", max_model_len=max(w for _, w in shapes) + 1)
     serving = Serving(llm, max_num_seqs=max(r for r, _ in shapes), engine_thread=False)
     engine, runner = serving.engine, serving.engine._runner
     started = time.perf_counter()
@@ -73,7 +76,7 @@ def main() -> None:
                   f"{'' if same else ' (logits differ!)'}", flush=True)  # fmt: skip
     serving.close()
     llm.close()
-    payload = {"repeats": args.repeats, "threads": torch.get_num_threads(),
+    payload = {"dtype": args.dtype, "repeats": args.repeats, "threads": torch.get_num_threads(),
                "compiled_ready_s": ready_s, "results": results}  # fmt: skip
     print(f"saved {common.save('row-step', torch.device('cpu'), payload)}")
 

@@ -529,3 +529,38 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
     assert second._cpu_step.loaded == 2 and counters["stats"]["unique_graphs"] == graphs
     assert _serve(second) == served[0]
     assert second.transfer_stats().num_compiled_steps == served[3]
+
+
+def test_a_stored_models_served_steps_compile_and_offloaded_give_their_resident_bits(
+    stored, compiles, monkeypatch
+):
+    """Weights kept as stored (their products opaque ops, the rest of the step fused):
+    the server's lone rows and batches run compiled, tokens as eager's, and offloaded
+    (prefetch, the disk tier) give the resident bits."""
+
+    from offload.engine.batching import BatchingEngine
+
+    batches = []  # the rows of each decode step
+    decode = BatchingEngine._decode_step
+
+    def serve(**settings):
+        llm = LLM(stored, device="cpu", max_num_batched_tokens=4, **settings)
+        return _serve(llm), llm.transfer_stats()
+
+    # (as the default model's: no float32 linear to speak of, `cpu_linear.pays` false)
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 1)
+    assert cpu_step.pays(LLM(stored, device="cpu", enforce_eager=True).model)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            BatchingEngine,
+            "_decode_step",
+            lambda self: (batches.append(len(self._running)), decode(self)),
+        )
+        expected, moved = serve()
+    assert 1 in batches and 2 in batches and moved.num_compiled_steps == len(batches)
+    eager, _ = serve(enforce_eager=True)
+    assert [tokens for tokens, _ in expected] == [tokens for tokens, _ in eager]
+    for setting in ("prefetch", "disk"):
+        result, moved = serve(**OFFLOADS[setting])
+        assert result == expected, setting
+        assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes > 0

@@ -145,13 +145,13 @@ class DecodeLoop:
 
     def _compiled_step(self, num_sequences: int) -> CompiledCpuStep | None:
         """The compiled CPU step where it pays (`cpu_step.pays`), for a batch of 1 to
-        `cpu_linear.MAX_ROWS` sequences (those whose products it writes, `step_linear`)."""
+        `cpu_linear.MAX_ROWS` sequences (those whose products it writes, `step_linear`;
+        weights kept as stored keep their own products, the rest of the step fuses: the
+        default model as stored, server steps of 2-32 rows 1.12-1.24x eager)."""
         if not self._compile_cpu or not cpu_step.enabled():
             return None
         if num_sequences > cpu_linear.MAX_ROWS or not cpu_step.pays(self.model):
             return None
-        if num_sequences > 1 and not cpu_linear.pays(self.model):
-            return None  # (a batch of stored weights: their products are opaque ops; unmeasured)
         if self._cpu_step is None:
             self._cpu_step = CompiledCpuStep()
             with contextlib.suppress(ModelError):  # (no layer stack: nothing offloads either)
