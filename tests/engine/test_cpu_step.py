@@ -390,16 +390,24 @@ def stored(request, tmp_path_factory):
     return zoo.save_gguf_type_llm(tmp_path_factory.mktemp(request.param), request.param)
 
 
-def test_a_stored_model_compiles_and_offloaded_gives_its_compiled_resident_bits(stored, compiles):
+def test_a_stored_model_compiles_and_offloaded_gives_its_compiled_resident_bits(
+    stored, compiles, monkeypatch
+):
+    # (as the default model's: no float32 linear to speak of, `cpu_linear.pays` false)
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 1)
+
     def run(**settings):
         llm = LLM(stored, device="cpu", **settings)
-        result, moved = _run(llm), llm.transfer_stats()
-        assert llm._cpu_step is not None and moved.num_compiled_steps == GREEDY.max_tokens - 1
+        result, moved = (_run(llm), _run_batch(llm)), llm.transfer_stats()
+        assert llm._cpu_step is not None and moved.num_compiled_steps == 2 * (GREEDY.max_tokens - 1)
         return result, moved
 
     expected, _ = run()
-    eager = _run(LLM(stored, device="cpu", enforce_eager=True))
-    assert expected[0] == eager[0]  # (same tokens; the sums' order may move the last bits)
+    eager_llm = LLM(stored, device="cpu", enforce_eager=True)
+    eager = _run(eager_llm), _run_batch(eager_llm)
+    # (same tokens; the sums' order may move the last bits)
+    assert expected[0][0] == eager[0][0]
+    assert [tokens for tokens, _ in expected[1]] == [tokens for tokens, _ in eager[1]]
     for setting in ("prefetch", "disk"):
         result, moved = run(**OFFLOADS[setting])
         assert result == expected, setting
