@@ -62,7 +62,12 @@ def main() -> None:
                 with kernels_for(runner.model, runner.device):
                     return step()
 
-            same = torch.allclose(compiled(), eager(), atol=1e-3, rtol=1e-3)
+            # (as stored, the int4 products round their inputs to bfloat16: the compiled
+            # step's last-bit differences become bfloat16 steps, logits up to ~0.5 apart;
+            # the check is each row's greedy token)
+            ours, theirs = compiled().float(), eager().float()
+            same = torch.equal(ours.argmax(-1), theirs.argmax(-1))
+            differ = (ours - theirs).abs().max().item()
             times = {"compiled": [], "eager": []}
             for _ in range(args.repeats):
                 for name, run in (("compiled", compiled), ("eager", eager)):
@@ -70,10 +75,11 @@ def main() -> None:
                     run()
                     times[name].append(time.perf_counter() - began)
             ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
-            results[f"{num_rows}x{width}"] = {**ms, "agree": same, "rounds_ms": times}
+            results[f"{num_rows}x{width}"] = {**ms, "agree": same, "max_abs_diff": differ,
+                                              "rounds_ms": times}  # fmt: skip
             print(f"{num_rows:>3} rows x {width:>5} columns: compiled {ms['compiled']:7.1f} ms, "
                   f"eager {ms['eager']:7.1f} ms, eager/compiled {ms['eager'] / ms['compiled']:.2f}"
-                  f"{'' if same else ' (logits differ!)'}", flush=True)  # fmt: skip
+                  f"{'' if same else ' (greedy tokens differ!)'}", flush=True)  # fmt: skip
     serving.close()
     llm.close()
     payload = {"dtype": args.dtype, "repeats": args.repeats, "threads": torch.get_num_threads(),

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from offload import LLM, SamplingParams
 from offload.engine import cpu_step
 from offload.errors import ConfigError, ModelError
+from offload.model import quant_layouts
 from offload.model.build import build_empty
 from offload.model.default import gguf_path
 from offload.model.gguf_quants import affine_4bit, dequantize
@@ -306,6 +307,21 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(stored):
             x = torch.randn(8, module.in_features)
             alone = torch.cat([module(x[i : i + 1]) for i in range(8)])
             assert (module(x) - alone).abs().max() < 1e-4, type(module).__name__
+
+
+@pytest.mark.parametrize("rows", [9, 33])
+def test_a_q8_product_of_many_rows_by_weight_slices_gives_the_whole_weights_bits(rows, monkeypatch):
+    """Past `Q8_FEW_ROWS` rows the q8 product runs a slice of weight rows at a time (the
+    sums stay in the cache); each output is the same sum, so it has the same bits."""
+    torch.manual_seed(0)
+    values = torch.randint(-127, 128, (6, 1000, 32), dtype=torch.int8)
+    scales = (torch.rand(6, 1000) / 64).half()
+    x = torch.randn(rows, 6 * 32)
+    monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 64)
+    whole = quant_layouts.q8_matmul(x, values, scales)
+    monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 8)
+    monkeypatch.setattr(quant_layouts, "Q8_SLICE", 96)  # (the last slice shorter)
+    assert torch.equal(quant_layouts.q8_matmul(x, values, scales), whole)
 
 
 def test_the_planner_times_a_layer_of_the_stored_model(stored):
