@@ -185,7 +185,12 @@ def q8_one_row(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> t
     float32: 113 MB written a step for the default model's head, ~6-16 ms). The sums' order
     is the kernel's, so its bits may differ from the eager product's (as the compiled
     float32 step's do); it is the same in a compiled offloaded step, whose weights are
-    inputs of the same loop (tests/engine/test_cpu_step.py)."""
+    inputs of the same loop (tests/engine/test_cpu_step.py). x is put in a buffer first:
+    else inductor computes it where the loop reads it, the model's last norm again for
+    every block of outputs (the default model's head 2.65 -> 0.92 ms, the same bits)."""
+    from torch._inductor import inductor_prims
+
+    x = inductor_prims.force_stride_order(x, (x.shape[-1], 1))
     columns = x.reshape(values.shape[0], 1, GROUP)
     parts = (columns * values.to(x.dtype)).sum(-1)  # [blocks, out]
     return (parts * scales.to(x.dtype)).sum(0, keepdim=True)
