@@ -96,8 +96,17 @@ def _resident_runs(checkpoint, run, shape: tuple[int, int]):
         llm = LLM(checkpoint, device="cpu", dtype="float32")
         result = run(llm)
         assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {shape}
+        # Again through the kept step: its guards checked at a loop's first step only
+        # (the weights stay in place), the same bits.
+        checks = _guard_checks(llm, shape)
+        assert run(llm) == result and _guard_checks(llm, shape) == checks + 1
         eager = run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
     return result, eager
+
+
+def _guard_checks(llm, shape) -> int:
+    """How often the kept step of `shape` has checked its guards."""
+    return llm._cpu_step._steps[shape].guard_checks
 
 
 @pytest.fixture(scope="module")
@@ -112,19 +121,48 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
     assert _run(llm) == resident_compiled[0]
     assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
-    assert llm._cpu_step is not None and set(llm._cpu_step._steps) == {(1, 128)}
+    # (KV offload's graph names its offloader's id, a constant: part of the key)
+    assert llm._cpu_step is not None and len(llm._cpu_step._steps) == 1
+    [key] = llm._cpu_step._steps
+    assert key[:2] == (1, 128) and (key[2:3] == ("kv",)) == (setting == "kv-cache")
     # Kept on disk (prefetch hooks and KV offload's layers name their offloader by id),
     # in one graph (KV offload's cache update is one op).
     assert {path.suffix for path in step_cache.folder().glob("*")} == {".pt2"}
-    assert llm._cpu_step.graphs == {(1, 128): 1}
+    assert llm._cpu_step.graphs == {key: 1}
     moved = llm.transfer_stats()
     assert moved.num_compiled_steps == GREEDY.max_tokens - 1  # (the first token: the prefill's)
+    # Run again through the kept step: where weights or cache move between steps, its
+    # guards are checked at every step; UVA reads its slabs in place: at the first only.
+    checks = _guard_checks(llm, key)
+    assert _run(llm) == resident_compiled[0]
+    every = GREEDY.max_tokens - 1
+    assert _guard_checks(llm, key) - checks == (1 if setting == "uva" else every)
     if setting == "kv-cache":
         assert moved.kv_copied_bytes > 0
     else:
         assert llm.offloader.offloaded_bytes > 0
         streamed = moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes
         assert streamed > 0 or setting == "uva"  # (UVA reads in place on a CPU)
+
+
+def test_a_call_whose_kv_offloader_gets_another_id_runs_a_step_that_names_it(
+    checkpoint, resident_compiled, compiles
+):
+    """A compiled step with KV offload names its call's KV offloader by id, a constant of
+    its graph. The next call's offloader gets the smallest free id, which may be another
+    one (the last call's id still held, or freed while a lower one came free): its step
+    must name the new id, never the old (missing: an error; another offloader's: the
+    wrong cache)."""
+    from offload.offloader import ops
+
+    holder = type("Holder", (), {})()  # (holds the smallest free id for the first call)
+    held = ops.register(holder)
+    llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS["kv-cache"])
+    assert _run(llm) == resident_compiled[0]
+    [(*_, first)] = llm._cpu_step._steps
+    ops.unregister(held)  # the next call's KV offloader takes it
+    assert _run(llm) == resident_compiled[0]
+    assert first != held and {key[3] for key in llm._cpu_step._steps} == {first, held}
 
 
 def test_the_compiled_step_computes_the_eager_steps_function(resident_compiled):
@@ -175,7 +213,7 @@ def test_a_compiled_batch_offloaded_equals_it_resident_bitwise(
     has them): offloaded, it gives the compiled resident batch's bits."""
     llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
     assert _run_batch(llm) == resident_batch[0]
-    assert set(llm._cpu_step._steps) == {(2, 128)}
+    assert [key[:2] for key in llm._cpu_step._steps] == [(2, 128)]
     assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
 
 

@@ -254,6 +254,7 @@ class DecodeLoop:
         logits = logits[:, -1, :]  # [batch, vocab]
         step = DecodeStep(self.model, cache, batch.mask, positions)
         graphs, position = None, batch.width  # where the newest token goes
+        in_place = self.offloader.weights_in_place and cache.kv_offloader is None
         while True:
             tokens = self._tokens.pick(logits, sequences)
             progress.update()
@@ -271,7 +272,9 @@ class DecodeLoop:
             if graphs is not None:
                 logits = graphs.run(position + 1)
             elif compiled is not None and compiled.usable(step):
-                logits = compiled(step)
+                # (the same step object all loop long, its weights staying put: the
+                # kept step's guards are checked at its first call only)
+                logits = compiled(step, in_place)
                 self._compiled_steps += compiled.usable(step)  # (known after its first call)
             else:
                 with self._step_kernels():

@@ -117,6 +117,14 @@ class BaseOffloader(ABC):
         return None
 
     @property
+    def weights_in_place(self) -> bool:
+        """Whether every parameter stays the same tensor at the same place from one
+        forward to the next (nothing copied in, swapped or read for a forward): then what
+        a compiled CPU step's guards found true at a decode loop's first step holds at
+        its later ones (`engine/cpu_step.py`). False unless the offloader knows it."""
+        return False
+
+    @property
     def offloaded_bytes(self) -> int:
         """Bytes of parameters that no longer occupy device memory."""
         return sum(entry.num_bytes for entry in self._still_offloaded())
@@ -156,6 +164,8 @@ class BaseOffloader(ABC):
 
 class NoopOffloader(BaseOffloader):
     """Offloads nothing: every parameter stays where it is."""
+
+    weights_in_place = True
 
     def wrap_modules(
         self, modules: Iterable[nn.Module], *, deferred: bool = False

@@ -163,6 +163,11 @@ class UVAOffloader(BaseOffloader):
             hook = CopyOnForwardHook(mine, device, self._count_copy)
             self.ledger.hooks.append(hook.attach(part.module))
 
+    @property
+    def weights_in_place(self) -> bool:
+        """Every offloaded parameter is read in place from its slab (no copy per forward)."""
+        return not any(isinstance(hook, CopyOnForwardHook) for hook in self.ledger.hooks)
+
     def recover(self) -> None:
         for hook in self.ledger.hooks:
             if isinstance(hook, CopyOnForwardHook):
