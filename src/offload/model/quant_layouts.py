@@ -213,6 +213,10 @@ def int4_cuda_matmul(
     return out.to(x.dtype)
 
 
+Q8_FEW_ROWS = 8  # up to this many rows a slice is the whole weight (measured: no faster)
+Q8_SLICE = 16384  # weight rows
+
+
 def q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [rows, in] times a q8 weight, one block column at a time (a scratch of one column,
     never the whole weight in float), in x's dtype. One path for any number of rows: torch's
@@ -235,10 +239,6 @@ def q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> to
             else:
                 sums.copy_(part)
     return out
-
-
-Q8_FEW_ROWS = 8  # up to this many rows a slice is the whole weight (measured: no faster)
-Q8_SLICE = 16384  # weight rows
 
 
 def gguf_linear(
