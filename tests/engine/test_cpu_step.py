@@ -422,10 +422,11 @@ def test_a_kept_step_computes_with_the_weights_it_is_given(
     assert _run(own) == result and own._cpu_step.loaded == 0
 
 
-@pytest.fixture(scope="module", params=["Q4_1", "Q8_0"])
+@pytest.fixture(scope="module", params=["Q4_1", "Q5_K"])
 def stored(request, tmp_path_factory):
-    """A small model of weights kept as stored: int4 products (Q4_1) or q8 (Q8_0, whose
-    one-row products a compiled step writes out as a loop)."""
+    """A small model of weights kept as stored: int4 products (Q4_1) or q8 (Q5_K: int8
+    with a float32 scale and offset per 32 inputs, whose one-row products a compiled step
+    writes out as a loop)."""
     return zoo.save_gguf_type_llm(tmp_path_factory.mktemp(request.param), request.param)
 
 
@@ -444,13 +445,23 @@ def test_a_stored_model_compiles_and_offloaded_gives_its_compiled_resident_bits(
     expected, _ = run()
     eager_llm = LLM(stored, device="cpu", enforce_eager=True)
     eager = _run(eager_llm), _run_batch(eager_llm)
-    # (same tokens; the sums' order may move the last bits)
+    # (same tokens, logprobs to the sums' order: it may move the last bits)
     assert expected[0][0] == eager[0][0]
+    _assert_close_logprobs(expected[0][1], eager[0][1])
     assert [tokens for tokens, _ in expected[1]] == [tokens for tokens, _ in eager[1]]
     for setting in ("prefetch", "disk"):
         result, moved = run(**OFFLOADS[setting])
         assert result == expected, setting
         assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes > 0
+
+
+def _assert_close_logprobs(got, expected, tolerance=1e-3):
+    """Each step's top logprobs: the same tokens, values within `tolerance`."""
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.keys() == theirs.keys()
+        for token, entry in mine.items():
+            assert abs(entry.logprob - theirs[token].logprob) < tolerance, (token, entry)
 
 
 # -- the server's steps (rows.RowStep): a graph for a lone row, one for batches ----------

@@ -9,7 +9,8 @@ import torch
 
 from offload.errors import ModelError
 from offload.model.default import gguf_path
-from offload.model.gguf_quants import FORMATS, dequantize
+from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS, dequantize
+from offload.model.quant_layouts import pack_q8, q8_values
 
 # Where each type keeps its fp16 fields (the rest of a block is packed integers).
 F16_AT = {
@@ -37,6 +38,23 @@ def test_each_type_equals_the_reference_bit_for_bit(type_name, seed):
     got = dequantize(torch.from_numpy(data), type_name)
     assert got.dtype == torch.float32 and got.shape == expected.shape
     assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(expected)))
+
+
+@pytest.mark.parametrize("type_name", list(EIGHT_BIT_GROUPS))
+def test_the_cpus_8_bit_layout_holds_the_reference_values_bit_for_bit(type_name):
+    """Q8_0, Q5_0, Q5_1, Q5_K and Q6_K kept on a CPU as int8 by block column with their
+    scales (and offsets): the values they give are the reference's, bit for bit, and the
+    kept bytes are at most twice the file's."""
+    data = _random_blocks(type_name, rows=6, blocks_per_row=3, seed=2)
+    expected = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[type_name])
+    kept = pack_q8(torch.from_numpy(data), type_name)
+    group, has_offsets = EIGHT_BIT_GROUPS[type_name]
+    assert kept[0].dtype == torch.int8 and kept[0].shape[2] == group
+    assert (kept[2] is not None) == has_offsets
+    got = q8_values(*kept)
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(expected)))
+    kept_bytes = sum(t.numel() * t.element_size() for t in kept if t is not None)
+    assert kept_bytes <= 2 * data.nbytes
 
 
 def test_the_default_models_tensors_equal_the_reference():

@@ -310,18 +310,25 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it(stored):
 
 
 @pytest.mark.parametrize("rows", [9, 33])
-def test_a_q8_product_of_many_rows_by_weight_slices_gives_the_whole_weights_bits(rows, monkeypatch):
+@pytest.mark.parametrize("offsets", [False, True])
+def test_a_q8_product_of_many_rows_by_weight_slices_gives_the_whole_weights_bits(
+    rows, offsets, monkeypatch
+):
     """Past `Q8_FEW_ROWS` rows the q8 product runs a slice of weight rows at a time (the
-    sums stay in the cache); each output is the same sum, so it has the same bits."""
+    sums stay in the cache); each output is the same sum, so it has the same bits (with
+    the offsets of Q5_1/Q5_K too, each slice's own)."""
     torch.manual_seed(0)
     values = torch.randint(-127, 128, (6, 1000, 32), dtype=torch.int8)
     scales = (torch.rand(6, 1000) / 64).half()
+    shifts = (torch.randn(6, 1000) / 8).half() if offsets else None
     x = torch.randn(rows, 6 * 32)
     monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 64)
-    whole = quant_layouts.q8_matmul(x, values, scales)
+    whole = quant_layouts.q8_matmul(x, values, scales, shifts)
+    floats = quant_layouts.q8_values(values, scales, shifts)
+    assert torch.allclose(whole, x @ floats.T, atol=1e-4)
     monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 8)
     monkeypatch.setattr(quant_layouts, "Q8_SLICE", 96)  # (the last slice shorter)
-    assert torch.equal(quant_layouts.q8_matmul(x, values, scales), whole)
+    assert torch.equal(quant_layouts.q8_matmul(x, values, scales, shifts), whole)
 
 
 def test_the_planner_times_a_layer_of_the_stored_model(stored):
@@ -401,3 +408,24 @@ def test_a_slower_kernel_is_not_chosen(file_tensors, monkeypatch):
     assert slow.choose(name, raw, "Q4_1") == "gguf"
     assert slow.seconds == {"Q4_1 1536x576": {"int4": 2e-3, "gguf": 1e-3}}
     assert layout_choice.LayoutChooser("cuda").choose(name, raw, "Q4_1") in ("gguf", "int4_cuda")
+
+
+def test_a_q8_weight_is_timed_as_the_compiled_cpu_step_runs_it(file_tensors, monkeypatch):
+    """Where the eager q8 product loses to de-quantizing the blocks, the choice is made on
+    the product a compiled CPU step runs (one loop over the int8 weight, `q8_one_row`);
+    where nothing compiles here, on the eager timings."""
+    from offload.model import layout_choice
+
+    name = "model.layers.0.mlp.up_proj.weight"
+    raw = torch.from_numpy(np.array(file_tensors["token_embd.weight"][:1536]))
+    monkeypatch.setattr(
+        layout_choice,
+        "product_seconds",
+        lambda n, r, k, layout, *_: {"q8": 2e-3}.get(layout, 1e-3),
+    )
+    chooser = layout_choice.LayoutChooser("cpu")
+    assert chooser.choose(name, raw, "Q8_0") == "q8"
+    timed = chooser.seconds["Q8_0 1536x576"]
+    assert timed["q8"] == timed["q8 compiled"] < 1e-3 < timed["gguf"] * 1.01
+    monkeypatch.setattr(layout_choice, "compiled_q8_seconds", lambda *_: float("inf"))
+    assert layout_choice.LayoutChooser("cpu").choose(name, raw, "Q8_0") == "gguf"

@@ -187,6 +187,57 @@ def affine_4bit(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
     return q.reshape(*rows, -1), scale.reshape(*rows, -1), offset.reshape(*rows, -1)
 
 
+# The types whose values fit int8 with a scale (and an offset) per group of inputs:
+# (inputs per group, whether a group has an offset). `affine_8bit` reads them.
+EIGHT_BIT_GROUPS = {
+    "Q8_0": (32, False),
+    "Q5_0": (32, False),
+    "Q5_1": (32, True),
+    "Q5_K": (32, True),
+    "Q6_K": (16, False),
+}
+
+
+def affine_8bit(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
+    """A type of `EIGHT_BIT_GROUPS` as (q, scale, offset or None): int8 q [rows, values]
+    and, per group of inputs, a scale and an offset [rows, groups] (float16 where the file
+    holds them so, else the float32 products the reference computes), so that
+    `q.float() * scale.float() + offset.float()` is bit for bit the reference's value (its
+    `d * q - m` is `q * d + (-m)` exactly: one rounding each)."""
+    if type_name not in EIGHT_BIT_GROUPS:
+        raise ModelError(
+            f"GGUF type {type_name} does not fit 8 bits a value; these do: "
+            f"{', '.join(EIGHT_BIT_GROUPS)}"
+        )
+    block = FORMATS[type_name]
+    rows = raw.shape[:-1]
+    blocks = raw.reshape(-1, block.block_bytes)
+    num, offset = blocks.shape[0], None
+    half = lambda start: blocks[:, start : start + 2].contiguous().view(torch.float16)  # noqa: E731
+    if type_name == "Q8_0":
+        q, scale = blocks[:, 2:].contiguous().view(torch.int8), half(0)
+    elif type_name == "Q5_0":
+        q, scale = _five_bit(blocks, 2).to(torch.int8) - 16, half(0)
+    elif type_name == "Q5_1":
+        q, scale, offset = _five_bit(blocks, 4).to(torch.int8), half(0), half(2)
+    elif type_name == "Q5_K":
+        low = _nibbles(blocks[:, 48:], 32).reshape(num, 8, 32)
+        high = _bits(blocks[:, 16:48], 1).reshape(num, 32, 8).transpose(1, 2)
+        q = (low | (high << 4)).to(torch.int8)
+        d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+        scales, mins = _k_scales(blocks[:, 4:16])
+        scale, offset = d * scales.float(), -(dmin * mins.float())
+    else:  # Q6_K
+        low = _nibbles(blocks[:, :128], 64).reshape(num, 8, 32)
+        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)
+        high = (blocks[:, 128:192].reshape(num, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & 0x03
+        q = (low | (high.reshape(num, 8, 32) << 4)).to(torch.int8) - 32
+        scale = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
+    if offset is not None:
+        offset = offset.reshape(*rows, -1)
+    return q.reshape(*rows, -1), scale.reshape(*rows, -1), offset
+
+
 _DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,

@@ -105,7 +105,7 @@ def _laid_out(
 
 _SAFE_TYPES = {
     torch.uint8: "U8", torch.int8: "I8", torch.int32: "I32", torch.float16: "F16",
-    torch.bfloat16: "BF16",
+    torch.bfloat16: "BF16", torch.float32: "F32",
 }  # fmt: skip
 
 

@@ -12,8 +12,13 @@ laid-out bytes as they lie in the file).
   tinygemm's tensor-core tiles: int32 [out / 8, in / (16 k), 32, k / 2] for k = 8, 4 or 2
   inner tiles) with the same bfloat16 scale and zero point; named by a fingerprint made
   on the GPU (`int4_cuda_layout`), and only where its probe reads back what it packed.
-- `q8`: Q8_0 as int8 [in / 32, out, 32] with its float16 scales [in / 32, out]: the file's
-  bytes, split by block column, so that one block column is one contiguous matrix.
+- `q8`: the types whose values fit int8 with a scale (and an offset) per group of g inputs
+  (`gguf_quants.EIGHT_BIT_GROUPS`: Q8_0, Q5_0, Q5_1, Q5_K with g = 32, Q6_K with 16) as
+  int8 [in / g, out, g] with their scales [in / g, out] (float16 where the file has them
+  so, else float32) and offsets (Q5_1, Q5_K), so that one block column is one contiguous
+  matrix. Q8_0 is its file's bytes split by column; the 5- and 6-bit types are widened to
+  8 bits (1.5-1.8x their file's bytes, a third of float32's), since a product that unpacks
+  their bits as it reads them ran 2x slower than this one on the CPU (docs/benchmarks.md).
 - anything else stays in GGUF's own blocks (`gguf_quants` de-quantizes them).
 """
 
@@ -25,7 +30,13 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from offload.model.gguf_quants import FORMATS, affine_4bit, dequantize
+from offload.model.gguf_quants import (
+    EIGHT_BIT_GROUPS,
+    FORMATS,
+    affine_4bit,
+    affine_8bit,
+    dequantize,
+)
 from offload.model.packed_quant import packed_linear, packed_linear_op
 from offload.offloader.ops import define_op
 
@@ -97,7 +108,7 @@ def layout_for(type_name: str, name: str, kernels: str, rows: int = 8) -> str:
     "gguf"): the embedding is looked up by row, so it stays in a layout rows can be read
     from (GGUF's or q8); the GPU's packing needs rows in whole tiles of 8."""
     four_bit = type_name in INT4_TYPES and "embed_tokens" not in name
-    if kernels == "cpu" and type_name == "Q8_0":
+    if kernels == "cpu" and type_name in EIGHT_BIT_GROUPS:
         return "q8"
     if kernels == "cpu" and four_bit and int4_cpu_layout() is not None:
         return "int4"
@@ -126,8 +137,9 @@ def laid_out(name: str, raw: torch.Tensor, kind: str, layout: str) -> dict[str, 
         return {name: raw}
     stem = name.removesuffix(".weight")
     if layout == "q8":
-        values, scales = pack_q8(raw)
-        return {name: values, f"{stem}.scales": scales}
+        values, scales, offsets = pack_q8(raw, kind)
+        tensors = {name: values, f"{stem}.scales": scales}
+        return tensors if offsets is None else {**tensors, f"{stem}.offsets": offsets}
     packing = _cuda_packing() if layout == "int4_cuda" else None
     if packing is not None:
         raw = raw.to("cuda")  # (unpacked and packed there: a large model's in seconds)
@@ -142,19 +154,25 @@ def laid_out(name: str, raw: torch.Tensor, kind: str, layout: str) -> dict[str, 
     return {name: packed, f"{stem}.scale_zero": scale_zero.contiguous().cpu()}
 
 
-def pack_q8(raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q8_0 rows (uint8 [out, bytes]) -> (int8 [in / 32, out, 32], float16 [in / 32, out])."""
-    block = FORMATS["Q8_0"]
-    blocks = raw.reshape(raw.shape[0], -1, block.block_bytes)
-    scales = blocks[..., :2].contiguous().view(torch.float16).squeeze(-1)
-    values = blocks[..., 2:].contiguous().view(torch.int8)
-    return values.transpose(0, 1).contiguous(), scales.transpose(0, 1).contiguous()
+def pack_q8(raw: torch.Tensor, kind: str = "Q8_0") -> tuple[torch.Tensor, ...]:
+    """Rows of a type that fits 8 bits (uint8 [out, bytes]) -> (int8 [in / g, out, g],
+    scales [in / g, out], offsets [in / g, out] or None)."""
+    group = EIGHT_BIT_GROUPS[kind][0]
+    q, scale, offset = affine_8bit(raw, kind)
+    values = q.reshape(raw.shape[0], -1, group).transpose(0, 1).contiguous()
+    columns = [scale.T.contiguous(), None if offset is None else offset.T.contiguous()]
+    return values, *columns
 
 
-def q8_values(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The float32 values of q8 block columns (int8 [blocks, rows, 32], float16 [blocks,
-    rows]) as [rows, blocks * 32]: `q * d` as the reference computes it, bit for bit."""
+def q8_values(
+    values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The float32 values of q8 block columns (int8 [blocks, rows, g], scales and offsets
+    [blocks, rows]) as [rows, blocks * g]: `q * d (+ m)` as the reference computes it, bit
+    for bit."""
     floats = values.float() * scales.float().unsqueeze(-1)
+    if offsets is not None:
+        floats = floats + offsets.float().unsqueeze(-1)
     return floats.movedim(0, -2).flatten(-2)
 
 
@@ -178,7 +196,9 @@ def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
     return _EAGER[op](x, *stored)
 
 
-def q8_one_row(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_one_row(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
     """`q8_matmul` of x [1, in], as plain tensor operations for a compiled step: each block
     column's 32 products summed, scaled, then the columns summed. Inductor makes of it a
     loop over the int8 weight at the memory's rate (the eager form widens each column to
@@ -191,9 +211,11 @@ def q8_one_row(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> t
     from torch._inductor import inductor_prims
 
     x = inductor_prims.force_stride_order(x, (x.shape[-1], 1))
-    columns = x.reshape(values.shape[0], 1, GROUP)
-    parts = (columns * values.to(x.dtype)).sum(-1)  # [blocks, out]
-    return (parts * scales.to(x.dtype)).sum(0, keepdim=True)
+    columns = x.reshape(values.shape[0], 1, values.shape[-1])
+    parts = (columns * values.to(x.dtype)).sum(-1) * scales.to(x.dtype)  # [blocks, out]
+    if offsets is not None:  # (each offset times its group's inputs' sum)
+        parts = parts + columns.sum(-1) * offsets.to(x.dtype)
+    return parts.sum(0, keepdim=True)
 
 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
@@ -217,7 +239,9 @@ Q8_FEW_ROWS = 8  # up to this many rows a slice is the whole weight (measured: n
 Q8_SLICE = 16384  # weight rows
 
 
-def q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_matmul(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
     """x [rows, in] times a q8 weight, one block column at a time (a scratch of one column,
     never the whole weight in float), in x's dtype. One path for any number of rows: torch's
     int8 kernel is faster for one row but rounds the activations to bfloat16, so a row's
@@ -225,7 +249,8 @@ def q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> to
     `Q8_FEW_ROWS` rows, a slice of `Q8_SLICE` weight rows at a time, so that the sums stay
     in the cache: the default model's head at 32 rows 67 -> 18 ms, at 64 147 -> 32 (each
     output's sums are the same, so are its bits)."""
-    columns = x.reshape(x.shape[0], values.shape[0], GROUP).transpose(0, 1)
+    columns = x.reshape(x.shape[0], values.shape[0], values.shape[-1]).transpose(0, 1)
+    sums_in = None if offsets is None else columns.sum(-1).T  # [rows, blocks]
     slice_rows = values.shape[1] if x.shape[0] <= Q8_FEW_ROWS else Q8_SLICE
     out = x.new_empty(x.shape[0], values.shape[1])
     for start in range(0, values.shape[1], slice_rows):
@@ -238,6 +263,8 @@ def q8_matmul(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> to
                 sums.add_(part)
             else:
                 sums.copy_(part)
+        if sums_in is not None:  # (each offset times its group's inputs' sum)
+            sums.add_(torch.mm(sums_in, offsets[:, start:end].to(x.dtype)))
     return out
 
 
@@ -248,9 +275,13 @@ def gguf_linear(
     return F.linear(x, dequantize(raw, kind).to(x.dtype), bias)
 
 
-def q8_rows(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_rows(
+    ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
     flat = ids.reshape(-1)
-    return q8_values(values[:, flat], scales[:, flat])
+    return q8_values(
+        values[:, flat], scales[:, flat], None if offsets is None else offsets[:, flat]
+    )
 
 
 def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
@@ -269,7 +300,9 @@ def _int4_cuda_fake(
     return x.new_empty(x.shape[0], packed.shape[0] * 8)
 
 
-def _q8_fake(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _q8_fake(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
     return x.new_empty(x.shape[0], values.shape[1])
 
 
@@ -279,8 +312,10 @@ def _gguf_fake(
     return x.new_empty(*x.shape[:-1], raw.shape[0])
 
 
-def _q8_rows_fake(ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return scales.new_empty(ids.numel(), values.shape[0] * GROUP, dtype=torch.float32)
+def _q8_rows_fake(
+    ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
+    return scales.new_empty(ids.numel(), values.shape[0] * values.shape[2], dtype=torch.float32)
 
 
 def _gguf_rows_fake(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
@@ -294,7 +329,12 @@ _OPAQUE = {
     "packed": packed_linear_op,
     "int4": define_op("int4_matmul", _PRODUCT, int4_matmul, _int4_fake),
     "int4_cuda": define_op("int4_cuda_matmul", _PRODUCT, int4_cuda_matmul, _int4_cuda_fake),
-    "q8": define_op("q8_matmul", _PRODUCT, q8_matmul, _q8_fake),
+    "q8": define_op(
+        "q8_matmul",
+        "(Tensor x, Tensor weight, Tensor scales, Tensor? offsets) -> Tensor",
+        q8_matmul,
+        _q8_fake,
+    ),
     "gguf": define_op(
         "gguf_linear",
         "(Tensor x, Tensor raw, str kind, Tensor? bias) -> Tensor",
@@ -302,7 +342,10 @@ _OPAQUE = {
         _gguf_fake,
     ),
     "q8_rows": define_op(
-        "q8_rows", "(Tensor ids, Tensor values, Tensor scales) -> Tensor", q8_rows, _q8_rows_fake
+        "q8_rows",
+        "(Tensor ids, Tensor values, Tensor scales, Tensor? offsets) -> Tensor",
+        q8_rows,
+        _q8_rows_fake,
     ),
     "gguf_rows": define_op(
         "gguf_rows", "(Tensor ids, Tensor raw, str kind) -> Tensor", gguf_rows, _gguf_rows_fake

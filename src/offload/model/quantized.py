@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from offload.errors import ConfigError, ModelError
-from offload.model.gguf_quants import FORMATS
+from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
 from offload.model.packed_modules import FORMS_KEY, method_of
 from offload.model.quant_layouts import (
     GROUP,
@@ -175,22 +175,34 @@ class Int4CudaLinear(Int4Linear):
         return (rows_out // 8, rows_in // (16 * tiles), 32, tiles // 2), torch.int32
 
 
+def _q8_parameters(module: nn.Module, kind: str, values: int, rows: int) -> None:
+    """A q8 weight's parameters on `module` (`quant_layouts.py`): `weight` int8 [values / g,
+    rows, g], `scales` [values / g, rows] (float16 where the file's are, else float32) and,
+    for the types with a minimum, `offsets` like the scales (else None)."""
+    group, has_offsets = EIGHT_BIT_GROUPS[kind]
+    columns = _groups(values, module, group)
+    scale_dtype = torch.float32 if kind.endswith("_K") else torch.float16
+    module.weight = _meta((columns, rows, group), torch.int8)
+    module.scales = _meta((columns, rows), scale_dtype)
+    module.offsets = _meta((columns, rows), scale_dtype) if has_offsets else None
+
+
 class Q8Linear(nn.Module):
-    """`nn.Linear` with a Q8_0 weight by block column: `weight` int8 [in / 32, out, 32],
-    `scales` float16 [in / 32, out]."""
+    """`nn.Linear` with a weight that fits 8 bits (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) by block
+    column: `weight`, `scales` and `offsets` as `_q8_parameters` makes them."""
 
     holds_stored_weights = True
 
     def __init__(self, linear: nn.Linear, kind: str = "Q8_0"):
         super().__init__()
         self.in_features, self.out_features, self.kind = _sizes(linear, kind)
-        columns = _groups(linear.in_features, linear)
-        self.weight = _meta((columns, linear.out_features, GROUP), torch.int8)
-        self.scales = _meta((columns, linear.out_features), torch.float16)
+        _q8_parameters(self, kind, linear.in_features, linear.out_features)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = stored_op("q8", x.reshape(-1, self.in_features), self.weight, self.scales)
+        out = stored_op(
+            "q8", x.reshape(-1, self.in_features), self.weight, self.scales, self.offsets
+        )
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 
@@ -204,7 +216,7 @@ class Q8Linear(nn.Module):
 # the placeholder, and the step failed to load ("argument 'dtype' must be torch.dtype").
 # Only the tuple is replaced.
 class Q8Embedding(nn.Module):
-    """`nn.Embedding` with a Q8_0 table by block column (as `Q8Linear`'s weight, so a tied
+    """`nn.Embedding` with its table by block column (as `Q8Linear`'s weight, so a tied
     head shares it): a lookup de-quantizes only the rows asked for, bit for bit."""
 
     holds_stored_weights = True
@@ -213,13 +225,11 @@ class Q8Embedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
         self.kind, self.padding_idx = kind, embedding.padding_idx
-        columns = _groups(embedding.embedding_dim, embedding)
-        self.weight = _meta((columns, embedding.num_embeddings, GROUP), torch.int8)
-        self.scales = _meta((columns, embedding.num_embeddings), torch.float16)
+        _q8_parameters(self, kind, embedding.embedding_dim, embedding.num_embeddings)
         self._compute = (embedding.weight.dtype,)  # (a tuple: see above)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        values = stored_op("q8_rows", ids, self.weight, self.scales)
+        values = stored_op("q8_rows", ids, self.weight, self.scales, self.offsets)
         return values.to(self._compute[0]).reshape(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -230,12 +240,12 @@ def _sizes(linear: nn.Linear, kind: str) -> tuple[int, int, str]:
     return linear.in_features, linear.out_features, kind
 
 
-def _groups(values: int, module: nn.Module) -> int:
-    if values % GROUP:
+def _groups(values: int, module: nn.Module, group: int = GROUP) -> int:
+    if values % group:
         raise ModelError(
-            f"{type(module).__name__} rows of {values} values are not whole groups of {GROUP}"
+            f"{type(module).__name__} rows of {values} values are not whole groups of {group}"
         )
-    return values // GROUP
+    return values // group
 
 
 def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:

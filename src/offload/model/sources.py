@@ -45,7 +45,9 @@ ACCEPTED = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EXTRA_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")  # config, tokenizer
 _CONVERTED = "converted"
-_VERSION = "1"  # part of the key: a change in how we convert converts again
+_VERSION = (
+    "2"  # part of the key: a change in how we convert converts again (2: 5- and 6-bit types as q8)
+)
 
 
 def resolve_model(
