@@ -72,7 +72,8 @@ def run(args: argparse.Namespace, llama_cpp, folder: Path) -> None:
     }
     floats = LLM(dtype="float32", device="cpu")
     ours = {
-        kind: LLM(str(path), device="cpu", offload_folder=folder) for kind, path in files.items()
+        kind: LLM(str(path), device="cpu", offload_folder=str(folder))
+        for kind, path in files.items()
     }
     theirs = {kind: _llama_cpp(path) for kind, path in files.items()}
     for llm in [floats, *ours.values()]:  # warm-up (and the compiled steps made)
@@ -97,7 +98,7 @@ def run(args: argparse.Namespace, llama_cpp, folder: Path) -> None:
         ours_ppl = _perplexity(ours[kind])
         ours[kind].close()
         float_ppl = _perplexity(
-            conversion := LLM(str(path), device="cpu", dtype="float32", offload_folder=folder)
+            conversion := LLM(str(path), device="cpu", dtype="float32", offload_folder=str(folder))
         )
         conversion.close()
         llama_ppl = _llama_perplexity(theirs[kind])

@@ -400,6 +400,13 @@ def test_the_disk_tier_is_ours_off_by_default_and_through_prefetch():
     assert again == config and again.compute_hash() == config.compute_hash()
 
 
+def test_an_offload_folder_may_be_a_path_object(tmp_path):
+    """A `pathlib.Path` is kept as its string (the config's JSON and hash take strings)."""
+    config = OffloadConfig.from_dict({"offload_folder": tmp_path / "spill"})
+    assert config.disk.offload_folder == str(tmp_path / "spill")
+    assert OffloadConfig.from_dict({"offload_folder": str(tmp_path / "spill")}) == config
+
+
 @pytest.mark.parametrize(
     ("data", "needle"),
     [

@@ -4,6 +4,7 @@ field, the value and what is allowed."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -121,6 +122,8 @@ class DiskOffloadConfig:
         owner = "disk"
         if self.cpu_memory_gb is not None:
             self.cpu_memory_gb = gib("disk.cpu_memory_gb", self.cpu_memory_gb, text=True)
+        if isinstance(self.offload_folder, os.PathLike):  # (a pathlib.Path, as a str)
+            self.offload_folder = os.fspath(self.offload_folder)
         if self.offload_folder is not None and not isinstance(self.offload_folder, str):
             raise ConfigError(
                 f"{owner}.offload_folder must be a folder path, got {shown(self.offload_folder)}"
