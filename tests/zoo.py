@@ -349,3 +349,82 @@ def predictions(llm, text: str) -> list[tuple[float, int]]:
         (entry[token].logprob, max(entry, key=lambda t: entry[t].logprob))
         for entry, token in zip(entries[1:], ids[1:], strict=True)
     ]
+
+
+# GGUF's names for a layer's tensors, by transformers' (Llama and Qwen2 alike).
+_GGUF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+    **{f"self_attn.{p}_proj.{w}": f"attn_{p}.{w}" for p in "qkv" for w in ("weight", "bias")},
+}
+
+
+def save_random_gguf(path, arch: str, kind: str = "Q8_0", hidden: int = 256, layers: int = 2):
+    """A random `arch` ("llama" or "qwen2", whose attention has biases) model written as
+    llama.cpp writes one: GGUF names, its query/key rows in llama.cpp's order for Llama,
+    every matrix in `kind` blocks (quantized by the `gguf` package), the rest float32, and
+    the default model's tokenizer (its metadata copied from the shipped file). Returns
+    (the .gguf's path, the float32 model it was made from)."""
+    import gguf
+    import numpy as np
+
+    from offload.model.default import gguf_path
+
+    shape = dict(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+        max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0,
+    )  # fmt: skip
+    config = tf.Qwen2Config(**shape) if arch == "qwen2" else tf.LlamaConfig(**shape)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.dim() == 2 or name.endswith("bias"):
+                parameter.normal_(0, 0.05)
+    source = gguf.GGUFReader(gguf_path())
+    writer = gguf.GGUFWriter(path, arch)
+    for key, field in source.fields.items():
+        if key.startswith(("GGUF.", "general.architecture", "llama.")):
+            continue  # (the writer writes the first two; the shape is this model's)
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(2 * hidden)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+    }
+    for i in range(layers):
+        names.update(
+            {f"model.layers.{i}.{hf}": f"blk.{i}.{ours}" for hf, ours in _GGUF_LAYER_NAMES.items()}
+        )
+    block = gguf.GGMLQuantizationType[kind]
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # (tied to the embedding)
+        values = tensor.float().numpy()
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = 4 if "q_proj" in name else 2  # (llama.cpp's interleaved rotary rows)
+            halves = values.reshape(heads, 2, values.shape[0] // heads // 2, -1)
+            values = halves.swapaxes(1, 2).reshape(values.shape)
+        if values.ndim == 2:
+            quantized = gguf.quants.quantize(np.ascontiguousarray(values), block)
+            writer.add_tensor(names[name], quantized, raw_shape=quantized.shape, raw_dtype=block)
+        else:
+            writer.add_tensor(names[name], np.ascontiguousarray(values))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, model

@@ -1,0 +1,42 @@
+"""A .gguf of each architecture read as stored (Llama, whose query and key rows llama.cpp
+permutes, and Qwen2, whose attention has biases), written as llama.cpp writes one: as
+stored it gives the tokens of its float32 conversion (transformers' reader), logprobs to
+the sums' order, and of the float32 model it was quantized from at most a few tokens
+apart; offloaded it gives its resident bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+
+from offload import LLM, SamplingParams
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+PROMPT = {"prompt_token_ids": [1, 5, 9, 14, 3, 27, 100, 2000]}
+
+
+def _run(llm):
+    [out] = llm.generate(PROMPT, PARAMS, use_tqdm=False)
+    completion = out.outputs[0]
+    llm.close()
+    return completion.token_ids, [next(iter(s.values())).logprob for s in completion.logprobs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_gguf_of_each_architecture_runs_as_stored(arch, tmp_path):
+    path, source = zoo.save_random_gguf(tmp_path / f"{arch}.gguf", arch)
+    stored = LLM(str(path), device="cpu", enforce_eager=True)
+    assert type(stored.model.model.layers[0].mlp.up_proj).__name__ == "Q8Linear"
+    if arch == "qwen2":
+        assert stored.model.model.layers[0].self_attn.q_proj.bias is not None
+    tokens, logprobs = _run(stored)
+    floats = _run(LLM(str(path), device="cpu", enforce_eager=True, dtype="float32"))
+    assert tokens == floats[0]
+    assert max(abs(a - b) for a, b in zip(logprobs, floats[1], strict=True)) < 1e-4
+    with torch.no_grad():  # (the model it was quantized from: Q8_0 moves little)
+        ids = torch.tensor([PROMPT["prompt_token_ids"] + tokens[:-1]])
+        expected = source(input_ids=ids).logits[0, -len(tokens) :].argmax(-1).tolist()
+    assert sum(a == b for a, b in zip(tokens, expected, strict=True)) >= len(tokens) - 2
+    offloaded = _run(LLM(str(path), device="cpu", enforce_eager=True, cpu_memory_gb=0))
+    assert offloaded == (tokens, logprobs)
