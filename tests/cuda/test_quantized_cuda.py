@@ -35,7 +35,7 @@ SETTINGS = {
 # Byte offsets of each type's float16 fields (scales, minimums): random there would be
 # NaN or huge; every other byte is random.
 _F16_AT = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-           "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}  # fmt: skip
+           "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}  # fmt: skip
 
 
 def _random_blocks(kind: str, rows: int = 64, blocks: int = 8) -> torch.Tensor:

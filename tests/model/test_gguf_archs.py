@@ -40,3 +40,36 @@ def test_a_gguf_of_each_architecture_runs_as_stored(arch, tmp_path):
     assert sum(a == b for a, b in zip(tokens, expected, strict=True)) >= len(tokens) - 2
     offloaded = _run(LLM(str(path), device="cpu", enforce_eager=True, cpu_memory_gb=0))
     assert offloaded == (tokens, logprobs)
+
+
+def test_a_gguf_of_a_type_not_read_as_stored_runs_as_its_float32_conversion(tmp_path):
+    """A file with a tensor type that has no reader here (an IQ type): by default its
+    float32 conversion runs, with a warning saying why; asked for as stored, one error
+    line naming the type and the way out."""
+    import gguf
+    import numpy as np
+
+    from offload.errors import OffloadError
+
+    path, _ = zoo.save_random_gguf(tmp_path / "llama.gguf", "llama", layers=1)
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(tmp_path / "iq.gguf", "llama")
+    for key, field in reader.fields.items():
+        if not key.startswith(("GGUF.", "general.architecture")):
+            sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:  # (one weight's type renamed: the reader refuses it first)
+        iq = tensor.name == "blk.0.attn_k.weight"
+        data = np.zeros((tensor.data.shape[0], 136), np.uint8) if iq else tensor.data
+        kind = gguf.GGMLQuantizationType.IQ4_XS if iq else tensor.tensor_type
+        writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(OffloadError, match=r"IQ4_XS, not read as stored yet.*--dtype float32"):
+        LLM(str(tmp_path / "iq.gguf"), device="cpu", quantization="gguf")
+    with pytest.warns(UserWarning, match=r"IQ4_XS, not read as stored yet.*float32 conversion"):
+        from offload.model.sources import stored_unless_asked
+
+        assert stored_unless_asked(tmp_path / "iq.gguf", None, "auto", torch.device("cpu")) is None

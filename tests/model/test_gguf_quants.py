@@ -15,7 +15,7 @@ from offload.model.quant_layouts import pack_q8, q8_values
 # Where each type keeps its fp16 fields (the rest of a block is packed integers).
 F16_AT = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
-    "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+    "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
 }  # fmt: skip
 
 

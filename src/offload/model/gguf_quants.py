@@ -33,6 +33,8 @@ FORMATS = {
     "Q5_0": BlockFormat(32, 22),
     "Q5_1": BlockFormat(32, 24),
     "Q8_0": BlockFormat(32, 34),
+    "Q2_K": BlockFormat(QK_K, 84),
+    "Q3_K": BlockFormat(QK_K, 110),
     "Q4_K": BlockFormat(QK_K, 144),
     "Q5_K": BlockFormat(QK_K, 176),
     "Q6_K": BlockFormat(QK_K, 210),
@@ -117,6 +119,50 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     d = _f16(blocks, 0)
     q = blocks[:, 2:].contiguous().view(torch.int8).float()
     return q * d
+
+
+def _runs(packed: torch.Tensor, width: int = 2, run: int = 32) -> torch.Tensor:
+    """Q2_K/Q3_K's fields of `width` bits in runs of `run` bytes: each run gives 8 / width
+    groups of `run` values, the lowest bits first: [blocks, bytes] -> [blocks, 8 * bytes /
+    width] (uint8). (Shifts made on the device: see `_q6_k`.)"""
+    num = packed.shape[0]
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=packed.device)
+    fields = packed.reshape(num, -1, 1, run) >> shifts.reshape(1, 1, -1, 1)
+    return (fields & ((1 << width) - 1)).reshape(num, -1)
+
+
+def _q2_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q2_K as (q 0..3 [blocks, 256], scale and minimum [blocks, 16]) per group of 16:
+    value = scale * q - minimum, 4-bit scales and minimums times d and dmin."""
+    scales, d, dmin = blocks[:, :16], _f16(blocks, 80), _f16(blocks, 82)
+    q = _runs(blocks[:, 16:80])
+    return q, d * (scales & 0x0F).float(), dmin * (scales >> 4).float()
+
+
+def _q3_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q3_K as (q -4..3 int8 [blocks, 256], scale [blocks, 16]) per group of 16: two low
+    bits from the 64 bytes after the 32-byte high-bit mask, the value less 4 where its
+    mask bit is clear; 6-bit scales (less 32) from 12 bytes, times d."""
+    low = _runs(blocks[:, 32:96]).to(torch.int8)
+    clear = (_runs(blocks[:, :32], 1) ^ 1).to(torch.int8)
+    packed = blocks[:, 96:108]
+    lows = torch.cat([packed[:, :8] & 0x0F, packed[:, :8] >> 4], dim=1)  # [blocks, 16]
+    highs = _runs(packed[:, 8:12], run=4)
+    sixes = (lows | (highs << 4)).to(torch.int8) - 32
+    return low - (clear << 2), _f16(blocks, 108) * sixes.float()
+
+
+def _q2_k(blocks: torch.Tensor) -> torch.Tensor:
+    num = blocks.shape[0]
+    q, scale, low = _q2_k_parts(blocks)
+    values = scale.reshape(num, 16, 1) * q.reshape(num, 16, 16).float() - low.reshape(num, 16, 1)
+    return values.reshape(num, QK_K)
+
+
+def _q3_k(blocks: torch.Tensor) -> torch.Tensor:
+    num = blocks.shape[0]
+    q, scale = _q3_k_parts(blocks)
+    return (scale.reshape(num, 16, 1) * q.reshape(num, 16, 16).float()).reshape(num, QK_K)
 
 
 def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -244,6 +290,8 @@ _DECODERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "Q5_0": _q5_0,
     "Q5_1": _q5_1,
     "Q8_0": _q8_0,
+    "Q2_K": _q2_k,
+    "Q3_K": _q3_k,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,

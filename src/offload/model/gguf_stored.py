@@ -38,11 +38,9 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
 
     reader = gguf.GGUFReader(source)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    if arch not in _ARCHITECTURES:
-        raise ModelError(
-            f"{source}: GGUF architecture {arch!r} is not read as stored yet (these are: "
-            f"{', '.join(_ARCHITECTURES)}); quantization=None converts it to float32"
-        )
+    why = not_read_as_stored(source, reader)
+    if why is not None:
+        raise ModelError(f"{source}: {why}; dtype='float32' (--dtype float32) converts it")
     from transformers import AutoConfig, AutoTokenizer
 
     with gguf_parsed_once():
@@ -70,11 +68,8 @@ def save_as_stored(source: Path, out_dir: Path, kernels: str = "gguf") -> None:
             if layout != "gguf":
                 layouts[name] = layout
             tensors.update(_laid_out(name, data, kind, layout))
-        else:
-            raise ModelError(
-                f"{source}: {tensor.name} is stored as {kind}; read as stored: "
-                f"{', '.join([*FORMATS, *_FLOATS])}"
-            )
+        else:  # (`not_read_as_stored` said otherwise: the file changed meanwhile)
+            raise ModelError(f"{source}: {tensor.name} is stored as {kind}, not read as stored")
     settings = config.to_dict()
     settings["quantization_config"] = stored_settings(weight_types, layouts)
     if chooser.seconds:  # (what the choice of each layout was made on)
@@ -116,6 +111,27 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 def _kv_heads(config: Any) -> int:
     return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def not_read_as_stored(source: Path, reader: Any = None) -> str | None:
+    """Why the .gguf `source` cannot be read as stored (its architecture, or a tensor type
+    with no reader here: an IQ type, ...), or None where it can."""
+    import gguf
+
+    reader = reader or gguf.GGUFReader(source)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    if arch not in _ARCHITECTURES:
+        return (
+            f"GGUF architecture {arch!r} is not read as stored yet (these are: "
+            f"{', '.join(_ARCHITECTURES)})"
+        )
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name not in FORMATS and tensor.tensor_type.name not in _FLOATS:
+            return (
+                f"{tensor.name} is stored as {tensor.tensor_type.name}, not read as stored "
+                f"yet (these are: {', '.join([*FORMATS, *_FLOATS])})"
+            )
+    return None
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -98,13 +98,28 @@ def stored_unless_asked(
     .gguf as GGUF, a .gguf (the default model's included) keeps its weights as stored on a
     CPU or GPU where torch has an int4 kernel (each weight's layout is then measured there);
     an explicit `dtype` ("float32", ...) asks for the old de-quantized float32 conversion
-    instead."""
+    instead, and so does a file that cannot be read as stored (with a warning saying why)."""
     if quantization is not None or dtype not in ("auto", None):
         return quantization
     kernel = {"cpu": int4_cpu_layout, "cuda": int4_cuda_layout}.get(device.type)
     path = Path(model).expanduser() if model is not None else None
     is_gguf = path is None or (path.suffix == ".gguf" and path.is_file())
-    return "gguf" if is_gguf and kernel is not None and kernel() is not None else None
+    if not is_gguf or kernel is None or kernel() is None:
+        return None
+    why = None if path is None else _not_read_as_stored(path)
+    if why is not None:
+        warnings.warn(f"{path}: {why}; running its float32 conversion", UserWarning, stacklevel=3)
+        return None
+    return "gguf"
+
+
+def _not_read_as_stored(path: Path) -> str | None:
+    from offload.model.gguf_stored import not_read_as_stored
+
+    try:
+        return not_read_as_stored(path)
+    except Exception:  # (not a GGUF file at all: the conversion says so in its own words)
+        return None
 
 
 def _local_folder(path: Path, into: Path) -> Path:
