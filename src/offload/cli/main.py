@@ -221,7 +221,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
     )
     add_weight_flags(
         bench,
-        "gguf: the GGUF's weights as stored (4-5 bits a weight), not converted to float32; "
+        "gguf: the GGUF's weights as stored (2-8 bits a weight), not converted to float32; "
         "with a shape, its matrices as random Q4_0 blocks (default: converted)",
     )
     bench.add_argument("--device", default="auto", help=DEVICE_HELP)

@@ -79,7 +79,7 @@ def add_device_flags(parser: argparse.ArgumentParser) -> None:
     add_weight_flags(
         parser,
         "the checkpoint's quantization as vLLM names it (gguf, gptq, awq, compressed-tensors, "
-        "fp8); gguf: a .gguf model's weights as stored (4-5 bits a weight), not converted to "
+        "fp8); gguf: a .gguf model's weights as stored (2-8 bits a weight), not converted to "
         "float32 (default: read from the checkpoint; a .gguf as stored with --dtype auto "
         "where torch has an int4 kernel for the device (a CPU's; a GPU's from sm_80), else "
         "converted)",
