@@ -63,6 +63,11 @@ def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     return values.reshape(*rows, -1)
 
 
+def _half(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    """The fp16 at byte `start` of each block: [blocks, 1] (float16)."""
+    return blocks[:, start : start + 2].contiguous().view(torch.float16)
+
+
 def _f16(blocks: torch.Tensor, start: int) -> torch.Tensor:
     """The fp16 at byte `start` of each block, as float32: [blocks, 1]."""
     return blocks[:, start : start + 2].contiguous().view(torch.float16).float()
@@ -189,26 +194,34 @@ def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     return _k_affine(blocks, _nibbles(blocks[:, 16:], 32))
 
 
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_k_values(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K's 256 values 0..31 (uint8 [blocks, 8, 32])."""
     num = blocks.shape[0]
     low = _nibbles(blocks[:, 48:], 32).reshape(num, 8, 32)
     # Bit j of high byte i is the fifth bit of value i of group j.
     high = _bits(blocks[:, 16:48], 1).reshape(num, 32, 8).transpose(1, 2)
-    return _k_affine(blocks, low | (high << 4))
+    return low | (high << 4)
+
+
+def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
+    return _k_affine(blocks, _q5_k_values(blocks))
+
+
+def _q6_k_parts(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q6_K as (q -32..31 int8 [blocks, 256], scale [blocks, 16]) per group of 16: the
+    int8 scales times d."""
+    num = blocks.shape[0]
+    low = _nibbles(blocks[:, :128], 64).reshape(num, 8, 32)
+    # Each run of 32 high bytes gives 2-bit fields for 4 groups: bits 0-1 the first, ...
+    high = _runs(blocks[:, 128:192]).reshape(num, 8, 32)
+    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(num, QK_K)
+    return q, _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     num = blocks.shape[0]
-    low = _nibbles(blocks[:, :128], 64).reshape(num, 8, 32)
-    # Each run of 32 high bytes gives 2-bit fields for 4 groups: bits 0-1 the first, ...
-    # (made on the device: a list copied there cannot run inside a CUDA graph's capture)
-    shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)
-    high = blocks[:, 128:192].reshape(num, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)
-    high = (high & 0x03).reshape(num, 8, 32)
-    q = ((low | (high << 4)).to(torch.int8) - 32).reshape(num, 16, 16).float()
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()
-    d = (_f16(blocks, 208) * scales).reshape(num, 16, 1)
-    return (d * q).reshape(num, QK_K)
+    q, scale = _q6_k_parts(blocks)
+    return (scale.reshape(num, 16, 1) * q.reshape(num, 16, 16).float()).reshape(num, QK_K)
 
 
 def affine_4bit(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
@@ -259,26 +272,20 @@ def affine_8bit(raw: torch.Tensor, type_name: str) -> tuple[torch.Tensor, ...]:
     rows = raw.shape[:-1]
     blocks = raw.reshape(-1, block.block_bytes)
     num, offset = blocks.shape[0], None
-    half = lambda start: blocks[:, start : start + 2].contiguous().view(torch.float16)  # noqa: E731
     if type_name == "Q8_0":
-        q, scale = blocks[:, 2:].contiguous().view(torch.int8), half(0)
+        q, scale = blocks[:, 2:].contiguous().view(torch.int8), _half(blocks, 0)
     elif type_name == "Q5_0":
-        q, scale = _five_bit(blocks, 2).to(torch.int8) - 16, half(0)
+        q, scale = _five_bit(blocks, 2).to(torch.int8) - 16, _half(blocks, 0)
     elif type_name == "Q5_1":
-        q, scale, offset = _five_bit(blocks, 4).to(torch.int8), half(0), half(2)
+        q = _five_bit(blocks, 4).to(torch.int8)
+        scale, offset = _half(blocks, 0), _half(blocks, 2)
     elif type_name == "Q5_K":
-        low = _nibbles(blocks[:, 48:], 32).reshape(num, 8, 32)
-        high = _bits(blocks[:, 16:48], 1).reshape(num, 32, 8).transpose(1, 2)
-        q = (low | (high << 4)).to(torch.int8)
+        q = _q5_k_values(blocks).reshape(num, QK_K).to(torch.int8)
         d, dmin = _f16(blocks, 0), _f16(blocks, 2)
         scales, mins = _k_scales(blocks[:, 4:16])
         scale, offset = d * scales.float(), -(dmin * mins.float())
-    else:  # Q6_K
-        low = _nibbles(blocks[:, :128], 64).reshape(num, 8, 32)
-        shifts = torch.arange(0, 8, 2, dtype=torch.uint8, device=blocks.device)
-        high = (blocks[:, 128:192].reshape(num, 2, 1, 32) >> shifts.reshape(1, 1, 4, 1)) & 0x03
-        q = (low | (high.reshape(num, 8, 32) << 4)).to(torch.int8) - 32
-        scale = _f16(blocks, 208) * blocks[:, 192:208].contiguous().view(torch.int8).float()
+    else:
+        q, scale = _q6_k_parts(blocks)
     if offset is not None:
         offset = offset.reshape(*rows, -1)
     return q.reshape(*rows, -1), scale.reshape(*rows, -1), offset
