@@ -296,6 +296,16 @@ def test_a_busy_machine_is_said_so_in_the_notes(tiny, monkeypatch):
     assert not any("busy" in n for n in quiet.measurements.notes)
 
 
+def test_a_process_that_ends_takes_nothing_from_the_others_load():
+    """The load is each process's own growth: one gone since the start (its CPU time no
+    longer in /proc) neither lowers it nor makes it negative."""
+    from offload.probes.host import others_used_s
+
+    before = {10: 50.0, 11: 2.0, 12: 7.0}
+    assert others_used_s(before, {11: 2.5, 13: 0.25}) == 0.75  # 10 ended, 13 is new
+    assert others_used_s(before, {12: 1.0}) == 0.0  # (12 is another process now)
+
+
 def test_another_process_spinning_reads_as_others_load():
     """One other process spinning for the whole window uses one CPU of the machine's."""
     import os
@@ -303,7 +313,7 @@ def test_another_process_spinning_reads_as_others_load():
     import sys
     import time
 
-    from offload.probes.host import _others_s
+    from offload.probes.host import _others_s, others_used_s
 
     spin = "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"
     # Started through a shell that exits at once: not this process's descendant (whose
@@ -312,5 +322,6 @@ def test_another_process_spinning_reads_as_others_load():
     time.sleep(0.3)  # (its start-up)
     before, started = _others_s(), time.perf_counter()
     time.sleep(0.8)
-    busy = (_others_s() - before) / ((time.perf_counter() - started) * os.cpu_count())
+    used = others_used_s(before, _others_s())
+    busy = used / ((time.perf_counter() - started) * os.cpu_count())
     assert busy >= 0.6 / os.cpu_count(), busy

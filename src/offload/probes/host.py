@@ -91,15 +91,23 @@ class OthersLoad:
         (others0, wall0), others, wall = self._start, _others_s(), time.perf_counter()
         if others is None or others0 is None or wall <= wall0:
             return 0.0
-        return max(0.0, (others - others0) / ((wall - wall0) * (os.cpu_count() or 1)))
+        return others_used_s(others0, others) / ((wall - wall0) * (os.cpu_count() or 1))
 
 
 _KERNEL_THREAD = 0x00200000  # PF_KTHREAD in /proc/<pid>/stat's flags
 
 
-def _others_s() -> float | None:
-    """Seconds of CPU used so far by the user processes that are not this one or its
-    descendants (processes gone since are not counted: an undercount, never an over)."""
+def others_used_s(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds the processes of `after` used since `before` (two `_others_s`): each
+    process's own growth, so that one that ended meanwhile takes nothing away (a sum of
+    totals fell by its whole CPU time: a busy machine read as idle, or less than idle)."""
+    return sum(max(0.0, used - before.get(pid, 0.0)) for pid, used in after.items())
+
+
+def _others_s() -> dict[int, float] | None:
+    """Seconds of CPU used so far by each user process that is not this one or its
+    descendants, by pid (processes gone since are not counted: an undercount, never an
+    over)."""
     try:
         entries = [entry for entry in os.listdir("/proc") if entry.isdigit()]
     except OSError:
@@ -124,4 +132,5 @@ def _others_s() -> float | None:
             if parent in ours and pid not in ours:
                 ours.add(pid)
                 grew = True
-    return sum(t for pid, t in ticks.items() if pid not in ours) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return {pid: t / tick for pid, t in ticks.items() if pid not in ours}
