@@ -78,3 +78,25 @@ def test_a_gguf_of_a_type_not_read_as_stored_runs_as_its_float32_conversion(qwen
         from offload.model.sources import stored_unless_asked
 
         assert stored_unless_asked(tmp_path / "iq.gguf", None, "auto", torch.device("cpu")) is None
+
+
+def test_the_header_alone_names_the_architecture_and_types_as_ggufs_reader_does(qwen2, tmp_path):
+    """Whether a .gguf is read as stored is decided from its header alone (every LLM of a
+    .gguf asks; gguf's reader took 2 s a time): the same architecture, tensor names and
+    types as the reader's, on the shipped file and a Qwen2 one; a cut file is refused."""
+    import struct
+
+    import gguf
+
+    from offload.model.default import gguf_path
+    from offload.model.gguf_stored import gguf_header
+
+    for path in (gguf_path(), qwen2[0]):
+        reader = gguf.GGUFReader(path)
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        types = [(tensor.name, tensor.tensor_type.name) for tensor in reader.tensors]
+        assert gguf_header(path) == (arch, types)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(qwen2[0].read_bytes()[:200_000])  # (inside the tokenizer's settings)
+    with pytest.raises((struct.error, ValueError)):
+        gguf_header(cut)

@@ -115,23 +115,87 @@ def _kv_heads(config: Any) -> int:
 
 def not_read_as_stored(source: Path, reader: Any = None) -> str | None:
     """Why the .gguf `source` cannot be read as stored (its architecture, or a tensor type
-    with no reader here: an IQ type, ...), or None where it can."""
-    import gguf
-
-    reader = reader or gguf.GGUFReader(source)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    with no reader here: an IQ type, ...), or None where it can. Without `reader`, from
+    the header alone (`gguf_header`: ~0.1 s where gguf's reader takes ~2 s)."""
+    if reader is not None:
+        arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+        types = [(tensor.name, tensor.tensor_type.name) for tensor in reader.tensors]
+    else:
+        arch, types = gguf_header(source)
     if arch not in _ARCHITECTURES:
         return (
             f"GGUF architecture {arch!r} is not read as stored yet (these are: "
             f"{', '.join(_ARCHITECTURES)})"
         )
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name not in FORMATS and tensor.tensor_type.name not in _FLOATS:
+    for name, kind in types:
+        if kind not in FORMATS and kind not in _FLOATS:
             return (
-                f"{tensor.name} is stored as {tensor.tensor_type.name}, not read as stored "
-                f"yet (these are: {', '.join([*FORMATS, *_FLOATS])})"
+                f"{name} is stored as {kind}, not read as stored yet (these are: "
+                f"{', '.join([*FORMATS, *_FLOATS])})"
             )
     return None
+
+
+# Bytes of each scalar GGUF value type (8 is a string, 9 an array: read as they come).
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def gguf_header(source: Path) -> tuple[str | None, list[tuple[str, str]]]:
+    """A .gguf's architecture and its tensors' (name, type name), read from its header
+    only, past every other setting (the tokenizer's arrays included) without building
+    them. The counts are checked against the file's size first (`check_gguf_header`); a
+    header that runs past the file's end is a `struct.error`."""
+    import mmap
+
+    import gguf
+
+    from offload.model.default import check_gguf_header
+
+    check_gguf_header(source)
+    with source.open("rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        order = "<" if struct.unpack_from("<I", data, 4)[0] <= 0xFFFF else ">"
+        tensors, settings = struct.unpack_from(order + "QQ", data, 8)
+        at, arch = 24, None
+
+        def string(at: int) -> tuple[bytes, int]:
+            (length,) = struct.unpack_from(order + "Q", data, at)
+            if at + 8 + length > len(data):
+                raise struct.error("a string runs past the end of the file")
+            return data[at + 8 : at + 8 + length], at + 8 + length
+
+        def skip(kind: int, at: int) -> int:
+            if kind == 8:
+                return string(at)[1]
+            if kind != 9:
+                return at + _SCALAR_BYTES[kind]
+            item, count = struct.unpack_from(order + "IQ", data, at)
+            at += 12
+            if item in _SCALAR_BYTES:
+                return at + count * _SCALAR_BYTES[item]
+            for _ in range(count):
+                at = skip(item, at)
+            return at
+
+        for _ in range(settings):
+            key, at = string(at)
+            (kind,) = struct.unpack_from(order + "I", data, at)
+            if key == b"general.architecture" and kind == 8:
+                value, at = string(at + 4)
+                arch = value.decode()
+            else:
+                at = skip(kind, at + 4)
+        found = []
+        for _ in range(tensors):
+            name, at = string(at)
+            (dims,) = struct.unpack_from(order + "I", data, at)
+            (kind,) = struct.unpack_from(order + "I", data, at + 4 + 8 * dims)
+            at += 4 + 8 * dims + 4 + 8  # (dimensions, type, offset)
+            try:
+                kind_name = gguf.GGMLQuantizationType(kind).name
+            except ValueError:
+                kind_name = f"type {kind}"
+            found.append((name.decode(), kind_name))
+    return arch, found
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -45,9 +45,8 @@ ACCEPTED = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EXTRA_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")  # config, tokenizer
 _CONVERTED = "converted"
-_VERSION = (
-    "2"  # part of the key: a change in how we convert converts again (2: 5- and 6-bit types as q8)
-)
+# Part of the key: a change in how we convert converts again (2: 5- and 6-bit types as q8).
+_VERSION = "2"
 
 
 def resolve_model(
