@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from offload import SamplingParams
-from offload.engine import cpu_linear, cpu_step, step_cache
+from offload.engine import compiled_step, cpu_linear, cpu_step, step_cache
 from offload.engine.cpu_step import cache_length, step_linear, step_products
 from offload.llm.llm import LLM
 from tests import zoo
@@ -79,7 +79,7 @@ def compiles(monkeypatch, tmp_path):
     """The compiled step on (the suite turns it off), the tiny model counts as one whose
     step pays for compiling, and steps are kept in a folder of the test's own."""
     monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv(cpu_step.ENV, "1")
+    monkeypatch.setenv(cpu_step.ENV, "wait")
     monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)
 
 
@@ -91,7 +91,7 @@ def _run(llm):
 def _resident_runs(checkpoint, run, shape: tuple[int, int]):
     """`run` of the resident model compiled (its step of `shape` only), and eager."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(cpu_step.ENV, "1")
+        patch.setenv(cpu_step.ENV, "wait")
         patch.setattr(cpu_linear, "PAYS_BYTES", 0)
         llm = LLM(checkpoint, device="cpu", dtype="float32")
         result = run(llm)
@@ -249,7 +249,7 @@ def test_a_trace_that_breaks_says_so_and_one_that_fails_counts_as_eager(
     assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
 
     monkeypatch.setattr(step_cache, "keepable", lambda step: False)
-    monkeypatch.setattr(cpu_step.CompiledCpuStep, "_traced", property(lambda self: _run_step))
+    monkeypatch.setattr(compiled_step.CompiledCpuStep, "_traced", property(lambda self: _run_step))
     failed = LLM(checkpoint, device="cpu", dtype="float32")
     # (the eager step's tokens; its first step ran as dynamo left it, without cpu_linear's
     # products, so its last bits may differ)
@@ -515,7 +515,7 @@ def served(checkpoint, tmp_path_factory):
     batches = []  # the rows of each decode step
     decode = BatchingEngine._decode_step
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(cpu_step.ENV, "1")
+        patch.setenv(cpu_step.ENV, "wait")
         patch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path_factory.mktemp("served")))
         patch.setattr(cpu_linear, "PAYS_BYTES", 0)
         patch.setattr(

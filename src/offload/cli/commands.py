@@ -116,6 +116,8 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         for number, (prompt, output) in enumerate(zip(prompts, outputs, strict=True), 1):
             out.write(f"--- prompt {number}: {_short(prompt)}\n{output.outputs[0].text}\n")
     out.write(_figures(llm, outputs, before, seconds) + "\n")
+    out.flush()
+    llm.wait_for_compiles()  # (a step still compiling: kept for the next run)
 
 
 def bench(args: argparse.Namespace, out: TextIO | None = None) -> None:
@@ -195,7 +197,7 @@ def _decode_mode(this_call) -> str:
         return f"in CUDA graphs ({this_call.num_graph_replays} replays)"
     if this_call.num_compiled_steps:
         return f"compiled ({this_call.num_compiled_steps} steps)"
-    return "eager"
+    return "eager"  # (also while the compiled step was still being made in the background)
 
 
 def inspect(args: argparse.Namespace) -> str:

@@ -31,27 +31,23 @@ import hashlib
 import inspect
 import logging
 import os
-import sys
-import threading
-import time
-import types
-import weakref
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 
-from offload.engine import cpu_linear, step_attention, step_cache
+from offload.engine import cpu_linear, step_attention
 from offload.engine.step_attention import Emitter, rewrite_attention
 from offload.model.quantized import Int4Linear, Q8Linear
 
 log = logging.getLogger(__name__)
 
 MIN_CACHE_LENGTH = 128  # the smallest cache a compiled step is built for
-ENV = "OFFLOAD_CPU_COMPILE"  # "0": every CPU decode step eager, as enforce_eager (the suite's)
+# "0": every CPU decode step eager, as enforce_eager (the suite's); "wait": a step's first
+# call compiles it (tests that need the compiled bits from the first step); else in the
+# background (`step_jobs`), its steps eager until it is ready.
+ENV = "OFFLOAD_CPU_COMPILE"
 
 
 def enabled() -> bool:
@@ -180,207 +176,8 @@ def rewrite_digest() -> str:
 
 # (Without inductor's checks of its buffers' sizes, strides and alignment in the step's
 # wrapper: ~1,100 Python calls a step, 4% of it at batch 1. The guards check the inputs.)
-_OPTIONS = {
+COMPILE_OPTIONS = {
     "pre_grad_custom_pass": _ProductsPass(),
     "size_asserts": False,
     "alignment_asserts": False,
 }
-
-
-def _run(step) -> torch.Tensor:
-    return step()
-
-
-class CompiledCpuStep:
-    """`step()` of a `graphs.DecodeStep` compiled, one graph per shape (batch, cache
-    length), each announced on stderr the first time this object meets it: loaded from
-    the steps kept on disk (`step_cache`, ~2 s), else compiled (about a minute on a
-    machine's first, ~7 s more from inductor's cache) and kept there."""
-
-    def __init__(self):
-        # A code object of its own: dynamo keeps its compiled graphs (and counts
-        # recompiles) per code object, so each LLM's steps neither meet another model's
-        # guards nor use up a shared recompile limit.
-        code = _run.__code__.replace()
-        self._function = types.FunctionType(code, _run.__globals__, "step")
-        self._traced_step: Callable | None = None  # (made at the first shape: `_traced`)
-        self._steps: dict[tuple[int, ...], Callable] = {}
-        self.compile_s = 0.0  # seconds of the calls that compiled, summed
-        self.loaded = 0  # shapes loaded from disk
-        self.graphs: dict[tuple[int, ...], int] = {}  # graphs each shape's step runs in
-
-    def ready(self, step) -> bool:
-        """Whether `step`'s shape is compiled already (else its next call compiles)."""
-        return _key(step) in self._steps
-
-    def usable(self, step) -> bool:
-        """False once `step`'s shape is known to trace into no graph at all (dynamo gave
-        up on every frame of it): its steps run eagerly, and count as eager."""
-        return self.graphs.get(_key(step), 1) > 0
-
-    def __call__(self, step, checked_once: bool = False) -> torch.Tensor:
-        """The compiled step's logits for `step`. `checked_once`: the caller runs the same
-        `step` object (its tensors updated in place) over weights that stay in place
-        (`BaseOffloader.weights_in_place`) with nothing else running between its calls,
-        so a kept step's guards, once passed for it, are not checked again (measured:
-        1.2-1.4 ms a step, ~500 tensors' metadata read back from memory after the step has
-        streamed the weights through the cache)."""
-        shape = _key(step)
-        run = self._steps.get(shape)
-        if run is not None:
-            return run(step, checked_once) if isinstance(run, _Checked) else run(step)
-        what = getattr(step, "compile_what", None) or f"batch {shape[0]}, cache {shape[1]}"
-        what = f"compiling the CPU decode step for {what} (once per machine, "
-        what += "up to two minutes)" if hasattr(step, "compile_key") else "up to a minute)"
-        started = time.perf_counter()
-        try:
-            with _Announced(what) as announced:
-                run = self._prepare(step, shape)
-                before = counters["stats"]["unique_graphs"]  # (after a failed keeping compile)
-                logits = run(step)
-                # A step kept on disk is one graph; a traced one may break into pieces
-                # (or none: dynamo gave up), which the line on stderr says.
-                made = counters["stats"]["unique_graphs"] - before
-                announced.graphs = self.graphs[shape] = 1 if isinstance(run, _Checked) else made
-        finally:
-            self.compile_s += time.perf_counter() - started
-        self._steps[shape] = run
-        return logits
-
-    @property
-    def _traced(self) -> Callable:
-        """The step as torch.compile traces it. Made at the first compile, whose seconds
-        count it: making it checks the CPU's vector units in ~11 compiler runs (~1 s, once
-        a process), which would else count as decoding time."""
-        if self._traced_step is None:
-            self._traced_step = torch.compile(self._function, dynamic=False, options=_OPTIONS)
-        return self._traced_step
-
-    def _trace(self, step) -> torch.Tensor:
-        """The step as torch.compile traces it, its dynamic sizes marked (`_marked`)."""
-        return self._traced(_marked(step))
-
-    def _prepare(self, step, shape: tuple[int, ...]) -> Callable:
-        """The step kept on disk for this model, setting and shape; else compiled ahead of
-        time and kept; else (it cannot be: a graph break) as torch.compile traces it."""
-        if not step_cache.keepable(step):
-            return self._trace
-        name = step_cache.fingerprint(step, f"{shape} {rewrite_digest()}")
-        path = step_cache.folder() / f"{name}.pt2"
-        saved = step_cache.load(path)
-        if saved is not None and saved.guard_check(step):
-            self.loaded += 1
-            return _Checked(saved, self._trace)
-        unkept = path.with_suffix(".traced")  # this step cannot be kept: trace it at once
-        if unkept.exists():
-            return self._trace
-        _marked(step)
-        options = {**_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
-        whole = torch.compile(self._function, fullgraph=True, dynamic=False, options=options)
-        try:
-            compiled = whole.aot_compile(((step,), {}))
-        except Exception as error:  # traced as before; only slower to start
-            # (A graph break, or state its guards would keep that does not pickle: the
-            # offloaders' slots and locks.) Said once, so no later process tries again.
-            log.info("the decode step compiles without being kept (%s)", error)
-            step_cache.mark(unkept)
-            return self._trace
-        step_cache.save(compiled, path)
-        compiled.disable_guard_check()
-        return _Checked(compiled, self._trace)
-
-
-def _marked(step):
-    """`step` with its dynamic sizes marked (`rows.RowStep.mark_dynamic`), for a call that
-    may compile. Only such calls: a kept step's guards are rebuilt from tensors that lost
-    their marks, and refuse a marked input (an unmarked one passes the marked graph's)."""
-    if hasattr(step, "mark_dynamic"):
-        step.mark_dynamic()
-    return step
-
-
-def _key(step) -> tuple:
-    """What a step's graph is specialised to: its mask's shape (batch, cache length), or
-    the step's own `compile_key` (a step of dynamic sizes, `rows.RowStep`); and the ids of
-    the KV offloaders its cache's layers name, which the graph holds as constants (a call's
-    KV offloader may get another id than the last call's, while that one's offloader lives
-    on or another `LLM`'s holds it: the old graph would name a missing or foreign one)."""
-    key = getattr(step, "compile_key", None)
-    key = key if key is not None else tuple(step.mask.shape)
-    ids = sorted(
-        {layer.offloader_id for layer in _cache_layers(step) if hasattr(layer, "offloader_id")}
-    )
-    return (*key, *(("kv", *ids) if ids else ()))
-
-
-def _cache_layers(step) -> list:
-    layers = []
-    for cache in step._cache.values():
-        inner = getattr(cache, "self_attention_cache", cache)  # (an encoder-decoder's)
-        layers += list(getattr(inner, "layers", ()))
-    return layers
-
-
-class _Checked:
-    """A step compiled ahead of time, called where its guards hold for the step's inputs
-    (their sizes, strides and dtypes), else the step as torch.compile traces it."""
-
-    def __init__(self, compiled, traced: Callable):
-        self._compiled = compiled
-        self._traced = traced
-        self._passed: weakref.ref | None = None  # the step object whose guards passed
-        self.guard_checks = 0  # (counted for the tests)
-
-    def __call__(self, step, checked_once: bool = False) -> torch.Tensor:
-        if checked_once and self._passed is not None and self._passed() is step:
-            return self._compiled(step)  # (`CompiledCpuStep.__call__` says when)
-        self.guard_checks += 1
-        if self._compiled.guard_check(step):
-            self._passed = weakref.ref(step) if checked_once else None
-            return self._compiled(step)
-        self._passed = None
-        return self._traced(step)
-
-
-class _Announced:
-    """A line on stderr while a compile runs: on a terminal its seconds count up in place;
-    elsewhere (a log) one line before and one after."""
-
-    def __init__(self, what: str):
-        self._what = f"offload: {what}"
-        self.graphs = 1  # what it compiled into (said when not one)
-        self._tty = sys.stderr.isatty()
-        self._done = threading.Event()
-        self._clock = threading.Thread(target=self._tick, name="offload-compile-clock", daemon=True)
-
-    def __enter__(self):
-        self._started = time.perf_counter()
-        if self._tty:
-            self._clock.start()
-        else:
-            print(f"{self._what}...", file=sys.stderr, flush=True)
-        return self
-
-    def _tick(self) -> None:
-        while not self._done.wait(1.0):
-            print(f"\r{self._what}: {self._seconds():.0f} s", end="", file=sys.stderr, flush=True)
-
-    def _seconds(self) -> float:
-        return time.perf_counter() - self._started
-
-    def __exit__(self, kind, *_):
-        self._done.set()
-        if self._clock.is_alive():
-            self._clock.join()
-        ended = "stopped" if kind is not None else "ready"
-        line = f"offload: decode step {ended} in {self._seconds():.1f} s"
-        if kind is None and self.graphs != 1:
-            line += (
-                f", in {self.graphs} graphs: its trace broke"
-                if self.graphs
-                else ", but nothing compiled: its trace failed, and it runs eagerly"
-            )
-            line += " (TORCH_LOGS=graph_breaks says why)"
-        print(
-            f"\r{line:<{len(self._what) + 8}}" if self._tty else line, file=sys.stderr, flush=True
-        )

@@ -12,7 +12,8 @@ import torch
 
 from offload.engine import cpu_linear, cpu_step
 from offload.engine.cpu_linear import kernels_for
-from offload.engine.cpu_step import CompiledCpuStep, cache_length
+from offload.engine.compiled_step import CompiledCpuStep
+from offload.engine.cpu_step import cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
 from offload.engine.kv_shape import check_host_kv, kv_shape_of
@@ -262,21 +263,26 @@ class DecodeLoop:
             done = all(s.finish_reason is not None for s in sequences)
             done = done or position + 1 >= batch.length
             # A stream waits for a step about to compile: its lines would cut the text.
-            if self._on_step is not None and (done or compiled is None or compiled.ready(step)):
+            if self._on_step is not None and (
+                done or compiled is None or not compiled.blocks(step)
+            ):
                 self._on_step(sequences)
             if done:
                 return graphs
             step.prepare(tokens, position)
             if graphs is None and self._use_graphs and position > batch.width:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
+            logits = None
             if graphs is not None:
                 logits = graphs.run(position + 1)
             elif compiled is not None and compiled.usable(step):
                 # (the same step object all loop long, its weights staying put: the
-                # kept step's guards are checked at its first call only)
+                # kept step's guards are checked at its first call only); None while
+                # it compiles in the background
                 logits = compiled(step, in_place)
-                self._compiled_steps += compiled.usable(step)  # (known after its first call)
-            else:
+                if logits is not None:  # (whether it counts is known after its first call)
+                    self._compiled_steps += compiled.usable(step)
+            if logits is None:
                 with self._step_kernels():
                     logits = step()
             self._forwards += 1

@@ -306,6 +306,12 @@ class LLM(DecodeLoop):
             compile_s=self._cpu_step.compile_s if self._cpu_step is not None else 0.0,
         )
 
+    def wait_for_compiles(self) -> None:
+        """Wait for CPU decode steps compiling in the background (decoding does not), so
+        that the next process loads them instead of compiling them again."""
+        if self._cpu_step is not None:
+            self._cpu_step.wait()
+
     def close(self) -> None:
         """End the copy threads and drop the model, its offloaded weights and the host KV
         cache (a call in progress in another thread finishes first). Later calls of
@@ -318,6 +324,8 @@ class LLM(DecodeLoop):
             if self._closed:
                 return
             self._closed = True
+            if self._cpu_step is not None:  # (before the teardown a compile may be tracing)
+                self._cpu_step.close()
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool
         trim_freed_memory()
