@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from offload.engine import cpu_linear, cpu_step
-from offload.engine.cpu_linear import kernels_for
 from offload.engine.compiled_step import CompiledCpuStep
+from offload.engine.cpu_linear import kernels_for
 from offload.engine.cpu_step import cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
