@@ -33,12 +33,12 @@ import logging
 import os
 
 import torch
-import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._subclasses.fake_tensor import FakeTensor
 
-from offload.engine import cpu_linear, step_attention
-from offload.engine.step_attention import Emitter, rewrite_attention
+from offload.engine import cpu_linear, step_attention, step_linears
+from offload.engine.step_attention import rewrite_attention
+from offload.engine.step_linears import step_products
 from offload.model.quantized import Int4Linear, Q8Linear
 
 log = logging.getLogger(__name__)
@@ -65,92 +65,23 @@ def cache_length(length: int, max_model_len: int) -> int:
 
 def pays(model: torch.nn.Module) -> bool:
     """Whether a compiled step pays for `model`: where its float32 linears are large enough
-    that a step is their reading (`cpu_linear.pays`), or where its int4 and q8 weights kept
-    as stored would be as large in float32 (their products stay opaque ops, the rest of
-    the step fuses around them; a q8 product of one row becomes one loop,
+    that a step is their reading (`cpu_linear.pays`), or where its bfloat16 and float16
+    linears (written out as the float32 ones are, `step_linears`), or its int4 and q8
+    weights kept as stored, would be as large in float32 (stored products stay opaque
+    ops, the rest of the step fuses around them; a q8 product of one row becomes one loop,
     `quant_layouts.q8_one_row`). Measured on the 2-core machine, the default model as
     stored: eager 43.5 tok/s, compiled 71.1."""
     if cpu_linear.pays(model):
         return True
-    stored = (m for m in model.modules() if isinstance(m, (Int4Linear, Q8Linear)))
-    floats = sum(m.in_features * m.out_features * 4 for m in stored)
+    halves = (torch.bfloat16, torch.float16)
+    counted = (
+        m
+        for m in model.modules()
+        if isinstance(m, (Int4Linear, Q8Linear))
+        or (type(m) is torch.nn.Linear and m.weight.dtype in halves)
+    )
+    floats = sum(m.in_features * m.out_features * 4 for m in counted)
     return floats >= cpu_linear.PAYS_BYTES
-
-
-def step_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor | None:
-    """`F.linear` as the compiled step writes it (float32 on a CPU, plain tensors: fake
-    ones while compiling): one row as `(x * weight).sum(-1)`, 2 to `cpu_linear.MAX_ROWS`
-    as `weight @ x.T` (as the eager step has them, `cpu_linear.few_rows_linear`); None
-    where `F.linear` should run."""
-    if not _rewritten(x, weight):
-        return None
-    out = x
-    for function, rest in _linear_calls(x, weight, bias):
-        out = function(*(out if arg is _X else arg for arg in rest))
-    return out
-
-
-_X = object()  # where a call of `_linear_calls` takes the value so far
-
-
-def _linear_calls(x, weight, bias) -> list[tuple]:
-    """`step_linear`'s calls in turn, each with its arguments, `_X` for the value so far
-    (`x`, `weight`: tensors, fake tensors, or graph nodes with the fake values as
-    `example_value`)."""
-    x_value = x.meta["example_value"] if isinstance(x, torch.fx.Node) else x
-    weight_value = weight.meta["example_value"] if isinstance(weight, torch.fx.Node) else weight
-    # (-1 for the leading size: a step of dynamic rows, `rows.RowStep`, has a symbol there)
-    shape = (-1, *x_value.shape[1:-1], weight_value.shape[0])
-    width = x_value.shape[-1]
-    if x_value.numel() == width:  # one row: one loop over the weight's rows, across threads
-        calls = [(torch.reshape, (_X, (1, -1))), (torch.mul, (_X, weight)), (torch.sum, (_X, -1))]
-    else:  # MKL's product with the weight as stored (x @ weight.T repacks it every call)
-        calls = [(torch.reshape, (_X, (-1, width))), (torch.t, (_X,)),
-                 (cpu_linear.WEIGHT_TIMES, (weight, _X)), (torch.t, (_X,))]  # fmt: skip
-    calls.append((torch.reshape, (_X, shape)))
-    return calls if bias is None else [*calls, (torch.add, (_X, bias))]
-
-
-def _rewritten(x, weight) -> bool:
-    plain = (torch.Tensor, torch.nn.Parameter, FakeTensor)
-    if type(weight) not in plain or type(x) not in plain:
-        return False  # a tensor subclass (a quantized weight) keeps its own kernel
-    if x.device.type != "cpu" or weight.dim() != 2 or not x.dim():
-        return False
-    if not 1 <= x.numel() // max(x.shape[-1], 1) <= cpu_linear.MAX_ROWS:
-        return False
-    return x.dtype == torch.float32 and weight.dtype == torch.float32
-
-
-def step_products(graph: torch.fx.Graph) -> int:
-    """Rewrite each `F.linear` of 1 to `cpu_linear.MAX_ROWS` float32 rows in dynamo's
-    graph as `step_linear`; the number rewritten. Done on the graph, not by a
-    TorchFunctionMode: dynamo traced every torch call of the step through such a mode,
-    half of its ~6 s of tracing."""
-    rewritten = 0
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not F.linear or node.kwargs:
-            continue
-        x, weight, bias = (*node.args, None)[:3]
-        if not all(isinstance(arg, torch.fx.Node) for arg in (x, weight)):
-            continue
-        if not _rewritten(x.meta.get("example_value"), weight.meta.get("example_value")):
-            continue
-        with graph.inserting_before(node):
-            out = _emit(graph, x, weight, bias)
-        node.replace_all_uses_with(out)
-        graph.erase_node(node)
-        rewritten += 1
-    graph.lint()
-    return rewritten
-
-
-def _emit(graph: torch.fx.Graph, x, weight, bias) -> torch.fx.Node:
-    """The nodes of `step_linear(x, weight, bias)`, each with its fake value."""
-    emit, node = Emitter(graph, x.meta["example_value"].fake_mode), x
-    for function, rest in _linear_calls(x, weight, bias):
-        node = emit(function, *(node if arg is _X else arg for arg in rest))
-    return node
 
 
 class _ProductsPass(CustomGraphPass):
@@ -158,8 +89,9 @@ class _ProductsPass(CustomGraphPass):
     dynamo's graph (before autograd)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        step_products(graph)
-        rewrite_attention(graph)
+        # (counted beside dynamo's own counters: what a compile wrote out, for the tests)
+        counters["offload"]["products_rewritten"] += step_products(graph)
+        counters["offload"]["attention_rewritten"] += rewrite_attention(graph)
 
     def uuid(self) -> str:
         return rewrite_digest()
@@ -168,9 +100,7 @@ class _ProductsPass(CustomGraphPass):
 @functools.cache
 def rewrite_digest() -> str:
     """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
-    functions = (step_linear, _rewritten, _linear_calls, step_products, _emit)
-    source = "".join(inspect.getsource(function) for function in functions)
-    source += inspect.getsource(step_attention)
+    source = inspect.getsource(step_linears) + inspect.getsource(step_attention)
     return hashlib.sha256(source.encode()).hexdigest()
 
 
