@@ -108,15 +108,10 @@ def layout_entries(
     return [packed, (f"{stem}.scale_zero", torch.bfloat16, (values // GROUP, rows, 2))]
 
 
-def plan(
-    sources: Sequence[SourceTensor],
-    choose: Callable[[SourceTensor], str],
-    floats_referable: bool = True,
-) -> list[Planned]:
+def plan(sources: Sequence[SourceTensor], choose: Callable[[SourceTensor], str]) -> list[Planned]:
     """Each of `sources` (any order) planned, in the order the forward uses them: its
     layout by `choose` (quantized ones), whether it is referenced (see the module's
-    docstring; float tensors only where `floats_referable`: the file's byte order is
-    this machine's) and what it becomes."""
+    docstring) and what it becomes."""
     ordered = sorted(sources, key=lambda source: forward_order(source.name))
     planned = [Planned(s, None if s.is_float else choose(s)) for s in ordered]
     copied_groups = {group_of(p.source.name) for p in planned if p.layout not in (None, "gguf")}
@@ -126,11 +121,7 @@ def plan(
     for item in planned:
         source = item.source
         if item.layout is None:
-            item.referenced = (
-                floats_referable
-                and not source.heads
-                and (group_of(source.name) not in copied_groups)
-            )
+            item.referenced = not source.heads and group_of(source.name) not in copied_groups
             item.entries = [(source.name, FLOATS[source.kind], source.shape)]
         else:
             item.referenced = item.layout == "gguf"
