@@ -82,13 +82,15 @@ def test_a_gguf_of_a_type_not_read_as_stored_runs_as_its_float32_conversion(qwen
 
 def test_the_header_alone_names_the_architecture_and_types_as_ggufs_reader_does(qwen2, tmp_path):
     """Whether a .gguf is read as stored is decided from its header alone (every LLM of a
-    .gguf asks; gguf's reader took 2 s a time): the same architecture, tensor names and
-    types as the reader's, on the shipped file and a Qwen2 one; a cut file is refused."""
+    .gguf asks; gguf's reader took 2 s a time): the same architecture, tensor names,
+    types, shapes and byte ranges as the reader's, on the shipped file and a Qwen2 one; a
+    cut file is refused."""
     import struct
 
     import gguf
 
     from offload.model.default import gguf_path
+    from offload.model.gguf_header import gguf_tensors
     from offload.model.gguf_stored import gguf_header
 
     for path in (gguf_path(), qwen2[0]):
@@ -96,6 +98,9 @@ def test_the_header_alone_names_the_architecture_and_types_as_ggufs_reader_does(
         arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
         types = [(tensor.name, tensor.tensor_type.name) for tensor in reader.tensors]
         assert gguf_header(path) == (arch, types)
+        ranges = [(t.name, t.data.shape, t.data_offset, t.n_bytes) for t in reader.tensors]
+        found = gguf_tensors(path)[1]  # (and where each tensor's bytes are)
+        assert [(t.name, t.shape, t.offset, t.num_bytes) for t in found] == ranges
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(qwen2[0].read_bytes()[:200_000])  # (inside the tokenizer's settings)
     with pytest.raises((struct.error, ValueError)):

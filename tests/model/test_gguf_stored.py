@@ -21,18 +21,27 @@ import numpy as np
 import pytest
 import torch
 import zoo
+from gguf_files import folder_tensors
 from safetensors.torch import load_file, save_file
 
 from offload import LLM, SamplingParams
 from offload.engine import cpu_step
 from offload.errors import ConfigError, ModelError
+from offload.memory.safetensors import REFERENCES
 from offload.model import quant_layouts
 from offload.model.build import build_empty
 from offload.model.default import gguf_path
 from offload.model.gguf_quants import affine_4bit, dequantize
 from offload.model.loader import load_model
 from offload.model.quant_layouts import int4_cuda_layout, int4_matmul
-from offload.model.quantized import GGUFEmbedding, GGUFLinear, Int4Linear, Q8Embedding, Q8Linear
+from offload.model.quantized import (
+    GGUFEmbedding,
+    GGUFLinear,
+    Int4Linear,
+    Q8Embedding,
+    Q8Linear,
+    rows_in_hf_order,
+)
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.shape import shape_of
 from offload.probes.compute import time_decode
@@ -69,32 +78,10 @@ def _tokens_and_logprobs(llm):
     ]
 
 
-def test_the_cache_holds_the_files_own_bytes_not_floats(blocks, file_tensors):
-    tensors = load_file(blocks / "model.safetensors")
-    types = json.loads((blocks / "config.json").read_text())["quantization_config"]
-    by_gguf = file_tensors
-    assert (
-        types["quant_method"] == "gguf"
-        and types["weight_types"]["model.embed_tokens.weight"] == "Q8_0"
-    )
-    # A weight llama.cpp did not permute: byte for byte the file's.
-    up = tensors["model.layers.3.mlp.up_proj.weight"]
-    assert up.dtype == torch.uint8 and np.array_equal(up.numpy(), by_gguf["blk.3.ffn_up.weight"])
-    # The query's rows are the file's rows, reordered (each row's bytes unchanged).
-    query = tensors["model.layers.3.self_attn.q_proj.weight"].numpy()
-    rows = {bytes(r) for r in by_gguf["blk.3.attn_q.weight"]}
-    assert {bytes(r) for r in query} == rows and not np.array_equal(
-        query, by_gguf["blk.3.attn_q.weight"]
-    )
-    size = (blocks / "model.safetensors").stat().st_size
-    assert size <= gguf_path().stat().st_size  # no float copy of anything
-    assert not any(t.dtype == torch.float32 and t.numel() > 10_000 for t in tensors.values())
-
-
 def test_the_cpu_layout_holds_the_files_values(stored, file_tensors):
     """4-bit weights: the file's 4-bit values in torch's packing, its scales and minimums
     as bfloat16 scale and zero point; the Q8_0 table: the file's bytes by block column."""
-    tensors = load_file(stored / "model.safetensors")
+    tensors = folder_tensors(stored)
     settings = json.loads((stored / "config.json").read_text())["quantization_config"]
     assert settings["weight_layouts"]["model.layers.3.mlp.up_proj.weight"] == "int4"
     raw = torch.from_numpy(file_tensors["blk.3.ffn_up.weight"])
@@ -116,8 +103,11 @@ def test_the_cpu_layout_holds_the_files_values(stored, file_tensors):
 def test_dequantized_weights_equal_transformers_float32_conversion(blocks, smollm2_path):
     """transformers reads the GGUF into the float32 default model: every weight we keep as
     stored de-quantizes to exactly its tensor (names, row order and values)."""
-    ours = load_file(blocks / "model.safetensors")
-    types = json.loads((blocks / "config.json").read_text())["quantization_config"]["weight_types"]
+    ours = folder_tensors(blocks)
+    settings = json.loads((blocks / "config.json").read_text())["quantization_config"]
+    types = settings["weight_types"]
+    for name, heads in settings["rotary_rows"].items():
+        ours[name] = rows_in_hf_order(ours[name], heads)
     theirs = load_file(smollm2_path / "model.safetensors")
     assert set(ours) == set(theirs) - {"lm_head.weight"}  # (tied to the embedding)
     for name, tensor in ours.items():
@@ -222,7 +212,7 @@ def two_layers(stored, tmp_path_factory):
     """The stored model cut to its first two layers (a quick compile)."""
     out = tmp_path_factory.mktemp("two-layers")
     for file in stored.iterdir():
-        if file.suffix != ".safetensors" and file.name != "config.json":
+        if file.suffix != ".safetensors" and file.name not in ("config.json", REFERENCES):
             shutil.copy(file, out / file.name)
     settings = json.loads((stored / "config.json").read_text())
     settings["num_hidden_layers"] = 2
@@ -234,7 +224,7 @@ def two_layers(stored, tmp_path_factory):
     for key in ("weight_types", "weight_layouts"):
         quantized[key] = {name: v for name, v in quantized[key].items() if kept(name)}
     (out / "config.json").write_text(json.dumps(settings))
-    tensors = load_file(stored / "model.safetensors")
+    tensors = folder_tensors(stored)
     save_file({name: t for name, t in tensors.items() if kept(name)}, out / "model.safetensors")
     return out
 
@@ -379,7 +369,7 @@ def test_each_layout_is_the_fastest_measured_for_its_type_and_shape(stored):
     settings = json.loads((stored / "config.json").read_text())["quantization_config"]
     seconds, types = settings["layout_seconds"], settings["weight_types"]
     layouts = settings.get("weight_layouts", {})
-    tensors = load_file(stored / "model.safetensors")
+    tensors = folder_tensors(stored)
     assert any({"int4", "gguf"} == set(s) for s in seconds.values())
     for name, kind in types.items():
         rows = tensors[name].shape[1] if layouts.get(name) == "q8" else tensors[name].shape[0]

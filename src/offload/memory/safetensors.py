@@ -3,7 +3,8 @@ straight into the tensor that will hold the data.
 
 The header (8-byte little-endian length, then JSON) gives each tensor's dtype, shape and
 byte range; a read goes from the file into the destination's memory with no tensor in
-between, so loading never holds a second copy of the model.
+between, so loading never holds a second copy of the model. A folder may also take
+tensors from another file by byte range (`REFERENCES`: a .gguf's blocks, not copied).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -32,6 +34,11 @@ DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+# A folder's tensors that are read from another file by byte range instead of a copy (a
+# .gguf's blocks): the file's path, size and modification time, and each tensor's dtype,
+# shape and offset there. A file that changed since is refused (its bytes may no longer be
+# the tensors named; a conversion of the new file is keyed anew).
+REFERENCES = "referenced_tensors.json"
 _MAX_HEADER_BYTES = 100 * 2**20
 _MAX_TENSOR_BYTES = 2**63 - 1  # torch counts bytes in int64; the safetensors library in usize
 
@@ -219,7 +226,8 @@ def read_into(stored: StoredTensor, destination: torch.Tensor, drop_cache: bool 
 
 def checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint in `path`: one `model.safetensors`, or the shards
-    that `model.safetensors.index.json` names."""
+    that `model.safetensors.index.json` names, and those it takes from another file by
+    byte range (`REFERENCES`: a .gguf's blocks)."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         files = _shard_files(index)
@@ -236,6 +244,12 @@ def checkpoint_tensors(path: Path) -> dict[str, StoredTensor]:
                     "each tensor must be in one shard"
                 )
             tensors[key] = entry
+    for key, entry in referenced_tensors(path).items():
+        if key in tensors:
+            raise CheckpointError(
+                f"{path}: tensor {key!r} is in both {tensors[key].path.name} and {REFERENCES}"
+            )
+        tensors[key] = entry
     return tensors
 
 
@@ -261,3 +275,57 @@ def _shard_files(index: Path) -> list[str]:
                 "shards must be named relative to the folder, without '..'"
             )
     return sorted(set(weight_map.values()))
+
+
+# -- tensors a folder takes from another file ------------------------------------
+
+
+def referenced_tensors(folder: Path) -> dict[str, StoredTensor]:
+    """The tensors `folder` takes from another file (none without `REFERENCES`), checked
+    against that file as it is now."""
+    path = folder / REFERENCES
+    if not path.is_file():
+        return {}
+    try:
+        document = json.loads(path.read_text())
+        source = Path(document["file"])
+        size, mtime_ns, entries = document["size"], document["mtime_ns"], document["tensors"]
+        tensors = {name: _referenced(source, name, entry) for name, entry in entries.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        raise CheckpointError(f"{path} is damaged ({type(error).__name__}: {error})") from None
+    _check_source(folder, source, size, mtime_ns, tensors)
+    return tensors
+
+
+def _referenced(source: Path, name: str, entry: dict) -> StoredTensor:
+    dtype, shape, offset = DTYPES[entry["dtype"]], tuple(entry["shape"]), entry["offset"]
+    if not all(isinstance(v, int) and v >= 0 for v in (*shape, offset)):
+        raise ValueError(f"{name}: shape {shape} and offset {offset} must be naturals")
+    num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return StoredTensor(source, name, dtype, shape, offset, num_bytes)
+
+
+def _check_source(
+    folder: Path, source: Path, size: int, mtime_ns: int, tensors: Mapping[str, StoredTensor]
+) -> None:
+    """The file the tensors are in is still the one the folder was made from."""
+    try:
+        stat = os.stat(source)
+    except OSError as error:
+        problem = f"cannot be read ({error.strerror or error})"
+    else:
+        problem = None
+        if stat.st_size != size:
+            problem = f"changed size ({size} -> {stat.st_size} bytes)"
+        elif stat.st_mtime_ns != mtime_ns:
+            problem = "was modified"
+    if problem is None:
+        end = max((t.offset + t.num_bytes for t in tensors.values()), default=0)
+        if end > size:
+            problem = f"is shorter ({size} bytes) than the tensors named in it ({end})"
+    if problem is not None:
+        raise CheckpointError(
+            f"{folder} reads {len(tensors)} tensors from {source}, which {problem} since the "
+            "folder was made: give the .gguf itself as the model (it is converted again), "
+            "or remove the folder"
+        )

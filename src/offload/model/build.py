@@ -16,6 +16,7 @@ from torch import nn
 
 from offload.errors import ModelError, did_you_mean
 from offload.memory.safetensors import checkpoint_tensors, json_type
+from offload.model.gguf_settings import row_orders, weight_layouts, weight_types
 from offload.model.limits import check_parameters, check_sizes
 from offload.model.packed_modules import (
     FORMS_KEY,
@@ -26,7 +27,7 @@ from offload.model.packed_modules import (
     packed_forms,
     swap_in_packed,
 )
-from offload.model.quantized import swap_in_quantized, weight_layouts, weight_types
+from offload.model.quantized import swap_in_quantized
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -88,7 +89,8 @@ def build_empty(path: Path, dtype: str | torch.dtype, trust_remote_code: bool = 
     if isinstance(quantized, dict) and quantized.get("quant_method") == "gguf":
         types = weight_types(quantized, config_file)
         layouts = weight_layouts(quantized, config_file)
-        swap_in_quantized(model, types, config_file, layouts)
+        orders = row_orders(quantized, config_file)
+        swap_in_quantized(model, types, config_file, layouts, orders)
     elif isinstance(quantized, dict) and method_of(quantized):
         swap_in_packed(model, _packed_forms(model, path, config_file, quantized))
     return model.eval()
@@ -117,7 +119,7 @@ def _packed_forms(model: nn.Module, path: Path, config_file: Path, quantized: di
 
 def packed_layers(path: Path, trust_remote_code: bool = False) -> dict[str, Any]:
     """The forms of the quantized layers of the packed checkpoint at `path`, as JSON, for
-    the config of the model cut to its first layers (`quantized.first_layers_only`)."""
+    the config of the model cut to its first layers (`gguf_settings.first_layers_only`)."""
     return forms_setting(forms_of(build_empty(path, "auto", trust_remote_code)))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,9 +52,10 @@ class LayoutChooser:
         self.seconds: dict[str, dict[str, float]] = {}  # "Q4_1 1536x576" -> layout -> s
         self._chosen: dict[str, str] = {}
 
-    def choose(self, name: str, raw: torch.Tensor | np.ndarray, kind: str) -> str:
+    def choose(self, name: str, raw: torch.Tensor | Any, kind: str) -> str:
         """The layout of weight `name`, GGUF type `kind`, stored bytes `raw` [rows, bytes]
-        (a numpy array is copied only when it is measured)."""
+        (a tensor, or anything numpy reads with a `shape`: read and copied only when it is
+        measured)."""
         options = candidates(kind, name, self.kernels, raw.shape[0])
         if len(options) == 1:
             return options[0]
@@ -61,7 +63,7 @@ class LayoutChooser:
         columns = raw.shape[1] // block.block_bytes * block.block_size
         key = f"{kind} {raw.shape[0]}x{columns}"
         if key not in self._chosen:
-            if isinstance(raw, np.ndarray):  # (the reader maps the file read-only)
+            if not isinstance(raw, torch.Tensor):  # (a mapping, or bytes read on demand)
                 raw = torch.from_numpy(np.array(raw))
             device = torch.device(self.kernels)  # (the kernels' device: "cpu" or "cuda")
             measured = {

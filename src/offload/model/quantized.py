@@ -1,5 +1,5 @@
-"""Quantized weights kept as stored: the modules that hold them and the settings that
-name them.
+"""Quantized weights kept as stored: the modules that hold them (what a converted .gguf's
+config says of them is read in `gguf_settings.py`).
 
 A quantized weight is a uint8 parameter [rows, bytes per row] in its file's own block
 layout, so the offloaders, slabs, copies and the disk tier move it as they move any
@@ -10,7 +10,6 @@ values), so a quantized model gives bitwise what its de-quantized float32 model 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,12 +18,11 @@ from torch import nn
 
 from offload.errors import ConfigError, ModelError
 from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
-from offload.model.packed_modules import FORMS_KEY, method_of
+from offload.model.gguf_settings import ROW_ORDERS_KEY
+from offload.model.packed_modules import method_of
 from offload.model.quant_layouts import (
     GROUP,
     inner_k_tiles,
-    int4_cpu_layout,
-    int4_cuda_layout,
     stored_op,
 )
 
@@ -43,38 +41,6 @@ def check_quantization(value: object, name: str = "LLM(): quantization") -> str 
     raise ConfigError(f"{name} must be None or one of {', '.join(READ)}; got {value!r}")
 
 
-def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
-    """The GGUF type of each quantized weight named by config.json (ModelError if any is
-    not one that is read)."""
-    types = settings.get("weight_types")
-    if not isinstance(types, dict) or not all(isinstance(k, str) for k in types):
-        raise ModelError(f"{where}: quantization_config of method gguf needs weight_types")
-    for name, kind in types.items():
-        if kind not in FORMATS:
-            raise ModelError(
-                f"{where}: {name} is of GGUF type {kind!r}; read: {', '.join(FORMATS)}"
-            )
-    return dict(types)
-
-
-def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]:
-    """The layout each quantized weight is kept in (`quant_layouts.py`; "gguf" when not
-    named). An int4 layout made by another torch or CPU is refused: its packing differs."""
-    layouts = settings.get("weight_layouts") or {}
-    if not isinstance(layouts, dict) or set(layouts.values()) - {"int4", "int4_cuda", "q8", "gguf"}:
-        raise ModelError(f"{where}: weight_layouts must map names to int4, int4_cuda, q8 or gguf")
-    for layout, key, here, what in (
-        ("int4", "int4_layout", int4_cpu_layout, "torch and CPU"),
-        ("int4_cuda", "int4_cuda_layout", int4_cuda_layout, "torch and GPU"),
-    ):
-        if layout in layouts.values() and settings.get(key) != here():
-            raise ModelError(
-                f"{where}: its 4-bit weights are packed for {settings.get(key)}, this {what} "
-                f"pack them as {here()}; convert the .gguf again"
-            )
-    return dict(layouts)
-
-
 def stored_form(hf_config: Any) -> str | None:
     """What a model built from `hf_config` holds as stored ("GGUF Q4_1, Q8_0 as stored",
     "gptq as stored"), or None for a float model."""
@@ -88,38 +54,33 @@ def stored_form(hf_config: Any) -> str | None:
     return f"{method} as stored" if method else None
 
 
-def first_layers_only(quantization: dict[str, Any], count: int) -> None:
-    """Keep in a `quantization_config` only the weights of the first `count` layers (and
-    those outside the layer stack): the config of a model cut to `count` layers names no
-    weight it lacks."""
-    for key in ("weight_types", "weight_layouts", FORMS_KEY):
-        if isinstance(quantization.get(key), dict):
-            quantization[key] = {
-                name: kind
-                for name, kind in quantization[key].items()
-                if (index := _layer_index(name)) is None or index < count
-            }
-
-
-def _layer_index(name: str) -> int | None:
-    """The index of the layer a weight is in ("model.layers.3.mlp.up_proj": 3), if any."""
-    found = re.search(r"\.(\d+)\.", f".{name}.")
-    return int(found.group(1)) if found else None
+def rows_in_hf_order(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's query/key rows (for its interleaved rotary layout) in transformers'
+    order: within each of `heads` heads, its (even, odd) rows become (first half, second
+    half). Rows move whole, so a block row's bytes move unchanged (transformers does the
+    same on the floats). A new contiguous tensor."""
+    return rows.unflatten(0, (heads, -1, 2)).transpose(1, 2).reshape(rows.shape)
 
 
 class GGUFLinear(nn.Module):
-    """`nn.Linear` with its weight in GGUF blocks; `weight` is uint8 [out, bytes per row]."""
+    """`nn.Linear` with its weight in GGUF blocks; `weight` is uint8 [out, bytes per row].
+    `heads` > 0: its rows are kept as llama.cpp orders them (the .gguf's own bytes, read in
+    place) and are put in transformers' order at each product: the same floats, so the
+    same bits, as rows reordered once."""
 
     holds_stored_weights = True  # (`sizes.compute_dtype` looks past them)
     linear_of_floats = True  # (its product is F.linear: `cpu_linear.kernels_for` counts it)
 
-    def __init__(self, linear: nn.Linear, kind: str):
+    def __init__(self, linear: nn.Linear, kind: str, heads: int = 0):
         super().__init__()
         self.in_features, self.out_features, self.kind = (
             linear.in_features,
             linear.out_features,
             kind,
         )
+        if heads and linear.out_features % (2 * heads):
+            raise ModelError(f"{linear.out_features} rows are not pairs of rows of {heads} heads")
+        self.heads = heads
         row_bytes = _row_bytes(linear.in_features, kind, linear)
         self.weight = nn.Parameter(
             torch.empty(linear.out_features, row_bytes, dtype=torch.uint8, device="meta"),
@@ -128,7 +89,8 @@ class GGUFLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return stored_op("gguf", x, self.weight, self.kind, self.bias)
+        weight = rows_in_hf_order(self.weight, self.heads) if self.heads else self.weight
+        return stored_op("gguf", x, weight, self.kind, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}"
@@ -302,12 +264,16 @@ def swap_in_quantized(
     types: Mapping[str, str],
     where: object,
     layouts: Mapping[str, str] | None = None,
+    orders: Mapping[str, int] | None = None,
 ) -> None:
     """Replace each module whose weight `types` names by its quantized form in its layout
-    (`layouts`, default GGUF's blocks), keeping tied weights tied (Llama's lm_head reads
-    the embedding's)."""
+    (`layouts`, default GGUF's blocks; `orders`: weights in llama.cpp's row order, and
+    their heads), keeping tied weights tied (Llama's lm_head reads the embedding's)."""
     owners = {name.removesuffix(".weight"): kind for name, kind in types.items()}
     placed = {name.removesuffix(".weight"): kind for name, kind in (layouts or {}).items()}
+    heads = {name.removesuffix(".weight"): count for name, count in (orders or {}).items()}
+    if set(heads) - {n for n in owners if placed.get(n, "gguf") == "gguf"}:
+        raise ModelError(f"{where}: {ROW_ORDERS_KEY} names weights not kept in GGUF's blocks")
     tied = _tied_to_embedding(model)
     swapped: dict[str, nn.Module] = {}
     for name, module in list(model.named_modules()):
@@ -315,8 +281,10 @@ def swap_in_quantized(
             continue
         base = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding
         made = _MODULES.get((base, placed.get(name, "gguf")))
-        if isinstance(module, nn.Linear | nn.Embedding) and made is not None:
-            new: nn.Module = made(module, owners[name])  # type: ignore[call-arg]
+        if name in heads and made is GGUFLinear:
+            new: nn.Module = GGUFLinear(module, owners[name], heads[name])  # type: ignore[arg-type]
+        elif isinstance(module, nn.Linear | nn.Embedding) and made is not None:
+            new = made(module, owners[name])  # type: ignore[call-arg]
         elif isinstance(module, nn.Linear | nn.Embedding):
             raise ModelError(f"{where}: {name} cannot be kept as {placed[name]}")
         else:

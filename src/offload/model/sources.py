@@ -12,8 +12,8 @@
   is downloaded with the hub's progress bars).
 
 A conversion writes into a staging folder renamed into place when complete, under an
-exclusive `flock`, so a killed conversion leaves no half model and two processes convert
-once.
+exclusive `flock`, so a killed conversion leaves no half model (its staging folder is
+removed by the next conversion of the same source) and two processes convert once.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import glob
 import hashlib
 import os
 import re
@@ -34,6 +35,7 @@ import torch
 from safetensors import SafetensorError
 
 from offload.errors import ModelError
+from offload.model.bin_checkpoints import from_bin as _from_bin
 from offload.model.default import cache_dir, conversion_failure, default_model_path, gguf_path
 from offload.model.packed_modules import ALIASES
 from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, packing_of
@@ -45,8 +47,9 @@ ACCEPTED = (
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EXTRA_FILES = ("*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja")  # config, tokenizer
 _CONVERTED = "converted"
-# Part of the key: a change in how we convert converts again (2: 5- and 6-bit types as q8).
-_VERSION = "2"
+# Part of the key: a change in how we convert converts again (2: 5- and 6-bit types as q8;
+# 3: a .gguf's blocks read in place, tensors in forward order).
+_VERSION = "3"
 
 
 def resolve_model(
@@ -211,6 +214,7 @@ def _converted(
                     f"{target} is a damaged conversion that cannot be removed "
                     f"({error.strerror or error}); remove it by hand"
                 ) from None
+            _remove_killed(folder, target)
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=folder))
             try:
                 convert(staging)
@@ -246,6 +250,14 @@ def _lock(path: Path) -> int:
         os.close(descriptor)
 
 
+def _remove_killed(folder: Path, target: Path) -> None:
+    """Staging folders of `target` left by conversions that were killed (only under the
+    lock: no live process writes one then; a kill leaves a staging folder, never `target`)."""
+    for leftover in folder.glob(f".{glob.escape(target.name)}-*"):
+        if leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def _throw_away(target: Path) -> None:
     """A damaged conversion entry (only under the lock): removed, with one warning."""
     if not target.exists() and not target.is_symlink():
@@ -259,74 +271,6 @@ def _throw_away(target: Path) -> None:
         shutil.rmtree(target)
     else:
         target.unlink()
-
-
-def _from_bin(folder: Path, bins: list[Path], out: Path) -> None:
-    """One safetensors file per .bin shard (peak memory: one shard), plus the index."""
-    import torch
-    from safetensors.torch import save_file
-
-    index: dict[str, str] = {}
-    for number, source in enumerate(bins, 1):
-        state = _load_tensors(source)
-        tensors, seen = {}, {}
-        for name, tensor in state.items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape)
-            if key in seen:  # a tied weight saved twice: safetensors stores it once
-                continue
-            seen[key] = name
-            tensors[name] = tensor.contiguous()
-        shard = f"model-{number:05d}-of-{len(bins):05d}.safetensors"
-        save_file(_unshared(tensors), out / shard, metadata={"format": "pt"})
-        index.update(dict.fromkeys(tensors, shard))
-        del state, tensors
-    import json
-
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": index}, indent=1)
-    )
-    for extra in folder.iterdir():
-        if (
-            extra.is_file()
-            and extra.suffix != ".bin"
-            and not extra.name.endswith(".bin.index.json")
-        ):
-            shutil.copy2(extra, out / extra.name)
-
-
-def _load_tensors(source: Path) -> dict:
-    """A .bin shard's tensors; a pickle that holds anything else (code a loader would
-    run) is refused, and none of it runs."""
-    import pickle
-
-    import torch
-
-    try:
-        state = torch.load(source, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        raise ModelError(
-            f"{source} holds code, not only tensors: refused (none of it ran); convert it "
-            "to safetensors with a tool you trust"
-        ) from None
-    if not isinstance(state, dict):
-        raise ModelError(f"{source} is not a state dict of tensors (a {type(state).__name__})")
-    return state
-
-
-def _unshared(tensors: dict) -> dict:
-    """Tensors that share storage (views of one buffer) get their own copies."""
-    pointers: dict[int, int] = {}
-    result = {}
-    for name, tensor in tensors.items():
-        pointer = tensor.untyped_storage().data_ptr()
-        pointers[pointer] = pointers.get(pointer, 0) + 1
-        result[name] = tensor
-    return {
-        name: (t.clone() if pointers[t.untyped_storage().data_ptr()] > 1 else t)
-        for name, t in result.items()
-    }
 
 
 def _from_gguf(source: Path, out: Path) -> None:

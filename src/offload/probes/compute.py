@@ -19,9 +19,9 @@ from offload.engine.graphs import DecodeStep
 from offload.engine.transformers_cache import static_cache
 from offload.errors import ModelError
 from offload.model.build import packed_layers
+from offload.model.gguf_settings import first_layers_only
 from offload.model.loader import load_model
 from offload.model.packed_modules import FORMS_KEY, method_of
-from offload.model.quantized import first_layers_only
 from offload.planner.shape import ModelShape
 from offload.probes.link import Clock
 from offload.sizes import format_bytes
