@@ -94,6 +94,28 @@ def test_the_servers_rows_come_out_of_the_budget(checkpoint, expected, caplog):
         assert [list(out)[-1].outputs[0].token_ids for out in outputs] == [expected] * 3
 
 
+def test_generate_runs_no_more_sequences_at_once_than_the_kv_room_holds(checkpoint, monkeypatch):
+    """Five prompts, a KV room of 2.5 rows: batches of two, two and one, each sequence
+    with the tokens it gets alone (the cache of MAX_LEN positions: prompt + 130 > 128)."""
+    params = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
+    prompts = ["t3 t4 t5", "t6", "t7 t8", "t9 t10 t11 t12", "t13"]
+    settings = dict(max_model_len=MAX_LEN, disk_io="direct", **EVERY_LAYER)
+    with LLM(checkpoint, cpu_memory_gb=1, **settings) as llm:
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0] for p in prompts]
+        stack_bytes = llm.offloader.stats().disk.ram_bytes
+        activation_bytes = llm.host_budget.activation_bytes
+        row_bytes = serving.bytes_per_row(llm.model.config, MAX_LEN, torch.float32)
+    budget_gb = (MARGIN_BYTES + activation_bytes + stack_bytes + 2.5 * row_bytes) / GIB
+    with LLM(checkpoint, cpu_memory_gb=budget_gb, max_num_seqs=8, **settings) as llm:
+        sizes, decode = [], llm._decode
+        monkeypatch.setattr(
+            llm, "_decode", lambda batch, p: decode(sizes.append(len(batch)) or batch, p)
+        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert sizes == [2, 2, 1]
+    assert [o.outputs[0].token_ids for o in outputs] == [a.token_ids for a in alone]
+
+
 def test_kv_cache_room_without_a_budget_is_the_share_given_or_todays_cap(monkeypatch):
     cpu = SimpleNamespace(host_budget=None, kv_cache_memory_bytes=None, device=torch.device("cpu"))
     monkeypatch.setattr(serving, "available_ram_bytes", lambda: 64 * GIB)

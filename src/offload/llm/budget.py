@@ -80,3 +80,10 @@ def host_budget_of(
             empty.config, llm.max_model_len, dtype, llm.max_num_batched_tokens
         ),
     )
+
+
+def kv_room_after(budget: HostBudget | None, offloader: Any) -> int | None:
+    """The KV cache's room once `offloader` placed the layer stack (None: no budget)."""
+    if budget is None:
+        return None
+    return budget.kv_room(offloader.stats().disk.ram_bytes)

@@ -31,7 +31,7 @@ from offload.llm.args import (
     tokenizer_of,
 )
 from offload.llm.auto import planner_for
-from offload.llm.budget import host_budget_of
+from offload.llm.budget import host_budget_of, kv_room_after
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
     check_llm_args,
@@ -228,6 +228,7 @@ class LLM(DecodeLoop):
             )
         except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
             raise budget.refused(error) from None
+        self._kv_room_bytes = kv_room_after(budget, self.offloader)  # (generate's batches)
         self._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
         self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
         self._compiled_steps = 0  # of which compiled CPU decode steps

@@ -20,6 +20,7 @@ from offload.engine.rows import MIN_ROWS, bytes_per_row
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
 from offload.errors import ConfigError, OffloadError
+from offload.llm.budget import kv_room_after
 from offload.memory.host import available_ram_bytes
 from offload.sizes import compute_dtype
 
@@ -65,8 +66,7 @@ def kv_cache_room(llm: Any) -> tuple[int, str]:
     given: `host_budget`); else `kv_cache_memory_bytes` where given; else half the free
     device memory on a GPU, and half the available RAM up to `CPU_KV_BYTES` on a CPU."""
     if llm.host_budget is not None:
-        stack_ram_bytes = llm.offloader.stats().disk.ram_bytes
-        return llm.host_budget.kv_room(stack_ram_bytes), "of cpu_memory_gb"
+        return kv_room_after(llm.host_budget, llm.offloader), "of cpu_memory_gb"
     if llm.kv_cache_memory_bytes is not None:
         return llm.kv_cache_memory_bytes, "of kv_cache_memory_bytes"
     if llm.device.type == "cuda":
