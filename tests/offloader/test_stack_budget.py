@@ -91,7 +91,8 @@ def test_a_cold_page_cache_reads_into_slots_and_keeps_layers_within_the_budget(s
 def test_mmap_asked_beyond_the_budget_is_refused_with_the_numbers(saved):
     path, _, layer_bytes = saved
     config = {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "mmap"}
-    with pytest.raises(ModelError, match=r"needs at least \d+ MiB .*mapped pages.*leaves it"):
+    refused = r"disk_io='mmap': the layer stack needs at least \d+ MiB .*mapped pages.*leaves it"
+    with pytest.raises(ModelError, match=refused):
         load_model(path, config, stack_budget_bytes=layer_bytes // 2)
     _, offloader = load_model(path, config, stack_budget_bytes=layer_bytes * 2)
     assert offloader.stats().disk.io == "mmap"

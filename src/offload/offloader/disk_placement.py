@@ -141,13 +141,15 @@ def fit_stack(
     (the window), not a slot ring; kept units are mapped with their pages held. Where
     the window does not fit, an "auto" choice (`asked` False) reads instead. Raises
     `StackRoomError` when the room holds not even what streaming needs."""
-    fixed = [i for i in range(len(unit_bytes)) if i not in set(movable)]
+    streams = set(movable)
+    fixed = [i for i in range(len(unit_bytes)) if i not in streams]
     if io == DiskIO.MMAP:
         fixed_slots = _ring_bytes(slot_bytes, fixed, num_slots)
         window = max((unit_bytes[i] for i in movable), default=0)
         need = sum(unit_bytes[i] for i in fixed) + fixed_slots + window
         if need <= room_bytes or asked:
-            _check_room(need, room_bytes, f"the largest layer's mapped pages, {_mib(window)}")
+            mapped = f"the largest layer's mapped pages, {_mib(window)}"
+            _check_room(need, room_bytes, mapped, "disk_io='mmap': " if asked else "")
             return _kept(unit_bytes, movable, room_bytes - need, DiskIO.MMAP, need, window)
         io = DiskIO.DIRECT
     slots = _ring_bytes(slot_bytes, range(len(unit_bytes)), num_slots)
@@ -184,10 +186,10 @@ def _ring_bytes(slot_bytes: Sequence[int], users: Sequence[int], num_slots: int)
     return sum(sizes)
 
 
-def _check_room(need: int, room_bytes: int, streaming: str) -> None:
+def _check_room(need: int, room_bytes: int, streaming: str, asked: str = "") -> None:
     if need > room_bytes:
         raise StackRoomError(
-            f"the layer stack needs at least {_mib(need)} of RAM to stream ({streaming}), "
+            f"{asked}the layer stack needs at least {_mib(need)} of RAM to stream ({streaming}), "
             f"more than the {_mib(max(room_bytes, 0))} the budget leaves it",
             need,
             room_bytes,
