@@ -29,7 +29,8 @@ from offload.model.quantized import check_quantization, stored_form
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
-from offload.sizes import compute_dtype, format_bytes, parameter_bytes
+from offload.probes.host import process_memory_bytes
+from offload.sizes import GIB, compute_dtype, format_bytes, parameter_bytes
 
 # The `generate` flags that are SamplingParams fields of the same name.
 _SAMPLING_FLAGS = (
@@ -91,6 +92,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         config,
         progress=show_progress,
         swap_space=args.swap_space,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_offload=args.kv_offload,
         enforce_eager=args.enforce_eager,
     )
@@ -187,8 +189,20 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
         f"{tokens / seconds:.1f} tok/s; "
         f"offloaded {format_bytes(llm.offloader.offloaded_bytes)} "
         f"({type(llm.offloader).__name__}); "
-        f"{moved}; stall {stall * 1e3:.0f} ms; "
+        f"{moved}; stall {stall * 1e3:.0f} ms; {_memory(llm)}; "
         f"decode {_decode_mode(this_call)}{trusted}]"
+    )
+
+
+def _memory(llm: LLM) -> str:
+    """The peak RSS so far beside what the budget rule allows it: cpu_memory_gb (on a
+    CPU) plus the fixed overhead, which is stated either way (docs/guide.md, "Memory")."""
+    peak_bytes = process_memory_bytes().get("peak_rss_bytes", 0)
+    budget = llm.host_budget
+    within = f"budget {budget.budget_bytes / GIB:.2f} GiB + " if budget is not None else ""
+    return (
+        f"peak RSS {peak_bytes / GIB:.2f} GiB ({within}fixed overhead "
+        f"{llm.fixed_overhead.describe()})"
     )
 
 

@@ -16,6 +16,7 @@ from offload.cli.options import (
     SAMPLING_FLAGS,
     add_budget_flags,
     add_device_flags,
+    add_kv_memory_flag,
     add_weight_flags,
     package_version,
 )
@@ -101,6 +102,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "serve", help="an OpenAI-compatible server (continuous batching, offloaded weights)"
     )
     add_serve_flags(serve)
+    add_kv_memory_flag(serve)
     add_budget_flags(serve)
     add_device_flags(serve)
     add_cli_args(serve)
@@ -174,6 +176,7 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="GiB of host memory for the KV cache (> 0 keeps the KV cache in host memory)",
     )
+    add_kv_memory_flag(parser)
     parser.add_argument(
         "--kv-offload", action="store_true", help="keep the KV cache in host memory"
     )

@@ -57,6 +57,7 @@ class DecodeLoop:
     _kv_dims: tuple | None
     _use_graphs: bool
     _compile_cpu: bool  # a compiled decode step on a CPU where it pays (not enforce_eager)
+    _kv_room_bytes: int | None  # a budget's room for the KV cache (on a CPU), None: no bound
     _cpu_step: CompiledCpuStep | None  # made on first use
     _moved: TransferStats
     _forwards: int
@@ -71,12 +72,32 @@ class DecodeLoop:
         sequences = self._sequences(ids, params)
         if sequences:
             progress = RequestProgress(sequences, use_tqdm)
-            try:  # at most max_num_seqs sequences in one batch, as vLLM schedules them
-                for start in range(0, len(sequences), self.max_num_seqs):
-                    self._decode(sequences[start : start + self.max_num_seqs], progress)
+            try:
+                for batch in self._batches(sequences):
+                    self._decode(batch, progress)
             finally:
                 progress.close()
         return _outputs(prompts, ids, params, sequences)
+
+    def _batches(self, sequences: list[SequenceState]):
+        """Consecutive batches of at most max_num_seqs sequences, as vLLM schedules them,
+        and no more than a budget's KV room holds (one sequence always fits: the budget
+        set one aside, of max_model_len positions)."""
+        start = 0
+        while start < len(sequences):
+            count = min(self.max_num_seqs, len(sequences) - start)
+            while count > 1 and not self._kv_fits(sequences[start : start + count]):
+                count -= 1
+            yield sequences[start : start + count]
+            start += count
+
+    def _kv_fits(self, sequences: list[SequenceState]) -> bool:
+        if self._kv_room_bytes is None:
+            return True
+        # (a compiled step's cache is rounded up: counted so, whether it compiles or not)
+        length = cache_length(Batch.length_of(sequences), self.max_model_len)
+        shape = kv_shape_of(self.model.config, len(sequences), length, compute_dtype(self.model))
+        return shape.layer_bytes * self.model.config.num_hidden_layers <= self._kv_room_bytes
 
     def _sequences(self, ids: list[list[int]], params: list[SamplingParams]) -> list[SequenceState]:
         """`n` sequences per prompt, in order; a request's sequences share its generator."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
 import threading
@@ -24,8 +23,15 @@ from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceSt
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError
-from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of
+from offload.llm.args import (
+    as_run,
+    check_attention_model,
+    offload_config_of,
+    own_argument_names,
+    tokenizer_of,
+)
 from offload.llm.auto import planner_for
+from offload.llm.budget import host_budget_of, kv_room_after
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
     check_llm_args,
@@ -45,7 +51,9 @@ from offload.model.loader import load_model
 from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.model.tokenizer import eos_token_ids
+from offload.offloader.disk_placement import StackRoomError
 from offload.planner.fit import plan_memory
+from offload.planner.overhead import fixed_overhead
 
 
 class LLM(DecodeLoop):
@@ -87,6 +95,7 @@ class LLM(DecodeLoop):
         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
         device_memory_gb: float | None = None,
         swap_space: float = 0,
+        kv_cache_memory_bytes: int | None = None,
         kv_offload: bool = False,
         seed: int = 0,
         load_format: str = "auto",
@@ -128,10 +137,12 @@ class LLM(DecodeLoop):
             max_num_batched_tokens=max_num_batched_tokens,
             trust_remote_code=trust_remote_code,
             swap_space=swap_space,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
         )
-        config = offload_config_of(offload_config, offload_flags, _own_argument_names())
+        config = offload_config_of(offload_config, offload_flags, own_argument_names(LLM))
         self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
-        self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:]
+        self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:6]
+        self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
         self.device = check_device(device)
         path = resolve_model(
@@ -166,8 +177,12 @@ class LLM(DecodeLoop):
                 trust_remote_code=self.trust_remote_code,
             ),
         )
+        asked_gb = config.disk.cpu_memory_gb  # (a plan may keep fewer layers in RAM)
         self.max_model_len, self.memory_needs, config = plan.max_model_len, plan.needs, plan.config
-        self.offload_config = _as_run(config)  # what runs: "auto" resolved, the planner's choice
+        self.offload_config = as_run(config)  # what runs: "auto" resolved, the planner's choice
+        # On a CPU, cpu_memory_gb bounds the process (llm/budget.py), planned or not.
+        budget_gb = asked_gb if config.disk.is_active else None
+        self.host_budget = host_budget_of(self, empty, budget_gb, device_memory_gb)
         self._load(
             path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
         )
@@ -195,17 +210,25 @@ class LLM(DecodeLoop):
         its offloader, and the state the decode loop keeps between calls."""
         self.tokenizer = tokenizer_of(path, tokenizer, load_format, self.trust_remote_code)
         self._tokens = TokenSteps(self.tokenizer, eos_token_ids(path, self.tokenizer, empty.config))
+        # What cpu_memory_gb does not cover (the figures line of `offload generate` says it).
+        self.fixed_overhead = fixed_overhead(empty, Path(tokenizer) if tokenizer else path)
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
-        self.model, self.offloader = load_model(
-            path,
-            config,
-            device=self.device,
-            dtype=dtype,
-            load_format=load_format,
-            progress=progress,
-            trust_remote_code=self.trust_remote_code,
-        )
+        budget = self.host_budget
+        try:
+            self.model, self.offloader = load_model(
+                path,
+                config,
+                device=self.device,
+                dtype=dtype,
+                load_format=load_format,
+                progress=progress,
+                trust_remote_code=self.trust_remote_code,
+                stack_budget_bytes=budget.stack_bytes if budget is not None else None,
+            )
+        except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
+            raise budget.refused(error) from None
+        self._kv_room_bytes = kv_room_after(budget, self.offloader)  # (generate's batches)
         self._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
         self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
         self._compiled_steps = 0  # of which compiled CPU decode steps
@@ -356,23 +379,4 @@ class LLM(DecodeLoop):
         self.close()
 
 
-def _own_argument_names() -> list[str]:
-    """`LLM`'s own keyword arguments, named when an unknown one is refused."""
-    parameters = inspect.signature(LLM.__init__).parameters
-    return [n for n in parameters if n not in ("self", "offload_flags")]
-
-
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
-
-
-def _as_run(config: OffloadConfig) -> OffloadConfig:
-    """`config` with `offload_backend="auto"` named as the backend that runs (what
-    `llm.offload_config` shows); as it is where nothing is offloaded, or where the name
-    alone would not validate (the disk tier without a prefetch group)."""
-    backend = config.selected_backend
-    if config.offload_backend != "auto" or backend == "none":
-        return config
-    try:
-        return replace(config, offload_backend=backend)
-    except ConfigError:
-        return config
