@@ -197,12 +197,12 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
     inspect = commands.add_parser(
         "inspect", help="a model's layers and sizes, and what a config offloads"
     )
-    inspect.add_argument(
-        "path",
-        nargs="?",
-        help="a model folder (config.json is enough) or a shipped shape such as llama-3-8b "
-        "(default: SmolLM2-135M-Instruct)",
+    model_help = (
+        "a model folder (config.json is enough), a .gguf file or a shipped shape such as "
+        "llama-3-8b (default: SmolLM2-135M-Instruct)"
     )
+    inspect.add_argument("path", nargs="?", metavar="MODEL", help=f"{model_help}; or --model")
+    inspect.add_argument("--model", help=model_help)
     add_budget_flags(inspect)
     _model_run_flags(inspect, "positions the KV cache holds (default: the model's)")
 
