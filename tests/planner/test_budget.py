@@ -12,13 +12,7 @@ from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.placement import DiskIO
 from offload.planner import layouts
-from offload.planner.budget import (
-    PROCESS_BASELINE_BYTES,
-    TOKENIZER_BYTES_PER_TOKEN,
-    fixed_overhead,
-    least_ram,
-    ram_use,
-)
+from offload.planner.budget import least_ram, overhead_without_tokenizer, ram_use
 from offload.planner.choose import candidates
 from offload.planner.fit import MARGIN_BYTES
 from offload.planner.flags import offload_flags, warnings_for
@@ -56,7 +50,7 @@ def test_the_plan_says_what_bound_it_and_its_flags_carry_the_budget(
     plan = planned(smollm2_shape, recorded["cpu-smollm2"], on_cpu(0.25))
     reasons = "\n".join(plan.reasons)
     assert "budget: 256.0 MiB of RAM (cpu_memory_gb) for the layers' weights held" in reasons
-    assert "fixed overhead " in reasons and "peak RSS within " in reasons
+    assert "beside it the fixed overhead, " in reasons and "peak RSS within " in reasons
     assert "bound by the RAM budget: every layer resident needs 5" in reasons
     assert f"batch {plan.batch_size}: batch {2 * plan.batch_size} does not fit" in reasons
     assert warnings_for(plan) != ["the model fits: no offloading needed"]
@@ -96,11 +90,14 @@ def test_an_emulated_device_keeps_the_budgets_apart():
     assert (budgets.device_bytes, budgets.host_bytes) == (int(0.4 * GIB * 0.9), int(0.1 * GIB))
 
 
-def test_the_fixed_overhead_is_stated(smollm2_shape):
-    overhead = fixed_overhead(smollm2_shape)
-    tokenizer = 49152 * TOKENIZER_BYTES_PER_TOKEN
-    assert overhead.total_bytes == PROCESS_BASELINE_BYTES + smollm2_shape.outside_bytes + tokenizer
-    assert overhead.describe().startswith("fixed overhead ")
+def test_a_plan_from_numbers_states_the_models_overhead(smollm2_path, smollm2_shape):
+    """The shape's overhead is the built model's (`overhead.fixed_overhead`) less the
+    tokenizer, which only a model's files say."""
+    from offload.model.build import build_empty
+    from offload.planner.overhead import fixed_overhead
+
+    model = build_empty(smollm2_path, "float32")
+    assert overhead_without_tokenizer(smollm2_shape) == fixed_overhead(model)
 
 
 @settings(max_examples=20, deadline=None)

@@ -30,6 +30,7 @@ from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.budget import describe_budget
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
+from offload.planner.overhead import fixed_overhead
 from offload.planner.shape import shape_of
 from offload.sizes import GIB, compute_dtype, format_bytes, parameter_bytes
 
@@ -239,7 +240,7 @@ def inspect(args: argparse.Namespace) -> str:
         lines.append("  KV cache: none (no attention heads)")
     config = OffloadConfig.from_cli_args(args)
     device = check_device(args.device)
-    lines += _budget_lines(model, config, device, args)
+    lines += _budget_lines(path, model, config, device, args)
     fits, config = _what_fits(path, model, config, device, args)
     lines.append(fits)
     if config.selected_backend == "none":
@@ -284,7 +285,9 @@ def inspect(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-def _budget_lines(model, config: OffloadConfig, device: torch.device, args) -> list[str]:
+def _budget_lines(
+    path: Path, model, config: OffloadConfig, device: torch.device, args
+) -> list[str]:
     """On a CPU, the budget rule for this model: the fixed overhead and what a
     `--cpu-memory-gb` budget holds (as `offload plan` counts it)."""
     if device.type != "cpu" or args.device_memory_gb is not None:
@@ -292,7 +295,8 @@ def _budget_lines(model, config: OffloadConfig, device: torch.device, args) -> l
     context_len = args.max_model_len or model_len_limit(model.config)
     shape = shape_of(model, context_len)
     ram_bytes = int(config.disk.cpu_memory_gb * GIB) if config.disk.is_active else None
-    return [f"  {line}" for line in describe_budget(shape, ram_bytes, context_len)]
+    overhead = fixed_overhead(model, path if path.is_dir() else None)
+    return [f"  {line}" for line in describe_budget(shape, overhead, ram_bytes, context_len)]
 
 
 def _what_fits(

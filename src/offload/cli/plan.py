@@ -10,7 +10,6 @@ import sys
 from collections.abc import Sequence
 
 from offload.llm.auto import plan_for
-from offload.planner.budget import fixed_overhead
 from offload.planner.choose import Candidate
 from offload.planner.flags import offload_flags, vllm_flags, warnings_for
 from offload.planner.plan import Plan
@@ -89,7 +88,7 @@ def memory(plan: Plan) -> str:
     chosen, ram_bytes = plan.chosen, plan.budgets.ram_bytes
     if chosen.ram is None or ram_bytes is None:
         return f"device {format_bytes(chosen.device_bytes)}, host {format_bytes(chosen.host_bytes)}"
-    overhead = fixed_overhead(plan.shape).total_bytes
+    overhead = plan.overhead.total_bytes
     return (
         f"{format_bytes(chosen.ram.total_bytes)} of the {format_bytes(ram_bytes)} RAM budget "
         f"({chosen.ram.describe()}) and the fixed overhead {format_bytes(overhead)}: peak RSS "

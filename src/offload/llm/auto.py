@@ -26,6 +26,7 @@ from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import Budgets, candidates, fits_at_all
 from offload.planner.fit import checked_context_len, model_len_limit
+from offload.planner.overhead import fixed_overhead
 from offload.planner.plan import (
     Plan,
     batch_sizes_for,
@@ -189,7 +190,8 @@ def plan_for(
         trust_remote_code=trust_remote_code,
         progress=progress,
     )
-    return make_plan(shape, measured, budgets, batch_sizes, path)
+    overhead = fixed_overhead(empty, path if path.is_dir() else None)
+    return make_plan(shape, measured, budgets, batch_sizes, path, overhead=overhead)
 
 
 def within(settings: MeasureSettings, budgets: Budgets) -> MeasureSettings:

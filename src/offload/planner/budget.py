@@ -7,7 +7,7 @@ overhead stated here:
   and a step's activations (`RamUse`);
 - the fixed overhead holds the process (Python, torch and transformers imported, the empty
   model built), the weights outside the stack (embeddings, final norm, lm_head) and the
-  tokenizer (`Overhead`), whatever the placement.
+  tokenizer (`planner/overhead.py`, which the run states too), whatever the placement.
 
 Pure arithmetic on a `ModelShape` and a `Layout`: it decides nothing and builds nothing.
 """
@@ -21,44 +21,9 @@ from offload.errors import ModelError
 from offload.memory.placement import DiskIO, Placement
 from offload.planner.fit import MARGIN_BYTES
 from offload.planner.layouts import Layout, hundredths, prefetch, prefetch_within
+from offload.planner.overhead import PROCESS_BASELINE_BYTES, FixedOverhead
 from offload.planner.shape import ModelShape
-from offload.sizes import GIB, MIB, format_bytes
-
-# The process before any weight is read: `offload` with torch and transformers imported
-# (307 MiB of RSS), the empty model built on the meta device (42 MiB) and the first
-# matrix products run (48 MiB: the compute threads and their kernels' buffers) measured
-# 397 MiB (Linux x86-64, 2 cores, torch 2.x, Python 3.12); rounded up.
-PROCESS_BASELINE_BYTES = 400 * MIB
-# A fast tokenizer's RSS per vocabulary entry: SmolLM2's (49,152 entries) peaked at 61 MiB
-# while loading (its tokenizer.json is 2.1 MB: the parsed merges and maps are larger).
-TOKENIZER_BYTES_PER_TOKEN = 1300
-
-
-@dataclass(frozen=True)
-class Overhead:
-    """The fixed overhead: RSS beside the budget, whatever the placement."""
-
-    process_bytes: int
-    outside_bytes: int  # weights outside the layer stack
-    tokenizer_bytes: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.process_bytes + self.outside_bytes + self.tokenizer_bytes
-
-    def describe(self) -> str:
-        return (
-            f"fixed overhead {format_bytes(self.total_bytes)} (the process "
-            f"{format_bytes(self.process_bytes)}, weights outside the layers "
-            f"{format_bytes(self.outside_bytes)}, the tokenizer "
-            f"{format_bytes(self.tokenizer_bytes)})"
-        )
-
-
-def fixed_overhead(shape: ModelShape) -> Overhead:
-    """The overhead of running `shape`: what peak RSS holds beyond the budget."""
-    tokenizer = shape.vocab_size * TOKENIZER_BYTES_PER_TOKEN
-    return Overhead(PROCESS_BASELINE_BYTES, shape.outside_bytes, tokenizer)
+from offload.sizes import GIB, format_bytes
 
 
 @dataclass(frozen=True)
@@ -132,12 +97,13 @@ def ram_budget_error(shape: ModelShape, ram_bytes: int, batch: int, context_len:
     )
 
 
-def describe_budget(shape: ModelShape, ram_bytes: int | None, context_len: int) -> list[str]:
+def describe_budget(
+    shape: ModelShape, overhead: FixedOverhead, ram_bytes: int | None, context_len: int
+) -> list[str]:
     """A CPU's budget for people (`offload inspect`): the fixed overhead and, given a
     budget, what it holds for one sequence of `context_len` positions and what is left
     for layers kept in RAM (the rest read from disk each step)."""
-    overhead = fixed_overhead(shape)
-    lines = [f"{overhead.describe()}: RSS beside any budget"]
+    lines = [f"fixed overhead {overhead.describe()}: RSS beside any budget"]
     if ram_bytes is None:
         return [*lines, "no RAM budget given (--cpu-memory-gb GIB bounds peak RSS to GIB + it)"]
     kv = shape.kv_bytes(1, context_len)
@@ -162,3 +128,9 @@ def describe_budget(shape: ModelShape, ram_bytes: int | None, context_len: int) 
         f"offloaded it keeps {format_bytes(streamed.host_bytes)} of them in RAM and reads "
         f"{format_bytes(streamed.disk_bytes)} from disk each step ({use.describe()})",
     ]
+
+
+def overhead_without_tokenizer(shape: ModelShape) -> FixedOverhead:
+    """`overhead.fixed_overhead` of a model of `shape` with no tokenizer counted (what a
+    plan made from numbers alone can state; `offload plan` states the tokenizer too)."""
+    return FixedOverhead(PROCESS_BASELINE_BYTES, shape.outside_bytes, 0)

@@ -12,11 +12,12 @@ import torch
 from offload.config import DISK_IO, OffloadConfig
 from offload.config.validate import gib, integer
 from offload.memory.placement import DiskIO
-from offload.planner.budget import fixed_overhead, least_ram, ram_use
+from offload.planner.budget import least_ram, overhead_without_tokenizer, ram_use
 from offload.planner.choose import Budgets, Candidate, candidates, fits_at_all, nothing_fits
 from offload.planner.fit import available_ram_bytes, device_budget
 from offload.planner.layouts import resident
 from offload.planner.measurements import Measured
+from offload.planner.overhead import FixedOverhead
 from offload.planner.shape import ModelShape
 from offload.sizes import GIB, format_bytes
 
@@ -37,6 +38,7 @@ class Plan:
     budgets: Budgets
     path: Path
     reasons: tuple[str, ...]
+    overhead: FixedOverhead  # beside the budgets: peak RSS is theirs + this on a CPU
 
     @property
     def config(self) -> OffloadConfig:
@@ -62,9 +64,12 @@ def make_plan(
     batch_sizes: list[int],
     path: Path,
     disk_modes: tuple[DiskIO, ...] = DISK_IO,
+    overhead: FixedOverhead | None = None,
 ) -> Plan:
     """The plan from a model's shape and the measurements, under the budgets; a
-    `ModelError` with the numbers where nothing fits."""
+    `ModelError` with the numbers where nothing fits. `overhead`: the model's fixed
+    overhead (`planner.overhead.fixed_overhead`; None: the shape's, no tokenizer)."""
+    overhead = overhead or overhead_without_tokenizer(shape)
     found = candidates(shape, measured.measurements, budgets, batch_sizes, disk_modes)
     if not found:
         raise nothing_fits(shape, budgets, min(batch_sizes), measured.measurements.context_len)
@@ -77,7 +82,8 @@ def make_plan(
         measured,
         budgets,
         path,
-        tuple(_reasons(shape, measured, budgets, found, batch_sizes)),
+        tuple(_reasons(shape, measured, budgets, found, batch_sizes, overhead)),
+        overhead,
     )
 
 
@@ -104,6 +110,7 @@ def _reasons(
     budgets: Budgets,
     found: list[Candidate],
     batch_sizes: list[int],
+    overhead: FixedOverhead,
 ) -> list[str]:
     m, chosen = measured.measurements, found[0]
     common = max(set(shape.layer_bytes), key=shape.layer_bytes.count)
@@ -113,7 +120,7 @@ def _reasons(
         f"{format_bytes(common)}, {format_bytes(shape.outside_bytes)} outside them (resident); "
         f"KV cache {format_bytes(shape.kv_bytes(1, m.context_len))} per sequence at "
         f"{m.context_len} positions",
-        _budget_line(shape, budgets),
+        _budget_line(budgets, overhead),
         f"measured on {m.machine}: link {m.link_gb_per_s:.1f} GB/s"
         + (f", UVA reads {m.uva_gb_per_s:.1f} GB/s" if m.uva_gb_per_s else "")
         + f", disk "
@@ -133,17 +140,16 @@ def _reasons(
     return lines
 
 
-def _budget_line(shape: ModelShape, budgets: Budgets) -> str:
+def _budget_line(budgets: Budgets, overhead: FixedOverhead) -> str:
     if budgets.ram_bytes is None:
         return (
             f"budgets: device {format_bytes(budgets.device_bytes)}, host "
             f"{format_bytes(budgets.host_bytes)} for weights kept off the device"
         )
-    overhead = fixed_overhead(shape)
     return (
         f"budget: {format_bytes(budgets.ram_bytes)} of RAM (cpu_memory_gb) for the layers' "
-        f"weights held in RAM, the slots, the KV cache and activations; beside it a "
-        f"{overhead.describe()}: peak RSS within "
+        f"weights held in RAM, the slots, the KV cache and activations; beside it the fixed "
+        f"overhead, {overhead.describe()}: peak RSS within "
         f"{format_bytes(budgets.ram_bytes + overhead.total_bytes)}"
     )
 

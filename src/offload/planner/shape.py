@@ -44,7 +44,6 @@ class ModelShape:
     digest: str
     # Quantized weights held as stored ("GGUF Q4_1, Q8_0 as stored"); None: all in `dtype`.
     stored: str | None = None
-    vocab_size: int = 0  # the tokenizer's size, for the fixed overhead (`planner/budget.py`)
 
     @property
     def num_layers(self) -> int:
@@ -83,7 +82,6 @@ def shape_of(model: nn.Module, context_len: int) -> ModelShape:
         timed_layer=layer_bytes.index(common),
         digest=shape_digest(model.config, dtype),
         stored=stored_form(model.config),
-        vocab_size=getattr(model.config, "vocab_size", None) or 0,
     )
 
 
