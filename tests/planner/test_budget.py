@@ -129,3 +129,19 @@ def test_the_margin_is_counted_once(smollm2_shape):
     assert use.total_bytes == (
         use.layer_bytes + use.staging_bytes + use.kv_bytes + use.activation_bytes + MARGIN_BYTES
     )
+
+
+def test_the_least_is_never_more_than_every_layer_resident(shape_from):
+    """Two layers: the disk tier's slots are never more than the layers (two, not the
+    three it reads ahead with), so the least a budget must hold is at most the stack."""
+    import transformers as tf
+
+    config = tf.LlamaConfig(
+        hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=8, vocab_size=1000, max_position_embeddings=1024,
+    )  # fmt: skip
+    shape = shape_from(config, torch.float32)
+    least = least_ram(shape, 1, 1024)
+    assert least.staging_bytes <= sum(shape.layer_bytes)
+    budgets = on_cpu(least.total_bytes / GIB + 0.001)
+    assert measurable_batches(shape, budgets, [1, 2], 1024) == [1]

@@ -74,7 +74,8 @@ def least_layout(shape: ModelShape) -> Layout:
 
 
 def least_ram(shape: ModelShape, batch: int, context_len: int) -> RamUse:
-    """The least RAM `batch` sequences of `context_len` positions can run in."""
+    """The least RAM `batch` sequences of `context_len` positions can run in (no more
+    than every layer resident: the slots are never more than the layers)."""
     return ram_use(shape, least_layout(shape), shape.kv_bytes(batch, context_len))
 
 

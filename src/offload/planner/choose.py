@@ -131,12 +131,13 @@ def _kv_in_ram(shape: ModelShape, batch: int, context_len: int, kv_offload: bool
 
 def fits_at_all(shape: ModelShape, budgets: Budgets, batch: int, context_len: int) -> bool:
     """Whether some placement could hold `batch` sequences of `context_len` positions:
-    its KV cache and activations with the least weights any layout keeps (what measuring
-    that batch would allocate is no more)."""
+    its KV cache and activations with the least weights any layout keeps on the device
+    (UVA of every layer: those outside them), in or out of host memory; what measuring
+    that batch allocates is no more."""
     kv = shape.kv_bytes(batch, context_len)
     if budgets.ram_bytes is not None:
         return least_ram(shape, batch, context_len).total_bytes <= budgets.ram_bytes
-    least_weights = shape.outside_bytes + max(shape.layer_bytes, default=0)
+    least_weights = shape.outside_bytes
     on_device = device_need(shape, least_weights, kv) <= budgets.device_bytes
     ring = _kv_on_device(shape, batch, context_len, True)
     in_host = device_need(shape, least_weights, ring) <= budgets.device_bytes
