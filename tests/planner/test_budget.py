@@ -15,7 +15,7 @@ from offload.planner import layouts
 from offload.planner.budget import least_ram, overhead_without_tokenizer, ram_use
 from offload.planner.choose import candidates
 from offload.planner.fit import MARGIN_BYTES
-from offload.planner.flags import offload_flags, warnings_for
+from offload.planner.flags import kv_flags, offload_flags, vllm_flags, warnings_for
 from offload.planner.plan import budgets_for, measurable_batches
 from offload.sizes import GIB, MIB
 
@@ -57,6 +57,10 @@ def test_the_plan_says_what_bound_it_and_its_flags_carry_the_budget(
     flags = offload_flags(plan)
     assert flags[flags.index("--cpu-memory-gb") + 1] == "0.25"
     assert flags[flags.index("--disk-io") + 1] == "direct"  # (never mapped beyond the budget)
+    # Two sequences' KV cache, as the run is told it (else it sets aside one sequence's).
+    kv = str(2 * smollm2_shape.kv_bytes(1, 1024))
+    assert plan.batch_size == 2 and kv_flags(plan) == ["--kv-cache-memory-bytes", kv]
+    assert vllm_flags(plan)[0][-2:] == ["--kv-cache-memory-bytes", kv]
     # The flags, as `offload generate` parses them, are the config the plan counted.
     args = build_parser().parse_args(["generate", *flags])
     assert OffloadConfig.from_cli_args(args) == plan.config
