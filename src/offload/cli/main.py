@@ -278,8 +278,9 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "--cpu-memory-gb",
         type=float,
         metavar="GIB",
-        help="host memory for weights kept off the device; the rest streams from disk "
-        "(default: the RAM available)",
+        help="host memory for weights kept off the device, the rest streaming from disk; on "
+        "a CPU the one RAM budget (layers kept, slots, KV cache, activations) that peak RSS "
+        "stays within, beside the fixed overhead plan states (default: the RAM available)",
     )
     plan.add_argument(
         "--remeasure", action="store_true", help="measure again instead of using the cache"
