@@ -17,7 +17,7 @@ from offload.cli.options import QUESTION
 from offload.config import OffloadConfig
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
-from offload.errors import ModelError
+from offload.errors import ConfigError, ModelError
 from offload.llm.auto import planner_for
 from offload.llm.llm import LLM
 from offload.llm.streaming import TextStream
@@ -28,7 +28,10 @@ from offload.model.configs import resolve
 from offload.model.quantized import check_quantization, stored_form
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
+from offload.planner.budget import describe_budget
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
+from offload.planner.overhead import fixed_overhead
+from offload.planner.shape import shape_of
 from offload.probes.host import process_memory_bytes
 from offload.sizes import GIB, compute_dtype, format_bytes, parameter_bytes
 
@@ -214,8 +217,20 @@ def _decode_mode(this_call) -> str:
     return "eager"  # (also while the compiled step was still being made in the background)
 
 
+def inspected_model(args: argparse.Namespace) -> str | None:
+    """The model `inspect` was given: `--model`, as every command takes it, or the
+    positional MODEL; both only where they name the same one."""
+    if args.path is not None and args.model is not None and args.path != args.model:
+        raise ConfigError(
+            f"the model is given twice, as MODEL {args.path!r} and --model {args.model!r}: "
+            f"give one of them"
+        )
+    return args.model if args.model is not None else args.path
+
+
 def inspect(args: argparse.Namespace) -> str:
-    path = model_path(args, resolve(args.path) if args.path else None, OffloadConfig())
+    name = inspected_model(args)
+    path = model_path(args, resolve(name) if name else None, OffloadConfig())
     model = build_empty(path, args.dtype, args.trust_remote_code)
     total = parameter_bytes(model)
     dtype = compute_dtype(model)
@@ -241,6 +256,7 @@ def inspect(args: argparse.Namespace) -> str:
         lines.append("  KV cache: none (no attention heads)")
     config = OffloadConfig.from_cli_args(args)
     device = check_device(args.device)
+    lines += _budget_lines(path, model, config, device, args)
     fits, config = _what_fits(path, model, config, device, args)
     lines.append(fits)
     if config.selected_backend == "none":
@@ -283,6 +299,20 @@ def inspect(args: argparse.Namespace) -> str:
                 f"({budget})"
             )
     return "\n".join(lines)
+
+
+def _budget_lines(
+    path: Path, model, config: OffloadConfig, device: torch.device, args
+) -> list[str]:
+    """On a CPU, the budget rule for this model: the fixed overhead and what a
+    `--cpu-memory-gb` budget holds (as `offload plan` counts it)."""
+    if device.type != "cpu" or args.device_memory_gb is not None:
+        return []  # (a device of its own, or an emulated one: budgets apart)
+    context_len = args.max_model_len or model_len_limit(model.config)
+    shape = shape_of(model, context_len)
+    ram_bytes = int(config.disk.cpu_memory_gb * GIB) if config.disk.is_active else None
+    overhead = fixed_overhead(model, path if path.is_dir() else None)
+    return [f"  {line}" for line in describe_budget(shape, overhead, ram_bytes, context_len)]
 
 
 def _what_fits(

@@ -200,12 +200,12 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
     inspect = commands.add_parser(
         "inspect", help="a model's layers and sizes, and what a config offloads"
     )
-    inspect.add_argument(
-        "path",
-        nargs="?",
-        help="a model folder (config.json is enough) or a shipped shape such as llama-3-8b "
-        "(default: SmolLM2-135M-Instruct)",
+    model_help = (
+        "a model folder (config.json is enough), a .gguf file or a shipped shape such as "
+        "llama-3-8b (default: SmolLM2-135M-Instruct)"
     )
+    inspect.add_argument("path", nargs="?", metavar="MODEL", help=f"{model_help}; or --model")
+    inspect.add_argument("--model", help=model_help)
     add_budget_flags(inspect)
     _model_run_flags(inspect, "positions the KV cache holds (default: the model's)")
 
@@ -281,8 +281,9 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "--cpu-memory-gb",
         type=float,
         metavar="GIB",
-        help="host memory for weights kept off the device; the rest streams from disk "
-        "(default: the RAM available)",
+        help="host memory for weights kept off the device, the rest streaming from disk; on "
+        "a CPU the one RAM budget (layers kept, slots, KV cache, activations) that peak RSS "
+        "stays within, beside the fixed overhead plan states (default: the RAM available)",
     )
     plan.add_argument(
         "--remeasure", action="store_true", help="measure again instead of using the cache"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from offload.llm.auto import plan_for
 from offload.planner.choose import Candidate
-from offload.planner.flags import offload_flags, vllm_flags, warnings_for
+from offload.planner.flags import kv_flags, offload_flags, vllm_flags, warnings_for
 from offload.planner.plan import Plan
 from offload.sizes import format_bytes
 
@@ -64,11 +64,10 @@ def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
         *(f"  {reason}" for reason in plan.reasons),
         f"chosen: {plan.chosen.label}, batch {plan.batch_size}",
         f"  {prediction(plan.chosen)}",
-        f"  memory: device {format_bytes(plan.chosen.device_bytes)}, host "
-        f"{format_bytes(plan.chosen.host_bytes)}",
+        f"  memory: {memory(plan)}",
         f"offload generate flags (with {plan.batch_size} "
         f"prompt{'s' if plan.batch_size != 1 else ''} a call):",
-        f"  {shlex.join([*model_flags, *offload_flags(plan)])}",
+        f"  {shlex.join([*model_flags, *offload_flags(plan), *_generate_kv_flags(plan)])}",
     ]
     flags, missing = vllm_flags(plan)
     lines.append("vllm serve flags" + (" (for what vLLM can express):" if missing else ":"))
@@ -81,6 +80,35 @@ def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
         lines += [f"  {c.label}, batch {c.batch_size}: {prediction(c)}" for c in plan.alternatives]
     lines.append(_measured_line(plan))
     return "\n".join(lines)
+
+
+def _generate_kv_flags(plan: Plan) -> list[str]:
+    """`kv_flags` where `offload generate` takes them (its parser has the flag)."""
+    flags = kv_flags(plan)
+    if flags and flags[0] not in _generate_flag_names():
+        return []
+    return flags
+
+
+def _generate_flag_names() -> set[str]:
+    from offload.cli.main import build_parser
+
+    generate = next(a.choices["generate"] for a in build_parser()._actions if a.dest == "command")
+    return set(generate._option_string_actions)
+
+
+def memory(plan: Plan) -> str:
+    """What the chosen candidate takes: on the device and in host memory, or of a CPU's
+    one budget, by kind, with the fixed overhead beside it."""
+    chosen, ram_bytes = plan.chosen, plan.budgets.ram_bytes
+    if chosen.ram is None or ram_bytes is None:
+        return f"device {format_bytes(chosen.device_bytes)}, host {format_bytes(chosen.host_bytes)}"
+    overhead = plan.overhead.total_bytes
+    return (
+        f"{format_bytes(chosen.ram.total_bytes)} of the {format_bytes(ram_bytes)} RAM budget "
+        f"({chosen.ram.describe()}) and the fixed overhead {format_bytes(overhead)}: peak RSS "
+        f"about {format_bytes(chosen.ram.total_bytes + overhead)}"
+    )
 
 
 def prediction(candidate: Candidate) -> str:
