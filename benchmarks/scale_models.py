@@ -11,9 +11,9 @@
 
 Weights are N(0, 0.02) as transformers initialises them (norms 1), so logits stay finite;
 each tensor has its own seeded generator, so a model is the same bytes on every machine.
-Memory stays bounded by one tensor: the GGUF's tensor infos are declared first and each
-tensor's blocks written as they are made; a safetensors shard's header is computed from
-the shapes alone and each tensor streamed into place after it. Each model is written into
+Memory stays bounded by a block of rows (16 MiB of float32): the GGUF's tensor infos are
+declared first and each tensor's blocks written as they are made; a safetensors shard's
+header is computed from the shapes alone and each tensor streamed into place after it. Each model is written into
 a staging folder renamed into place, with a `manifest.json` of its sizes: a folder with a
 manifest is complete and reused.
 """
@@ -24,6 +24,7 @@ import json
 import shutil
 import tempfile
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,7 @@ import torch
 
 SEED = 0
 STD = 0.02  # transformers' initializer_range
+CHUNK_VALUES = 2**22  # values made at once (16 MiB of float32): memory stays bounded
 SHARD_BYTES = 10**9  # not a multiple of a layer: layers span files, as in real checkpoints
 _COMMON = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
@@ -113,12 +115,17 @@ def tensor_specs(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
 
-def random_values(name: str, dims: tuple[int, ...]) -> torch.Tensor:
-    """float32 N(0, STD) (norms: ones), from a generator seeded by the name alone."""
+def random_chunks(name: str, dims: tuple[int, ...]) -> Iterator[torch.Tensor]:
+    """float32 N(0, STD) (norms: ones) a block of rows at a time (at most CHUNK_VALUES),
+    from a generator seeded by the name alone: the same values on every machine."""
     if name.endswith("norm.weight"):
-        return torch.ones(dims)
+        yield torch.ones(dims)
+        return
     generator = torch.Generator().manual_seed(SEED + zlib.crc32(name.encode()))
-    return torch.randn(dims, generator=generator) * STD
+    rows_per_chunk = max(1, CHUNK_VALUES // int(np.prod(dims[1:])))
+    for start in range(0, dims[0], rows_per_chunk):
+        rows = min(rows_per_chunk, dims[0] - start)
+        yield torch.randn((rows, *dims[1:]), generator=generator).mul_(STD)
 
 
 def _model_bytes(shape: dict, bytes_per_value: float) -> int:
@@ -137,14 +144,24 @@ def _gguf_name(name: str) -> str:
     return f"blk.{index}.{_LAYER[part.removesuffix('.weight')]}.weight"
 
 
-def _gguf_data(name: str, dims: tuple[int, ...]) -> np.ndarray:
-    """Matrices as Q4_0 blocks ([rows, row bytes] uint8), vectors as float32."""
-    import gguf
+class _Blocks:
+    """A tensor as `GGUFWriter.write_tensor_data` takes it (its `nbytes`, its `tofile`),
+    made as it is written: matrices quantized to Q4_0 a block of rows at a time (rows are
+    quantized independently: the same bytes as the whole matrix at once), vectors float32."""
 
-    values = random_values(name, dims).numpy()
-    if len(dims) == 1:
-        return values
-    return gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q4_0)
+    def __init__(self, name: str, dims: tuple[int, ...]):
+        self.name, self.dims = name, dims
+        values = int(np.prod(dims))
+        self.nbytes = values * 4 if len(dims) == 1 else values // 32 * 18
+
+    def tofile(self, out) -> None:
+        import gguf
+
+        for chunk in random_chunks(self.name, self.dims):
+            data = chunk.numpy()
+            if len(self.dims) > 1:
+                data = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q4_0)
+            data.tofile(out)
 
 
 def _write_gguf(folder: Path, shape: dict) -> list[Path]:
@@ -170,7 +187,7 @@ def _write_gguf(folder: Path, shape: dict) -> list[Path]:
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for name, dims in specs:
-        writer.write_tensor_data(_gguf_data(name, dims))
+        writer.write_tensor_data(_Blocks(name, dims))  # type: ignore[arg-type]
     writer.close()
     return [path]
 
@@ -248,8 +265,8 @@ def _write_shard(path: Path, shard: list[tuple[str, tuple[int, ...]]]) -> None:
     with path.open("wb") as out:
         out.write(len(text).to_bytes(8, "little") + text)
         for name, dims in ordered:
-            values = random_values(name, dims).to(torch.bfloat16)
-            out.write(values.view(torch.uint8).numpy().tobytes())
+            for chunk in random_chunks(name, dims):
+                out.write(chunk.to(torch.bfloat16).view(torch.uint8).numpy().data)
 
 
 def _copy_tokenizer_files(folder: Path) -> None:
