@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,7 +26,7 @@ from offload.model.configs import resolve
 from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import Budgets, candidates, fits_at_all
-from offload.planner.fit import checked_context_len, model_len_limit
+from offload.planner.fit import MemoryPlan, checked_context_len, model_len_limit, plan_memory
 from offload.planner.overhead import fixed_overhead
 from offload.planner.plan import (
     Plan,
@@ -45,6 +46,40 @@ def wants_plan(config: OffloadConfig) -> bool:
         config.uva.cpu_offload_gb == "auto"
         and config.offload_backend == "auto"
         and config.prefetch.offload_group_size == 0
+    )
+
+
+def planned_memory(
+    llm: Any,
+    path: Path,
+    empty: nn.Module,
+    config: OffloadConfig,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    device_memory_gb: float | None,
+) -> MemoryPlan:
+    """`plan_memory` for an `LLM` being made (its device and engine settings), with the
+    planner's choices first where it has a budget (`planner_for`)."""
+    return plan_memory(
+        empty,
+        config,
+        llm.device,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        device_memory_gb=device_memory_gb,
+        max_num_batched_tokens=llm.max_num_batched_tokens,
+        kv_offload=llm.kv_offload,
+        swap_space_bytes=llm.swap_space_bytes,
+        planned=planner_for(
+            path,
+            empty,
+            config,
+            llm.device,
+            gpu_memory_utilization=gpu_memory_utilization,
+            device_memory_gb=device_memory_gb,
+            kv_offload=llm.kv_offload,
+            trust_remote_code=llm.trust_remote_code,
+        ),
     )
 
 

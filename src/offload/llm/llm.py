@@ -30,7 +30,7 @@ from offload.llm.args import (
     own_argument_names,
     tokenizer_of,
 )
-from offload.llm.auto import planner_for
+from offload.llm.auto import planned_memory
 from offload.llm.budget import host_budget_of, kv_room_after
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
@@ -52,7 +52,6 @@ from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.model.tokenizer import eos_token_ids
 from offload.offloader.disk_placement import StackRoomError
-from offload.planner.fit import plan_memory
 from offload.planner.overhead import fixed_overhead
 
 
@@ -156,26 +155,8 @@ class LLM(DecodeLoop):
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         empty = build_empty(path, dtype, trust_remote_code)
         check_attention_model(empty)
-        plan = plan_memory(
-            empty,
-            config,
-            self.device,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            device_memory_gb=device_memory_gb,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_offload=self.kv_offload,
-            swap_space_bytes=self.swap_space_bytes,
-            planned=planner_for(
-                path,
-                empty,
-                config,
-                self.device,
-                gpu_memory_utilization=gpu_memory_utilization,
-                device_memory_gb=device_memory_gb,
-                kv_offload=self.kv_offload,
-                trust_remote_code=self.trust_remote_code,
-            ),
+        plan = planned_memory(
+            self, path, empty, config, max_model_len, gpu_memory_utilization, device_memory_gb
         )
         asked_gb = config.disk.cpu_memory_gb  # (a plan may keep fewer layers in RAM)
         self.max_model_len, self.memory_needs, config = plan.max_model_len, plan.needs, plan.config
