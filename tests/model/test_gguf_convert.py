@@ -20,7 +20,12 @@ from gguf_files import folder_tensors, write_llama_gguf
 
 from offload import LLM, SamplingParams
 from offload.errors import ModelError
-from offload.memory.safetensors import CheckpointError, checkpoint_tensors, read_header
+from offload.memory.safetensors import (
+    REFERENCES,
+    CheckpointError,
+    checkpoint_tensors,
+    read_header,
+)
 from offload.model import gguf_write, layout_choice
 from offload.model.default import gguf_path
 from offload.model.gguf_plan import forward_order, layout_entries
@@ -80,6 +85,8 @@ def test_the_tensors_are_the_dict_based_conversions(
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
     copied = read_header(folder / "model.safetensors")
+    # (Q8_0 on a CPU: every tensor laid out or beside them; a Q4_0 table stays in blocks)
+    assert (folder / REFERENCES).is_file() == (kind == "Q4_0")
     in_file_order = sorted(copied, key=lambda name: copied[name].offset)
     modules = [name.rsplit(".", 1)[0] for name in in_file_order]  # (a weight's tensors)
     assert modules == sorted(modules, key=lambda module: forward_order(f"{module}.weight"))

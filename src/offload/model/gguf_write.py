@@ -114,7 +114,8 @@ def write_planned(
                 bar(item.source.num_bytes)
     finally:
         os.close(descriptor)
-    write_references(out_dir, source, referenced)
+    if referenced:  # (else the folder holds all it needs: the .gguf may go)
+        write_references(out_dir, source, referenced)
 
 
 def _made(descriptor: int, item: Planned) -> dict[str, torch.Tensor]:
