@@ -73,6 +73,19 @@ def test_a_budget_below_the_minimum_is_one_line_naming_a_budget_that_fits(checkp
     assert stats.host_bytes + stats.device_staging_bytes <= budget.stack_bytes
 
 
+def test_layers_a_layout_leaves_resident_come_out_of_the_budget(checkpoint, expected):
+    """Every second layer offloaded: the other three stay resident, in RAM beside the rest."""
+    layout = dict(offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=2)
+    with LLM(checkpoint, max_model_len=MAX_LEN, cpu_memory_gb=0.5, **layout) as llm:
+        budget = llm.host_budget
+        tokens = llm.generate(["t3 t4 t5"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    layer_bytes = zoo.layer_param_bytes(zoo.build("llama", num_layers=6)) // 6
+    assert budget.resident_layer_bytes == 3 * layer_bytes
+    others = budget.kv_bytes + budget.activation_bytes + MARGIN_BYTES
+    assert budget.stack_bytes == budget.budget_bytes - others - 3 * layer_bytes
+    assert tokens == expected
+
+
 def test_the_servers_rows_come_out_of_the_budget(checkpoint, expected, caplog):
     """A budget that holds every layer and 2.5 rows of MAX_LEN positions beside them: two
     rows run at once (said in a logged line), each request getting its tokens alone."""

@@ -163,7 +163,7 @@ class LLM(DecodeLoop):
         self.offload_config = as_run(config)  # what runs: "auto" resolved, the planner's choice
         # On a CPU, cpu_memory_gb bounds the process (llm/budget.py), planned or not.
         budget_gb = asked_gb if config.disk.is_active else None
-        self.host_budget = host_budget_of(self, empty, budget_gb, device_memory_gb)
+        self.host_budget = host_budget_of(self, empty, config, budget_gb, device_memory_gb)
         self._load(
             path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
         )
