@@ -134,9 +134,6 @@ def test_a_cpu_budget_bounds_the_plan_what_it_measures_and_its_flags(tmp_path, m
     generate = build_parser().parse_args(["generate", *shlex.split(flags)])
     assert (generate.cpu_memory_gb, generate.max_model_len) == (0.1, 128)
     # Where `offload generate` takes the KV cache's size, a batch's is printed too.
-    from offload.cli import plan as planning
-
-    monkeypatch.setattr(planning, "_generate_flag_names", lambda: {"--kv-cache-memory-bytes"})
     plan = dataclasses.replace(plan, chosen=dataclasses.replace(plan.chosen, batch_size=2))
-    out = describe(plan, ["--model", str(model)])
+    out = describe(plan, ["--model", str(model)], {"--kv-cache-memory-bytes"})
     assert f"--kv-cache-memory-bytes {2 * 4 * 2**20}\n" in out  # 2 x 4 MiB at 128 positions

@@ -296,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command. As the program (`argv` None: sys.argv's), Ctrl-C is one line and status
     130; called from Python with `argv`, a KeyboardInterrupt goes on to the caller, whose
     Ctrl-C it is (as a status it was lost: a test run went on after it)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if argv is None:  # the program: a user reads the warning, not our source line
         warnings.formatwarning = _one_line
     try:
@@ -315,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "plan":
             from offload.cli.plan import run_plan
 
-            print(run_plan(args))
+            print(run_plan(args, parser._commands()["generate"]._option_string_actions))
         else:
             print(run.inspect(args))
         sys.stdout.flush()  # a closed pipe (`| head -1`) is met here, not at exit

@@ -7,7 +7,7 @@ import argparse
 import datetime
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from offload.llm.auto import plan_for
 from offload.planner.choose import Candidate
@@ -16,7 +16,9 @@ from offload.planner.plan import Plan
 from offload.sizes import format_bytes
 
 
-def run_plan(args: argparse.Namespace) -> str:
+def run_plan(args: argparse.Namespace, generate_flags: Collection[str] = ()) -> str:
+    """Plan, and the plan for people (`generate_flags`: the flags `offload generate`
+    takes, so that only those are printed)."""
     plan = plan_for(
         args.model,
         args.device,
@@ -32,7 +34,7 @@ def run_plan(args: argparse.Namespace) -> str:
         trust_remote_code=args.trust_remote_code,
         progress=_progress if sys.stderr.isatty() else None,  # (a terminal's: no log noise)
     )
-    return describe(plan, _model_flags(args))
+    return describe(plan, _model_flags(args), generate_flags)
 
 
 def _model_flags(args: argparse.Namespace) -> list[str]:
@@ -52,9 +54,14 @@ def _progress(part: str) -> None:
     print(f"offload plan: {part}...", file=sys.stderr, flush=True)
 
 
-def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
+def describe(
+    plan: Plan, model_flags: Sequence[str] = (), generate_flags: Collection[str] = ()
+) -> str:
     """The plan for people: what was weighed, the choice, the flags (`model_flags` first:
-    what was planned), the alternatives."""
+    what was planned; the KV cache's size where `generate_flags` has its flag), the
+    alternatives."""
+    kv = kv_flags(plan)
+    kv = kv if kv and kv[0] in generate_flags else []
     m = plan.measured.measurements
     # The form planned: a quantized model's weights as stored (computing in m.dtype).
     held = f"{plan.shape.stored}, computing in {m.dtype}" if plan.shape.stored else m.dtype
@@ -67,7 +74,7 @@ def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
         f"  memory: {memory(plan)}",
         f"offload generate flags (with {plan.batch_size} "
         f"prompt{'s' if plan.batch_size != 1 else ''} a call):",
-        f"  {shlex.join([*model_flags, *offload_flags(plan), *_generate_kv_flags(plan)])}",
+        f"  {shlex.join([*model_flags, *offload_flags(plan), *kv])}",
     ]
     flags, missing = vllm_flags(plan)
     lines.append("vllm serve flags" + (" (for what vLLM can express):" if missing else ":"))
@@ -80,21 +87,6 @@ def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
         lines += [f"  {c.label}, batch {c.batch_size}: {prediction(c)}" for c in plan.alternatives]
     lines.append(_measured_line(plan))
     return "\n".join(lines)
-
-
-def _generate_kv_flags(plan: Plan) -> list[str]:
-    """`kv_flags` where `offload generate` takes them (its parser has the flag)."""
-    flags = kv_flags(plan)
-    if flags and flags[0] not in _generate_flag_names():
-        return []
-    return flags
-
-
-def _generate_flag_names() -> set[str]:
-    from offload.cli.main import build_parser
-
-    generate = next(a.choices["generate"] for a in build_parser()._actions if a.dest == "command")
-    return set(generate._option_string_actions)
 
 
 def memory(plan: Plan) -> str:
