@@ -272,7 +272,7 @@ class LLM(DecodeLoop):
         """This LLM's continuous-batching engine (made on first use): requests submitted
         from any thread share each step (what `offload serve` runs). Each of its
         `max_num_seqs` rows reserves KV cache for `max_model_len` positions; where that
-        does not fit (at most 4 GiB on a CPU, half the free memory on a GPU), rows are
+        does not fit (`kv_cache_room`: on a CPU, what cpu_memory_gb leaves), rows are
         shorter (not with `fixed_length`), then fewer. With `engine_thread=False` the
         caller runs the engine's loop (`serving().engine.run()`), e.g. on the main thread."""
         check_not_forked(self._pid, "this LLM")
