@@ -73,6 +73,27 @@ def test_a_budget_below_the_minimum_is_one_line_naming_a_budget_that_fits(checkp
     assert stats.host_bytes + stats.device_staging_bytes <= budget.stack_bytes
 
 
+def test_a_default_context_too_long_for_the_budget_is_shortened_to_fit(checkpoint, caplog):
+    """With no max_model_len asked for, the default context shrinks (a power of two) to
+    leave the stack its room, said in a log line; one asked for is refused as it was."""
+    settings = dict(enforce_eager=True, **EVERY_LAYER, disk_io="direct")
+    with LLM(checkpoint, **settings) as whole:
+        default_len = whole.max_model_len
+    with pytest.raises(ModelError, match="cannot hold the minimum"):
+        LLM(checkpoint, cpu_memory_gb=0.01, max_model_len=MAX_LEN, **settings)
+    with pytest.raises(ModelError) as refused:
+        LLM(checkpoint, cpu_memory_gb=0.01, max_model_len=default_len, **settings)
+    fits = float(str(refused.value).split("; cpu_memory_gb=")[1].split()[0])
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        llm = LLM(checkpoint, cpu_memory_gb=fits - 0.01, **settings)
+    with llm:
+        assert MAX_LEN <= llm.max_model_len < default_len
+        assert llm.max_model_len & (llm.max_model_len - 1) == 0  # a power of two
+        assert llm.offloader.stats().disk.ram_bytes <= llm.host_budget.stack_bytes
+        assert llm.generate(["t3 t4 t5"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert f"max_model_len {default_len} does not fit cpu_memory_gb=" in caplog.text
+
+
 def test_layers_a_layout_leaves_resident_come_out_of_the_budget(checkpoint, expected):
     """Every second layer offloaded: the other three stay resident, in RAM beside the rest."""
     layout = dict(offload_group_size=2, offload_num_in_group=1, offload_prefetch_step=2)

@@ -8,6 +8,8 @@ leaves goes to the KV cache too (the server's rows), never RAM that is merely fr
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,8 @@ from offload.offloader.disk_placement import StackRoomError
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.fit import activation_bytes, kv_cache_bytes
 from offload.sizes import GIB, MIB, compute_dtype, parameter_bytes
+
+_logger = logging.getLogger("offload")
 
 MARGIN_BYTES = 64 * MIB  # allocator slack, small kernels' workspaces
 
@@ -106,3 +110,57 @@ def kv_room_after(budget: HostBudget | None, offloader: Any) -> int | None:
     if budget is None:
         return None
     return budget.kv_room(offloader.stats().disk.ram_bytes)
+
+
+MIN_FITTED_LEN = 256  # positions: the shortest context a budget is fitted down to
+
+
+def shorter_context(
+    empty: nn.Module, budget: HostBudget, error: StackRoomError, max_num_batched_tokens
+) -> int | None:
+    """The longest context (a power of two, at least `MIN_FITTED_LEN`) whose one sequence
+    of KV cache and activations leave the layer stack what `error` says it lacks; None
+    where the KV cache's share was given, or no such context is shorter."""
+    if budget.kv_given:
+        return None
+    short_bytes = error.need_bytes - error.room_bytes
+    dtype = compute_dtype(empty)
+    held = budget.kv_bytes + budget.activation_bytes
+    length = budget.max_model_len
+    while length > MIN_FITTED_LEN:
+        length = max(MIN_FITTED_LEN, 1 << ((length - 1).bit_length() - 1))
+        need = kv_cache_bytes(empty.config, length, dtype)
+        need += activation_bytes(empty.config, length, dtype, max_num_batched_tokens)
+        if held - need >= short_bytes:
+            return length
+    return None
+
+
+def load_fitted(
+    llm: Any,
+    load: Callable[[], None],
+    empty: nn.Module,
+    config: OffloadConfig,
+    budgets: tuple[float | None, float | None],
+    fit_len: bool,
+) -> None:
+    """`load()`; where the budget cannot hold the layer stack beside one sequence of the
+    default context (`fit_len`: no max_model_len was asked for), once more with the longest
+    context that leaves the stack its room (`shorter_context`), said in a log line.
+    `budgets`: cpu_memory_gb and device_memory_gb, as `host_budget_of` takes them."""
+    try:
+        load()
+    except ModelError as error:  # (`HostBudget.refused`, from the stack's own error)
+        cause, shorter = error.__cause__, None
+        if fit_len and isinstance(cause, StackRoomError) and llm.host_budget is not None:
+            shorter = shorter_context(empty, llm.host_budget, cause, llm.max_num_batched_tokens)
+        if shorter is None:
+            raise
+        _logger.warning(
+            "max_model_len %d does not fit cpu_memory_gb=%s beside the layer stack: %d "
+            "positions (set max_model_len to choose)",
+            llm.max_model_len, budgets[0], shorter,
+        )  # fmt: skip
+        llm.max_model_len = shorter
+        llm.host_budget = host_budget_of(llm, empty, config, *budgets)
+        load()

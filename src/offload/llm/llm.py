@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -31,7 +32,7 @@ from offload.llm.args import (
     tokenizer_of,
 )
 from offload.llm.auto import planned_memory
-from offload.llm.budget import host_budget_of, kv_room_after
+from offload.llm.budget import host_budget_of, kv_room_after, load_fitted
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
     check_llm_args,
@@ -164,9 +165,11 @@ class LLM(DecodeLoop):
         # On a CPU, cpu_memory_gb bounds the process (llm/budget.py), planned or not.
         budget_gb = asked_gb if config.disk.is_active else None
         self.host_budget = host_budget_of(self, empty, config, budget_gb, device_memory_gb)
-        self._load(
-            path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
+        load = functools.partial(
+            self._load, path, empty, config, tokenizer, dtype, load_format, progress
         )
+        fit = max_model_len is None  # (the default context may shrink to fit the budget)
+        load_fitted(self, load, empty, config, (budget_gb, device_memory_gb), fit)
         # CUDA graphs for decode unless enforce_eager, as vLLM; copies from unpinned memory,
         # per-forward copies or disk reads (queued by a staging thread) cannot be captured.
         uncapturable = config.disable_pin_memory or config.disable_uva or config.disk.is_active
@@ -182,7 +185,6 @@ class LLM(DecodeLoop):
         empty: torch.nn.Module,
         config: OffloadConfig,
         tokenizer: str | Path | None,
-        *,
         dtype: str | torch.dtype,
         load_format: str,
         progress: bool | None,
@@ -208,7 +210,7 @@ class LLM(DecodeLoop):
                 stack_budget_bytes=budget.stack_bytes if budget is not None else None,
             )
         except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
-            raise budget.refused(error) from None
+            raise budget.refused(error) from error  # (LLM may fit a shorter context)
         self._kv_room_bytes = kv_room_after(budget, self.offloader)  # (generate's batches)
         self._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
         self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
