@@ -32,8 +32,9 @@ def disk_gb_per_s(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> float:
     """Reads around the page cache by the disk tier's reader on `threads` I/O threads (each
-    request `chunk_bytes`), two in flight, up to `max_bytes`: `reads` in their order (each
-    one layer's extents, see `layer_reads`), else `files` sequentially; GB/s. With
+    read split into a request per thread, at least `chunk_bytes`), two in flight, up to
+    `max_bytes`: `reads` in their order (each one layer's extents, see `layer_reads`),
+    else `files` sequentially; GB/s. With
     `computing`, matrix products run on the compute threads meanwhile, as a layer's compute
     does beside the tier's reads (on a CPU they take the cores the reads need)."""
     reads = _capped(reads, max_bytes) if reads else list(_pieces(files, max_bytes))
