@@ -5,7 +5,13 @@ for the scripts."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# The scripts time compiled CPU steps in their steady state: a step's first call waits for
+# its compile (or load) instead of decoding eagerly beside it (the default, issue 47), and
+# a server they start waits for its steps before it listens. `scale.py` measures the default.
+os.environ.setdefault("OFFLOAD_CPU_COMPILE", "wait")
 
 import torch
 

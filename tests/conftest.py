@@ -87,6 +87,8 @@ _LONG_FIRST = (
     "server/test_load.py",
     "bench/test_run.py",
     "engine/test_cpu_step.py",
+    "engine/test_cpu_step_halves.py",
+    "engine/test_step_jobs.py",
 )  # fmt: skip  (those needing no default model first: it is still converting then)
 
 
@@ -98,7 +100,8 @@ _SLOW = (
     "test_fault_injection_disk.py", "cli/test_cli.py", "model/test_loader.py",
     "server/test_load.py", "model/test_untrusted.py", "offloader/test_disk_tier.py",
     "planner/test_fit.py", "server/test_openai_server.py", "llm/test_dropped.py",
-    "model/test_default_model.py", "engine/test_cpu_step.py",
+    "model/test_default_model.py", "engine/test_cpu_step.py", "engine/test_step_jobs.py",
+    "engine/test_cpu_step_halves.py",
 )  # fmt: skip
 
 

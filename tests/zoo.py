@@ -274,16 +274,17 @@ def save_tiny_llm(path, num_layers: int = 24):
     return save_with_tokenizer(build("llama", num_layers=num_layers), path)
 
 
-def save_attentive_llm(path, num_layers: int = 6):
+def save_attentive_llm(path, num_layers: int = 6, dtype: torch.dtype = torch.float32):
     """A tiny Llama whose attention really depends on the keys (its query and key
     projections scaled up: at the zoo's small init every score is ~0 and attention is
-    uniform, so a lost or misplaced key would go unseen), with a word tokenizer."""
+    uniform, so a lost or misplaced key would go unseen), with a word tokenizer; its
+    weights stored in `dtype` (its config's `dtype`, which `dtype="auto"` runs in)."""
     model = build("llama", num_layers=num_layers)
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.q_proj.weight.mul_(8.0)
             layer.self_attn.k_proj.weight.mul_(8.0)
-    return save_with_tokenizer(model, path)
+    return save_with_tokenizer(model.to(dtype), path)
 
 
 def save_cut_gguf(source, path, layers: int = 6):

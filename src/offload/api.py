@@ -82,15 +82,24 @@ def prepare(
     checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
     copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
     read_hooks: ReadHooks | None = None,
+    stack_budget_bytes: int | None = None,
 ) -> BaseOffloader:
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
     device memory, and a loader then reads the checkpoint into them. If anything fails,
     what was done is undone: the model is left as it was. `copy_engine_factory`: as for
     `apply` (a hook for tests and custom engines); `read_hooks`: the disk tier's switches
-    for tests."""
+    for tests; `stack_budget_bytes`: all the RAM the disk tier's layer stack may take
+    (a process budget, see `create_offloader`)."""
     offloader, blocks = _offloader_for(
-        model, config, device, layers, checkpoint, copy_engine_factory, read_hooks
+        model,
+        config,
+        device,
+        layers,
+        checkpoint,
+        copy_engine_factory,
+        read_hooks,
+        stack_budget_bytes,
     )
     try:
         offloader.wrap_modules(iter(blocks), deferred=deferred)
@@ -144,6 +153,7 @@ def _offloader_for(
     checkpoint: str | Path | Mapping[str, TensorRange] | None = None,
     copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
     read_hooks: ReadHooks | None = None,
+    stack_budget_bytes: int | None = None,
 ) -> tuple[BaseOffloader, list[nn.Module]]:
     """The offloader `config` selects, told the model's names and what must stay
     resident, and the layers it is to wrap."""
@@ -162,6 +172,7 @@ def _offloader_for(
         checkpoint=ranges,
         copy_engine_factory=copy_engine_factory,
         read_hooks=read_hooks,
+        stack_budget_bytes=stack_budget_bytes,
     )
     offloader.ledger.name_modules(model)
     offloader.ledger.keep_resident(_params_outside(model, blocks))

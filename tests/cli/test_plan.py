@@ -1,6 +1,7 @@
 """`offload plan`: a plan for a tiny model, measured once and then read from the cache; bad
 input is one line on stderr, exit status 2, and measures nothing."""
 
+import dataclasses
 import shlex
 
 import pytest
@@ -97,3 +98,42 @@ def test_a_missing_model_is_one_line(tmp_path, capsys):
     assert main(["plan", "--model", str(tmp_path / "nothing")]) == 2
     (line,) = capsys.readouterr().err.splitlines()
     assert line.startswith("offload: error: ") and "nothing" in line
+
+
+def test_a_cpu_budget_bounds_the_plan_what_it_measures_and_its_flags(tmp_path, monkeypatch):
+    """16 layers of 4.2 MiB (float32) against 0.1 GiB of RAM: not resident (the stack and
+    the slack alone pass it), layers read from disk, only the batches whose KV cache the
+    budget holds measured, and flags that carry the budget."""
+    import json
+
+    from small_probes import SMALL_PROBES
+
+    from offload.cli.plan import describe
+    from offload.llm.auto import plan_for
+
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    shape = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=256, max_position_embeddings=256,
+    ).to_dict()  # fmt: skip
+    shape.pop("dtype", None)
+    shape.pop("torch_dtype", None)
+    model = tmp_path / "model"
+    write_random_checkpoint(model, shape, max_shard_bytes=2**24)
+    plan = plan_for(
+        model, "cpu", context_len=128, max_batch=8, cpu_memory_gb=0.1, settings=SMALL_PROBES
+    )
+    # 4 MiB of KV cache a sequence: batch 8 does not fit beside the slots and the slack.
+    measured = json.loads(plan.measured.path.read_text())
+    assert measured["batch_sizes"] == [1, 2, 4]
+    assert plan.chosen.layout.offloaded_bytes and plan.chosen.ram.total_bytes <= 0.1 * 2**30
+    out = describe(plan, ["--model", str(model), "--device", "cpu"])
+    assert "chosen: resident" not in out and "of the 102.4 MiB RAM budget (" in out
+    flags = out.split("offload generate flags", 1)[1].splitlines()[1]
+    assert "--cpu-memory-gb 0.1 --disk-io direct" in flags
+    generate = build_parser().parse_args(["generate", *shlex.split(flags)])
+    assert (generate.cpu_memory_gb, generate.max_model_len) == (0.1, 128)
+    # Where `offload generate` takes the KV cache's size, a batch's is printed too.
+    plan = dataclasses.replace(plan, chosen=dataclasses.replace(plan.chosen, batch_size=2))
+    out = describe(plan, ["--model", str(model)], {"--kv-cache-memory-bytes"})
+    assert f"--kv-cache-memory-bytes {2 * 4 * 2**20}\n" in out  # 2 x 4 MiB at 128 positions

@@ -183,10 +183,15 @@ def test_the_cut_models_stay_within_the_bytes_they_may_take(tmp_path):
     shape = shape_of(build_empty(path, "auto"), 16)
     size, outside = shape.layer_bytes[shape.timed_layer], shape.outside_bytes
     assert _extra_layers(shape, 2, None) == 6  # 2 layers timed against 8
-    # Room for the two models of 2 layers and two and a half more: 2 against 4.
-    assert _extra_layers(shape, 2, 2 * outside + 4 * size + 5 * size // 2) == 2
+    # Room for the longer model (the shorter shares its weights): the 2 layers of the
+    # shorter and two and a half more: 2 against 4.
+    assert _extra_layers(shape, 2, outside + 4 * size + size // 2) == 2
+    # And for both models' KV caches, `cache` a layer: the shorter's layers in both.
+    cache = size // 4
+    room = outside + 2 * (size + 2 * cache) + 5 * (size + cache) // 2
+    assert _extra_layers(shape, 2, room, cache) == 2
     with pytest.raises(ModelError, match="more than the"):
-        _extra_layers(shape, 2, 2 * outside + 4 * size)
+        _extra_layers(shape, 2, outside + 3 * size - 1)
 
 
 def test_on_a_gpu_the_probes_copy_within_the_device_budget():

@@ -17,7 +17,7 @@ from offload.cli.options import QUESTION
 from offload.config import OffloadConfig
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
-from offload.errors import ModelError
+from offload.errors import ConfigError, ModelError
 from offload.llm.auto import planner_for
 from offload.llm.llm import LLM
 from offload.llm.streaming import TextStream
@@ -28,8 +28,12 @@ from offload.model.configs import resolve
 from offload.model.quantized import check_quantization, stored_form
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
+from offload.planner.budget import describe_budget
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
-from offload.sizes import compute_dtype, format_bytes, parameter_bytes
+from offload.planner.overhead import fixed_overhead
+from offload.planner.shape import shape_of
+from offload.probes.host import process_memory_bytes
+from offload.sizes import GIB, compute_dtype, format_bytes, parameter_bytes
 
 # The `generate` flags that are SamplingParams fields of the same name.
 _SAMPLING_FLAGS = (
@@ -91,6 +95,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         config,
         progress=show_progress,
         swap_space=args.swap_space,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_offload=args.kv_offload,
         enforce_eager=args.enforce_eager,
     )
@@ -116,6 +121,8 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         for number, (prompt, output) in enumerate(zip(prompts, outputs, strict=True), 1):
             out.write(f"--- prompt {number}: {_short(prompt)}\n{output.outputs[0].text}\n")
     out.write(_figures(llm, outputs, before, seconds) + "\n")
+    out.flush()
+    llm.wait_for_compiles()  # (a step still compiling: kept for the next run)
 
 
 def bench(args: argparse.Namespace, out: TextIO | None = None) -> None:
@@ -185,8 +192,20 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
         f"{tokens / seconds:.1f} tok/s; "
         f"offloaded {format_bytes(llm.offloader.offloaded_bytes)} "
         f"({type(llm.offloader).__name__}); "
-        f"{moved}; stall {stall * 1e3:.0f} ms; "
+        f"{moved}; stall {stall * 1e3:.0f} ms; {_memory(llm)}; "
         f"decode {_decode_mode(this_call)}{trusted}]"
+    )
+
+
+def _memory(llm: LLM) -> str:
+    """The peak RSS so far beside what the budget rule allows it: cpu_memory_gb (on a
+    CPU) plus the fixed overhead, which is stated either way (docs/guide.md, "Memory")."""
+    peak_bytes = process_memory_bytes().get("peak_rss_bytes", 0)
+    budget = llm.host_budget
+    within = f"budget {budget.budget_bytes / GIB:.2f} GiB + " if budget is not None else ""
+    return (
+        f"peak RSS {peak_bytes / GIB:.2f} GiB ({within}fixed overhead "
+        f"{llm.fixed_overhead.describe()})"
     )
 
 
@@ -195,11 +214,23 @@ def _decode_mode(this_call) -> str:
         return f"in CUDA graphs ({this_call.num_graph_replays} replays)"
     if this_call.num_compiled_steps:
         return f"compiled ({this_call.num_compiled_steps} steps)"
-    return "eager"
+    return "eager"  # (also while the compiled step was still being made in the background)
+
+
+def inspected_model(args: argparse.Namespace) -> str | None:
+    """The model `inspect` was given: `--model`, as every command takes it, or the
+    positional MODEL; both only where they name the same one."""
+    if args.path is not None and args.model is not None and args.path != args.model:
+        raise ConfigError(
+            f"the model is given twice, as MODEL {args.path!r} and --model {args.model!r}: "
+            f"give one of them"
+        )
+    return args.model if args.model is not None else args.path
 
 
 def inspect(args: argparse.Namespace) -> str:
-    path = model_path(args, resolve(args.path) if args.path else None, OffloadConfig())
+    name = inspected_model(args)
+    path = model_path(args, resolve(name) if name else None, OffloadConfig())
     model = build_empty(path, args.dtype, args.trust_remote_code)
     total = parameter_bytes(model)
     dtype = compute_dtype(model)
@@ -225,6 +256,7 @@ def inspect(args: argparse.Namespace) -> str:
         lines.append("  KV cache: none (no attention heads)")
     config = OffloadConfig.from_cli_args(args)
     device = check_device(args.device)
+    lines += _budget_lines(path, model, config, device, args)
     fits, config = _what_fits(path, model, config, device, args)
     lines.append(fits)
     if config.selected_backend == "none":
@@ -267,6 +299,20 @@ def inspect(args: argparse.Namespace) -> str:
                 f"({budget})"
             )
     return "\n".join(lines)
+
+
+def _budget_lines(
+    path: Path, model, config: OffloadConfig, device: torch.device, args
+) -> list[str]:
+    """On a CPU, the budget rule for this model: the fixed overhead and what a
+    `--cpu-memory-gb` budget holds (as `offload plan` counts it)."""
+    if device.type != "cpu" or args.device_memory_gb is not None:
+        return []  # (a device of its own, or an emulated one: budgets apart)
+    context_len = args.max_model_len or model_len_limit(model.config)
+    shape = shape_of(model, context_len)
+    ram_bytes = int(config.disk.cpu_memory_gb * GIB) if config.disk.is_active else None
+    overhead = fixed_overhead(model, path if path.is_dir() else None)
+    return [f"  {line}" for line in describe_budget(shape, overhead, ram_bytes, context_len)]
 
 
 def _what_fits(

@@ -16,6 +16,7 @@ from offload.cli.options import (
     SAMPLING_FLAGS,
     add_budget_flags,
     add_device_flags,
+    add_kv_memory_flag,
     add_weight_flags,
     package_version,
 )
@@ -101,6 +102,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
         "serve", help="an OpenAI-compatible server (continuous batching, offloaded weights)"
     )
     add_serve_flags(serve)
+    add_kv_memory_flag(serve)
     add_budget_flags(serve)
     add_device_flags(serve)
     add_cli_args(serve)
@@ -174,6 +176,7 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="GiB of host memory for the KV cache (> 0 keeps the KV cache in host memory)",
     )
+    add_kv_memory_flag(parser)
     parser.add_argument(
         "--kv-offload", action="store_true", help="keep the KV cache in host memory"
     )
@@ -197,12 +200,12 @@ def _add_inspect(commands: argparse._SubParsersAction) -> None:
     inspect = commands.add_parser(
         "inspect", help="a model's layers and sizes, and what a config offloads"
     )
-    inspect.add_argument(
-        "path",
-        nargs="?",
-        help="a model folder (config.json is enough) or a shipped shape such as llama-3-8b "
-        "(default: SmolLM2-135M-Instruct)",
+    model_help = (
+        "a model folder (config.json is enough), a .gguf file or a shipped shape such as "
+        "llama-3-8b (default: SmolLM2-135M-Instruct)"
     )
+    inspect.add_argument("path", nargs="?", metavar="MODEL", help=f"{model_help}; or --model")
+    inspect.add_argument("--model", help=model_help)
     add_budget_flags(inspect)
     _model_run_flags(inspect, "positions the KV cache holds (default: the model's)")
 
@@ -278,8 +281,9 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "--cpu-memory-gb",
         type=float,
         metavar="GIB",
-        help="host memory for weights kept off the device; the rest streams from disk "
-        "(default: the RAM available)",
+        help="host memory for weights kept off the device, the rest streaming from disk; on "
+        "a CPU the one RAM budget (layers kept, slots, KV cache, activations) that peak RSS "
+        "stays within, beside the fixed overhead plan states (default: the RAM available)",
     )
     plan.add_argument(
         "--remeasure", action="store_true", help="measure again instead of using the cache"
@@ -292,7 +296,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command. As the program (`argv` None: sys.argv's), Ctrl-C is one line and status
     130; called from Python with `argv`, a KeyboardInterrupt goes on to the caller, whose
     Ctrl-C it is (as a status it was lost: a test run went on after it)."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if argv is None:  # the program: a user reads the warning, not our source line
         warnings.formatwarning = _one_line
     try:
@@ -311,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "plan":
             from offload.cli.plan import run_plan
 
-            print(run_plan(args))
+            print(run_plan(args, parser._commands()["generate"]._option_string_actions))
         else:
             print(run.inspect(args))
         sys.stdout.flush()  # a closed pipe (`| head -1`) is met here, not at exit

@@ -63,6 +63,16 @@ def add_budget_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_kv_memory_flag(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --kv-cache-memory-bytes: the KV cache's size, given (generate, serve)."""
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        help="bytes of KV cache (on a CPU with --cpu-memory-gb, its share of the budget; "
+        "default: what the budget leaves, or the free memory there is)",
+    )
+
+
 def add_weight_flags(parser: argparse.ArgumentParser, quantization_help: str) -> None:
     """-q/--quantization (its help per command) and --dtype."""
     parser.add_argument("-q", "--quantization", help=quantization_help)

@@ -7,16 +7,18 @@ import argparse
 import datetime
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from offload.llm.auto import plan_for
 from offload.planner.choose import Candidate
-from offload.planner.flags import offload_flags, vllm_flags, warnings_for
+from offload.planner.flags import kv_flags, offload_flags, vllm_flags, warnings_for
 from offload.planner.plan import Plan
 from offload.sizes import format_bytes
 
 
-def run_plan(args: argparse.Namespace) -> str:
+def run_plan(args: argparse.Namespace, generate_flags: Collection[str] = ()) -> str:
+    """Plan, and the plan for people (`generate_flags`: the flags `offload generate`
+    takes, so that only those are printed)."""
     plan = plan_for(
         args.model,
         args.device,
@@ -32,7 +34,7 @@ def run_plan(args: argparse.Namespace) -> str:
         trust_remote_code=args.trust_remote_code,
         progress=_progress if sys.stderr.isatty() else None,  # (a terminal's: no log noise)
     )
-    return describe(plan, _model_flags(args))
+    return describe(plan, _model_flags(args), generate_flags)
 
 
 def _model_flags(args: argparse.Namespace) -> list[str]:
@@ -52,9 +54,14 @@ def _progress(part: str) -> None:
     print(f"offload plan: {part}...", file=sys.stderr, flush=True)
 
 
-def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
+def describe(
+    plan: Plan, model_flags: Sequence[str] = (), generate_flags: Collection[str] = ()
+) -> str:
     """The plan for people: what was weighed, the choice, the flags (`model_flags` first:
-    what was planned), the alternatives."""
+    what was planned; the KV cache's size where `generate_flags` has its flag), the
+    alternatives."""
+    kv = kv_flags(plan)
+    kv = kv if kv and kv[0] in generate_flags else []
     m = plan.measured.measurements
     # The form planned: a quantized model's weights as stored (computing in m.dtype).
     held = f"{plan.shape.stored}, computing in {m.dtype}" if plan.shape.stored else m.dtype
@@ -64,11 +71,10 @@ def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
         *(f"  {reason}" for reason in plan.reasons),
         f"chosen: {plan.chosen.label}, batch {plan.batch_size}",
         f"  {prediction(plan.chosen)}",
-        f"  memory: device {format_bytes(plan.chosen.device_bytes)}, host "
-        f"{format_bytes(plan.chosen.host_bytes)}",
+        f"  memory: {memory(plan)}",
         f"offload generate flags (with {plan.batch_size} "
         f"prompt{'s' if plan.batch_size != 1 else ''} a call):",
-        f"  {shlex.join([*model_flags, *offload_flags(plan)])}",
+        f"  {shlex.join([*model_flags, *offload_flags(plan), *kv])}",
     ]
     flags, missing = vllm_flags(plan)
     lines.append("vllm serve flags" + (" (for what vLLM can express):" if missing else ":"))
@@ -81,6 +87,20 @@ def describe(plan: Plan, model_flags: Sequence[str] = ()) -> str:
         lines += [f"  {c.label}, batch {c.batch_size}: {prediction(c)}" for c in plan.alternatives]
     lines.append(_measured_line(plan))
     return "\n".join(lines)
+
+
+def memory(plan: Plan) -> str:
+    """What the chosen candidate takes: on the device and in host memory, or of a CPU's
+    one budget, by kind, with the fixed overhead beside it."""
+    chosen, ram_bytes = plan.chosen, plan.budgets.ram_bytes
+    if chosen.ram is None or ram_bytes is None:
+        return f"device {format_bytes(chosen.device_bytes)}, host {format_bytes(chosen.host_bytes)}"
+    overhead = plan.overhead.total_bytes
+    return (
+        f"{format_bytes(chosen.ram.total_bytes)} of the {format_bytes(ram_bytes)} RAM budget "
+        f"({chosen.ram.describe()}) and the fixed overhead {format_bytes(overhead)}: peak RSS "
+        f"about {format_bytes(chosen.ram.total_bytes + overhead)}"
+    )
 
 
 def prediction(candidate: Candidate) -> str:

@@ -132,6 +132,7 @@ def serve_llm(args: argparse.Namespace, path, config: OffloadConfig, progress: b
         path,
         config,
         max_num_seqs=args.max_num_seqs,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         progress=progress,
         enforce_eager=args.enforce_eager,
     )

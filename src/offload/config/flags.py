@@ -114,7 +114,7 @@ _FLAGS: tuple[tuple[str, str, dict[str, Any]], ...] = (
         {
             "type": float,
             "metavar": "GIB",
-            "help": "disk tier (ours): GiB of host memory for offloaded layers; the rest stream from the checkpoint's files (0: all; default: no disk tier)",
+            "help": "disk tier (ours): GiB of host memory for offloaded layers; the rest stream from the checkpoint's files (0: all; default: no disk tier). On a CPU, the whole process's budget beyond a fixed overhead: layers, KV cache, activations (docs/guide.md, Memory)",
         },
     ),
     (

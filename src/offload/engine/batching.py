@@ -244,14 +244,13 @@ class BatchingEngine:
         # (its inputs made in inference mode, as the warm-up's: a compiled step's guards
         # check each input's dispatch keys, and a step made outside it missed the graph)
         step = self._row_step(rows)
-        compiled = self._runner.compiled
+        compiled, logits, counted = self._runner.compiled, None, False
         if compiled is not None and step.compiled and compiled.usable(step):
-            logits = compiled(step)
-            counted = compiled.usable(step)  # (known after its first call)
-        else:
+            logits = compiled(step)  # (None while it compiles in the background)
+            counted = logits is not None and compiled.usable(step)  # (known after a call)
+        if logits is None:
             with kernels_for(self._runner.model, self._runner.device):
                 logits = step()
-            counted = False
         logits = logits[: len(rows)]  # (less the padding rows)
         self._runner.on_forward(counted)
         for row in rows:
@@ -284,9 +283,10 @@ class BatchingEngine:
         return RowStep(model, self._cache, input_ids, mask, positions, columns, compiled)
 
     def warm_up(self) -> None:
-        """Compile (or load from disk) the compiled decode steps now, a lone row's and the
-        batches', with padding rows only, before a request waits on them (`offload serve`
-        does, before it listens)."""
+        """Start the compiled decode steps (a lone row's and the batches', with padding
+        rows only) now, before a request meets them (`offload serve` does, before it
+        listens): loaded or compiled in the background (steps run eagerly until then), or
+        here where they compile in the foreground (`OFFLOAD_CPU_COMPILE=wait`)."""
         if self._runner.compiled is None:
             return
         with self._runner.lock, torch.inference_mode():

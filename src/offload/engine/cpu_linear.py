@@ -20,6 +20,7 @@ same), only on the weight's row length.
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 
 import torch
@@ -87,6 +88,56 @@ def _weight_times_fake(weight: torch.Tensor, columns: torch.Tensor) -> torch.Ten
 # One opaque op in a compiled step: the weight's address is known only when it runs.
 WEIGHT_TIMES = define_op(
     "weight_times", "(Tensor weight, Tensor columns) -> Tensor", weight_times, _weight_times_fake
+)
+
+
+def halves_times_weight(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`F.linear(rows, weight)` ([rows, in] x [out, in] -> [rows, out]) of bfloat16 or
+    float16, for a compiled step's 2 to `MAX_ROWS` rows: oneDNN's kernel on the weight as
+    stored where the CPU has one for the dtype (`native_halves`: AVX-512 for bf16), else
+    `UPCAST_SLICE_ROWS` weight rows at a time widened to float32 for MKL (ATen's own
+    reduced-precision product is slow past a few rows: AVX2, 5632x2048, rows 8 / 32 / 64:
+    2.5 / 0.6 / 0.3 GB/s of weight a thread, a slice at a time 3.3 / 1.4 / 1.0; 2 rows
+    8.9 against 5.9, so below `UPCAST_MIN_ROWS` ATen's is kept). A weight off an
+    `ALIGNMENT` boundary is copied first, as in `weight_times`."""
+    if weight.data_ptr() % ALIGNMENT:
+        weight = torch.empty_like(weight, memory_format=torch.contiguous_format).copy_(weight)
+    if native_halves(weight.dtype) or rows.shape[0] < UPCAST_MIN_ROWS:
+        return F.linear(rows, weight)
+    columns = rows.float().t()  # [in, rows], each row's values together (`weight_times`)
+    sums = torch.empty(weight.shape[0], rows.shape[0])  # [out, rows]
+    for start in range(0, weight.shape[0], UPCAST_SLICE_ROWS):
+        end = start + UPCAST_SLICE_ROWS
+        torch.mm(weight[start:end].float(), columns, out=sums[start:end])
+    return rows.new_empty(rows.shape[0], weight.shape[0]).copy_(sums.t())
+
+
+UPCAST_SLICE_ROWS = 256  # (4 MB of float32 at 2048 inputs; 64 and 128 were slower)
+UPCAST_MIN_ROWS = 4
+
+
+@functools.cache
+def native_halves(dtype: torch.dtype) -> bool:
+    """Whether `F.linear` of `dtype` (bfloat16, float16) runs oneDNN's kernel on this CPU
+    (measured, AVX-512 with BF16, bf16 5632x2048 per thread: 2 to 16 rows 8-10 GB/s of
+    weight, where `weight @ x.T` ran at 5)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+def _halves_times_weight_fake(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], weight.shape[0]))
+
+
+# One opaque op in a compiled step, as `WEIGHT_TIMES`.
+HALVES_TIMES_WEIGHT = define_op(
+    "halves_times_weight",
+    "(Tensor rows, Tensor weight) -> Tensor",
+    halves_times_weight,
+    _halves_times_weight_fake,
 )
 
 

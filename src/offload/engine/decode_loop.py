@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from offload.engine import cpu_linear, cpu_step
+from offload.engine.compiled_step import CompiledCpuStep
 from offload.engine.cpu_linear import kernels_for
-from offload.engine.cpu_step import CompiledCpuStep, cache_length
+from offload.engine.cpu_step import cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
 from offload.engine.kv_shape import check_host_kv, kv_shape_of
@@ -56,6 +57,7 @@ class DecodeLoop:
     _kv_dims: tuple | None
     _use_graphs: bool
     _compile_cpu: bool  # a compiled decode step on a CPU where it pays (not enforce_eager)
+    _kv_room_bytes: int | None  # a budget's room for the KV cache (on a CPU), None: no bound
     _cpu_step: CompiledCpuStep | None  # made on first use
     _moved: TransferStats
     _forwards: int
@@ -70,12 +72,32 @@ class DecodeLoop:
         sequences = self._sequences(ids, params)
         if sequences:
             progress = RequestProgress(sequences, use_tqdm)
-            try:  # at most max_num_seqs sequences in one batch, as vLLM schedules them
-                for start in range(0, len(sequences), self.max_num_seqs):
-                    self._decode(sequences[start : start + self.max_num_seqs], progress)
+            try:
+                for batch in self._batches(sequences):
+                    self._decode(batch, progress)
             finally:
                 progress.close()
         return _outputs(prompts, ids, params, sequences)
+
+    def _batches(self, sequences: list[SequenceState]):
+        """Consecutive batches of at most max_num_seqs sequences, as vLLM schedules them,
+        and no more than a budget's KV room holds (one sequence always fits: the budget
+        set one aside, of max_model_len positions)."""
+        start = 0
+        while start < len(sequences):
+            count = min(self.max_num_seqs, len(sequences) - start)
+            while count > 1 and not self._kv_fits(sequences[start : start + count]):
+                count -= 1
+            yield sequences[start : start + count]
+            start += count
+
+    def _kv_fits(self, sequences: list[SequenceState]) -> bool:
+        if self._kv_room_bytes is None:
+            return True
+        # (a compiled step's cache is rounded up: counted so, whether it compiles or not)
+        length = cache_length(Batch.length_of(sequences), self.max_model_len)
+        shape = kv_shape_of(self.model.config, len(sequences), length, compute_dtype(self.model))
+        return shape.layer_bytes * self.model.config.num_hidden_layers <= self._kv_room_bytes
 
     def _sequences(self, ids: list[list[int]], params: list[SamplingParams]) -> list[SequenceState]:
         """`n` sequences per prompt, in order; a request's sequences share its generator."""
@@ -262,21 +284,26 @@ class DecodeLoop:
             done = all(s.finish_reason is not None for s in sequences)
             done = done or position + 1 >= batch.length
             # A stream waits for a step about to compile: its lines would cut the text.
-            if self._on_step is not None and (done or compiled is None or compiled.ready(step)):
+            if self._on_step is not None and (
+                done or compiled is None or not compiled.blocks(step)
+            ):
                 self._on_step(sequences)
             if done:
                 return graphs
             step.prepare(tokens, position)
             if graphs is None and self._use_graphs and position > batch.width:
                 graphs = DecodeGraphs(step, self.offloader, cache.kv_offloader)
+            logits = None
             if graphs is not None:
                 logits = graphs.run(position + 1)
             elif compiled is not None and compiled.usable(step):
                 # (the same step object all loop long, its weights staying put: the
-                # kept step's guards are checked at its first call only)
+                # kept step's guards are checked at its first call only); None while
+                # it compiles in the background
                 logits = compiled(step, in_place)
-                self._compiled_steps += compiled.usable(step)  # (known after its first call)
-            else:
+                if logits is not None:  # (whether it counts is known after its first call)
+                    self._compiled_steps += compiled.usable(step)
+            if logits is None:
                 with self._step_kernels():
                     logits = step()
             self._forwards += 1

@@ -15,7 +15,7 @@ from offload.engine.sequences import RequestOutput, SequenceState, completion_of
 from offload.engine.tokens import TokenSteps
 
 if TYPE_CHECKING:
-    from offload.engine.cpu_step import CompiledCpuStep
+    from offload.engine.compiled_step import CompiledCpuStep
 
 Emit = Callable[[RequestOutput | BaseException], None]
 

@@ -103,7 +103,7 @@ class RowCache:
 class RowStep:
     """One decode forward of rows [0, rows) of a `RowCache`: each row's new token, the
     column it writes, its position and its mask ([rows, width]). As a compiled CPU step
-    (`cpu_step.CompiledCpuStep`, `compiled=True`) its width is dynamic, and its rows: one
+    (`compiled_step.CompiledCpuStep`, `compiled=True`) its width is dynamic, and its rows: one
     graph serves every batch of `MIN_ROWS` to `cpu_linear.MAX_ROWS` rows of any width, since
     a server's batch changes at every step (a graph per shape would be a compile each), and
     one a lone row of any width (its products are one-row loops, as `LLM`'s batch of one;

@@ -21,6 +21,9 @@ import torch.nn.functional as F
 from torch._inductor import inductor_prims
 
 _FULL = slice(None, None, None)
+# The dtypes of attention it writes out; bfloat16 and float16 are computed in float32
+# (their loads upcast in registers), as ATen's CPU attention kernel computes them.
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Emitter:
@@ -67,7 +70,8 @@ def rewrite_attention(graph: torch.fx.Graph) -> int:
 def _parts(node: torch.fx.Node) -> tuple | None:
     """(query, keys, values, mask, scale) of an attention node to rewrite, the keys and
     values before transformers repeated them; None where it is not one (more than one
-    query position, dropout, a causal flag, a per-head mask, not float32 on a CPU)."""
+    query position, dropout, a causal flag, a per-head mask, not a float dtype of
+    `FLOATS` on a CPU)."""
     given = _arguments(node)
     query, key, value = given.get("query"), given.get("key"), given.get("value")
     if not all(isinstance(x, torch.fx.Node) for x in (query, key, value)):
@@ -77,7 +81,7 @@ def _parts(node: torch.fx.Node) -> tuple | None:
     q = query.meta.get("example_value")
     if q is None or q.dim() != 4 or q.shape[2] != 1 or q.device.type != "cpu":
         return None
-    if q.dtype != torch.float32:
+    if q.dtype not in FLOATS:
         return None
     mask = given.get("attn_mask")
     if mask is not None:
@@ -134,10 +138,13 @@ def _is_method(node: torch.fx.Node, name: str) -> bool:
 
 def _emit(emit: Emitter, query, keys, values, mask, scale: float) -> torch.fx.Node:
     """softmax(q k^T * scale, masked) v for queries [b, heads, 1, d] over keys and values
-    [b, kv_heads, n, d]: the query heads of each KV head as one group."""
+    [b, kv_heads, n, d]: the query heads of each KV head as one group; in float32, the
+    result in the query's dtype."""
     q, k = query.meta["example_value"], keys.meta["example_value"]
     heads, kv_heads, width = q.shape[1], k.shape[1], q.shape[-1]
     v_width = values.meta["example_value"].shape[-1]
+    if q.dtype != torch.float32:  # (each cached value upcast where its loop loads it)
+        query, keys, values = (emit(torch.Tensor.float, x) for x in (query, keys, values))
     grouped = emit(torch.reshape, query, (-1, kv_heads, heads // kv_heads, 1, width))
     # The queries in a buffer of their own: else inductor computes each where it is read,
     # its rotary embedding (cos, sin) again for every column of keys.
@@ -156,7 +163,8 @@ def _emit(emit: Emitter, query, keys, values, mask, scale: float) -> torch.fx.No
     weights = emit(torch.softmax, scores, -1)
     weighted = emit(torch.mul, emit(torch.unsqueeze, weights, -1), emit(torch.unsqueeze, values, 2))
     out = emit(torch.sum, weighted, -2)  # [b, kv, g, d]
-    return emit(torch.reshape, out, (-1, heads, 1, v_width))
+    out = emit(torch.reshape, out, (-1, heads, 1, v_width))
+    return out if q.dtype == torch.float32 else emit(torch.Tensor.to, out, q.dtype)
 
 
 def _erase_unused(graph: torch.fx.Graph, node) -> None:

@@ -4,7 +4,9 @@ here), the kind of model, and the tokenizer that goes with a model directory."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,3 +60,22 @@ def check_attention_model(empty: nn.Module) -> None:
             f"LLM runs attention models with a KV cache; {type(empty).__name__} keeps a "
             "recurrent state (offload.apply still offloads its layers for model.generate)"
         )
+
+
+def as_run(config: OffloadConfig) -> OffloadConfig:
+    """`config` with `offload_backend="auto"` named as the backend that runs (what
+    `llm.offload_config` shows); as it is where nothing is offloaded, or where the name
+    alone would not validate (the disk tier without a prefetch group)."""
+    backend = config.selected_backend
+    if config.offload_backend != "auto" or backend == "none":
+        return config
+    try:
+        return replace(config, offload_backend=backend)
+    except ConfigError:
+        return config
+
+
+def own_argument_names(cls: type) -> list[str]:
+    """`cls`'s own keyword arguments (`LLM`'s), named when an unknown one is refused."""
+    parameters = inspect.signature(cls.__init__).parameters
+    return [n for n in parameters if n not in ("self", "offload_flags")]

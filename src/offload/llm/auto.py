@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,9 +25,16 @@ from offload.model.build import build_empty
 from offload.model.configs import resolve
 from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
-from offload.planner.choose import candidates
-from offload.planner.fit import checked_context_len, model_len_limit
-from offload.planner.plan import Plan, batch_sizes_for, budgets_for, make_plan
+from offload.planner.choose import Budgets, candidates, fits_at_all
+from offload.planner.fit import MemoryPlan, checked_context_len, model_len_limit, plan_memory
+from offload.planner.overhead import fixed_overhead
+from offload.planner.plan import (
+    Plan,
+    batch_sizes_for,
+    budgets_for,
+    make_plan,
+    measurable_batches,
+)
 from offload.planner.shape import shape_of
 from offload.probes.measure import measure
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
@@ -38,6 +46,40 @@ def wants_plan(config: OffloadConfig) -> bool:
         config.uva.cpu_offload_gb == "auto"
         and config.offload_backend == "auto"
         and config.prefetch.offload_group_size == 0
+    )
+
+
+def planned_memory(
+    llm: Any,
+    path: Path,
+    empty: nn.Module,
+    config: OffloadConfig,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    device_memory_gb: float | None,
+) -> MemoryPlan:
+    """`plan_memory` for an `LLM` being made (its device and engine settings), with the
+    planner's choices first where it has a budget (`planner_for`)."""
+    return plan_memory(
+        empty,
+        config,
+        llm.device,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        device_memory_gb=device_memory_gb,
+        max_num_batched_tokens=llm.max_num_batched_tokens,
+        kv_offload=llm.kv_offload,
+        swap_space_bytes=llm.swap_space_bytes,
+        planned=planner_for(
+            path,
+            empty,
+            config,
+            llm.device,
+            gpu_memory_utilization=gpu_memory_utilization,
+            device_memory_gb=device_memory_gb,
+            kv_offload=llm.kv_offload,
+            trust_remote_code=llm.trust_remote_code,
+        ),
     )
 
 
@@ -88,15 +130,15 @@ def planned_configs(
     shape = shape_of(empty, context_len)
     host_gb = config.disk.cpu_memory_gb if config.disk.is_active else None
     budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, host_gb)
-    # The probes stay within the device budget (a capped process must not run out).
-    settings = MeasureSettings(max_device_bytes=budgets.device_bytes)
+    if not fits_at_all(shape, budgets, 1, context_len):
+        return []  # nothing to measure: the fit check says why with the user's config
     measured = measure(
         path,
         shape,
         device,
         [1],
         context_len,
-        settings=settings,
+        settings=within(DEFAULT_SETTINGS, budgets),
         trust_remote_code=trust_remote_code,
     )
     modes = DISK_IO if config.disk.disk_io == DiskIO.AUTO else (config.disk.disk_io,)
@@ -170,8 +212,8 @@ def plan_for(
     shape = shape_of(empty, context_len)
     # Every input is checked before anything is measured: a bad flag costs nothing.
     budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, cpu_memory_gb)
-    if settings.max_device_bytes is None:  # the probes stay within the device budget
-        settings = dataclasses.replace(settings, max_device_bytes=budgets.device_bytes)
+    # Only the batch sizes some placement can run are measured (and their KV caches made).
+    batch_sizes = measurable_batches(shape, budgets, batch_sizes, context_len)
     measured = measure(
         path,
         shape,
@@ -179,8 +221,20 @@ def plan_for(
         batch_sizes,
         context_len,
         remeasure=remeasure,
-        settings=settings,
+        settings=within(settings, budgets),
         trust_remote_code=trust_remote_code,
         progress=progress,
     )
-    return make_plan(shape, measured, budgets, batch_sizes, path)
+    overhead = fixed_overhead(empty, path if path.is_dir() else None)
+    return make_plan(shape, measured, budgets, batch_sizes, path, overhead=overhead)
+
+
+def within(settings: MeasureSettings, budgets: Budgets) -> MeasureSettings:
+    """`settings` with the probes held within the budgets where they set no limit of
+    their own: the device budget (a capped process must not run out), and on a CPU given
+    `cpu_memory_gb` its RAM budget."""
+    if settings.max_device_bytes is None:
+        settings = dataclasses.replace(settings, max_device_bytes=budgets.device_bytes)
+    if settings.max_host_bytes is None and budgets.ram_bytes is not None:
+        settings = dataclasses.replace(settings, max_host_bytes=budgets.ram_bytes)
+    return settings

@@ -47,6 +47,7 @@ def check_llm_args(
     max_num_batched_tokens: object,
     trust_remote_code: object,
     swap_space: object,
+    kv_cache_memory_bytes: object = None,
 ) -> EngineLimits:
     """The types and ranges of `LLM`'s own arguments that need no model to check, so a
     bad one is refused before anything is read or allocated; returns the limits and host
@@ -79,7 +80,11 @@ def check_llm_args(
     trusted = flag("trust_remote_code", trust_remote_code)
     swap_space_bytes = check_swap_space(swap_space)
     kv = bool(kv_offload) or swap_space_bytes > 0
-    return EngineLimits(logprobs, seqs, batched, trusted, swap_space_bytes, kv)
+    kv_bytes = None
+    if kv_cache_memory_bytes is not None:  # (vLLM's: the KV cache's size, not a share)
+        what = "a number of bytes >= 1 (or None: sized from the memory there is)"
+        kv_bytes = integer("kv_cache_memory_bytes", kv_cache_memory_bytes, 1, what=what)
+    return EngineLimits(logprobs, seqs, batched, trusted, swap_space_bytes, kv, kv_bytes)
 
 
 class EngineLimits(NamedTuple):
@@ -91,6 +96,7 @@ class EngineLimits(NamedTuple):
     trust_remote_code: bool
     swap_space_bytes: int
     kv_offload: bool  # asked for, or implied by a swap space
+    kv_cache_memory_bytes: int | None = None  # the KV cache's size (serving; a budget's share)
 
 
 def _check_path(name: str, value: object) -> None:

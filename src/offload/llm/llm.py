@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import sys
 import threading
@@ -24,8 +23,15 @@ from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceSt
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError
-from offload.llm.args import check_attention_model, offload_config_of, tokenizer_of
-from offload.llm.auto import planner_for
+from offload.llm.args import (
+    as_run,
+    check_attention_model,
+    offload_config_of,
+    own_argument_names,
+    tokenizer_of,
+)
+from offload.llm.auto import planned_memory
+from offload.llm.budget import host_budget_of, kv_room_after
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
     check_llm_args,
@@ -45,7 +51,8 @@ from offload.model.loader import load_model
 from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.model.tokenizer import eos_token_ids
-from offload.planner.fit import plan_memory
+from offload.offloader.disk_placement import StackRoomError
+from offload.planner.overhead import fixed_overhead
 
 
 class LLM(DecodeLoop):
@@ -87,6 +94,7 @@ class LLM(DecodeLoop):
         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
         device_memory_gb: float | None = None,
         swap_space: float = 0,
+        kv_cache_memory_bytes: int | None = None,
         kv_offload: bool = False,
         seed: int = 0,
         load_format: str = "auto",
@@ -128,10 +136,12 @@ class LLM(DecodeLoop):
             max_num_batched_tokens=max_num_batched_tokens,
             trust_remote_code=trust_remote_code,
             swap_space=swap_space,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
         )
-        config = offload_config_of(offload_config, offload_flags, _own_argument_names())
+        config = offload_config_of(offload_config, offload_flags, own_argument_names(LLM))
         self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
-        self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:]
+        self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:6]
+        self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
         self.device = check_device(device)
         path = resolve_model(
@@ -145,29 +155,15 @@ class LLM(DecodeLoop):
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         empty = build_empty(path, dtype, trust_remote_code)
         check_attention_model(empty)
-        plan = plan_memory(
-            empty,
-            config,
-            self.device,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            device_memory_gb=device_memory_gb,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            kv_offload=self.kv_offload,
-            swap_space_bytes=self.swap_space_bytes,
-            planned=planner_for(
-                path,
-                empty,
-                config,
-                self.device,
-                gpu_memory_utilization=gpu_memory_utilization,
-                device_memory_gb=device_memory_gb,
-                kv_offload=self.kv_offload,
-                trust_remote_code=self.trust_remote_code,
-            ),
+        plan = planned_memory(
+            self, path, empty, config, max_model_len, gpu_memory_utilization, device_memory_gb
         )
+        asked_gb = config.disk.cpu_memory_gb  # (a plan may keep fewer layers in RAM)
         self.max_model_len, self.memory_needs, config = plan.max_model_len, plan.needs, plan.config
-        self.offload_config = _as_run(config)  # what runs: "auto" resolved, the planner's choice
+        self.offload_config = as_run(config)  # what runs: "auto" resolved, the planner's choice
+        # On a CPU, cpu_memory_gb bounds the process (llm/budget.py), planned or not.
+        budget_gb = asked_gb if config.disk.is_active else None
+        self.host_budget = host_budget_of(self, empty, config, budget_gb, device_memory_gb)
         self._load(
             path, empty, config, tokenizer, dtype=dtype, load_format=load_format, progress=progress
         )
@@ -195,17 +191,25 @@ class LLM(DecodeLoop):
         its offloader, and the state the decode loop keeps between calls."""
         self.tokenizer = tokenizer_of(path, tokenizer, load_format, self.trust_remote_code)
         self._tokens = TokenSteps(self.tokenizer, eos_token_ids(path, self.tokenizer, empty.config))
+        # What cpu_memory_gb does not cover (the figures line of `offload generate` says it).
+        self.fixed_overhead = fixed_overhead(empty, Path(tokenizer) if tokenizer else path)
         if progress is None:  # a bar for the load when someone watches
             progress = sys.stderr.isatty()
-        self.model, self.offloader = load_model(
-            path,
-            config,
-            device=self.device,
-            dtype=dtype,
-            load_format=load_format,
-            progress=progress,
-            trust_remote_code=self.trust_remote_code,
-        )
+        budget = self.host_budget
+        try:
+            self.model, self.offloader = load_model(
+                path,
+                config,
+                device=self.device,
+                dtype=dtype,
+                load_format=load_format,
+                progress=progress,
+                trust_remote_code=self.trust_remote_code,
+                stack_budget_bytes=budget.stack_bytes if budget is not None else None,
+            )
+        except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
+            raise budget.refused(error) from None
+        self._kv_room_bytes = kv_room_after(budget, self.offloader)  # (generate's batches)
         self._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
         self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
         self._compiled_steps = 0  # of which compiled CPU decode steps
@@ -268,7 +272,7 @@ class LLM(DecodeLoop):
         """This LLM's continuous-batching engine (made on first use): requests submitted
         from any thread share each step (what `offload serve` runs). Each of its
         `max_num_seqs` rows reserves KV cache for `max_model_len` positions; where that
-        does not fit (at most 4 GiB on a CPU, half the free memory on a GPU), rows are
+        does not fit (`kv_cache_room`: on a CPU, what cpu_memory_gb leaves), rows are
         shorter (not with `fixed_length`), then fewer. With `engine_thread=False` the
         caller runs the engine's loop (`serving().engine.run()`), e.g. on the main thread."""
         check_not_forked(self._pid, "this LLM")
@@ -306,6 +310,12 @@ class LLM(DecodeLoop):
             compile_s=self._cpu_step.compile_s if self._cpu_step is not None else 0.0,
         )
 
+    def wait_for_compiles(self) -> None:
+        """Wait for CPU decode steps compiling in the background (decoding does not), so
+        that the next process loads them instead of compiling them again."""
+        if self._cpu_step is not None:
+            self._cpu_step.wait()
+
     def close(self) -> None:
         """End the copy threads and drop the model, its offloaded weights and the host KV
         cache (a call in progress in another thread finishes first). Later calls of
@@ -318,6 +328,8 @@ class LLM(DecodeLoop):
             if self._closed:
                 return
             self._closed = True
+            if self._cpu_step is not None:  # (before the teardown a compile may be tracing)
+                self._cpu_step.close()
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool
         trim_freed_memory()
@@ -348,23 +360,4 @@ class LLM(DecodeLoop):
         self.close()
 
 
-def _own_argument_names() -> list[str]:
-    """`LLM`'s own keyword arguments, named when an unknown one is refused."""
-    parameters = inspect.signature(LLM.__init__).parameters
-    return [n for n in parameters if n not in ("self", "offload_flags")]
-
-
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
-
-
-def _as_run(config: OffloadConfig) -> OffloadConfig:
-    """`config` with `offload_backend="auto"` named as the backend that runs (what
-    `llm.offload_config` shows); as it is where nothing is offloaded, or where the name
-    alone would not validate (the disk tier without a prefetch group)."""
-    backend = config.selected_backend
-    if config.offload_backend != "auto" or backend == "none":
-        return config
-    try:
-        return replace(config, offload_backend=backend)
-    except ConfigError:
-        return config

@@ -20,6 +20,7 @@ from offload.engine.rows import MIN_ROWS, bytes_per_row
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
 from offload.errors import ConfigError, OffloadError
+from offload.llm.budget import kv_room_after
 from offload.memory.host import available_ram_bytes
 from offload.sizes import compute_dtype
 
@@ -27,8 +28,8 @@ _logger = logging.getLogger("offload")
 _ids = itertools.count()
 
 
-# The KV cache of the rows on a CPU, at most (vLLM's default KV space there is 4 GiB too);
-# on a GPU, half of what is free once the model is loaded.
+# The KV cache of the rows on a CPU with no budget given, at most (vLLM's default KV space
+# there is 4 GiB too); on a GPU, half of what is free once the model is loaded.
 CPU_KV_BYTES = 4 * 2**30
 _SHORTEST_ROW = 2048  # positions a row keeps before fewer rows are run instead
 
@@ -59,19 +60,31 @@ def plan_rows(
     return RowPlan(int(fit), int(min(length, max_model_len)))
 
 
+def kv_cache_room(llm: Any) -> tuple[int, str]:
+    """The bytes the rows' KV cache may take, and where that comes from: on a CPU with a
+    budget, what `cpu_memory_gb` leaves once the layer stack is placed (or its share
+    given: `host_budget`); else `kv_cache_memory_bytes` where given; else half the free
+    device memory on a GPU, and half the available RAM up to `CPU_KV_BYTES` on a CPU."""
+    if llm.host_budget is not None:
+        return kv_room_after(llm.host_budget, llm.offloader), "of cpu_memory_gb"
+    if llm.kv_cache_memory_bytes is not None:
+        return llm.kv_cache_memory_bytes, "of kv_cache_memory_bytes"
+    if llm.device.type == "cuda":
+        return torch.cuda.mem_get_info(llm.device)[0] // 2, "half the free device memory"
+    return min(available_ram_bytes() // 2, CPU_KV_BYTES), "of RAM"
+
+
 def _row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
     dtype = compute_dtype(llm.model)
     per_position = bytes_per_row(llm.model.config, 1, dtype)
-    if llm.device.type == "cuda":
-        free = torch.cuda.mem_get_info(llm.device)[0] // 2
-    else:
-        free = min(available_ram_bytes() // 2, CPU_KV_BYTES)
-    plan = plan_rows(per_position, free, rows, llm.max_model_len, fixed_length)
+    room_bytes, source = kv_cache_room(llm)
+    plan = plan_rows(per_position, room_bytes, rows, llm.max_model_len, fixed_length)
     if plan.rows < rows or plan.length < llm.max_model_len:
         _logger.warning(
-            "the KV cache of %d sequences of %d positions would not fit: %d sequences of %d "
-            "positions run at once (set max_num_seqs or max_model_len to choose)",
-            rows, llm.max_model_len, plan.rows, plan.length,
+            "the KV cache of %d sequences of %d positions would not fit in %.0f MiB (%s): "
+            "%d sequences of %d positions run at once (set max_num_seqs or max_model_len "
+            "to choose)",
+            rows, llm.max_model_len, room_bytes / 2**20, source, plan.rows, plan.length,
         )  # fmt: skip
     return plan
 

@@ -131,6 +131,21 @@ class MappedFiles:
             with contextlib.suppress(RuntimeError):  # closed meanwhile: hints are optional
                 self._hints.submit(self._hint, missing)
 
+    def drop(self, extents: Sequence[Extent]) -> None:
+        """Take `extents`' pages out of this process (`MADV_DONTNEED`; they stay in the
+        page cache), so that they no longer count in its RSS. The mappings are private
+        and never written, so nothing is lost: a later read faults the same bytes in
+        from the file again (the pages at either end may be a neighbour's: the same)."""
+        with self._lock:  # (not while the mappings are being replaced by zero pages)
+            if self._released:
+                return
+            for extent in extents:
+                size = self._span(extent)
+                if size > 0:
+                    start = extent.file_offset // mmap.PAGESIZE * mmap.PAGESIZE
+                    end = extent.file_offset + size
+                    self._maps[extent.path].madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def _cached(self, extent: Extent) -> bool:
         """Whether `extent`'s sampled pages are in the page cache (True where it maps
         nothing: there is nothing to read)."""

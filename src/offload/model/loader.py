@@ -43,13 +43,15 @@ def load_model(
     progress: bool = False,
     trust_remote_code: bool = False,
     read_hooks: ReadHooks | None = None,
+    stack_budget_bytes: int | None = None,
 ) -> tuple[nn.Module, BaseOffloader]:
     """Load a causal LM from a safetensors directory with `config`'s offloading already in
     place. `load_format="dummy"` (vLLM's name) fills random weights of the right shapes
     instead, for benchmarks of large shapes without a checkpoint (only `config.json` is read;
     `path` may also name a shipped config, e.g. "llama-3-8b": see `offload.model.configs`).
     The checkpoint's own code runs only with `trust_remote_code=True` (see `build_empty`).
-    `read_hooks`: the disk tier's switches for tests."""
+    `read_hooks`: the disk tier's switches for tests. `stack_budget_bytes`: all the RAM
+    a disk tier's layer stack may take (`LLM`'s process budget on a CPU; see `prepare`)."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
@@ -65,7 +67,13 @@ def load_model(
         if isinstance(entry, StoredTensor)
     }
     offloader = prepare(
-        model, config, device, deferred=True, checkpoint=ranges, read_hooks=read_hooks
+        model,
+        config,
+        device,
+        deferred=True,
+        checkpoint=ranges,
+        read_hooks=read_hooks,
+        stack_budget_bytes=stack_budget_bytes,
     )
     # With a disk tier around the page cache, loading leaves nothing there either: the
     # bytes read are in their final memory, and the budget holds for the machine.

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from offload.errors import ModelError
 from offload.memory.placement import DiskIO
+from offload.memory.slots import slot_of
 
 MAX_GRAINS = 2**20  # the budget in at most this many grains
 IO_CHOICES = tuple(DiskIO)
@@ -101,3 +103,98 @@ def choose_io(
     if device.type == "cpu" and cached_fraction >= AUTO_MAP_CACHED and can_map:
         return DiskIO.MMAP
     return DiskIO.DIRECT
+
+
+class StackRoomError(ModelError):
+    """The RAM a process budget leaves the layer stack is less than streaming needs."""
+
+    def __init__(self, message: str, need_bytes: int, room_bytes: int):
+        super().__init__(message)
+        self.need_bytes = need_bytes
+        self.room_bytes = room_bytes
+
+
+@dataclass(frozen=True)
+class StackFit:
+    """How a layer stack takes the RAM a process budget leaves it (`fit_stack`)."""
+
+    io: DiskIO  # MMAP, or a way of reading
+    in_ram: list[bool]  # per unit: kept (a host slab, or its mapped pages held)
+    ram_bytes: int  # the most RAM the stack takes at once
+
+
+def fit_stack(
+    unit_bytes: Sequence[int],
+    slot_bytes: Sequence[int],
+    movable: Sequence[int],
+    room_bytes: int,
+    num_slots: int,
+    io: DiskIO,
+    asked: bool,
+) -> StackFit:
+    """Which units stay in RAM when the whole stack must fit `room_bytes`: kept units,
+    the slot ring, and the pages of mapped files that a forward touches all count (they
+    are all in the process's RSS). `unit_bytes`/`slot_bytes`: each unit's bytes in RAM and
+    in a slot, in forward order; `movable`: the units that can stream (the others stay
+    in RAM whatever the budget). With `io` MMAP, units stream from the mapping and each
+    one's pages leave the process after it runs, so streaming takes one unit's pages
+    (the window), not a slot ring; kept units are mapped with their pages held. Where
+    the window does not fit, an "auto" choice (`asked` False) reads instead. Raises
+    `StackRoomError` when the room holds not even what streaming needs."""
+    streams = set(movable)
+    fixed = [i for i in range(len(unit_bytes)) if i not in streams]
+    if io == DiskIO.MMAP:
+        fixed_slots = _ring_bytes(slot_bytes, fixed, num_slots)
+        window = max((unit_bytes[i] for i in movable), default=0)
+        need = sum(unit_bytes[i] for i in fixed) + fixed_slots + window
+        if need <= room_bytes or asked:
+            mapped = f"the largest layer's mapped pages, {_mib(window)}"
+            _check_room(need, room_bytes, mapped, "disk_io='mmap': " if asked else "")
+            return _kept(unit_bytes, movable, room_bytes - need, DiskIO.MMAP, need, window)
+        io = DiskIO.DIRECT
+    slots = _ring_bytes(slot_bytes, range(len(unit_bytes)), num_slots)
+    need = sum(unit_bytes[i] for i in fixed) + slots
+    _check_room(need, room_bytes, f"{min(num_slots, len(unit_bytes))} slots, {_mib(slots)}")
+    return _kept(unit_bytes, movable, room_bytes - need, io, need, 0)
+
+
+def _kept(
+    unit_bytes: Sequence[int], movable: Sequence[int], free: int, io: DiskIO, need: int, window: int
+) -> StackFit:
+    """Movable units kept in the `free` bytes (all of them: no window either)."""
+    sizes = [unit_bytes[i] for i in movable]
+    if sum(sizes) <= free + window:
+        on_disk, need = [False] * len(sizes), need - window
+    else:
+        on_disk = place_on_disk(sizes, free)
+    in_ram = [True] * len(unit_bytes)
+    for index, disk in zip(movable, on_disk, strict=True):
+        in_ram[index] = not disk
+    kept = sum(size for size, disk in zip(sizes, on_disk, strict=True) if not disk)
+    return StackFit(io, in_ram, need + kept)
+
+
+def _ring_bytes(slot_bytes: Sequence[int], users: Sequence[int], num_slots: int) -> int:
+    """The slots that `users` (unit indices, in forward order) are copied or read into."""
+    slots = min(num_slots, len(slot_bytes))
+    if not users or not slots:
+        return 0
+    sizes = [0] * slots
+    for index in users:
+        slot = slot_of(index, slots)
+        sizes[slot] = max(sizes[slot], slot_bytes[index])
+    return sum(sizes)
+
+
+def _check_room(need: int, room_bytes: int, streaming: str, asked: str = "") -> None:
+    if need > room_bytes:
+        raise StackRoomError(
+            f"{asked}the layer stack needs at least {_mib(need)} of RAM to stream ({streaming}), "
+            f"more than the {_mib(max(room_bytes, 0))} the budget leaves it",
+            need,
+            room_bytes,
+        )
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.0f} MiB"

@@ -33,7 +33,7 @@ from offload.memory.mapped_files import MappedFiles, MappingRefused, leases_supp
 from offload.memory.page_cache import cached_fraction
 from offload.memory.placement import READ_MODES, DiskIO
 from offload.memory.safetensors import checkpoint_tensors
-from offload.offloader.disk_placement import choose_io, place_on_disk
+from offload.offloader.disk_placement import choose_io, fit_stack, place_on_disk
 from offload.offloader.sources import DirectRead, DiskSource, MappedRead, StagedRead, Unopened
 from offload.offloader.stats import DiskStats
 
@@ -55,6 +55,10 @@ class DiskSettings:
     read_ahead: int = 2  # units read ahead of the one computing (slots - 1)
     io: DiskIO = DiskIO.AUTO  # see DiskOffloadConfig
     num_threads: int = 2
+    # True: `budget_bytes` bounds all the RAM the stack takes, slots and touched pages of
+    # mapped files included (`fit_stack`: the process budget of `LLM` on a CPU); False:
+    # the units kept in host memory only (`offload.apply`'s cpu_memory_gb).
+    whole_stack: bool = False
 
 
 def checkpoint_ranges(
@@ -125,44 +129,84 @@ class DiskTier:
         self._single_lock = threading.Lock()
         self.num_units = 0  # units placed on disk
         self.io = DiskIO(settings.io)  # AUTO resolved by `place`
+        self.ram_bytes = 0  # (whole_stack) the most RAM the stack's placement takes
 
-    def place(self, units: Sequence[Any], device: torch.device) -> bool:
+    def place(self, units: Sequence[Any], device: torch.device, num_slots: int = 2) -> bool:
         """Give the units that do not fit the host budget a disk layout (`unit.disk`), of
         those whose bytes can be read as they are, so that the fewest bytes come from
         disk; warn about units that must stay in host memory beyond the budget. True when
-        some unit streams."""
+        some unit streams. `num_slots`: the slot ring's size when some unit streams."""
         qualified = [[(f"{u.name}.{n}", p) for n, p in u.params] for u in units]
         layouts = [disk_layout(self.settings.ranges, named) for named in qualified]
-        fixed = sum(u.num_bytes for u, lay in zip(units, layouts, strict=True) if lay is None)
         movable = [i for i, layout in enumerate(layouts) if layout is not None]
-        budget = self.settings.budget_bytes - fixed
-        on_disk = place_on_disk([units[i].num_bytes for i in movable], budget)
-        for i, disk in zip(movable, on_disk, strict=True):
-            if disk:
+        if self.settings.whole_stack:
+            in_ram = self._fit(units, layouts, movable, device, num_slots)
+        else:
+            in_ram = self._kept_within_budget(units, movable)
+        for i in movable:
+            if not in_ram[i]:
                 units[i].disk = layouts[i]
                 self._names.update((id(p), name) for name, p in qualified[i])
+        streamed = [unit for unit in units if unit.disk is not None]
+        self.num_units = len(streamed)
+        if not self.settings.whole_stack:
+            self.io = self._resolve_io([unit.disk for unit in streamed], device)
+        for unit in streamed:
+            unit.mapped = self.io == DiskIO.MMAP
+        return self.num_units > 0
+
+    def _kept_within_budget(self, units: Sequence[Any], movable: list[int]) -> list[bool]:
+        """Per unit, whether it stays in host memory: those that cannot stream, and the
+        movable ones whose sizes fill `budget_bytes` best."""
+        fixed = sum(u.num_bytes for i, u in enumerate(units) if i not in set(movable))
+        budget = self.settings.budget_bytes - fixed
+        on_disk = place_on_disk([units[i].num_bytes for i in movable], budget)
+        in_ram = [True] * len(units)
+        for i, disk in zip(movable, on_disk, strict=True):
+            in_ram[i] = not disk
         if budget < 0:
             warnings.warn(
                 f"{-budget / 2**30:.2f} GiB of offloaded weights cannot stream from the "
                 "checkpoint as they are (another dtype, or not in its safetensors files) and "
                 "stay in host memory beyond cpu_memory_gb",
                 UserWarning,
-                stacklevel=6,
+                stacklevel=7,
             )
-        streamed = [unit for unit in units if unit.disk is not None]
-        self.num_units = len(streamed)
-        self.io = self._resolve_io(streamed, device)
-        for unit in streamed:
-            unit.mapped = self.io == DiskIO.MMAP
-        return self.num_units > 0
+        return in_ram
 
-    def _resolve_io(self, streamed: Sequence[Any], device: torch.device) -> DiskIO:
+    def _fit(self, units, layouts, movable: list[int], device, num_slots: int) -> list[bool]:
+        """`fit_stack` of the units in the whole-stack budget. Units kept in RAM are mapped
+        (their pages held) where the files are, else host slabs."""
+        self.io = self._resolve_io([layouts[i] for i in movable], device)
+        slot_bytes = [
+            max(u.num_bytes, lay.num_bytes if lay is not None else 0)
+            for u, lay in zip(units, layouts, strict=True)
+        ]
+        fit = fit_stack(
+            [u.num_bytes for u in units],
+            slot_bytes,
+            movable,
+            self.settings.budget_bytes,
+            num_slots,
+            self.io,
+            asked=self.settings.io != DiskIO.AUTO,
+        )
+        self.io, self.ram_bytes = fit.io, fit.ram_bytes
+        in_ram = list(fit.in_ram)
+        if self.io == DiskIO.MMAP:  # kept units are mapped too, their pages held
+            for i in movable:
+                units[i].pages_held, in_ram[i] = in_ram[i], False
+        return in_ram
+
+    def _resolve_io(self, streamed: Sequence[DiskLayout], device: torch.device) -> DiskIO:
+        """The way units on disk (their `streamed` layouts) are brought in, AUTO resolved
+        from how much of them the page cache holds (`choose_io`)."""
         requested = self.settings.io
         if self.hooks.force_staging:  # the GPU's path, which always reads
             device = torch.device("meta")
         cached = 0.0
         if requested == DiskIO.AUTO and device.type == "cpu" and streamed:
-            extents = [e for unit in streamed for e in unit.disk.extents]
+            extents = [e for layout in streamed for e in layout.extents]
             cached = cached_fraction([(e.path, e.file_offset, e.num_bytes) for e in extents])
         return choose_io(requested, device, cached, leases_supported())
 
@@ -180,9 +224,21 @@ class DiskTier:
                 raise ModelError(f"disk_io='mmap': {refused}; use 'page-cache'") from None
             self.io = DiskIO.PAGE_CACHE
             for unit in units:
-                unit.mapped = False
+                unit.mapped = unit.pages_held = False
+            if self.settings.whole_stack:  # (placed for a mapping: slots were not counted)
+                warnings.warn(
+                    f"{refused}: the layers stream through the page cache into slots, "
+                    "which may take more RAM than the budget",
+                    UserWarning,
+                    stacklevel=5,
+                )
             return
         self._source = MappedRead(mapped, self._stored)
+
+    @property
+    def read_ahead(self) -> int:
+        """Units read ahead of the one computing (the slot ring is one more)."""
+        return self.settings.read_ahead
 
     @property
     def disk_io(self) -> DiskIO | None:
@@ -261,7 +317,9 @@ class DiskTier:
         reader.close()
 
     def stats(self) -> DiskStats:
-        return replace(self._source.stats(), io=self.io, num_units=self.num_units)
+        return replace(
+            self._source.stats(), io=self.io, num_units=self.num_units, ram_bytes=self.ram_bytes
+        )
 
     def _stored(self, param: torch.Tensor) -> TensorRange:
         return self.settings.ranges[self._names[id(param)]]
@@ -273,8 +331,9 @@ class NoDiskTier:
     reads_whole_layers = False
     num_units = 0
     disk_io = None
+    read_ahead = 0
 
-    def place(self, units: Sequence[Any], device: torch.device) -> bool:
+    def place(self, units: Sequence[Any], device: torch.device, num_slots: int = 2) -> bool:
         return False
 
     def map_files(self, units: Sequence[Any]) -> None:

@@ -25,6 +25,7 @@ def create_offloader(
     checkpoint: Mapping[str, TensorRange] | None = None,
     copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
     read_hooks: ReadHooks | None = None,
+    stack_budget_bytes: int | None = None,
 ) -> BaseOffloader:
     """Build the offloader `config` selects (vLLM's rule for `offload_backend="auto"`).
 
@@ -33,6 +34,9 @@ def create_offloader(
     `copy_engine_factory` (device -> CopyEngine) makes the engine the prefetch backend
     copies layers with, in place of the library's choice: a hook for tests and custom
     engines. Other backends ignore it. `read_hooks`: the disk tier's switches for tests.
+    `stack_budget_bytes` (with a disk tier): all the RAM the layer stack may take, its
+    slots and touched pages of mapped files included (`LLM`'s process budget on a CPU), in
+    place of `cpu_memory_gb` bounding the layers kept in host memory alone.
     """
     config = as_config(config)
     device = torch.device(device) if device is not None else None
@@ -67,7 +71,11 @@ def create_offloader(
             device=device,
             disable_pin_memory=config.disable_pin_memory,
             unit=config.prefetch_unit,
-            disk=_disk_tier(config, checkpoint, read_hooks) if config.disk.is_active else None,
+            disk=(
+                _disk_tier(config, checkpoint, read_hooks, stack_budget_bytes)
+                if config.disk.is_active
+                else None
+            ),
             copy_engine_factory=copy_engine_factory or make_copy_engine,
         )
     return NoopOffloader()
@@ -77,6 +85,7 @@ def _disk_tier(
     config: OffloadConfig,
     checkpoint: Mapping[str, TensorRange] | None,
     hooks: ReadHooks | None,
+    stack_budget_bytes: int | None,
 ) -> DiskTier:
     if not checkpoint:
         raise ConfigError(
@@ -87,10 +96,13 @@ def _disk_tier(
     disk = config.disk
     settings = DiskSettings(
         ranges=checkpoint,
-        budget_bytes=int(disk.cpu_memory_gb * GIB),
+        budget_bytes=(
+            int(disk.cpu_memory_gb * GIB) if stack_budget_bytes is None else stack_budget_bytes
+        ),
         read_ahead=disk.read_ahead,
         io=disk.disk_io,
         num_threads=disk.io_threads,
+        whole_stack=stack_budget_bytes is not None,
     )
     return DiskTier(settings, hooks or ReadHooks())
 

@@ -163,21 +163,25 @@ class LayerBoundary(PrefetchHook):
     A compiled graph of the model resident then splits its fusions where an offloaded one
     must (its wait and start declare the layer's streams mutated), so the two compute
     alike: inductor fused a layer's residual add into the next layer's norm resident but
-    not offloaded, and for a batch of rows that summed in another order. For one row the
-    two agree without it, and it cost the resident step 12% (49.8 against 56.7 tok/s):
-    there, and eagerly, it does nothing."""
+    not offloaded, and for a batch of rows that summed in another order. For one float32
+    row the two agree without it, and it cost the resident step 12% (49.8 against 56.7
+    tok/s): there, and eagerly, it does nothing. A row of bfloat16 or float16 takes it:
+    a fused add keeps its sum in float32 registers where one split off rounds it to the
+    dtype in memory, so the two differed in their last bits."""
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if torch.compiler.is_compiling() and not _one_row(_float_tensors((args, kwargs))):
+        if torch.compiler.is_compiling() and not _one_float32_row(_float_tensors((args, kwargs))):
             super()._pre_forward(module, args, kwargs)
 
     def _post_forward(self, module: nn.Module, args: tuple, output: object) -> None:
-        if torch.compiler.is_compiling() and not _one_row(_float_tensors(output)):
+        if torch.compiler.is_compiling() and not _one_float32_row(_float_tensors(output)):
             super()._post_forward(module, args, output)
 
 
-def _one_row(tensors: list[torch.Tensor]) -> bool:
-    return bool(tensors) and tensors[0].numel() == tensors[0].shape[-1]
+def _one_float32_row(tensors: list[torch.Tensor]) -> bool:
+    if not tensors or tensors[0].dtype != torch.float32:
+        return False
+    return tensors[0].numel() == tensors[0].shape[-1]
 
 
 def attach_boundaries(layers: Sequence[nn.Module]) -> list[LayerBoundary]:

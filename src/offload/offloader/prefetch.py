@@ -111,8 +111,9 @@ class PrefetchOffloader(BaseOffloader):
         units = self._into_units(layers, modules)
         choice.check_some_offloaded(units, len(modules))
         device = self.device or units[0].params[0][1].device
-        if self._disk.place(units, device):  # some units stream
-            self.prefetch_step = max(self.prefetch_step, self._disk.settings.read_ahead + 1)
+        streaming_step = max(self.prefetch_step, self._disk.read_ahead + 1)
+        if self._disk.place(units, device, streaming_step):  # some units stream
+            self.prefetch_step = streaming_step
         return units
 
     def _into_units(self, layers: list[Unit], modules: list[nn.Module]) -> list[Unit]:
@@ -283,6 +284,7 @@ class PrefetchOffloader(BaseOffloader):
         self._units.released(position)
         if compiled:
             self._compiled_calls.release()
+        self._sources[position].release(self._layers[position])
         following = self._table.next_load(position)
         if following is not None:
             self._load(following)

@@ -25,6 +25,7 @@ class DiskStats:
     num_stalls: int = 0
     bytes_mapped: int = 0  # computed on in place from mapped files: nothing is read
     staging_bytes: int = 0  # host buffers the reads land in before a copy to the device
+    ram_bytes: int = 0  # (a process budget) the most RAM the stack takes: see `fit_stack`
 
     @classmethod
     def of_reads(cls, reads: ReadStats, staging_bytes: int = 0) -> DiskStats:

@@ -97,6 +97,9 @@ class Unit:
     address: int = 0  # where its first parameter lives in its slot (to catch replaced data)
     disk: DiskLayout | None = None  # streamed from the checkpoint's files instead of a slab
     mapped: bool = False  # on disk, computed on in place from a mapping of its file
+    # Mapped and kept: its pages stay in the process between uses (else they leave it
+    # once the unit has run, `MappedRead.release`: streamed units take no RSS).
+    pages_held: bool = False
 
     @classmethod
     def of(cls, module: nn.Module, name: str, params: list, layer_index: int) -> Unit:

@@ -22,7 +22,7 @@ from offload.memory.host import available_ram_bytes, meminfo_bytes
 from offload.offloader.layers import find_layer_stacks
 from offload.sizes import GIB, compute_dtype
 
-_MARGIN_BYTES = 64 * 2**20  # allocator slack, small kernels' workspaces
+MARGIN_BYTES = 64 * 2**20  # allocator slack, small kernels' workspaces
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class MemoryNeeds:
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations + _MARGIN_BYTES
+        return self.weights + self.kv_cache + self.activations + MARGIN_BYTES
 
 
 def kv_cache_bytes(hf_config, max_model_len: int, dtype: torch.dtype, batch: int = 1) -> int:
@@ -136,7 +136,7 @@ def check_fit(
     `host_room`: the bytes of RAM that weights moved off the device could take (0 where
     the device is the host's own RAM; None: not checked). Where offloading would need more
     than that, the fix said is the disk tier."""
-    need = resident_weights + needs.kv_cache + needs.activations + _MARGIN_BYTES
+    need = resident_weights + needs.kv_cache + needs.activations + MARGIN_BYTES
     if need <= budget:
         return
     if host_room is not None:
@@ -172,10 +172,10 @@ def _check_host_fits(needs: MemoryNeeds, budget: int, host_room: int) -> None:
     smallest = smallest_offload_gb(needs, budget)
     if smallest is None or smallest * GIB <= host_room:
         return
-    rest = needs.weights - needs.layer_stack + needs.kv_cache + needs.activations + _MARGIN_BYTES
+    rest = needs.weights - needs.layer_stack + needs.kv_cache + needs.activations + MARGIN_BYTES
     if host_room == 0:  # the device is this machine's RAM: every weight is in it
         keep = math.floor(max(budget - rest, 0) / GIB * 100) / 100
-        ram = needs.weights + needs.kv_cache + needs.activations + _MARGIN_BYTES
+        ram = needs.weights + needs.kv_cache + needs.activations + MARGIN_BYTES
         raise ModelError(
             f"the model does not fit this machine's RAM: it needs {ram / GIB:.2f} GiB "
             f"(weights {needs.weights / GIB:.2f}, "

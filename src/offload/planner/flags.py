@@ -21,6 +21,7 @@ VLLM_DESTS = (
     "offload_prefetch_step",
     "offload_params",
 )
+KV_MEMORY_FLAG = "--kv-cache-memory-bytes"  # vLLM's, and the run's on a budget
 TRANSFER_BOUND = 2.0  # a step this many times its compute is transfer-bound
 NEARLY_FREE = 1.1  # a larger batch whose step is within 10% costs almost nothing more
 _MAX_BATCH_TRIED = 1024
@@ -68,12 +69,23 @@ def offload_flags(plan: Plan) -> list[str]:
     return [*flags, "--max-model-len", str(plan.context_len)]
 
 
+def kv_flags(plan: Plan) -> list[str]:
+    """On a CPU's one budget, the KV cache the plan counts, as the run is told it (vLLM's
+    `--kv-cache-memory-bytes`): unless told, a run on a budget sets aside one sequence's,
+    keeps more layers in what is left and decodes fewer prompts at once than planned."""
+    if plan.budgets.ram_bytes is None or plan.batch_size == 1:
+        return []
+    kv_bytes = plan.shape.kv_bytes(plan.batch_size, plan.context_len)
+    return [KV_MEMORY_FLAG, str(kv_bytes)]
+
+
 def vllm_flags(plan: Plan) -> tuple[list[str], list[str]]:
     """Flags of `vllm serve` for what vLLM can express, and what it cannot (one phrase
     each: the reader runs ours for those)."""
     values = config_values(plan.config)
     flags = as_flags({d: v for d, v in values.items() if d in VLLM_DESTS})
     flags += ["--max-num-seqs", str(plan.batch_size), "--max-model-len", str(plan.context_len)]
+    flags += kv_flags(plan)
     missing = [f"{FLAG_NAMES[d]} (ours)" for d in values if d not in VLLM_DESTS]
     if plan.kv_offload:
         missing.append("the KV cache in host memory (--kv-offload)")

@@ -7,7 +7,7 @@ leave the device, and the config that puts them there. Pure functions of the siz
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from offload.config import (
     DiskOffloadConfig,
@@ -69,6 +69,46 @@ def prefetch_layouts(shape: ModelShape, host_budget_bytes: int, disk_io: DiskIO)
             if layout.staging_bytes < layout.offloaded_bytes:  # else no device byte saved
                 found.setdefault((layout.places, layout.prefetch_step), layout)
     return list(found.values())
+
+
+def prefetch_layouts_within(
+    shape: ModelShape, room_bytes: int, disk_io: DiskIO, budget_gb: float
+) -> list[Layout]:
+    """`prefetch_layouts` on a CPU's one budget: each keeps in RAM the offloaded layers
+    that `room_bytes` (the budget less the KV cache and activations) holds beside its
+    layers not offloaded and its slots (see `prefetch_within`)."""
+    found: dict[tuple, Layout] = {}
+    for group, num in spread_patterns(shape.num_layers):
+        for step in range(1, MAX_PREFETCH_STEP + 1):
+            layout = prefetch_within(shape, group, num, step, room_bytes, disk_io, budget_gb)
+            if layout.staging_bytes < layout.offloaded_bytes:  # else no byte saved
+                found.setdefault((layout.places, layout.prefetch_step, layout.host_bytes), layout)
+    return list(found.values())
+
+
+def prefetch_within(
+    shape: ModelShape,
+    group: int,
+    num: int,
+    step: int,
+    room_bytes: int,
+    disk_io: DiskIO,
+    budget_gb: float,
+) -> Layout:
+    """vLLM's pattern with `step` slots, keeping in RAM the offloaded layers that fit in
+    `room_bytes` beside the layers not offloaded and the slots; the others are read from
+    disk. Its config carries the budget itself (`budget_gb`, as `--cpu-memory-gb` says it
+    to the run, which takes the KV cache and activations out of it) and `disk_io`."""
+    every = sum(shape.layer_bytes)
+    whole = prefetch(shape, group, num, step, every, disk_io)  # nothing on disk
+    resident_bytes = every - whole.offloaded_bytes
+    keep = room_bytes - resident_bytes - whole.staging_bytes
+    if keep < whole.offloaded_bytes:  # some on disk: the slots of the disk's read-ahead
+        streamed = prefetch(shape, group, num, step, 0, disk_io)
+        keep = max(0, room_bytes - resident_bytes - streamed.staging_bytes)
+    layout = prefetch(shape, group, num, step, keep, disk_io)
+    disk = DiskOffloadConfig(cpu_memory_gb=budget_gb, disk_io=disk_io)
+    return replace(layout, config=replace(layout.config, disk=disk))
 
 
 def spread_patterns(num_layers: int) -> list[tuple[int, int]]:

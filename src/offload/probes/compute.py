@@ -6,6 +6,7 @@ norm, lm_head, masks) is the head."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import tempfile
@@ -18,7 +19,7 @@ import torch
 from offload.engine.graphs import DecodeStep
 from offload.engine.transformers_cache import static_cache
 from offload.errors import ModelError
-from offload.model.build import packed_layers
+from offload.model.build import build_empty, packed_layers
 from offload.model.gguf_settings import first_layers_only
 from offload.model.loader import load_model
 from offload.model.packed_modules import FORMS_KEY, method_of
@@ -50,23 +51,33 @@ class CutFrom(NamedTuple):
 class DecodeTimer:
     """Times decode steps of two models of `path`'s config, cut to the layers up to the
     timed one and to a few more of its kind, built once (so that they can be timed again,
-    as `offload bench` does before each run). A layer's time is the difference of their
-    steps over the layers between them: layers as they run back to back in the whole
-    model, with no hook or clock between them. A step is the engine's (`_decode_step`)
-    unless `step_timer` says how to time one."""
+    as `offload bench` does before each run); the shorter one's weights are the longer's
+    first layers', shared, so that the two take the memory of one. A layer's time is the
+    difference of their steps over the layers between them: layers as they run back to
+    back in the whole model, with no hook or clock between them. A step is the engine's
+    (`_decode_step`) unless `step_timer` says how to time one. `max_bytes` bounds the
+    weights and, at `cache_batch` sequences, the KV caches of the two; `keep_steps=False`
+    lets each batch size's steps (and caches) go once it is timed."""
 
     def __init__(
-        self, source: CutFrom, max_bytes: int | None = None, step_timer: StepTimer | None = None
+        self,
+        source: CutFrom,
+        max_bytes: int | None = None,
+        step_timer: StepTimer | None = None,
+        *,
+        cache_batch: int = 0,
+        keep_steps: bool = True,
     ):
         shape = source.shape
         self.count = max(2, shape.timed_layer + 1)  # the shorter model's layers
-        self.extra = _extra_layers(shape, self.count, max_bytes)
-        self.models = [
-            _cut_model(source, count)[0] for count in (self.count, self.count + self.extra)
-        ]
+        cache_layer = _cache_layer_bytes(shape, cache_batch, source.context_len)
+        self.extra = _extra_layers(shape, self.count, max_bytes, cache_layer)
+        longer = _cut_model(source, self.count + self.extra)[0]
+        self.models = [_sharing(source, self.count, longer), longer]
         self.shape, self.device, self.context_len = shape, source.device, source.context_len
         self._step_timer = step_timer or self._engine_step
         self._steps: dict[tuple[int, int], Callable[[], float]] = {}
+        self._keep_steps = keep_steps
 
     def time(
         self, batch_sizes: list[int], warmup: int = 2, repeats: int = 5
@@ -88,6 +99,9 @@ class DecodeTimer:
                 short_s = statistics.median(a for a, _ in pairs)
                 layer_s.append(layer)
                 head_s.append(max(0.0, short_s - self.count * layer))
+                if not self._keep_steps:  # (their KV caches go before the next batch's)
+                    del short, long
+                    self._steps.clear()
         return layer_s, head_s
 
     def _step(self, which: int, batch: int) -> Callable[[], float]:
@@ -105,22 +119,32 @@ def _layer_s(pairs: list[tuple[float, float]], extra: int) -> float:
     return statistics.median(max(0.0, long - short) / extra for short, long in pairs)
 
 
-def _extra_layers(shape: ModelShape, count: int, max_bytes: int | None) -> int:
+def _extra_layers(
+    shape: ModelShape, count: int, max_bytes: int | None, cache_layer_bytes: int = 0
+) -> int:
     """The longer cut model's layers beyond the shorter's `count`: a few, as many as the
-    layers the model has, `_EXTRA_BYTES` and `max_bytes` (both models' weights) allow; one
-    at least (a stack of two layers is timed against one of three)."""
+    layers the model has, `_EXTRA_BYTES` and `max_bytes` allow (the longer model's weights,
+    which the shorter shares, and both models' KV caches of `cache_layer_bytes` a layer);
+    one at least (a stack of two layers is timed against one of three)."""
     size = max(1, shape.layer_bytes[shape.timed_layer])
     extra = min(shape.num_layers - count, _EXTRA_LAYERS, _EXTRA_BYTES // size)
     if max_bytes is not None:
-        both = 2 * shape.outside_bytes + 2 * count * size  # the two models, before the extra
-        if both + size > max_bytes:
+        # the weights outside the layers, the shorter model's layers, both caches of them
+        fixed = shape.outside_bytes + count * (size + 2 * cache_layer_bytes)
+        each = size + cache_layer_bytes  # a layer more of the longer model, and its cache
+        if fixed + each > max_bytes:
             raise ModelError(
-                f"two models cut to {count} and {count + 1} layers take "
-                f"{format_bytes(both + size)}, more than the {format_bytes(max_bytes)} the "
-                f"measurement may use on the device"
+                f"models cut to {count} and {count + 1} layers take "
+                f"{format_bytes(fixed + each)}, more than the {format_bytes(max_bytes)} the "
+                f"measurement may use"
             )
-        extra = min(extra, (max_bytes - both) // size)
+        extra = min(extra, (max_bytes - fixed) // each)
     return max(1, extra)
+
+
+def _cache_layer_bytes(shape: ModelShape, batch: int, context_len: int) -> int:
+    """One layer's KV cache at `batch` sequences of `context_len` positions."""
+    return shape.kv_bytes(batch, context_len) // max(1, shape.num_layers)
 
 
 STREAM_EVERY_LAYER = {  # vLLM's pattern: every layer offloaded, two slots
@@ -183,8 +207,10 @@ def time_decode(
     max_bytes: int | None = None,
 ) -> tuple[list[float], list[float]]:
     """Per batch size: (seconds of one layer, seconds of the rest of a decode step), the
-    cut models' weights within `max_bytes` (None: no limit)."""
-    timer = DecodeTimer(CutFrom(path, shape, device, context_len, trust_remote_code), max_bytes)
+    cut models' weights and KV caches (one batch size's at a time) within `max_bytes`
+    (None: no limit)."""
+    source = CutFrom(path, shape, device, context_len, trust_remote_code)
+    timer = DecodeTimer(source, max_bytes, cache_batch=max(batch_sizes), keep_steps=False)
     return timer.time(batch_sizes, warmup, repeats)
 
 
@@ -219,6 +245,43 @@ def _cut_model(source: CutFrom, count: int, offload: dict | None = None):
     loaded on its device with `offload` (an OffloadConfig's fields; None: none), and its
     offloader (a config saved to a temporary folder, loaded as `load_format="dummy"` loads
     shapes)."""
+    with _cut_folder(source, count) as folder:
+        try:
+            return load_model(
+                folder,
+                offload,
+                device=source.device,
+                dtype=source.shape.dtype,
+                load_format="dummy",
+                trust_remote_code=source.trust_remote_code,
+            )
+        except ModelError as error:
+            raise ModelError(
+                f"cannot build one layer of {source.path} to time it: {error}"
+            ) from None
+
+
+def _sharing(source: CutFrom, count: int, longer: torch.nn.Module) -> torch.nn.Module:
+    """The model of `source`'s config cut to `count` layers whose parameters and buffers
+    are `longer`'s of the same names (its first layers, and the weights outside them):
+    built on the meta device, it allocates no weight of its own."""
+    with _cut_folder(source, count) as folder:
+        shorter = build_empty(Path(folder), source.shape.dtype, source.trust_remote_code)
+    tensors = dict(longer.named_parameters(remove_duplicate=False))
+    tensors.update(longer.named_buffers(remove_duplicate=False))
+    for name, module in shorter.named_modules(remove_duplicate=False):
+        prefix = f"{name}." if name else ""
+        for table in (module._parameters, module._buffers):
+            for leaf in table:
+                if table[leaf] is not None:
+                    table[leaf] = tensors[prefix + leaf]
+    return shorter.eval()
+
+
+@contextlib.contextmanager
+def _cut_folder(source: CutFrom, count: int):
+    """A temporary folder with the config of `source` cut to its first `count` layers
+    (and a checkpoint's own code, for a trusted one)."""
     from transformers import AutoConfig
 
     path, trust_remote_code = source.path, source.trust_remote_code
@@ -240,14 +303,4 @@ def _cut_model(source: CutFrom, count: int, offload: dict | None = None):
         cut.save_pretrained(folder)
         for code in Path(path).glob("*.py"):  # a checkpoint's own code, when trusted
             (Path(folder) / code.name).write_bytes(code.read_bytes())
-        try:
-            return load_model(
-                folder,
-                offload,
-                device=source.device,
-                dtype=source.shape.dtype,
-                load_format="dummy",
-                trust_remote_code=trust_remote_code,
-            )
-        except ModelError as error:
-            raise ModelError(f"cannot build one layer of {path} to time it: {error}") from None
+        yield folder

@@ -19,8 +19,9 @@ from offload.memory.disk_reader import CHUNK_BYTES, DiskReader, FileStamp
 from offload.memory.page_cache import cached_bytes, drop_cached, read_cached
 from offload.memory.placement import DiskIO
 from offload.memory.safetensors import checkpoint_tensors
+from offload.sizes import MIB
 
-_READ_BYTES = 64 * 2**20  # one read of the disk probe; two are in flight
+_READ_BYTES = 64 * MIB  # one read of the disk probe; two are in flight
 
 
 def disk_gb_per_s(
@@ -30,14 +31,20 @@ def disk_gb_per_s(
     computing: bool = False,
     reads: list[tuple[Extent, ...]] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    max_read_bytes: int | None = None,
 ) -> float:
     """Reads around the page cache by the disk tier's reader on `threads` I/O threads (each
     read split into a request per thread, at least `chunk_bytes`), two in flight, up to
-    `max_bytes`: `reads` in their order (each one layer's extents, see `layer_reads`),
-    else `files` sequentially; GB/s. With
-    `computing`, matrix products run on the compute threads meanwhile, as a layer's compute
-    does beside the tier's reads (on a CPU they take the cores the reads need)."""
-    reads = _capped(reads, max_bytes) if reads else list(_pieces(files, max_bytes))
+    `max_bytes`: `reads` in their order (each one layer's extents, see `layer_reads`, cut
+    into reads of `max_read_bytes` at most where given: the probe's buffers stay within a
+    memory budget), else `files` sequentially; GB/s. With `computing`, matrix products run
+    on the compute threads meanwhile, as a layer's compute does beside the tier's reads (on
+    a CPU they take the cores the reads need)."""
+    if reads:
+        reads = _capped(reads, max_bytes)
+        reads = reads if max_read_bytes is None else _split(reads, max_read_bytes)
+    else:
+        reads = list(_pieces(files, max_bytes, min(_READ_BYTES, max_read_bytes or _READ_BYTES)))
     touched = sorted({extent.path for extents in reads for extent in extents})
     drop_cached(touched)  # pages cached already would be read from memory, not the disk
     reader = DiskReader(
@@ -80,15 +87,37 @@ def _capped(reads: list[tuple[Extent, ...]], max_bytes: int) -> list[tuple[Exten
     return kept
 
 
-def _pieces(files: list[Path], max_bytes: int):
-    """One extent at a time covering `files` in order, until `max_bytes` are covered."""
+def _split(reads: list[tuple[Extent, ...]], max_read_bytes: int) -> list[tuple[Extent, ...]]:
+    """`reads` in the same order, each cut into reads of at most `max_read_bytes` (whole
+    `ALIGN` blocks; an extent longer than that is cut too)."""
+    limit = max(ALIGN, max_read_bytes // ALIGN * ALIGN)
+    pieces = [
+        Extent(e.path, e.file_offset + start, min(limit, e.num_bytes - start), 0)
+        for extents in reads
+        for e in extents
+        for start in range(0, e.num_bytes, limit)
+    ]
+    split, current, size = [], [], 0
+    for piece in pieces:
+        if current and size + piece.num_bytes > limit:
+            split.append(tuple(current))
+            current, size = [], 0
+        current.append(piece)
+        size += piece.num_bytes
+    return [*split, tuple(current)] if current else split
+
+
+def _pieces(files: list[Path], max_bytes: int, read_bytes: int = _READ_BYTES):
+    """One extent of `read_bytes` at a time covering `files` in order, until `max_bytes`
+    are covered."""
+    read_bytes = max(ALIGN, read_bytes // ALIGN * ALIGN)
     remaining = max_bytes
     for path in files:
         size = path.stat().st_size
-        for offset in range(0, size, _READ_BYTES):
+        for offset in range(0, size, read_bytes):
             if remaining <= 0:
                 return
-            length = min(_READ_BYTES, size - offset)
+            length = min(read_bytes, size - offset)
             yield (Extent(path, offset, -(-length // ALIGN) * ALIGN, 0),)
             remaining -= length
 
@@ -158,7 +187,7 @@ def probe_file(folder: Path, num_bytes: int):
     descriptor, name = tempfile.mkstemp(prefix=".disk-probe-", dir=folder)
     path = Path(name)
     try:
-        block = torch.arange(_READ_BYTES, dtype=torch.int32).to(torch.uint8).numpy().tobytes()
+        block = bytes(range(256)) * (MIB // 256)  # (a MiB: written without a large buffer)
         with os.fdopen(descriptor, "wb") as file:
             for offset in range(0, num_bytes, len(block)):
                 file.write(block[: num_bytes - offset])

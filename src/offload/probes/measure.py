@@ -7,6 +7,7 @@ workload; `remeasure=True` measures again and replaces the cached file."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import hashlib
@@ -24,15 +25,17 @@ import torch
 from offload.config import DiskOffloadConfig
 from offload.errors import ModelError
 from offload.model.default import cache_dir
+from offload.planner.fit import MARGIN_BYTES
 from offload.planner.measurements import Measured, Measurements
 from offload.planner.shape import ModelShape
 from offload.probes import disk, link
 from offload.probes.compute import CutFrom, ForwardCopies, time_decode
 from offload.probes.host import OthersLoad, machine_name, software
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
-from offload.sizes import MIB
+from offload.sizes import MIB, format_bytes
 
 BUSY = 0.25  # other processes' share of the CPUs above which the measurements say so
+_COPIED_LAYERS = 4  # the streamed model that times a CPU's copies in a forward
 
 # Raised whenever a probe measures differently, so that figures cached by the old one are
 # not read back (its history is in docs/design.md).
@@ -183,9 +186,18 @@ def _measure_forward_copies(measured: Measurements, target: _Target) -> None:
     apart from a plain memory copy's rate (docs/benchmarks.md). Where the cut model cannot
     stream, the memory copy stays."""
     path, shape, device, s, trust_remote_code = target
+    gc.collect()  # the compute probe's models are gone before this one is built
+    need = _forward_copies_bytes(shape, _COPIED_LAYERS, max(measured.batch_sizes), measured)
+    if s.max_host_bytes is not None and need > s.max_host_bytes:
+        measured.notes.append(
+            f"copies in a forward not measured (a model of {_COPIED_LAYERS} streamed layers "
+            f"takes {format_bytes(need)}, more than the {format_bytes(s.max_host_bytes)} "
+            f"budget): a memory copy's rate"
+        )
+        return
     try:
         source = CutFrom(path, shape, device, measured.context_len, trust_remote_code)
-        copies = ForwardCopies(source, 4)
+        copies = ForwardCopies(source, _COPIED_LAYERS)
     except ModelError as error:
         measured.notes.append(f"copies in a forward not measured ({error}): a memory copy's rate")
         return
@@ -199,6 +211,15 @@ def _measure_forward_copies(measured: Measurements, target: _Target) -> None:
         copies.close()
 
 
+def _forward_copies_bytes(shape: ModelShape, count: int, batch: int, measured: Measurements) -> int:
+    """What `ForwardCopies` of `count` layers takes beside the weights outside them: the
+    layers, two slots of a layer (at most: a CPU's slots hold modules), the KV cache of
+    `batch` sequences, activations."""
+    size = shape.layer_bytes[shape.timed_layer]
+    kv = shape.kv_bytes(batch, measured.context_len) * count // max(1, shape.num_layers)
+    return (count + 2) * size + kv + shape.activation_bytes
+
+
 def _measure_disk(measured: Measurements, target: _Target) -> None:
     path, stack_name, s = target.path, target.shape.stack_name, target.settings
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -206,13 +227,14 @@ def _measure_disk(measured: Measurements, target: _Target) -> None:
     try:
         if files:
             reads = checkpoint_reads(path, stack_name)
-            _read_rates(measured, files, s.disk_bytes, threads, s.disk_passes, reads)
+            _read_rates(measured, files, s, threads, reads)
             measured.disk_source = "the checkpoint's files" + (
                 ", its layers in the order they run" if reads else ""
             )
             return
         with disk.probe_file(plans_dir(), s.probe_file_bytes) as probe:
-            _read_rates(measured, [probe], s.probe_file_bytes, threads, s.disk_passes, None)
+            probing = dataclasses.replace(s, disk_bytes=s.probe_file_bytes)
+            _read_rates(measured, [probe], probing, threads, None)
         measured.disk_source = f"a {s.probe_file_bytes // MIB} MiB file in {plans_dir()}"
     except (OSError, ModelError) as error:  # the disk tier could not read here either
         measured.notes.append(f"disk not measured ({error}): no disk tier planned")
@@ -230,19 +252,25 @@ def checkpoint_reads(path: Path, stack_name: str) -> list | None:
 def _read_rates(
     measured: Measurements,
     files: list[Path],
-    max_bytes: int,
+    settings: MeasureSettings,
     threads: int,
-    passes: int,
     reads: list | None,
 ) -> None:
-    """The disk's rate alone and, on a CPU, beside compute: medians of `passes` passes,
-    alternated (a virtual disk's rate drifts). The files' pages cached before are read
-    back in after, so that a warm checkpoint stays warm."""
+    """The disk's rate alone and, on a CPU, beside compute: medians of the settings'
+    passes, alternated (a virtual disk's rate drifts), each read within its budget. The
+    files' pages cached before are read back in after, so that a warm checkpoint stays
+    warm."""
     computing = [False, True] if measured.device_type == "cpu" else [False]
+    s = settings
     with disk.kept_warm(files):
         rates = [
-            [disk.disk_gb_per_s(files, max_bytes, threads, busy, reads) for busy in computing]
-            for _ in range(passes)
+            [
+                disk.disk_gb_per_s(
+                    files, s.disk_bytes, threads, busy, reads, max_read_bytes=s.max_read_bytes
+                )
+                for busy in computing
+            ]
+            for _ in range(s.disk_passes)
         ]
     measured.disk_gb_per_s = statistics.median(alone for alone, *_ in rates)
     if measured.device_type == "cpu":
@@ -261,9 +289,7 @@ def _measure_compute(measured: Measurements, target: _Target) -> None:
             warmup=s.warmup,
             repeats=s.repeats,
             trust_remote_code=trust_remote_code,
-            max_bytes=None
-            if device.type != "cuda" or s.max_device_bytes is None
-            else s.max_device_bytes // 2,
+            max_bytes=_compute_bytes(target),
         )
     except ModelError as error:
         measured.notes.append(f"compute not measured ({error}): predictions count bytes only")
@@ -272,6 +298,19 @@ def _measure_compute(measured: Measurements, target: _Target) -> None:
         return
     for name in ("layer_s", "head_s"):  # (noise made a plan call larger batches slower)
         setattr(measured, name, consistent_times(measured.batch_sizes, getattr(measured, name)))
+
+
+def _compute_bytes(target: _Target) -> int | None:
+    """What the cut models that time compute may take (their weights, outside the layers
+    too, and KV caches): half the device budget on a GPU; on a CPU given a budget, the
+    budget less a prefill's activations and the allocator's slack, beside the weights
+    outside the layers (the fixed overhead holds those); None: no limit."""
+    shape, s = target.shape, target.settings
+    if target.device.type == "cuda":
+        return None if s.max_device_bytes is None else s.max_device_bytes // 2
+    if s.max_host_bytes is None:
+        return None
+    return s.max_host_bytes + shape.outside_bytes - shape.activation_bytes - MARGIN_BYTES
 
 
 def consistent_times(batch_sizes: list[int], seconds: list[float]) -> list[float]:

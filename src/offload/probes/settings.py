@@ -28,14 +28,24 @@ class MeasureSettings:
     # The device memory the probes may take on a GPU (None: no limit): a quarter of it for
     # a link copy, half for the cut models that time compute.
     max_device_bytes: int | None = None
+    # The RAM the probes may take on a CPU given a budget (`cpu_memory_gb`; None: no
+    # limit), beside the fixed overhead: a quarter for each of a link copy's two buffers
+    # and of the disk probe's two reads in flight, all of it for the cut models that time
+    # compute (beside the weights outside their layers: the overhead holds those).
+    max_host_bytes: int | None = None
 
     def on(self, device: torch.device) -> MeasureSettings:
-        """These settings with the copy sized to fit `max_device_bytes` on a GPU."""
-        if device.type != "cuda" or self.max_device_bytes is None:
+        """These settings with the copy sized to fit `max_device_bytes` on a GPU, or
+        `max_host_bytes` on a CPU."""
+        limit = self.max_device_bytes if device.type == "cuda" else self.max_host_bytes
+        if limit is None:
             return self
-        return dataclasses.replace(
-            self, copy_bytes=max(MIB, min(self.copy_bytes, self.max_device_bytes // 4))
-        )
+        return dataclasses.replace(self, copy_bytes=max(MIB, min(self.copy_bytes, limit // 4)))
+
+    @property
+    def max_read_bytes(self) -> int | None:
+        """The most one read of the disk probe takes (None: a layer, however large)."""
+        return None if self.max_host_bytes is None else max(MIB, self.max_host_bytes // 4)
 
 
 DEFAULT_SETTINGS = MeasureSettings()  # what `offload plan`, "auto" and `offload bench` use

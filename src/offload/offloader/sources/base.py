@@ -30,6 +30,10 @@ class UnitSource(ABC):
         """Each of `unit`'s parameters where compute reads it (uint8): in its slot."""
         return unit.slot_views(slot)
 
+    def release(self, unit: Unit) -> None:
+        """`unit` has run (its slot is about to be refilled): what it held may go."""
+        return None  # (a slot or a slab stays: nothing to let go of)
+
 
 class DiskSource(UnitSource):
     """A source of the units on disk, which also does for all of them what the disk tier

@@ -41,6 +41,13 @@ class MappedRead(DiskSource):
             views.append(self._mapped.view(Path(stored.path), stored.offset, stored.num_bytes))
         return views
 
+    def release(self, unit: Unit) -> None:
+        """A streamed unit's pages leave the process once it has run (they stay in the
+        page cache): mapped reads then take one unit's pages of RSS at a time, not the
+        whole file's. A later read of them faults them in again, from the same file."""
+        if not unit.pages_held:
+            self._mapped.drop(unit.disk.extents)
+
     def leave(self) -> None:
         self._mapped.leave()  # a mapping of a changed file may go now
 

@@ -1,0 +1,82 @@
+"""The fixed overhead of a process that runs a model: the memory a budget (`cpu_memory_gb`,
+B) does not cover, so that its peak RSS stays within B + this (docs/guide.md, "Memory").
+
+B holds what the run chooses the size of: the layer stack's weights in RAM (kept layers,
+slots, pages of mapped checkpoint files that a forward touches), the KV cache and a step's
+activations. The rest is fixed whatever B is: the process itself (Python, torch,
+transformers and offload imported, the model built empty), the parameters outside the
+layer stack (embedding, final norm, head: every step reads them, so they stay in RAM) and
+the tokenizer. A pure function of the built model and the tokenizer's files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from offload.offloader.layers import find_layer_stacks
+from offload.sizes import GIB, parameter_bytes
+
+# RSS of a process that has imported torch, transformers and offload and built the model
+# on the meta device, before any weight is read (measured on Linux x86-64, torch 2.x:
+# 348 MiB; `offload serve`'s HTTP stack adds ~16 MiB), rounded up.
+PROCESS_BASELINE_BYTES = 384 * 2**20
+# A loaded tokenizer's RSS per byte of its files (measured: SmolLM2's 3.5 MB
+# tokenizer.json took 63 MiB once loaded and used), rounded up.
+TOKENIZER_BYTES_PER_FILE_BYTE = 20
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+)
+
+
+@dataclass(frozen=True)
+class FixedOverhead:
+    """The memory a budget does not cover, by part (bytes)."""
+
+    process_bytes: int
+    outside_stack_bytes: int  # parameters outside the layer stack, in the run's dtype
+    tokenizer_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.process_bytes + self.outside_stack_bytes + self.tokenizer_bytes
+
+    def describe(self) -> str:
+        """E.g. "0.84 GiB (process 0.38, outside the layer stack 0.38, tokenizer 0.07)"."""
+        return (
+            f"{self.total_bytes / GIB:.2f} GiB (process {self.process_bytes / GIB:.2f}, "
+            f"outside the layer stack {self.outside_stack_bytes / GIB:.2f}, "
+            f"tokenizer {self.tokenizer_bytes / GIB:.2f})"
+        )
+
+
+def fixed_overhead(model: nn.Module, tokenizer_folder: Path | None = None) -> FixedOverhead:
+    """The fixed overhead of running `model` (built, on the meta device or loaded) with
+    the tokenizer in `tokenizer_folder` (None: no tokenizer counted)."""
+    stack = sum(
+        parameter_bytes(block) for _, blocks in find_layer_stacks(model) for block in blocks
+    )
+    return FixedOverhead(
+        process_bytes=PROCESS_BASELINE_BYTES,
+        outside_stack_bytes=parameter_bytes(model) - stack,
+        tokenizer_bytes=tokenizer_bytes(tokenizer_folder) if tokenizer_folder else 0,
+    )
+
+
+def tokenizer_bytes(folder: Path) -> int:
+    """What the tokenizer whose files are in `folder` takes once loaded (an estimate from
+    the size of its vocabulary files)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return 0
+    found = sum(
+        (folder / name).stat().st_size for name in _TOKENIZER_FILES if (folder / name).is_file()
+    )
+    return found * TOKENIZER_BYTES_PER_FILE_BYTE

@@ -1,0 +1,75 @@
+"""The compiled CPU decode step of a bfloat16 or float16 checkpoint (engine/step_linears.py):
+it compiles with its products written out, and offloaded it gives the resident step's bits."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from offload.engine import cpu_linear
+from offload.llm.llm import LLM
+from tests import zoo
+from tests.engine.test_cpu_step import (  # noqa: F401 (`compiles`: a fixture)
+    GREEDY,
+    OFFLOADS,
+    _assert_close_logprobs,
+    _run,
+    _run_batch,
+    compiles,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+NUM_LAYERS = 2
+PRODUCTS = NUM_LAYERS * 7 + 1  # a Llama layer's q, k, v, o, gate, up, down; the head
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def halves(request, tmp_path_factory):
+    """A tiny checkpoint stored in bfloat16 or float16 (`dtype="auto"` runs it so)."""
+    folder = tmp_path_factory.mktemp(str(request.param).removeprefix("torch."))
+    return zoo.save_attentive_llm(folder, num_layers=NUM_LAYERS, dtype=request.param)
+
+
+def _rows_run(llm, rows: int) -> list:
+    """(tokens, logprobs) of each sequence of a greedy run of one row, or of two."""
+    return [_run(llm)] if rows == 1 else _run_batch(llm)
+
+
+def _compiled_runs(llm, batches: tuple[int, ...]) -> tuple[list, object]:
+    """`_rows_run` of each row count in `batches`, each compiled, each compile's products
+    written out (counted); and what the runs moved."""
+    results = []
+    for rows in batches:
+        before = counters["offload"]["products_rewritten"]
+        results.append(_rows_run(llm, rows))
+        assert counters["offload"]["products_rewritten"] - before == PRODUCTS
+    moved = llm.transfer_stats()
+    assert moved.num_compiled_steps == len(batches) * (GREEDY.max_tokens - 1)
+    return results, moved
+
+
+# (bf16: every setting at one row, the disk tier's batch too, oneDNN's bf16 product; fp16
+# a batch, its product each slice widened to float32: no fp16 kernel on an AVX2 machine)
+SETTINGS = {torch.bfloat16: {"prefetch": (1,), "disk": (1, 2)}, torch.float16: {"disk": (2,)}}
+
+
+@pytest.mark.usefixtures("compiles")
+def test_a_halves_model_compiles_and_offloaded_gives_the_resident_bits(halves, monkeypatch):
+    monkeypatch.setattr(cpu_linear, "UPCAST_MIN_ROWS", 2)  # (where fp16 widens: every batch)
+    resident = LLM(halves, device="cpu")
+    settings = SETTINGS[resident.model.get_input_embeddings().weight.dtype]
+    batches = tuple(sorted({rows for each in settings.values() for rows in each}))
+    expected, _ = _compiled_runs(resident, batches)
+    # The eager step's function: the same tokens, logprobs to the dtype's roundings.
+    eager = LLM(halves, device="cpu", enforce_eager=True)
+    for result, rows in zip(expected, batches, strict=True):
+        for (tokens, logprobs), (eager_tokens, eager_logprobs) in zip(
+            result, _rows_run(eager, rows), strict=True
+        ):
+            assert tokens == eager_tokens
+            _assert_close_logprobs(logprobs, eager_logprobs, tolerance=0.05)
+    for setting, rows in settings.items():
+        llm = LLM(halves, device="cpu", **OFFLOADS[setting])
+        result, moved = _compiled_runs(llm, rows)
+        assert result == [expected[batches.index(n)] for n in rows], setting
+        assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes > 0

@@ -1,0 +1,125 @@
+"""The compiled CPU step made in the background (engine/step_jobs.py): no decode step waits
+for a compile or a load; steps run eagerly until it is ready, compiled after; a compile
+that finishes after its LLM closed keeps nothing."""
+
+import threading
+
+import pytest
+from torch._dynamo.utils import counters
+
+from offload import SamplingParams
+from offload.engine import compiled_step, cpu_linear, cpu_step, step_cache
+from offload.engine.step_jobs import StepJobs
+from offload.llm.llm import LLM
+from tests import zoo
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=5, ignore_eos=True)
+PROMPT = {"prompt_token_ids": [5, 9, 14, 3, 27, 8, 11]}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return zoo.save_attentive_llm(tmp_path_factory.mktemp("tiny"), num_layers=2)
+
+
+@pytest.fixture
+def gate(monkeypatch, tmp_path):
+    """Background compiles on (the suite turns compiling off), steps kept in the test's
+    own folder, and every job held until the test opens the gate (at most a minute: a
+    decode loop that waited for its job would fail its test, not hang it)."""
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(cpu_step.ENV, "1")
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)
+    opened = threading.Event()
+    kept = compiled_step.CompiledCpuStep._kept
+
+    def held(self, step, path):
+        opened.wait(60)
+        return kept(self, step, path)
+
+    monkeypatch.setattr(compiled_step.CompiledCpuStep, "_kept", held)
+    return opened
+
+
+def _run(llm):
+    [out] = llm.generate(PROMPT, GREEDY, use_tqdm=False)
+    return out.outputs[0].token_ids, out.outputs[0].logprobs
+
+
+def test_steps_run_eagerly_while_the_step_compiles_then_compiled(checkpoint, gate, monkeypatch):
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    eager = _run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
+    tokens, logprobs = _run(llm)  # the compile held: every step eager, none waited for it
+    # (eager steps over the cache rounded up for the compiled step: other bits than an
+    # eager LLM's own exact cache, the same tokens)
+    assert tokens == eager[0] and len(logprobs) == len(eager[1])
+    assert llm.transfer_stats().num_compiled_steps == 0 and llm._cpu_step.compiling
+    assert llm.transfer_stats().compile_s == 0  # (no step waited)
+    gate.set()
+    llm.wait_for_compiles()
+    assert not llm._cpu_step.compiling and len(list(step_cache.folder().glob("*.pt2"))) == 1
+    result = _run(llm)
+    assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
+    monkeypatch.setenv(cpu_step.ENV, "wait")
+    compiled = LLM(checkpoint, device="cpu", dtype="float32")
+    assert _run(compiled) == result  # the compiled step's bits
+    # A later LLM of the same setting loads the kept step in the background: no trace.
+    monkeypatch.setenv(cpu_step.ENV, "1")
+    graphs = counters["stats"]["unique_graphs"]
+    later = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(later)
+    later.wait_for_compiles()
+    assert _run(later) == result and later._cpu_step.loaded == 1
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def _serve_one(serving) -> list:
+    """One request through the server's engine (its own thread): its token ids."""
+    import queue
+
+    out = queue.Queue()
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    serving.submit(None, [5, 9, 14], params, out.put)
+    while not (item := out.get(timeout=60)).finished:
+        assert not isinstance(item, BaseException), item
+    return item.outputs[0].token_ids
+
+
+def test_a_server_starts_and_serves_eagerly_while_its_steps_compile(checkpoint, gate):
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    serving = llm.serving(2)
+    serving.warm_up()  # (returns at once: its two steps wait at the gate)
+    assert llm._cpu_step.compiling and not llm._cpu_step._steps
+    assert len(_serve_one(serving)) == 4
+    assert llm.transfer_stats().num_compiled_steps == 0
+    gate.set()
+    llm.wait_for_compiles()
+    assert len(_serve_one(serving)) == 4
+    assert llm.transfer_stats().num_compiled_steps == 3  # (the first token is the prefill's)
+    serving.close()
+
+
+def test_a_compile_that_ends_after_close_keeps_nothing(checkpoint, gate):
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(llm)
+    step = llm._cpu_step
+    assert step.compiling
+    llm.close()
+    gate.set()
+    assert step.wait(60)
+    assert not list(step_cache.folder().glob("*.pt2"))
+
+
+def test_jobs_run_once_each_and_hand_their_result_over_once():
+    jobs, ran = StepJobs(), []
+    opened = threading.Event()
+    jobs.submit("a", lambda: (opened.wait(10), ran.append("a"), 1)[-1])
+    jobs.submit("a", lambda: ran.append("again"))  # (queued already: not again)
+    assert jobs.pending("a") and jobs.take("a") == (False, None)
+    opened.set()
+    assert jobs.wait(10) and ran == ["a"]
+    assert jobs.take("a") == (True, 1) and jobs.take("a") == (False, None)
+    jobs.submit("b", lambda: 1 / 0)  # a failing job: None, logged
+    assert jobs.wait(10) and jobs.take("b") == (True, None)
