@@ -74,7 +74,7 @@ COLD_MODEL = {
     "eos_token_id": 2,
 }
 SHARD_BYTES = 500 * 10**6  # not a multiple of a layer: layers span shard files
-TIER_READ_BYTES = 4 * 2**20  # the size of the tier's read requests
+TIER_READ_BYTES = 4 * 2**20  # the least size of the tier's read requests
 SLACK = 1.10  # the "+10%" on memory allowances
 TARGET_STEP_OVER_BOUND = 1.15
 _GIB = 2**30

@@ -91,6 +91,27 @@ def test_reads_give_the_files_bytes(tmp_path, io, chunk_bytes):
     reader.close()
 
 
+@pytest.mark.parametrize(
+    ("layer_blocks", "least_blocks", "threads", "requests"),
+    [(64, 1, 2, [32, 32]), (64, 1, 3, [22, 22, 20]), (64, 48, 2, [48, 16]), (8, 16, 2, [8])],
+)
+def test_a_layers_read_is_one_request_per_thread(
+    tmp_path, layer_blocks, least_blocks, threads, requests
+):
+    """Fewer, larger requests: each wakes its I/O thread, which a CPU computing beside
+    the reads runs late (docs/design.md); each at least `chunk_bytes`, in whole blocks."""
+    path = tmp_path / "layer.bin"
+    raw = _file(path, layer_blocks * ALIGN)
+    reader = DiskReader([FileStamp.of(path)], num_threads=threads, chunk_bytes=least_blocks * ALIGN)
+    pread, sizes = reader._pread, []
+    reader._pread = lambda path, offset, target: (
+        sizes.append(target.numel()) or pread(path, offset, target)
+    )
+    assert _read(reader, [TensorRange(path, 0, layer_blocks * ALIGN)]) == [raw]
+    assert sorted(sizes, reverse=True) == [ALIGN * n for n in requests]
+    reader.close()
+
+
 def test_a_read_into_a_buffer_lands_after_the_read_before_it(tmp_path):
     """Two reads into one buffer: the second must win even when the first is slow (a
     read abandoned by a Ctrl-C may still be running when the slot is loaded again)."""
@@ -208,7 +229,10 @@ def test_a_fault_with_reads_still_queued_raises_instead_of_hanging(tmp_path, mon
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(disk_reader.os, "preadv", failing)
-    layout = plan_layout([TensorRange(path, 0, 64 * ALIGN)])
+    # (two runs apart: two requests on the one thread, whatever a request's size)
+    layout = plan_layout(
+        [TensorRange(path, 0, 8 * ALIGN), TensorRange(path, 32 * ALIGN, 8 * ALIGN)]
+    )
     ticket = reader.read(aligned_empty(layout.num_bytes), layout.extents)
     outcome = []
 

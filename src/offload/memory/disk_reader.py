@@ -31,7 +31,13 @@ from offload.memory.disk_layout import ALIGN, Extent
 from offload.memory.file_stamp import DiskReadError, FileStamp
 from offload.memory.placement import READ_MODES, DiskIO
 
-CHUNK_BYTES = 4 * 2**20  # one read request: large enough to stream, small enough to spread
+# The least bytes of one read request. A layer's reads are split into one request per
+# thread (each at least this): on a CPU whose cores compute beside the reads, each request
+# waits for its I/O thread to be run again, and beside matrix products on both cores 4 MiB
+# requests of a 28 MiB layer read at 0.6-1.7 GB/s where 16-32 MiB ones read at 1.3-2.2
+# (medians of paired runs on a shared 2-core machine whose reads alone ran at 1.8-2.6;
+# benchmarks/gguf_convert.py --compare, docs/benchmarks.md).
+CHUNK_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -74,7 +80,7 @@ class DiskReader:
         *,
         num_threads: int = 2,
         io: DiskIO = DiskIO.DIRECT,
-        chunk_bytes: int = CHUNK_BYTES,
+        chunk_bytes: int = CHUNK_BYTES,  # the least bytes of a request
         delay_s: float = 0.0,
     ):
         if io not in READ_MODES:
@@ -123,9 +129,10 @@ class DiskReader:
         with self._buffers:
             generation = self._generation[key] = self._generation.get(key, 0) + 1
         ticket = ReadTicket([])
+        chunk_bytes = self._request_bytes(extents)
         for extent in extents:
-            for done in range(0, extent.num_bytes, self._chunk_bytes):
-                size = min(self._chunk_bytes, extent.num_bytes - done)
+            for done in range(0, extent.num_bytes, chunk_bytes):
+                size = min(chunk_bytes, extent.num_bytes - done)
                 target = buffer[extent.buffer_offset + done : extent.buffer_offset + done + size]
                 job = (extent.path, extent.file_offset + done, target, (key, generation), after)
                 try:
@@ -134,6 +141,13 @@ class DiskReader:
                     self._raise_fault()
                     raise
         return ticket
+
+    def _request_bytes(self, extents: Sequence[Extent]) -> int:
+        """The size of each request of one read: its bytes split over the threads, in
+        whole blocks (`O_DIRECT`), and never under `chunk_bytes`."""
+        total = sum(extent.num_bytes for extent in extents)
+        share = -(-total // self._num_threads)
+        return max(self._chunk_bytes, -(-share // ALIGN) * ALIGN)
 
     def wait(self, ticket: ReadTicket, *, count_stall: bool = True) -> None:
         """Block until `ticket`'s reads have landed; raise the fault of any of them.

@@ -34,12 +34,12 @@ def disk_gb_per_s(
     max_read_bytes: int | None = None,
 ) -> float:
     """Reads around the page cache by the disk tier's reader on `threads` I/O threads (each
-    request `chunk_bytes`), two in flight, up to `max_bytes`: `reads` in their order (each
-    one layer's extents, see `layer_reads`, cut into reads of `max_read_bytes` at most where
-    given: the probe's buffers stay within a memory budget), else `files` sequentially;
-    GB/s. With `computing`, matrix products run on the compute threads meanwhile, as a
-    layer's compute does beside the tier's reads (on a CPU they take the cores the reads
-    need)."""
+    read split into a request per thread, at least `chunk_bytes`), two in flight, up to
+    `max_bytes`: `reads` in their order (each one layer's extents, see `layer_reads`, cut
+    into reads of `max_read_bytes` at most where given: the probe's buffers stay within a
+    memory budget), else `files` sequentially; GB/s. With `computing`, matrix products run
+    on the compute threads meanwhile, as a layer's compute does beside the tier's reads (on
+    a CPU they take the cores the reads need)."""
     if reads:
         reads = _capped(reads, max_bytes)
         reads = reads if max_read_bytes is None else _split(reads, max_read_bytes)

@@ -15,14 +15,13 @@ import torch
 from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import Extent
-from offload.memory.disk_reader import CHUNK_BYTES
 from offload.memory.host import meminfo_bytes
 from offload.probes import disk, link
 from offload.probes.disk import cached_read_gb_per_s, first_files
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 
-TIER_WAY = f"{OffloadConfig().disk.io_threads} threads, {CHUNK_BYTES // 2**20} MiB reads"
-SEQUENTIAL_WAY = "1 thread, 16 MiB reads"
+TIER_WAY = f"{OffloadConfig().disk.io_threads} threads, a layer split over them"
+SEQUENTIAL_WAY = "1 thread, 64 MiB reads"
 
 
 @dataclass
@@ -145,7 +144,7 @@ def measure_disk(
     layer_reads: list[tuple[Extent, ...]] | None = None,
 ) -> None:
     """Measure the disk's O_DIRECT bandwidth over the first `disk_bytes` of `files` two
-    ways: one thread of 16 MiB reads in file order, and the disk tier's way (its reader,
+    ways: one thread of 64 MiB reads in file order, and the disk tier's way (its reader,
     threads and read size, the layers in the order they run: `layer_reads`, see
     `probes.layer_reads`); and the tier's way again with the CPU computing beside (where
     the device is the CPU, its cores are the reads' too). Add them to `limits` and take
@@ -160,7 +159,7 @@ def measure_disk(
         # in after, so that a method reading through the page cache finds it as it was.
         with disk.kept_warm(files):
             ways = {
-                SEQUENTIAL_WAY: disk.disk_gb_per_s(chosen, read_bytes, 1, chunk_bytes=16 * 2**20),
+                SEQUENTIAL_WAY: disk.disk_gb_per_s(chosen, read_bytes, 1),
                 # The planner's probe: the disk tier's own reader, threads and read size.
                 TIER_WAY: disk.disk_gb_per_s(files, read_bytes, threads, reads=layer_reads),
             }
