@@ -28,10 +28,13 @@ Figures per run (`scale_child.py`): peak RSS (VmHWM), load time, the first token
 (medians over rounds), whether greedy tokens equal resident's. The bound: bytes a token
 reads as stored (the decoder stack + the head) over the RAM read rate, or the bytes each
 forward read from disk over the disk's O_DIRECT rate on the model's own files if slower
-(both measured here before each model's runs); served at N clients, N tokens a step. The
-memory allowance where a budget B is given: B + the fixed overhead (this process's RSS
-after importing torch, transformers and offload, plus the weights outside the decoder
-stack as stored), +25% (the issue's check). A run is killed above --cap-gib (recorded).
+(both measured before and after each run, their mean: they drift with the machine's load);
+served at N clients, N tokens a step (its decode rate: N over the median gap between a
+stream's tokens). The memory allowance where a budget B is given: B + the fixed overhead
+(a process's RSS after importing torch, transformers and offload, plus the weights outside
+the decoder stack as stored), +25% (the issue's check). A process is killed above
+--cap-gib (recorded). Results: benchmarks/results/scale-cpu-<date>.json, with the machine,
+the models' manifests and every run; FOLDER/scale-partial.json grows run by run.
 """
 
 from __future__ import annotations
@@ -138,12 +141,13 @@ def conditions_of(method: str, asked: list[str]) -> list[str]:
 def one_run(manifest, method, condition, folders, args) -> dict:
     cache, inductor = folders
     files = [Path(f) for f in manifest["files"]]
+    before = measure_rates(manifest)  # around each run: this machine's rates drift with its load
     cached = scale_runs.set_pages(files + sorted(cache.rglob("*")), cold=condition != "warm")
     env = {"OFFLOAD_CACHE_DIR": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(inductor)}
     budget = budget_of(manifest, args)
     record = {"model": manifest["name"], "method": method, "condition": condition,
               "budget_gib": None if method in LOAD_ONLY else budget,
-              "model_bytes_cached_before": cached, "loadavg_before": os.getloadavg(),
+              "cached_bytes_before": cached, "loadavg_before": os.getloadavg(),
               "cache_bytes_before": scale_runs.folder_bytes(cache)}  # fmt: skip
     if method == "serve":
         log = cache.parent / f"serve-{condition}.log"
@@ -157,12 +161,14 @@ def one_run(manifest, method, condition, folders, args) -> dict:
         record["result"] = scale_runs.run_child(spec, env, args.timeout_s, args.cap_bytes)
     record["cache_growth_bytes"] = scale_runs.folder_bytes(cache) - record["cache_bytes_before"]
     record["loadavg_after"] = os.getloadavg()
+    record["rate_samples"] = [before, measure_rates(manifest)]
+    record["rates"] = {k: statistics.mean(r[k] for r in record["rate_samples"]) for k in before}
     return record
 
 
-def add_figures(record: dict, manifest: dict, rates: dict, reference: dict | None) -> list[dict]:
+def add_figures(record: dict, manifest: dict, reference: dict | None) -> list[dict]:
     """The rows the table shows for a run (a served run: one per N), with their bound."""
-    result = record["result"]
+    result, rates = record["result"], record["rates"]
     per_token = manifest["stack_bytes"] + manifest["head_bytes"]
     ram_s = per_token / (rates["ram_read_gb_per_s"] * 1e9)
     base = {"peak_rss_bytes": result.get("peak_rss_bytes") or result.get("polled_peak_rss_bytes"),
@@ -234,22 +240,22 @@ def print_rows(record: dict) -> None:
             f"{fmt(row['ttft_s'], '.2f'):>7}{fmt(row['tok_s'], '.2f'):>7}"
             f"{fmt(row['bound_tok_s'], '.2f'):>7} {row['bound_link']:<5}"
             f"{fmt(row['of_bound'], '.2f'):>6}{fmt(row['disk_bytes_per_forward'], '.0f', 1e6):>7}"
-            f"{fmt(record['cache_growth_bytes'], '.0f', 1e6):>8}{same:>5}  {row['error'] or ''}",
+            f"{fmt(record['cache_growth_bytes'], '.0f', 1e6):>8}{same:>5}"
+            f"{record['loadavg_after'][1]:>6.1f}  {row['error'] or ''}",
             flush=True,
         )
 
 
 HEADER = (f"{'model':<10}{'method':<13}{'pages':<6}{'peak':>7}{'allowed':>8}{'load':>7}"
           f"{'1st':>7}{'TTFT':>7}{'tok/s':>7}{'bound':>7} {'link':<5}{'ratio':>6}"
-          f"{'MB/fwd':>7}{'cache+':>8}{'same':>5}")  # fmt: skip
-UNITS = "(GiB, seconds; bound tok/s over the link named; MB (1e6) read from disk a forward and added to the cache)"
+          f"{'MB/fwd':>7}{'cache+':>8}{'same':>5}{'load':>6}")  # fmt: skip
+UNITS = ("(GiB, seconds; the bound in tok/s over the link named, from the rates measured before "
+         "and after the run; MB (1e6) read from disk a forward, added to the cache; the 5-minute "
+         "load average after the run)")  # fmt: skip
 
 
 def measure_model(manifest: dict, args, records: list[dict]) -> None:
-    rates = measure_rates(manifest)
-    print(f"\n{manifest['name']}: RAM read {rates['ram_read_gb_per_s']:.1f} GB/s, O_DIRECT "
-          f"{rates['disk_direct_gb_per_s']:.2f} GB/s; budget {budget_of(manifest, args)} GiB\n"
-          f"{HEADER}\n{UNITS}", flush=True)  # fmt: skip
+    print(f"\n{manifest['name']}: budget {budget_of(manifest, args)} GiB\n{HEADER}\n{UNITS}")
     reference = None
     for method in args.methods:
         if method == "accelerate" and scale_models.is_gguf(manifest["name"]):
@@ -261,10 +267,10 @@ def measure_model(manifest: dict, args, records: list[dict]) -> None:
             path.mkdir(parents=True)
         for number, condition in enumerate(conditions_of(method, args.conditions)):
             record = one_run(manifest, method, condition, folders, args)
-            record["fresh_cache"], record["rates"] = number == 0, rates
+            record["fresh_cache"] = number == 0
             if method == "resident" and reference is None and not record["result"].get("error"):
                 reference = record
-            add_figures(record, manifest, rates, reference)
+            add_figures(record, manifest, reference)
             records.append(record)
             print_rows(record)
             (args.build / "scale-partial.json").write_text(json.dumps(records, default=str))
