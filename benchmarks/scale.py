@@ -55,6 +55,10 @@ import common
 import scale_models
 import scale_runs
 
+# What a user gets: the compiled CPU step made in the background while the first tokens
+# decode eagerly (common.py asks the other scripts' steps to wait for their compile).
+os.environ.pop("OFFLOAD_CPU_COMPILE", None)
+
 from offload.config import OffloadConfig
 from offload.memory.disk_reader import CHUNK_BYTES
 from offload.probes.limits import Limits, measure_memory_read
