@@ -19,6 +19,7 @@ import torch
 from gguf_files import folder_tensors, write_llama_gguf
 
 from offload import LLM, SamplingParams
+from offload.bench.workload import weight_files
 from offload.errors import ModelError
 from offload.memory.safetensors import (
     REFERENCES,
@@ -85,8 +86,11 @@ def test_the_tensors_are_the_dict_based_conversions(
     for name, tensor in theirs.items():
         assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
     copied = read_header(folder / "model.safetensors")
-    # (Q8_0 on a CPU: every tensor laid out or beside them; a Q4_0 table stays in blocks)
+    # (Q8_0 on a CPU: every tensor laid out or beside them; a Q4_0 table stays in blocks;
+    # what a probe of the checkpoint's disk reads follows)
     assert (folder / REFERENCES).is_file() == (kind == "Q4_0")
+    in_place = [source.resolve()] if kind == "Q4_0" else []
+    assert weight_files(folder) == [folder / "model.safetensors", *in_place]
     in_file_order = sorted(copied, key=lambda name: copied[name].offset)
     modules = [name.rsplit(".", 1)[0] for name in in_file_order]  # (a weight's tensors)
     assert modules == sorted(modules, key=lambda module: forward_order(f"{module}.weight"))

@@ -15,6 +15,7 @@ import torch
 from offload.bench.checkpoint import write_random_checkpoint
 from offload.errors import ConfigError
 from offload.memory.device import check_device
+from offload.memory.safetensors import referenced_files
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
 from offload.model.default import cache_dir, default_model_path, gguf_path
@@ -209,7 +210,10 @@ def _random_shape(model: str | None) -> bool:
 
 
 def weight_files(path: Path) -> list[Path]:
-    return sorted(file for pattern in _WEIGHT_PATTERNS for file in path.glob(pattern))
+    """The files a checkpoint's weights are read from (a .gguf's blocks read in place
+    included: `referenced_files`)."""
+    files = sorted(file for pattern in _WEIGHT_PATTERNS for file in path.glob(pattern))
+    return files + referenced_files(path) if files else files
 
 
 def _is_int(value: object) -> bool:

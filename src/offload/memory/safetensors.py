@@ -280,6 +280,12 @@ def _shard_files(index: Path) -> list[str]:
 # -- tensors a folder takes from another file ------------------------------------
 
 
+def referenced_files(folder: Path) -> list[Path]:
+    """The other file `folder` takes tensors from (a .gguf), where it names one: with its
+    safetensors files, what a probe of the checkpoint's disk reads."""
+    return sorted({stored.path for stored in referenced_tensors(folder).values()})
+
+
 def referenced_tensors(folder: Path) -> dict[str, StoredTensor]:
     """The tensors `folder` takes from another file (none without `REFERENCES`), checked
     against that file as it is now."""

@@ -24,6 +24,7 @@ import torch
 
 from offload.config import DiskOffloadConfig
 from offload.errors import ModelError
+from offload.memory.safetensors import referenced_files
 from offload.model.default import cache_dir
 from offload.planner.fit import MARGIN_BYTES
 from offload.planner.measurements import Measured, Measurements
@@ -222,9 +223,10 @@ def _forward_copies_bytes(shape: ModelShape, count: int, batch: int, measured: M
 
 def _measure_disk(measured: Measurements, target: _Target) -> None:
     path, stack_name, s = target.path, target.shape.stack_name, target.settings
-    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     threads = DiskOffloadConfig().io_threads  # as many as the disk tier reads with
     try:
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+        files += referenced_files(path) if files else []  # (a .gguf's blocks read in place)
         if files:
             reads = checkpoint_reads(path, stack_name)
             _read_rates(measured, files, s, threads, reads)
