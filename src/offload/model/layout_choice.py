@@ -3,7 +3,8 @@
 Each weight has the layouts its type allows (`quant_layouts.layout_for` names the one a
 kernel exists for; GGUF's own blocks are always possible). When a .gguf is laid out for a
 device's kernels, the one-row product (a decode step's) of each candidate is timed there
-once per type and shape, on the file's own first weight of that shape, and the fastest is
+once per type and shape, on the first rows of the file's own first weight of that shape
+(`timed_rows`: 16 MiB as float32 at most), and the fastest is
 kept for every weight of it (the kernel's unless another is faster by more than the
 timings' noise). torch's int4 kernel is fast where the CPU has the vector units it was
 written for and slow elsewhere; measuring keeps a machine without them on
@@ -33,6 +34,7 @@ def synchronize(device: torch.device) -> None:
 
 
 _REPEATS = 7  # timed calls of each candidate (after two warm-up calls); the median is kept
+_TIMED_BYTES = 16 * 2**20  # float32 values of the rows a layout is timed on, at most
 _MARGIN = 1.25  # another layout replaces the kernel's only when this much faster (noise)
 
 
@@ -63,6 +65,10 @@ class LayoutChooser:
         columns = raw.shape[1] // block.block_bytes * block.block_size
         key = f"{kind} {raw.shape[0]}x{columns}"
         if key not in self._chosen:
+            # Timed on a head of rows: a product's time grows with its rows, and a whole
+            # large weight (a 150M-value head) would widen to GiBs of float32 here.
+            rows = timed_rows(raw.shape[0], columns)
+            raw = raw[:rows]
             if not isinstance(raw, torch.Tensor):  # (a mapping, or bytes read on demand)
                 raw = torch.from_numpy(np.array(raw))
             device = torch.device(self.kernels)  # (the kernels' device: "cpu" or "cuda")
@@ -79,6 +85,13 @@ class LayoutChooser:
             fastest = min(options, key=measured.__getitem__)
             self._chosen[key] = fastest if not _keeps_kernel(measured, options) else options[0]
         return self._chosen[key]
+
+
+def timed_rows(rows: int, columns: int) -> int:
+    """The rows a layout is timed on: all of a small weight's, else the whole 64s of rows
+    (the CPU int4 packing's block) whose float32 values fit `_TIMED_BYTES`."""
+    fitting = _TIMED_BYTES // (4 * columns) // 64 * 64
+    return min(rows, max(64, fitting))
 
 
 def _keeps_kernel(measured: dict[str, float], options: list[str]) -> bool:

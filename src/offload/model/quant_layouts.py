@@ -140,18 +140,34 @@ def laid_out(name: str, raw: torch.Tensor, kind: str, layout: str) -> dict[str, 
         values, scales, offsets = pack_q8(raw, kind)
         tensors = {name: values, f"{stem}.scales": scales}
         return tensors if offsets is None else {**tensors, f"{stem}.offsets": offsets}
-    packing = _cuda_packing() if layout == "int4_cuda" else None
-    if packing is not None:
-        raw = raw.to("cuda")  # (unpacked and packed there: a large model's in seconds)
-    q, scale, offset = affine_4bit(raw, kind)
     if layout == "int4":
+        # In pieces of rows: the packing is local to blocks of 64 rows, so the bytes are
+        # the same, and the widened copies (int32: 8x the stored bytes) stay small.
+        pieces = [
+            _int4(raw[at : at + _PIECE_ROWS], kind, None) for at in range(0, len(raw), _PIECE_ROWS)
+        ]
+        packed, scale_zero = torch.cat([p for p, _ in pieces]), torch.cat([z for _, z in pieces], 1)
+    else:
+        packing = _cuda_packing()
+        assert packing is not None, "int4_cuda needs the GPU's packing"
+        # (unpacked and packed on the GPU: a large model's in seconds)
+        packed, scale_zero = _int4(raw.to("cuda"), kind, packing[1])
+    return {name: packed, f"{stem}.scale_zero": scale_zero.contiguous().cpu()}
+
+
+_PIECE_ROWS = 1024  # rows laid out for the CPU's int4 kernel at a time (a multiple of 64)
+
+
+def _int4(raw: torch.Tensor, kind: str, high_first: bool | None) -> tuple[torch.Tensor, ...]:
+    """(packed, scale_zero [groups, rows, 2]) of 4-bit rows: for the CPU's kernel
+    (`high_first` None) or the GPU's."""
+    q, scale, offset = affine_4bit(raw, kind)
+    if high_first is None:
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     else:
-        assert packing is not None, "int4_cuda needs the GPU's packing"
-        packed = _pack_cuda(q, packing[1]).cpu()
+        packed = _pack_cuda(q, high_first).cpu()
     zero = offset + 8 * scale  # (q - 8) * scale + zero == scale * q + offset
-    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16)
-    return {name: packed, f"{stem}.scale_zero": scale_zero.contiguous().cpu()}
+    return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16)
 
 
 def pack_q8(raw: torch.Tensor, kind: str = "Q8_0") -> tuple[torch.Tensor, ...]:
