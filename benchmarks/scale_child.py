@@ -56,6 +56,8 @@ def run_llm(spec: dict, result: dict) -> None:
     result["peak_after_load_bytes"] = memory()["VmHWM"]
     result["offloader"] = type(llm.offloader).__name__
     result["offloaded_bytes"] = int(llm.offloader.offloaded_bytes)
+    overhead = getattr(llm, "fixed_overhead", None)  # what generate's figures line states
+    result["stated_overhead_bytes"] = overhead.total_bytes if overhead is not None else None
 
     def generate(params):
         return llm.generate(spec["prompt"], params, use_tqdm=False)[0].outputs[0]

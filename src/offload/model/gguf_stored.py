@@ -11,6 +11,7 @@ with quantized modules before a byte is read (`model/quantized.py`).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import struct
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.errors import ModelError
+from offload.memory.host import trim_freed_memory
 from offload.model.gguf_header import HeaderTensor, gguf_header, gguf_tensors
 from offload.model.gguf_plan import FLOATS, Planned, SourceTensor, plan, row_orders
 from offload.model.gguf_quants import FORMATS
@@ -51,6 +53,7 @@ def save_as_stored(
     with gguf_parsed_once():
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    _hand_back_freed()  # gguf's reader: a numpy array per token and merge, freed now
     sources = _source_tensors(source, tensors, arch, config)
     chooser = LayoutChooser(kernels)
     descriptor = os.open(source, os.O_RDONLY)
@@ -61,7 +64,16 @@ def save_as_stored(
     check_free_space(out_dir, source, planned)
     (out_dir / "config.json").write_text(json.dumps(_settings(config, planned, chooser), indent=2))
     tokenizer.save_pretrained(out_dir)
+    del tokenizer  # (loaded again from the folder when the model runs: not held meanwhile)
+    _hand_back_freed()
     write_planned(source, out_dir, planned, progress)
+
+
+def _hand_back_freed() -> None:
+    """Free what cycles hold and hand malloc's freed pages back: the conversion's peak is
+    within the user's memory budget (a 49k-token tokenizer and gguf's parse of it: ~200 MB)."""
+    gc.collect()
+    trim_freed_memory()
 
 
 def _settings(config: Any, planned: list[Planned], chooser: LayoutChooser) -> dict[str, Any]:
