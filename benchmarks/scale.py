@@ -12,6 +12,8 @@ runs' caches go under FOLDER/runs. Methods, through the public API as a user wri
   uva          LLM(model, cpu_offload_gb=<every weight>) (on a CPU: read in place)
   disk-auto    LLM(model, cpu_memory_gb=B, disk_io="auto"), B: --budget-gguf / --budget-bf16
   disk-direct  the same with disk_io="direct"
+  disk-cache   the same with disk_io="page-cache"
+  disk-mmap    the same with disk_io="mmap"
   serve        `offload serve MODEL --cpu-memory-gb B` (its defaults otherwise), one warm-up
                answer, then --rounds runs of N streamed chats for each N of --clients
   accelerate   (safetensors only) accelerate's device_map="auto", max_memory={"cpu": B}:
@@ -66,7 +68,16 @@ from offload.memory.disk_reader import CHUNK_BYTES
 from offload.probes.limits import Limits, measure_memory_read
 from offload.probes.settings import MeasureSettings
 
-METHODS = ("resident", "uva", "disk-auto", "disk-direct", "serve", "accelerate")
+METHODS = (
+    "resident",
+    "uva",
+    "disk-auto",
+    "disk-direct",
+    "disk-cache",
+    "disk-mmap",
+    "serve",
+    "accelerate",
+)
 CONDITIONS = ("first", "cold", "warm")
 LOAD_ONLY = ("resident", "uva")  # read their files at load only: no cold runs
 PROMPT = "The history of the old harbour town begins with a small fishing village that"
@@ -132,7 +143,8 @@ def llm_flags(method: str, manifest: dict, budget_gib: float) -> dict:
     if method == "uva":
         return {"cpu_offload_gb": round(manifest["weight_bytes"] * 1.05 / GIB, 2)}
     if method.startswith("disk-"):
-        return {"cpu_memory_gb": budget_gib, "disk_io": method.removeprefix("disk-")}
+        io = method.removeprefix("disk-")
+        return {"cpu_memory_gb": budget_gib, "disk_io": "page-cache" if io == "cache" else io}
     return {}
 
 

@@ -121,20 +121,21 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")
 
 
 @pytest.mark.parametrize(
-    ("requested", "device", "cached", "can_map", "chosen"),
+    ("requested", "device", "cached", "can_map", "fits", "chosen"),
     [
-        ("auto", CPU, 1.0, True, "mmap"),
-        ("auto", CPU, 0.95, True, "mmap"),
-        ("auto", CPU, 0.5, True, "direct"),  # a cold checkpoint: read around the cache
-        ("auto", CPU, 1.0, False, "direct"),  # no leases here
-        ("auto", GPU, 1.0, True, "direct"),  # a GPU reads into pinned staging
-        ("page-cache", CPU, 1.0, True, "page-cache"),
-        ("direct", CPU, 1.0, True, "direct"),
-        ("mmap", CPU, 0.0, True, "mmap"),
+        ("auto", CPU, 1.0, True, False, "mmap"),
+        ("auto", CPU, 0.95, True, False, "mmap"),
+        ("auto", CPU, 0.5, True, False, "direct"),  # cold, larger than the cache can hold
+        ("auto", CPU, 0.0, True, True, "mmap"),  # cold, but the page cache will hold it
+        ("auto", CPU, 1.0, False, True, "direct"),  # no leases here
+        ("auto", GPU, 1.0, True, True, "direct"),  # a GPU reads into pinned staging
+        ("page-cache", CPU, 1.0, True, True, "page-cache"),
+        ("direct", CPU, 1.0, True, True, "direct"),
+        ("mmap", CPU, 0.0, True, False, "mmap"),
     ],
 )
-def test_the_io_chosen(requested, device, cached, can_map, chosen):
-    assert choose_io(requested, device, cached, can_map) == chosen
+def test_the_io_chosen(requested, device, cached, can_map, fits, chosen):
+    assert choose_io(requested, device, cached, can_map, fits) == chosen
 
 
 def test_mapping_needs_the_cpu():

@@ -416,8 +416,11 @@ def test_a_file_truncated_during_a_mapped_forward_is_held_then_an_error(sharded,
     offloader.close()
 
 
-def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(sharded, tmp_path):
+def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(sharded, tmp_path, monkeypatch):
+    """(A cold one larger than half the RAM available: one that fits is mapped too,
+    `test_stack_budget.py`.)"""
     source, resident = sharded
+    monkeypatch.setattr(disk_tier, "available_ram_bytes", lambda: 0)
     files = sorted(_copy_of(source, tmp_path).glob("*.safetensors"))
     config = {**EVERY_LAYER, "cpu_memory_gb": 0}
     model, offloader = load_model(tmp_path, config)  # just written: in the page cache

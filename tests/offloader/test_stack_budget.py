@@ -75,6 +75,7 @@ def test_a_cold_page_cache_reads_into_slots_and_keeps_layers_within_the_budget(s
     ring, and the layers kept in host slabs fill what the slots leave of the budget."""
     path, resident, layer_bytes = saved
     monkeypatch.setattr(disk_tier, "cached_fraction", lambda ranges: 0.0)
+    monkeypatch.setattr(disk_tier, "available_ram_bytes", lambda: layer_bytes)  # (no room)
     budget = int(4.5 * layer_bytes)  # 3 slots (read ahead 2), then room for a layer
     config = {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "auto"}
     model, offloader = load_model(path, config, stack_budget_bytes=budget)
@@ -85,6 +86,23 @@ def test_a_cold_page_cache_reads_into_slots_and_keeps_layers_within_the_budget(s
     assert stats.disk.num_units == NUM_LAYERS - 1
     assert stats.host_bytes + stats.device_staging_bytes <= stats.disk.ram_bytes <= budget
     assert mapped_rss_bytes(path) == 0
+    offloader.close()
+
+
+def test_a_cold_page_cache_with_room_for_the_files_maps_them(saved, monkeypatch):
+    """Nothing of the files in the page cache, but the RAM available holds them many times:
+    "auto" maps them (the page cache keeps them after the first forward), still within
+    the budget."""
+    path, resident, layer_bytes = saved
+    monkeypatch.setattr(disk_tier, "cached_fraction", lambda ranges: 0.0)
+    monkeypatch.setattr(disk_tier, "available_ram_bytes", lambda: 100 * NUM_LAYERS * layer_bytes)
+    budget = int(2.5 * layer_bytes)
+    config = {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "auto"}
+    model, offloader = load_model(path, config, stack_budget_bytes=budget)
+    ids = zoo.inputs()
+    assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
+    assert offloader.stats().disk.io == "mmap"
+    assert mapped_rss_bytes(path) <= layer_bytes + 2**20
     offloader.close()
 
 

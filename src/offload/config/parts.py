@@ -109,7 +109,8 @@ class DiskOffloadConfig:
     use), so the budget holds for the machine; "page-cache" leaves read pages cached;
     "mmap" (CPU compute only) computes on a guarded mapping of the files, with no copy;
     "auto" maps them on the CPU when their streamed bytes are in the page cache already
-    at load, else reads directly.
+    at load or fit half the RAM available (the page cache then keeps them after the first
+    forward: the kernel's memory, outside the process's budget), else reads directly.
     """
 
     cpu_memory_gb: float | None = None

@@ -28,12 +28,17 @@ from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine
 from offload.memory.disk_layout import DiskLayout, TensorRange, aligned_empty, plan_layout
 from offload.memory.disk_reader import DiskReader, FileStamp
-from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
+from offload.memory.host import HostSlab, TensorSpec, available_ram_bytes, should_pin_memory
 from offload.memory.mapped_files import MappedFiles, MappingRefused, leases_supported
 from offload.memory.page_cache import cached_fraction
 from offload.memory.placement import READ_MODES, DiskIO
 from offload.memory.safetensors import checkpoint_tensors
-from offload.offloader.disk_placement import choose_io, fit_stack, place_on_disk
+from offload.offloader.disk_placement import (
+    AUTO_CACHE_SHARE,
+    choose_io,
+    fit_stack,
+    place_on_disk,
+)
 from offload.offloader.sources import DirectRead, DiskSource, MappedRead, StagedRead, Unopened
 from offload.offloader.stats import DiskStats
 
@@ -204,11 +209,13 @@ class DiskTier:
         requested = self.settings.io
         if self.hooks.force_staging:  # the GPU's path, which always reads
             device = torch.device("meta")
-        cached = 0.0
+        cached, fits = 0.0, False
         if requested == DiskIO.AUTO and device.type == "cpu" and streamed:
             extents = [e for layout in streamed for e in layout.extents]
             cached = cached_fraction([(e.path, e.file_offset, e.num_bytes) for e in extents])
-        return choose_io(requested, device, cached, leases_supported())
+            streamed_bytes = sum(e.num_bytes for e in extents)
+            fits = streamed_bytes <= AUTO_CACHE_SHARE * available_ram_bytes()
+        return choose_io(requested, device, cached, leases_supported(), fits)
 
     def map_files(self, units: Sequence[Any]) -> None:
         """With DiskIO.MMAP: map the files the streamed units live in (before the slots are
