@@ -40,7 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from offload.errors import UntrustedCacheError
 from offload.memory import cache_digest
-from offload.memory.cache_trust import cache_folder, cache_root, check_folder, make_folder
+from offload.memory.cache_trust import cache_folder, cache_root, trusted_folder
 from offload.offloader.unit_check import UnitReadCheck
 
 log = logging.getLogger(__name__)
@@ -244,8 +244,7 @@ def save(compiled, path: Path) -> None:
     """Keep `compiled` at `path` (written whole or not at all), then prune the folder; a
     failure only logs."""
     try:
-        make_folder(path.parent)
-        check_folder(path.parent)
+        trusted_folder(path.parent)
         compiled.save_compiled_function(os.fspath(path))
         cache_digest.sign_file(path)
     except Exception as error:  # the step runs; only the next process pays
@@ -278,7 +277,7 @@ def prune(where: Path, keep: int = KEPT) -> None:
 def mark(path: Path) -> None:
     """An empty file at `path` (a failure only logs)."""
     try:
-        make_folder(path.parent)
+        trusted_folder(path.parent)
         path.touch()
-    except OSError as error:
+    except (OSError, UntrustedCacheError) as error:
         log.info("could not write %s (%s)", path, error)

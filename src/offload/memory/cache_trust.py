@@ -50,10 +50,18 @@ def cache_folder(*parts: str) -> Path:
     OSError where it cannot be made."""
     root = cache_root()
     folder = root.joinpath(*parts)
-    make_folder(folder)
-    check_folder(folder, fix=_YOURS, own_up_to=root)
+    trusted_folder(folder, own_up_to=root)
     cache_key()
     return folder
+
+
+def trusted_folder(folder: Path, fix: str = _YOURS, own_up_to: Path | None = None) -> None:
+    """`folder` checked (`check_folder`), made where missing: what exists of it is checked
+    first, so nothing is made inside a folder that is not trusted."""
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    check_folder(existing, fix, own_up_to or folder)
+    make_folder(folder)
+    check_folder(folder, fix, own_up_to)
 
 
 def make_folder(folder: Path) -> None:
@@ -73,11 +81,10 @@ def make_folder(folder: Path) -> None:
 
 def check_folder(folder: Path, fix: str = _YOURS, own_up_to: Path | None = None) -> None:
     """`folder` (and each folder from it up to `own_up_to`) owned by the user and writable
-    by no one else; the folders above it owned by the user or root and writable by no one
-    else, or sticky. `fix`: how to choose another folder, for the message."""
-    own = {_real(folder)}
-    if own_up_to is not None:
-        own |= {_real(p) for p in (folder, *folder.parents) if _is_within(p, own_up_to)}
+    by no one else; the folders above those owned by the user or root and writable by no
+    one else, or sticky. `fix`: how to choose another folder, for the message."""
+    top = folder if own_up_to is None else own_up_to
+    own = {_real(p) for p in (folder, *folder.parents) if _is_within(p, top)}
     for path in _folders_above(folder):
         _check_one(path, folder, is_own=path in own, fix=fix)
 
@@ -133,8 +140,7 @@ def _check_one(path: Path, folder: Path, is_own: bool, fix: str) -> None:
 def cache_key() -> bytes:
     """The cache's signing key, made the first time (in a checked cache root)."""
     root = cache_root()
-    make_folder(root)
-    check_folder(root)
+    trusted_folder(root)
     path = root / KEY_NAME
     try:
         return _read_key(path)

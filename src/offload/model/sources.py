@@ -38,7 +38,7 @@ from safetensors import SafetensorError
 
 from offload.errors import ModelError
 from offload.memory.cache_digest import sign_entry
-from offload.memory.cache_trust import cache_folder, check_folder, make_folder
+from offload.memory.cache_trust import cache_folder, cache_key, trusted_folder
 from offload.model.bin_checkpoints import from_bin as _from_bin
 from offload.model.default import (
     cache_dir,
@@ -276,8 +276,8 @@ def _trust(folder: Path) -> None:
     if folder == cache_dir() / _CONVERTED:
         cache_folder(_CONVERTED)
         return
-    make_folder(folder)
-    check_folder(folder, fix="give --offload-folder (offload_folder=) a folder of your own")
+    trusted_folder(folder, fix="give --offload-folder (offload_folder=) a folder of your own")
+    cache_key()  # (what signs the conversions)
 
 
 def _throw_away(target: Path, why: str) -> None:
