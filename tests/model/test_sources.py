@@ -141,6 +141,23 @@ def test_a_damaged_conversion_is_converted_again_and_no_lock_file_stays(tmp_path
     assert _ours(converted, prompt_ids) == expected
 
 
+def test_a_swapped_conversion_is_not_used_and_is_converted_again(tmp_path):
+    """A converted safetensors replaced by other weights of the same names and shapes: its
+    signature does not check, so it is thrown away with a warning and converted again."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _bin_folder(tmp_path, 1)
+    prompt_ids, expected = _transformers_tokens(folder)
+    converted = sources.resolve_model(folder)
+    [weights] = converted.glob("*.safetensors")
+    other = {name: torch.zeros_like(tensor) for name, tensor in load_file(weights).items()}
+    save_file(other, weights, metadata={"format": "pt"})
+    assert _ours(converted, prompt_ids) != expected  # (what the swapped weights would give)
+    with pytest.warns(UserWarning, match=rf"is not used \({weights.name} .*; converting again"):
+        assert sources.resolve_model(folder) == converted
+    assert _ours(converted, prompt_ids) == expected
+
+
 class _RunsCode:
     """Unpickled, it would create the file it names."""
 
