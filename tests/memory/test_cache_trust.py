@@ -7,7 +7,13 @@ import stat
 import pytest
 
 from offload.errors import UntrustedCacheError
-from offload.memory.cache_trust import KEY_BYTES, KEY_NAME, cache_folder, cache_key
+from offload.memory.cache_trust import (
+    KEY_BYTES,
+    KEY_NAME,
+    cache_folder,
+    cache_key,
+    check_inductor_cache,
+)
 
 OTHER_UID = 12345
 
@@ -132,3 +138,18 @@ def test_a_key_of_another_user_a_link_or_short_is_refused(root, tmp_path):
     _refused(f"the cache key {key} holds 5 bytes, not {KEY_BYTES}")
     key.unlink()
     assert len(cache_key()) == KEY_BYTES  # removed: a new one is made
+
+
+def test_inductors_cache_folder_of_another_user_is_refused(tmp_path, monkeypatch):
+    """A compile loads the kernels in inductor's cache: its folder is checked alike."""
+    folder = tmp_path / "inductor"
+    folder.mkdir(mode=0o755)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(folder))
+    check_inductor_cache()
+    os.chown(folder, OTHER_UID, -1)
+    with pytest.raises(UntrustedCacheError) as info:
+        check_inductor_cache()
+    assert str(info.value) == (
+        f"inductor's cache folder {folder} is owned by uid {OTHER_UID}, not by you (uid "
+        f"{os.geteuid()}): set TORCHINDUCTOR_CACHE_DIR to a new folder of your own"
+    )

@@ -55,13 +55,15 @@ def cache_folder(*parts: str) -> Path:
     return folder
 
 
-def trusted_folder(folder: Path, fix: str = _YOURS, own_up_to: Path | None = None) -> None:
+def trusted_folder(
+    folder: Path, fix: str = _YOURS, own_up_to: Path | None = None, name: str = "the cache folder"
+) -> None:
     """`folder` checked (`check_folder`), made where missing: what exists of it is checked
     first, so nothing is made inside a folder that is not trusted."""
     existing = next(path for path in (folder, *folder.parents) if path.exists())
-    check_folder(existing, fix, own_up_to or folder)
+    check_folder(existing, fix, own_up_to or folder, name)
     make_folder(folder)
-    check_folder(folder, fix, own_up_to)
+    check_folder(folder, fix, own_up_to, name)
 
 
 def make_folder(folder: Path) -> None:
@@ -79,14 +81,30 @@ def make_folder(folder: Path) -> None:
                 raise
 
 
-def check_folder(folder: Path, fix: str = _YOURS, own_up_to: Path | None = None) -> None:
+def check_folder(
+    folder: Path, fix: str = _YOURS, own_up_to: Path | None = None, name: str = "the cache folder"
+) -> None:
     """`folder` (and each folder from it up to `own_up_to`) owned by the user and writable
     by no one else; the folders above those owned by the user or root and writable by no
-    one else, or sticky. `fix`: how to choose another folder, for the message."""
+    one else, or sticky. `fix`: how to choose another folder, and `name` what the folder
+    is, for the message."""
     top = folder if own_up_to is None else own_up_to
     own = {_real(p) for p in (folder, *folder.parents) if _is_within(p, top)}
     for path in _folders_above(folder):
-        _check_one(path, folder, is_own=path in own, fix=fix)
+        _check_one(path, folder, name, is_own=path in own, fix=fix)
+
+
+def check_inductor_cache() -> None:
+    """inductor's cache folder checked as the cache folder is: a compile imports and loads
+    the kernels it finds there, and torch's default, `/tmp/torchinductor_<user>`, is a
+    name another user can take first."""
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not folder:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        folder = cache_dir()  # torch's default, made (and put in the environment) by torch
+    fix = "set TORCHINDUCTOR_CACHE_DIR to a new folder of your own"
+    trusted_folder(Path(os.path.abspath(folder)), fix, name="inductor's cache folder")
 
 
 def _real(path: Path) -> Path:
@@ -117,10 +135,10 @@ def _folders_above(folder: Path) -> list[Path]:
     return seen
 
 
-def _check_one(path: Path, folder: Path, is_own: bool, fix: str) -> None:
+def _check_one(path: Path, folder: Path, name: str, is_own: bool, fix: str) -> None:
     info = os.stat(path)
     me = os.geteuid()
-    where = f"the cache folder {folder}"
+    where = f"{name} {folder}"
     if path != _real(folder):
         where += f" is inside {path}, which"
     if info.st_uid != me and (is_own or info.st_uid != 0):
