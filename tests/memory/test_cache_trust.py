@@ -1,7 +1,9 @@
 """The cache is used only when it is the user's own: its folder and the folders above it
 (as ssh's StrictModes), and its key. Tests run as root here, who may chown to any uid."""
 
+import grp
 import os
+import pwd
 import stat
 
 import pytest
@@ -63,8 +65,19 @@ def test_a_cache_folder_writable_by_others_is_refused_naming_the_fix(root):
 def test_the_cache_folder_itself_may_not_be_group_writable_nor_sticky(root, mode):
     root.mkdir(parents=True)
     root.chmod(mode)
+    os.chown(root, -1, OTHER_UID)  # (a group that is not the user's private one)
     with pytest.raises(UntrustedCacheError, match=f"mode {mode:04o}.*chmod go-w {root}"):
         cache_folder()
+
+
+def test_a_group_write_bit_for_the_users_private_group_is_allowed(root):
+    """A umask of 002 with user-private groups (Debian's): the group is the user alone."""
+    root.mkdir(parents=True)
+    root.chmod(0o770)
+    user = pwd.getpwuid(os.geteuid())
+    private = grp.getgrnam(user.pw_name)  # (root's, here: named as the user, no member)
+    os.chown(root, -1, private.gr_gid)
+    assert cache_folder() == root
 
 
 def test_a_cache_folder_of_another_user_is_refused(root):

@@ -5,7 +5,9 @@ The folders (as ssh's StrictModes checks `~/.ssh`): a cache folder must be owned
 user and writable by no one else (no group or other write bit); each folder above it, up
 to the user's home (included) or up to `/` for a folder outside it, must be owned by the
 user or root and writable by no one else, or else sticky (`/tmp`: only an entry's owner
-may rename or remove it, so ours stays ours). Where a link is on the way, the folder that
+may rename or remove it, so ours stays ours). A group write bit is allowed where the group
+is its owner's private one (named as the user, no other member: a umask of 002 with
+user-private groups, as Debian's ssh allows). Where a link is on the way, the folder that
 holds the link and the folders it leads to are checked alike. Folders made here are made
 0700. Anything else is `UntrustedCacheError`: one line naming the folder, its owner or
 mode, and the fix.
@@ -21,7 +23,9 @@ was still open to others.
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
+import pwd
 import secrets
 import stat
 import tempfile
@@ -147,12 +151,28 @@ def _check_one(path: Path, folder: Path, name: str, is_own: bool, fix: str) -> N
             f"{where} is owned by uid {info.st_uid}, not by {whose} (uid {me}): {fix}"
         )
     sticky = info.st_mode & stat.S_ISVTX and not is_own
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not sticky:
+    if _writable_by_others(info) and not sticky:
         mode = stat.S_IMODE(info.st_mode)
         raise UntrustedCacheError(
             f"{where} is writable by its group or others (mode {mode:04o}): "
             f"chmod go-w {path}, or {fix}"
         )
+
+
+def _writable_by_others(info: os.stat_result) -> bool:
+    """A write bit for others, or for a group that is not its owner's private one (as
+    Debian's ssh allows: the group named as the owner, with no other member listed)."""
+    if info.st_mode & stat.S_IWOTH:
+        return True
+    return bool(info.st_mode & stat.S_IWGRP) and not _is_private_group(info.st_gid, info.st_uid)
+
+
+def _is_private_group(gid: int, uid: int) -> bool:
+    try:
+        group, user = grp.getgrgid(gid), pwd.getpwuid(uid)
+    except KeyError:  # (a number with no name)
+        return False
+    return group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
 
 
 def cache_key() -> bytes:
