@@ -60,6 +60,8 @@ def gguf_path() -> Path:
 
 def default_model_path() -> Path:
     """A safetensors directory of the default model, converted on first use only."""
+    if not (cache_dir() / DEFAULT_MODEL_NAME).exists():
+        gguf_path()  # (a missing package is said before anything is written)
     folder = _trusted_cache_dir()
     target = folder / DEFAULT_MODEL_NAME
     if entry_not_usable(target) is None:

@@ -204,8 +204,8 @@ def _converted(
     folder: Path, name: str, sources: list[Path], convert: Callable[[Path], None]
 ) -> Path:
     """`convert(staging)` once per version of `sources`, into `folder`. An entry that is
-    not a whole conversion (no config.json, or a file in its place) is thrown away with
-    one warning and converted again."""
+    not a whole conversion (no config.json, or a file in its place), or whose signature
+    does not check (`cache_digest`), is thrown away with one warning and converted again."""
     target = folder / f"{name}-{_key(sources)}"
     lock_path = folder / f".{target.name}.lock"
     try:
@@ -276,7 +276,8 @@ def _trust(folder: Path) -> None:
     if folder == cache_dir() / _CONVERTED:
         cache_folder(_CONVERTED)
         return
-    trusted_folder(folder, fix="give --offload-folder (offload_folder=) a folder of your own")
+    fix = "give --offload-folder (offload_folder=) a folder of your own"
+    trusted_folder(folder, fix, name="the offload folder")
     cache_key()  # (what signs the conversions)
 
 
