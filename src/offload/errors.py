@@ -30,3 +30,8 @@ def did_you_mean(name: str, choices: object) -> str:
 
     close = difflib.get_close_matches(name, [str(c) for c in choices], n=1, cutoff=0.6)  # type: ignore[attr-defined]
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class UntrustedCacheError(OffloadError):
+    """A cache folder (or its key) that another user could have written: nothing in it is
+    read. The message names the folder, what is wrong (owner, mode) and the fix."""

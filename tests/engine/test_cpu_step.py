@@ -3,6 +3,7 @@ offloaded the bits it gives resident."""
 
 import gc
 import os
+import pickle
 
 import pytest
 import torch
@@ -293,7 +294,7 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step(checkpoint, compiles):
 def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(checkpoint, compiles):
     """The step compiled ahead of time is kept on disk; the next LLM of the same model and
     setting loads it (no trace) and computes the same bits. Another setting, a model
-    config that differs in one value, or a broken file: compiled, never loaded."""
+    config that differs in one value, or a file planted there: compiled, never loaded."""
     from torch._dynamo.utils import counters
 
     first = LLM(checkpoint, device="cpu", dtype="float32")
@@ -312,9 +313,23 @@ def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(checkpoint, compile
     assert _run(other) == result and other._cpu_step.loaded == 0  # (UVA: its own file)
     assert len(list(step_cache.folder().glob("*.pt2"))) == 2
 
-    kept.write_bytes(b"not a saved step")
+    # Planted: a pickle that would run code when unpickled, without this cache's signature.
+    marker = kept.parent.parent / "the code ran"
+    kept.write_bytes(pickle.dumps(_RunsCode(marker)))
     broken = LLM(checkpoint, device="cpu", dtype="float32")
     assert _run(broken) == result and broken._cpu_step.loaded == 0
+    assert not marker.exists()
+    assert step_cache.load(kept) is not None  # compiled again, kept and signed
+
+
+class _RunsCode:
+    """Unpickled, it would create the file it names."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
 @pytest.mark.parametrize("setting", ["prefetch", "disk"])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from offload.errors import OffloadError
+from offload.memory.cache_digest import sign_entry
 from offload.model import default
 
 NAME = default.DEFAULT_MODEL_NAME
@@ -83,6 +84,7 @@ def test_a_conversion_under_way_is_kept_and_its_leftover_removed_once_killed(cac
         (cache / NAME).mkdir()
         (cache / NAME / "model.safetensors").write_bytes(b"weights")
         (cache / NAME / "config.json").write_text("{}")
+        sign_entry(cache / NAME, NAME)
         assert default.default_model_path() == cache / NAME
         assert (staging / "model.safetensors").is_file()
     finally:
@@ -156,41 +158,27 @@ def test_an_unwritable_cache_dir_is_one_line(cache, monkeypatch):
     )
 
 
-def _converted_misaligned(cache):
-    """A converted model as an older version left it: its tensors 8 bytes off a 64-byte
-    boundary (safetensors' own padding)."""
-    import torch
-    from safetensors.torch import save_file
-
+def _converted_before(cache):
+    """A converted model as an older version left it: no signature."""
     (cache / NAME).mkdir(parents=True)
-    path = cache / NAME / "model.safetensors"
-    for width in range(1, 64):  # a header length that leaves the data unaligned
-        save_file({"w": torch.arange(width, dtype=torch.float32)}, path)
-        if default.data_start(path) % 64:
-            break
+    (cache / NAME / "model.safetensors").write_bytes(b"old weights")
     (cache / NAME / "config.json").write_text("{}")
-    return path
 
 
-def test_a_model_converted_before_is_aligned_once_in_place(cache, conversions):
-    from safetensors.torch import load_file
-
-    path = _converted_misaligned(cache)
-    before = load_file(path)["w"]
-    assert default.default_model_path() == cache / NAME
-    assert default.data_start(path) % 64 == 0 and conversions == []
-    assert load_file(path)["w"].equal(before)
-    assert sorted(p.name for p in (cache / NAME).iterdir()) == ["config.json", "model.safetensors"]
+def test_a_model_converted_by_an_older_version_is_converted_again(cache, conversions):
+    _converted_before(cache)
+    with pytest.warns(UserWarning, match=f"{NAME} is not used .*no signature.*; converting again"):
+        assert default.default_model_path() == cache / NAME
+    assert len(conversions) == 1 and (cache / NAME / "model.safetensors").read_bytes() == b"weights"
+    assert default.default_model_path() == cache / NAME and len(conversions) == 1  # signed now
 
 
-def test_a_cache_that_cannot_be_written_keeps_its_model_as_it_is(cache, monkeypatch):
-    path = _converted_misaligned(cache)
-    data = path.read_bytes()
+def test_a_signed_model_is_used_without_the_lock(cache, conversions, monkeypatch):
+    """A cache that cannot be written (faked: root writes anywhere) still gives its model."""
+    assert default.default_model_path() == cache / NAME and len(conversions) == 1
 
-    def full_disk(source, out, length=0):
-        raise OSError(28, "No space left on device")
+    def refused(folder, wait):
+        raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(default.shutil, "copyfileobj", full_disk)
-    assert default.default_model_path() == cache / NAME
-    assert path.read_bytes() == data  # unchanged, and no half-written copy beside it
-    assert sorted(p.name for p in (cache / NAME).iterdir()) == ["config.json", "model.safetensors"]
+    monkeypatch.setattr(default, "_lock", refused)
+    assert default.default_model_path() == cache / NAME and len(conversions) == 1

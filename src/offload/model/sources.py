@@ -13,7 +13,9 @@
 
 A conversion writes into a staging folder renamed into place when complete, under an
 exclusive `flock`, so a killed conversion leaves no half model (its staging folder is
-removed by the next conversion of the same source) and two processes convert once.
+removed by the next conversion of the same source) and two processes convert once. The
+folder conversions go into must be the user's own, and a conversion is used only when its
+signature checks (`memory.cache_trust`, `memory.cache_digest`): else it is converted again.
 """
 
 from __future__ import annotations
@@ -35,8 +37,16 @@ import torch
 from safetensors import SafetensorError
 
 from offload.errors import ModelError
+from offload.memory.cache_digest import sign_entry
+from offload.memory.cache_trust import cache_folder, cache_key, trusted_folder
 from offload.model.bin_checkpoints import from_bin as _from_bin
-from offload.model.default import cache_dir, conversion_failure, default_model_path, gguf_path
+from offload.model.default import (
+    cache_dir,
+    conversion_failure,
+    default_model_path,
+    entry_not_usable,
+    gguf_path,
+)
 from offload.model.packed_modules import ALIASES
 from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, packing_of
 
@@ -194,21 +204,22 @@ def _converted(
     folder: Path, name: str, sources: list[Path], convert: Callable[[Path], None]
 ) -> Path:
     """`convert(staging)` once per version of `sources`, into `folder`. An entry that is
-    not a whole conversion (no config.json, or a file in its place) is thrown away with
-    one warning and converted again."""
+    not a whole conversion (no config.json, or a file in its place), or whose signature
+    does not check (`cache_digest`), is thrown away with one warning and converted again."""
     target = folder / f"{name}-{_key(sources)}"
-    if (target / "config.json").is_file():
-        return target
     lock_path = folder / f".{target.name}.lock"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        _trust(folder)
+        if entry_not_usable(target) is None:
+            return target
         lock = _lock(lock_path)  # waits while another process converts
     except OSError as error:
         raise ModelError(f"cannot write converted weights to {folder}: {error.strerror}") from None
     try:
-        if not (target / "config.json").is_file():
+        why = entry_not_usable(target)  # (None: another process finished while we waited)
+        if why is not None:
             try:
-                _throw_away(target)
+                _throw_away(target, why)
             except OSError as error:
                 raise ModelError(
                     f"{target} is a damaged conversion that cannot be removed "
@@ -218,6 +229,7 @@ def _converted(
             staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=folder))
             try:
                 convert(staging)
+                sign_entry(staging, target.name)
                 staging.rename(target)
             except (OSError, ValueError, RuntimeError, ImportError, SafetensorError) as error:
                 raise ModelError(
@@ -258,15 +270,23 @@ def _remove_killed(folder: Path, target: Path) -> None:
             shutil.rmtree(leftover, ignore_errors=True)
 
 
-def _throw_away(target: Path) -> None:
-    """A damaged conversion entry (only under the lock): removed, with one warning."""
-    if not target.exists() and not target.is_symlink():
+def _trust(folder: Path) -> None:
+    """The folder conversions go into, made and checked (`UntrustedCacheError` where
+    another user could write to it): the cache's own, or the offload folder given."""
+    if folder == cache_dir() / _CONVERTED:
+        cache_folder(_CONVERTED)
         return
-    warnings.warn(
-        f"{target} is not a whole conversion (no config.json); converting again",
-        UserWarning,
-        stacklevel=4,
-    )
+    fix = "give --offload-folder (offload_folder=) a folder of your own"
+    trusted_folder(folder, fix, name="the offload folder")
+    cache_key()  # (what signs the conversions)
+
+
+def _throw_away(target: Path, why: str) -> None:
+    """A conversion entry that is not used (only under the lock): removed, with one warning
+    saying `why` ("": there is none)."""
+    if not why:
+        return
+    warnings.warn(f"{target} {why}; converting again", UserWarning, stacklevel=4)
     if target.is_dir() and not target.is_symlink():
         shutil.rmtree(target)
     else:

@@ -1,7 +1,7 @@
 """Measurements of one machine for one model shape, dtype and context length: the link's
 and the disk's bandwidths and the compute of a decode step at each batch size. Measured
-once and cached as JSON in `$OFFLOAD_CACHE_DIR/plans/` (see `offload.model.default`),
-keyed by the machine (CPU model or GPU name), the software (torch, transformers) and the
+once and cached as JSON in `$OFFLOAD_CACHE_DIR/plans/` (`offload.memory.cache_trust`:
+read only from a folder of the user's own, and a file only with its signature), keyed by the machine (CPU model or GPU name), the software (torch, transformers) and the
 workload; `remeasure=True` measures again and replaces the cached file."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import gc
 import hashlib
 import itertools
 import json
-import os
 import statistics
 import warnings
 from collections.abc import Callable
@@ -24,8 +23,9 @@ import torch
 
 from offload.config import DiskOffloadConfig
 from offload.errors import ModelError
+from offload.memory import cache_digest
+from offload.memory.cache_trust import cache_folder
 from offload.memory.safetensors import referenced_files
-from offload.model.default import cache_dir
 from offload.planner.fit import MARGIN_BYTES
 from offload.planner.measurements import Measured, Measurements
 from offload.planner.shape import ModelShape
@@ -63,7 +63,8 @@ def cache_key(*parts: object) -> str:
 
 
 def plans_dir() -> Path:
-    return cache_dir() / "plans"
+    """The cached measurements' folder, made and checked (`cache_folder`)."""
+    return cache_folder("plans")
 
 
 def record(
@@ -140,12 +141,11 @@ def _load(path: Path) -> Measurements | None:
     """The cached measurements, or None: missing (measure), or not valid (thrown away
     with one warning, and measured again)."""
     try:
-        text = path.read_text()
+        text = cache_digest.read_signed(path).decode()
+        return Measurements.from_json(text)
     except OSError:
         return None
-    try:
-        return Measurements.from_json(text)
-    except ValueError as error:  # (json's errors are ValueErrors too)
+    except (cache_digest.NotSigned, ValueError) as error:  # (json's errors: ValueErrors)
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         warnings.warn(
             f"the cached measurements in {path} are not valid ({reason}); measuring again",
@@ -159,10 +159,7 @@ def _load(path: Path) -> Measurements | None:
 
 def _save(path: Path, measured: Measurements) -> None:
     """Written whole or not at all (a reader never sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}")
-    partial.write_text(measured.to_json())
-    partial.replace(path)
+    cache_digest.write_signed(path, measured.to_json().encode())
 
 
 class _Target(NamedTuple):
