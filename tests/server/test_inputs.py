@@ -1,0 +1,75 @@
+"""A request's body parsed and its chat rendered the way the server does it, without a
+server: a request's own template refused unless trusted, and a trusted one stopped at its
+time limit; text a tokenizer cannot take refused by field."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from http_server import chat_checkpoint
+from transformers import AutoTokenizer
+
+from offload.cli.main import build_parser
+from offload.server import inputs
+from offload.server.protocol import APIError
+
+MESSAGES = [{"role": "user", "content": "t3"}]
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    """What `chat_ids` reads of an LLM: its tokenizer and its model's vocabulary."""
+    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint(tmp_path_factory.mktemp("tiny")))
+    model = SimpleNamespace(
+        config=SimpleNamespace(vocab_size=len(tokenizer)), get_input_embeddings=lambda: None
+    )
+    return SimpleNamespace(tokenizer=tokenizer, model=model)
+
+
+def test_the_flag_is_off_by_default():
+    assert build_parser().parse_args(["serve"]).trust_request_chat_template is False
+
+
+@pytest.mark.parametrize(
+    "body", [{"chat_template": "{{ 1 }}"}, {"chat_template_kwargs": {"chat_template": "x"}}]
+)
+def test_a_request_template_is_refused_unless_trusted(llm, body):
+    with pytest.raises(APIError) as caught:
+        inputs.chat_ids(llm, body, MESSAGES, trusted=False)
+    assert caught.value.status == 400 and caught.value.param == "chat_template"
+    assert "--trust-request-chat-template is not set" in caught.value.message
+
+
+def test_without_one_the_models_template_renders(llm):
+    text, ids = inputs.chat_ids(llm, {}, MESSAGES, trusted=False)
+    assert text == "t3 " and ids == llm.tokenizer("t3 ", add_special_tokens=False).input_ids
+
+
+def test_a_trusted_template_that_loops_is_stopped_at_the_limit(llm, monkeypatch):
+    monkeypatch.setattr(inputs, "MAX_RENDER_S", 0.3)
+    started = time.monotonic()
+    with pytest.raises(APIError) as caught:
+        inputs.chat_ids(llm, {"chat_template": NESTED}, MESSAGES, trusted=True)
+    assert time.monotonic() - started < 2.0
+    assert caught.value.status == 400 and "took more than 0.3 s" in caught.value.message
+    assert inputs.chat_ids(llm, {"chat_template": "{{ 'x' }}"}, MESSAGES, trusted=True)[0] == "x"
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [(b'{"prompt": "a\\ud800"}', "prompt"), (b'{"stop": ["ok", "\\udc00"]}', "stop[1]"),
+     (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages[0].content"),
+     (b'{"logit_bias": {"\\ud800": 1}}', "logit_bias")],
+)  # fmt: skip
+def test_a_lone_surrogate_anywhere_is_400_naming_the_field(raw, where):
+    with pytest.raises(APIError) as caught:
+        inputs._parsed(raw)
+    assert caught.value.status == 400 and caught.value.param == where.split("[")[0]
+    assert caught.value.message.startswith(f"{where} is not valid text: a lone surrogate")
+
+
+def test_json_nested_too_deeply_is_400():
+    with pytest.raises(APIError, match="nested too deeply"):
+        inputs._parsed(b"[" * 100_000 + b"]" * 100_000)
+    assert inputs._parsed(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
