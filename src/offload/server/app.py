@@ -142,12 +142,12 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         prompts = protocol.prompts_of(body)
         check(parsed, len(prompts))
         ids = await asyncio.to_thread(prompt_ids, llm, prompts)
-        for prompt_ids_ in ids:
-            check_room(prompt_ids_, parsed.params)
+        for tokens in ids:
+            check_room(tokens, parsed.params)
         call = Call()
-        for index, (prompt, prompt_ids_) in enumerate(zip(prompts, ids, strict=True)):
+        for index, (prompt, tokens) in enumerate(zip(prompts, ids, strict=True)):
             text = prompt if isinstance(prompt, str) else None
-            submit(call, text, prompt_ids_, parsed.params, index)
+            submit(call, text, tokens, parsed.params, index)
         shape = Shape("text_completion", protocol.new_id("cmpl"), settings.model_name, parsed)
         return await answer(request, call, shape)
 
