@@ -93,7 +93,8 @@ def _mutated(rng: random.Random) -> tuple[str, str, bytes, dict[str, str]]:
         ])  # fmt: skip
     elif kind == "header":
         headers = rng.choice([
-            {"Content-Type": "text/plain"}, {}, {"Content-Type": "application/json; charset=latin-1"},
+            {"Content-Type": "text/plain"}, {},
+            {"Content-Type": "application/json; charset=latin-1"},
             {"Content-Type": "application/json", "Authorization": "Bearer \xe9\xff"},
             {"Content-Type": "application/json", "X-Junk": "y" * 8000},
             {"Content-Type": "application/json", "Content-Encoding": "gzip"},

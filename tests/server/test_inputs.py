@@ -2,11 +2,13 @@
 server: a request's own template refused unless trusted, and a trusted one stopped at its
 time limit; text a tokenizer cannot take refused by field."""
 
+import asyncio
 import time
 from types import SimpleNamespace
 
 import pytest
 from http_server import chat_checkpoint
+from starlette.requests import ClientDisconnect
 from transformers import AutoTokenizer
 
 from offload.cli.main import build_parser
@@ -73,3 +75,27 @@ def test_json_nested_too_deeply_is_400():
     with pytest.raises(APIError, match="nested too deeply"):
         inputs._parsed(b"[" * 100_000 + b"]" * 100_000)
     assert inputs._parsed(b'{"prompt": "\\ud83d\\ude00"}') == {"prompt": "\U0001f600"}
+
+
+def _request(chunks, headers=None):
+    async def stream():
+        for chunk in chunks:
+            if isinstance(chunk, BaseException):
+                raise chunk
+            yield chunk
+
+    return SimpleNamespace(headers=headers or {}, stream=stream)
+
+
+@pytest.mark.parametrize(
+    ("chunks", "headers", "status"),
+    [([b"{}"], {"content-length": "11"}, 413), ([b"{", b'"a": 1}'], {}, 200),
+     ([b"{" * 6, b"}" * 6], {}, 413), ([b"{", ClientDisconnect()], {}, 499)],
+)  # fmt: skip
+def test_a_body_is_read_within_its_limit_or_refused(chunks, headers, status):
+    try:
+        body = asyncio.run(inputs.json_body(_request(chunks, headers), max_bytes=10))
+    except APIError as error:
+        assert error.status == status, error.message
+        return
+    assert status == 200 and body == {"a": 1}

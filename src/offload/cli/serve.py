@@ -40,8 +40,8 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="requests that may wait beyond the running ones; more are "
                        "answered 503 at once (default: 8 x --max-num-seqs)")  # fmt: skip
     serve.add_argument("--trust-request-chat-template", action="store_true",
-                       help="let a request's own chat_template render (vLLM's flag; off: "
-                       "such a request is answered 400, the model's template serves all)")  # fmt: skip
+                       help="let a request's own chat_template render (vLLM's flag; "
+                       "off: such a request is answered 400)")  # fmt: skip
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help="a request body at most this many bytes; a larger one is "
                        "answered 413")  # fmt: skip

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from offload.errors import ConfigError
 from offload.llm.chat import chat_token_ids
@@ -31,14 +32,17 @@ async def json_body(request: Request, max_bytes: int) -> dict[str, Any]:
     """The request's JSON object, read up to `max_bytes` (more: HTTP 413) and parsed in a
     worker thread."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
+    if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():  # (a chunked body has no length to check first)
-        size += len(chunk)
-        if size > max_bytes:
-            raise _too_large(max_bytes)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():  # (a chunked body has no length to check first)
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+    except ClientDisconnect:  # (gone before its body was sent: nobody reads the answer)
+        raise APIError(499, "the client closed the connection before its body was sent") from None
     return await asyncio.to_thread(_parsed, b"".join(chunks))
 
 
