@@ -59,6 +59,17 @@ def test_a_trusted_template_that_loops_is_stopped_at_the_limit(llm, monkeypatch)
 
 
 @pytest.mark.parametrize(
+    ("template", "why"),
+    [("{{ 'x' * 10**14 }}", "ran out of memory"),
+     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "recursed too deeply")],
+)  # fmt: skip
+def test_a_trusted_template_that_exhausts_memory_or_the_stack_is_400(llm, template, why):
+    with pytest.raises(APIError) as caught:
+        inputs.chat_ids(llm, {"chat_template": template}, MESSAGES, trusted=True)
+    assert caught.value.status == 400 and caught.value.message == f"the chat template {why}"
+
+
+@pytest.mark.parametrize(
     ("raw", "where"),
     [(b'{"prompt": "a\\ud800"}', "prompt"), (b'{"stop": ["ok", "\\udc00"]}', "stop[1]"),
      (b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages[0].content"),

@@ -125,8 +125,9 @@ def chat_ids(llm, body: dict[str, Any], messages, trusted: bool) -> tuple[str, l
         check_token_ids(ids, vocab_limit(llm.model), [True])
     except (ConfigError, ValueError, TypeError) as error:
         raise APIError(400, str(error), "messages") from None
-    except RecursionError:
-        raise APIError(400, "the chat template recursed too deeply", "chat_template") from None
+    except (RecursionError, MemoryError) as error:  # (a trusted template's, at worst)
+        why = "recursed too deeply" if isinstance(error, RecursionError) else "ran out of memory"
+        raise APIError(400, f"the chat template {why}", "chat_template") from None
     return texts[0], ids[0]
 
 
