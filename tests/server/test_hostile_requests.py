@@ -62,17 +62,40 @@ def _wait_for(condition, timeout_s: float) -> float:
     return time.monotonic() - started
 
 
-def test_a_non_streamed_request_whose_client_left_is_cancelled_at_once(server):
+def _leaving_client(server, stream: bool = False) -> socket.socket:
+    """A socket that sent a long completion request (and reads nothing)."""
     body = json.dumps({"prompt": "t3", "max_tokens": 1500, "temperature": 0,
-                       "ignore_eos": True}).encode()  # fmt: skip
+                       "ignore_eos": True, "stream": stream}).encode()  # fmt: skip
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
-    with socket.create_connection(("127.0.0.1", server.port)) as client:
-        client.sendall(head.encode() + body)
+    client = socket.create_connection(("127.0.0.1", server.port))
+    client.sendall(head.encode() + body)
+    return client
+
+
+def test_a_non_streamed_request_whose_client_left_is_cancelled_at_once(server):
+    with _leaving_client(server):
         _wait_for(lambda: _metric(server, "vllm:num_requests_running") == 1, 30)
     # (the old server looked for a disconnect only after 1 s without output: never here)
     assert _wait_for(lambda: _metric(server, "vllm:num_requests_running") == 0, 5) < 1.0
     assert _post(server, "/v1/completions", {"prompt": "t3", "max_tokens": 2})[0] == 200
+
+
+def test_requests_waiting_in_line_whose_clients_left_are_dropped(server):
+    """The 4 rows busy: a streamed and a whole request wait; their clients leave, then
+    the running ones'."""
+    running = [_leaving_client(server) for _ in range(4)]
+    try:
+        _wait_for(lambda: _metric(server, "vllm:num_requests_running") == 4, 30)
+        waiting = [_leaving_client(server, stream=True), _leaving_client(server)]
+        _wait_for(lambda: _metric(server, "vllm:num_requests_waiting") == 2, 30)
+        for client in waiting:
+            client.close()
+        assert _wait_for(lambda: _metric(server, "vllm:num_requests_waiting") == 0, 5) < 1.0
+    finally:
+        for client in running:
+            client.close()
+    assert _wait_for(lambda: _metric(server, "vllm:num_requests_running") == 0, 5) < 1.0
 
 
 def test_max_tokens_beyond_the_context_is_400_with_the_numbers(server):
