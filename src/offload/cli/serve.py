@@ -11,6 +11,7 @@ import sys
 import threading
 
 from offload.config import OffloadConfig
+from offload.config.limits import DEFAULT_MAX_REQUEST_BYTES
 from offload.config.validate import integer
 from offload.errors import ConfigError, OffloadError
 from offload.model.default import DEFAULT_MODEL_NAME
@@ -38,6 +39,12 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--max-waiting-requests", type=int,
                        help="requests that may wait beyond the running ones; more are "
                        "answered 503 at once (default: 8 x --max-num-seqs)")  # fmt: skip
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let a request's own chat_template render (vLLM's flag; "
+                       "off: such a request is answered 400)")  # fmt: skip
+    serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help="a request body at most this many bytes; a larger one is "
+                       "answered 413")  # fmt: skip
     serve.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="decode eagerly: no compiled CPU step (nor its compile at start)")  # fmt: skip
@@ -45,6 +52,15 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    try:
+        with _stop_while_loading():
+            return _checked_and_served(args)
+    except _Stopped as stopped:
+        print(f"offload serve: stopped by {stopped.signal_name}", file=sys.stderr)
+        return 0
+
+
+def _checked_and_served(args: argparse.Namespace) -> int:
     from offload.cli.commands import model_path
 
     integer("--port", args.port, 0, 65535, what="in [0, 65535]")
@@ -53,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if waiting is None:
         waiting = 8 * args.max_num_seqs
     integer("--max-waiting-requests", waiting, 0, what=">= 0")
+    integer("--max-request-bytes", args.max_request_bytes, 1, what=">= 1")
     name = args.model_tag or args.model
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ConfigError("give the model once: as MODEL or as --model")
@@ -62,6 +79,28 @@ def run_serve(args: argparse.Namespace) -> int:
     # a second, not after a load of minutes.
     with _listening(args.host, args.port) as sock:
         return _serve(args, sock, path, config, name, waiting)
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM before the server serves: the load stops as at a Ctrl-C (which
+    every loading step undoes cleanly), and `offload serve` exits 0 with one line."""
+
+    def __init__(self, signum: int):
+        super().__init__()
+        self.signal_name = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _stop_while_loading():
+    def stop(signum, frame) -> None:
+        raise _Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _serve(args, sock, path, config, name, waiting) -> int:
@@ -77,6 +116,8 @@ def _serve(args, sock, path, config, name, waiting) -> int:
         api_key=args.api_key,
         max_waiting=waiting,
         version=package_version(),
+        trust_request_chat_template=args.trust_request_chat_template,
+        max_request_bytes=args.max_request_bytes,
     )
     # The engine's loop runs on this (the main) thread and HTTP on another: on a CPU,
     # torch's OpenMP teams are only fast while one thread leads them (measured: a

@@ -16,3 +16,7 @@ MAX_GIB = 2**32
 
 # What torch.manual_seed takes (an int64 or a uint64), as vLLM allows.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+
+# `offload serve --max-request-bytes`: a request body at most this (vLLM has no such limit;
+# a 20 MB prompt held the event loop for seconds).
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import hmac
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -14,10 +14,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
+from offload.config.limits import DEFAULT_MAX_REQUEST_BYTES
 from offload.errors import ConfigError, OffloadError
-from offload.llm.chat import chat_token_ids
-from offload.llm.checks import check_token_ids, vocab_limit
 from offload.server import protocol
+from offload.server.inputs import chat_ids, json_body, prompt_ids
 from offload.server.metrics import ServerMetrics
 from offload.server.protocol import APIError
 from offload.server.responses import Call, Shape, sse, stream, whole
@@ -31,6 +31,8 @@ class ServeSettings:
     api_key: str | None = None
     max_waiting: int = 256  # requests waiting beyond this are answered 503 at once
     version: str = "unknown"
+    trust_request_chat_template: bool = False  # else a request's own template is refused
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is answered 413
 
 
 def make_app(llm, settings: ServeSettings) -> FastAPI:
@@ -55,17 +57,8 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         _logger.exception("request failed")
         return JSONResponse(APIError(500, f"internal error: {error}").body(), status_code=500)
 
-    @app.middleware("http")
-    async def _authorize(request: Request, call_next):
-        key = request.headers.get("authorization", "")
-        if (
-            settings.api_key
-            and request.url.path.startswith("/v1")
-            and key != f"Bearer {settings.api_key}"
-        ):
-            error = APIError(401, "a valid API key is needed (Authorization: Bearer KEY)")
-            return JSONResponse(error.body(), status_code=401)
-        return await call_next(request)
+    if settings.api_key:
+        app.add_middleware(_KeyRequired, key=settings.api_key)
 
     @app.get("/health")
     async def health() -> Response:
@@ -124,61 +117,70 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         for request in call.requests:
             engine.cancel(request)
 
+    def check_room(ids: list[int], params) -> None:
+        """`max_tokens` beyond what the context leaves the prompt: 400, as vLLM answers."""
+        prompt_tokens = len(llm._truncate(ids, params))
+        room = serving.max_model_len - prompt_tokens
+        if params.max_tokens is not None and 0 < room < params.max_tokens:
+            raise APIError(
+                400, f"'max_tokens' or 'max_completion_tokens' is too large: "
+                f"{params.max_tokens}. This model's maximum context length is "
+                f"{serving.max_model_len} tokens and your request has {prompt_tokens} input "
+                f"tokens ({params.max_tokens} > {serving.max_model_len} - {prompt_tokens})",
+                "max_tokens",
+            )  # fmt: skip
+
+    async def answer(request: Request, call: Call, shape: Shape):
+        if shape.request.stream:
+            return sse(stream(call, shape, metrics, cancel, request))
+        return await whole(call, shape, request, metrics, cancel)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
+        body = await json_body(request, settings.max_request_bytes)
         parsed = protocol.sampling_params(body, chat=False)
         prompts = protocol.prompts_of(body)
         check(parsed, len(prompts))
-        encoded = [isinstance(p, str) for p in prompts]
-        ids = [llm.tokenizer(p).input_ids if isinstance(p, str) else p for p in prompts]
-        try:
-            check_token_ids(ids, vocab_limit(llm.model), encoded)
-        except ConfigError as error:
-            raise APIError(400, str(error), "prompt") from None
+        ids = await asyncio.to_thread(prompt_ids, llm, prompts)
+        for tokens in ids:
+            check_room(tokens, parsed.params)
         call = Call()
-        for index, (prompt, prompt_ids) in enumerate(zip(prompts, ids, strict=True)):
+        for index, (prompt, tokens) in enumerate(zip(prompts, ids, strict=True)):
             text = prompt if isinstance(prompt, str) else None
-            submit(call, text, prompt_ids, parsed.params, index)
+            submit(call, text, tokens, parsed.params, index)
         shape = Shape("text_completion", protocol.new_id("cmpl"), settings.model_name, parsed)
-        if parsed.stream:
-            return sse(stream(call, shape, metrics, cancel))
-        return await whole(call, shape, request, metrics, cancel)
+        return await answer(request, call, shape)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _json(request)
+        body = await json_body(request, settings.max_request_bytes)
         parsed = protocol.sampling_params(body, chat=True)
         messages = protocol.messages_of(body)
         check(parsed, 1)
-        try:
-            texts, ids = chat_token_ids(
-                llm.tokenizer,
-                messages,
-                chat_template=body.get("chat_template"),
-                add_generation_prompt=body.get("add_generation_prompt", True),
-                continue_final_message=body.get("continue_final_message", False),
-                tools=body.get("tools"),
-                chat_template_kwargs=body.get("chat_template_kwargs"),
-            )
-            check_token_ids(ids, vocab_limit(llm.model), [True])
-        except (ConfigError, ValueError, TypeError) as error:
-            raise APIError(400, str(error), "messages") from None
+        trusted = settings.trust_request_chat_template
+        text, ids = await asyncio.to_thread(chat_ids, llm, body, messages, trusted)
+        check_room(ids, parsed.params)
         call = Call()
-        submit(call, texts[0], ids[0], parsed.params, 0)
+        submit(call, text, ids, parsed.params, 0)
         shape = Shape("chat.completion", protocol.new_id("chatcmpl"), settings.model_name, parsed)
-        if parsed.stream:
-            return sse(stream(call, shape, metrics, cancel))
-        return await whole(call, shape, request, metrics, cancel)
+        return await answer(request, call, shape)
 
     return app
 
 
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise APIError(400, f"the request body is not valid JSON ({error})") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+class _KeyRequired:
+    """Requests to /v1 must carry 'Authorization: Bearer KEY' (compared in constant time).
+    Plain ASGI: the endpoints see the client's own messages (its disconnect at once)."""
+
+    def __init__(self, app, key: str):
+        self._app = app
+        self._expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                error = APIError(401, "a valid API key is needed (Authorization: Bearer KEY)")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
+                return
+        await self._app(scope, receive, send)

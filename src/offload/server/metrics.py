@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
@@ -28,27 +30,27 @@ class ServerMetrics:
             lambda: engine.num_running,
         )
         gauge("vllm:num_requests_waiting", "Requests waiting to run.", lambda: engine.num_waiting)
-        gauge(
-            "offload:weight_bytes_copied_total",
-            "Offloaded weight bytes copied to the compute device so far.",
-            lambda: stats().weight_copied_bytes,
-        )
-        gauge(
-            "offload:disk_bytes_read_total",
-            "Weight bytes read from the checkpoint's files by the disk tier.",
-            lambda: stats().disk_read_bytes,
-        )
-        gauge(
-            "offload:kv_bytes_moved_total",
-            "KV cache bytes moved between host and device memory.",
-            lambda: stats().kv_moved_bytes,
-        )
-        gauge(
-            "offload:stall_seconds_total",
-            "Seconds compute waited for weight copies and reads.",
-            lambda: (lambda now: now.stall_s + now.disk_stall_s)(stats()),  # (one read)
-        )
-        gauge("offload:forwards_total", "Model forwards run.", lambda: stats().num_forwards)
+        # Offloading's totals only grow: Prometheus counters (`_total` is a counter's
+        # suffix), read from the LLM's stats at each scrape.
+        registry.register(
+            _Totals(
+                labels,
+                stats,
+                (
+                    ("offload:weight_bytes_copied",
+                     "Offloaded weight bytes copied to the compute device so far.",
+                     lambda now: now.weight_copied_bytes),
+                    ("offload:disk_bytes_read",
+                     "Weight bytes read from the checkpoint's files by the disk tier.",
+                     lambda now: now.disk_read_bytes),
+                    ("offload:kv_bytes_moved", "KV cache bytes moved between host and device "
+                     "memory.", lambda now: now.kv_moved_bytes),
+                    ("offload:stall_seconds", "Seconds compute waited for weight copies and "
+                     "reads.", lambda now: now.stall_s + now.disk_stall_s),
+                    ("offload:forwards", "Model forwards run.", lambda now: now.num_forwards),
+                ),
+            )
+        )  # fmt: skip
 
         def histogram(name: str, text: str):
             return Histogram(
@@ -75,3 +77,18 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Totals(Collector):
+    """Counters whose values the LLM keeps: (name, help, read(stats)) each, one read of
+    the stats a scrape."""
+
+    def __init__(self, labels: dict[str, str], stats: Callable[[], object], totals: tuple):
+        self._labels, self._stats, self._totals = labels, stats, totals
+
+    def collect(self):
+        now = self._stats()
+        for name, text, read in self._totals:
+            family = CounterMetricFamily(name, text, labels=list(self._labels))
+            family.add_metric(list(self._labels.values()), read(now))
+            yield family

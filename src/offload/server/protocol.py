@@ -12,7 +12,7 @@ from typing import Any
 
 from offload.engine.logprobs import Logprob
 from offload.engine.sampling_params import SamplingParams
-from offload.errors import ConfigError
+from offload.errors import ConfigError, shown
 
 # Request fields that go to SamplingParams under the same name (vLLM's extras included).
 _SAME_NAME = (
@@ -21,6 +21,7 @@ _SAME_NAME = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "allowed_token_ids",
     "bad_words", "truncate_prompt_tokens",
 )  # fmt: skip
+MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit bias: [-100, 100]
 _REFUSED = {
     "echo": "echo is not supported",
     "suffix": "suffix is not supported",
@@ -97,22 +98,59 @@ def sampling_params(body: Mapping[str, Any], *, chat: bool) -> Request:
             raise APIError(400, why, name)
     model = _field(body, "model", (str,))
     stream = bool(_field(body, "stream", (bool,), False))
-    options = _field(body, "stream_options", (dict,)) or {}
-    include_usage = bool(options.get("include_usage", False))
+    include_usage = _include_usage(body, stream)
     kwargs = {name: body[name] for name in _SAME_NAME if body.get(name) is not None}
     kwargs["max_tokens"] = _max_tokens(body, chat)
     kwargs["logprobs"] = _logprobs(body, chat)
-    bias = _field(body, "logit_bias", (dict,))
+    bias = _logit_bias(body)
     if bias:
-        try:
-            kwargs["logit_bias"] = {int(token): float(value) for token, value in bias.items()}
-        except (TypeError, ValueError):
-            raise APIError(400, "logit_bias must map token ids to numbers", "logit_bias") from None
+        kwargs["logit_bias"] = bias
     try:
         params = SamplingParams(**kwargs)
     except (ConfigError, ValueError, TypeError) as error:
         raise bad_request(error) from None
     return Request(model, params, stream, include_usage)
+
+
+def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
+    """`stream_options.include_usage`: a JSON boolean, and only with `stream` (as vLLM)."""
+    options = _field(body, "stream_options", (dict,))
+    if options is None:
+        return False
+    if not stream:
+        raise APIError(400, "stream_options needs stream=true", "stream_options")
+    usage = options.get("include_usage")
+    if usage is None:  # (JSON null: unset)
+        return False
+    if not isinstance(usage, bool):
+        raise APIError(
+            400, f"stream_options.include_usage must be true or false, got {shown(usage)}",
+            "stream_options",
+        )  # fmt: skip
+    return usage
+
+
+def _logit_bias(body: Mapping[str, Any]) -> dict[int, float] | None:
+    """`logit_bias`: token ids (JSON keys: digits) to numbers in [-100, 100], as OpenAI's API
+    takes them (a string, inf or 1e308 is refused, not read or clamped)."""
+    bias = _field(body, "logit_bias", (dict,))
+    if not bias:
+        return None
+    checked = {}
+    for token, value in bias.items():
+        if not (token.isascii() and token.isdigit()):
+            raise APIError(
+                400, f"logit_bias keys must be token ids (digits), got {shown(token)}",
+                "logit_bias",
+            )  # fmt: skip
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise APIError(
+                400, f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS}, "
+                f"{MAX_LOGIT_BIAS}], got {shown(value)} for token {token}", "logit_bias",
+            )  # fmt: skip
+        checked[int(token)] = float(value)
+    return checked
 
 
 def _max_tokens(body: Mapping[str, Any], chat: bool) -> int | None:
@@ -163,18 +201,31 @@ def messages_of(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "messages must be a non-empty list of messages", "messages")
     checked = []
-    for message in messages:
+    for number, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise APIError(400, "each message must be an object with a role", "messages")
         content = message.get("content")
         if isinstance(content, list):
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            content = "".join(_part_text(f"messages[{number}].content", p) for p in content)
         elif content is not None and not isinstance(content, str):
             raise APIError(
                 400, "a message's content must be a string or a list of parts", "messages"
             )
         checked.append({**message, "content": content})
     return checked
+
+
+def _part_text(where: str, part: object) -> str:
+    """A content part's text: OpenAI's {"type": "text", "text": "..."} (text only)."""
+    if not isinstance(part, dict) or part.get("type", "text") != "text":
+        raise APIError(
+            400, f"{where} parts must be {{\"type\": \"text\", \"text\": ...}} objects (this "
+            f"server takes text only), got {shown(part)}", "messages",
+        )  # fmt: skip
+    text = part.get("text")
+    if not isinstance(text, str):
+        raise APIError(400, f"{where}[].text must be a string, got {shown(text)}", "messages")
+    return text
 
 
 # -- responses ----------------------------------------------------------------------

@@ -5,6 +5,7 @@ finish reason, the usage when asked, and [DONE]), with the latency metrics obser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator
@@ -52,23 +53,28 @@ class Shape:
 
 
 class _Progress:
-    """A call's token timings, for the latency metrics."""
+    """The token timings of a call's requests, each request on its own (as vLLM observes
+    them): its time to first token once, then the time between its steps that added one."""
 
     def __init__(self, call: Call, metrics: ServerMetrics):
         self._call, self._metrics = call, metrics
-        self._tokens = 0
-        self._last_s: float | None = None
+        self._tokens: dict[int, int] = {}  # by request index: tokens seen
+        self._last_s: dict[int, float] = {}  # by request index: when its last one came
 
-    def saw(self, output: RequestOutput) -> None:
+    def saw(self, index: int, output: RequestOutput) -> None:
         tokens = sum(len(c.token_ids) for c in output.outputs)
-        if tokens <= self._tokens:
+        if tokens <= self._tokens.get(index, 0):
             return
         moment = time.monotonic()
-        if self._last_s is None:
+        if index not in self._last_s:
             self._metrics.time_to_first_token.observe(moment - self._call.arrival_s)
         else:
-            self._metrics.inter_token_latency.observe(moment - self._last_s)
-        self._tokens, self._last_s = tokens, moment
+            self._metrics.inter_token_latency.observe(moment - self._last_s[index])
+        self._tokens[index], self._last_s[index] = tokens, moment
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the answer."""
 
 
 async def _next(call: Call) -> tuple[int, RequestOutput]:
@@ -76,6 +82,26 @@ async def _next(call: Call) -> tuple[int, RequestOutput]:
     if isinstance(item, BaseException):
         raise item
     return index, item
+
+
+async def _watch(request: Request, call: Call, cancel) -> None:
+    """Wait for the client's disconnect (the server's next message once the body is read),
+    then cancel the call's requests at once (the engine frees their rows at its next step)
+    and wake whoever waits on the outputs."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    cancel(call)
+    call.outputs.put_nowait((-1, _ClientGone()))
+
+
+@contextlib.asynccontextmanager
+async def _watching(request: Request | None, call: Call, cancel):
+    watcher = asyncio.create_task(_watch(request, call, cancel)) if request else None
+    try:
+        yield
+    finally:
+        if watcher is not None:
+            watcher.cancel()
 
 
 def _choice(shape: Shape, index: int, completion, text: str, new_tokens, reason) -> dict:
@@ -104,17 +130,14 @@ async def whole(call: Call, shape: Shape, request: Request, metrics, cancel) -> 
     finals: dict[int, RequestOutput] = {}
     progress = _Progress(call, metrics)
     try:
-        while len(finals) < len(call.requests):
-            try:
-                index, output = await asyncio.wait_for(_next(call), timeout=1.0)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    cancel(call)
-                    return Response(status_code=499)
-                continue
-            progress.saw(output)
-            if output.finished:
-                finals[index] = output
+        async with _watching(request, call, cancel):
+            while len(finals) < len(call.requests):
+                index, output = await _next(call)
+                progress.saw(index, output)
+                if output.finished:
+                    finals[index] = output
+    except _ClientGone:
+        return Response(status_code=499)  # (nobody reads it: nginx's "client closed")
     except (OffloadError, OSError, RuntimeError) as error:
         cancel(call)
         metrics.request_failure.inc()
@@ -149,9 +172,12 @@ def _finished(metrics, call: Call, prompt_tokens: int, completion_tokens: int, c
     metrics.e2e_latency.observe(time.monotonic() - call.arrival_s)
 
 
-async def stream(call: Call, shape: Shape, metrics, cancel) -> AsyncIterator[str]:
+async def stream(
+    call: Call, shape: Shape, metrics, cancel, request: Request | None = None
+) -> AsyncIterator[str]:
     """Server-sent events: text deltas as they settle, the finish reason, then the usage
-    (when asked for) and [DONE]. An error ends the stream with OpenAI's error object."""
+    (when asked for) and [DONE]. An error ends the stream with OpenAI's error object. The
+    client's disconnect (`request`'s) cancels the call at once, also while it waits."""
     params = shape.request.params
     n = params.n
     sent_text: dict[int, str] = {}
@@ -159,38 +185,28 @@ async def stream(call: Call, shape: Shape, metrics, cancel) -> AsyncIterator[str
     finals: dict[int, RequestOutput] = {}
     progress = _Progress(call, metrics)
     try:
-        if shape.is_chat:
-            first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}  # fmt: skip
-            yield _event({**shape.envelope(chunk=True), "choices": [first]})
-        while len(finals) < len(call.requests):
-            index, output = await _next(call)
-            progress.saw(output)
-            for number, completion in enumerate(output.outputs):
-                choice = index * n + number
-                before = sent_text.get(choice, "")
-                if before is None:
-                    continue  # finished already
-                reason = completion.finish_reason
-                text = completion.text if reason else settled(completion.text, params.stop_strings)
-                delta = text[len(before) :] if text.startswith(before) else ""
-                new_tokens = completion.token_ids[sent_tokens.get(choice, 0) :]
-                if not (delta or new_tokens) and reason is None:
-                    continue
-                sent_text[choice] = None if reason else text
-                sent_tokens[choice] = len(completion.token_ids)
-                body = _choice(shape, choice, completion, delta, new_tokens, reason)
-                if shape.is_chat:
-                    body["delta"] = {"content": body.pop("text")} if delta or not reason else {}
-                yield _event({**shape.envelope(chunk=True), "choices": [body]})
-            if output.finished:
-                finals[index] = output
+        async with _watching(request, call, cancel):
+            if shape.is_chat:
+                first = {"index": 0, "delta": {"role": "assistant", "content": ""},
+                         "logprobs": None, "finish_reason": None}  # fmt: skip
+                yield _event({**shape.envelope(chunk=True), "choices": [first]})
+            while len(finals) < len(call.requests):
+                index, output = await _next(call)
+                progress.saw(index, output)
+                for number, completion in enumerate(output.outputs):
+                    event = _delta(shape, index * n + number, completion, sent_text, sent_tokens)
+                    if event is not None:
+                        yield event
+                if output.finished:
+                    finals[index] = output
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finals.values())
         completion_tokens = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
         _finished(metrics, call, prompt_tokens, completion_tokens, len(finals))
         if shape.request.include_usage:
             usage = protocol.usage(prompt_tokens, completion_tokens)
             yield _event({**shape.envelope(chunk=True), "choices": [], "usage": usage})
+    except _ClientGone:
+        return  # (cancelled already; nobody reads more)
     except (OffloadError, OSError, RuntimeError, ConfigError) as error:
         cancel(call)
         metrics.request_failure.inc()
@@ -199,6 +215,27 @@ async def stream(call: Call, shape: Shape, metrics, cancel) -> AsyncIterator[str
         if len(finals) < len(call.requests):
             cancel(call)  # the client left (or the stream failed): free the rows
     yield "data: [DONE]\n\n"
+
+
+def _delta(shape: Shape, choice: int, completion, sent_text: dict, sent_tokens: dict):
+    """The event of what `completion` (choice number `choice`) has that was not sent yet
+    (text settled past any stop string), or None."""
+    params = shape.request.params
+    before = sent_text.get(choice, "")
+    if before is None:
+        return None  # finished already
+    reason = completion.finish_reason
+    text = completion.text if reason else settled(completion.text, params.stop_strings)
+    delta = text[len(before) :] if text.startswith(before) else ""
+    new_tokens = completion.token_ids[sent_tokens.get(choice, 0) :]
+    if not (delta or new_tokens) and reason is None:
+        return None
+    sent_text[choice] = None if reason else text
+    sent_tokens[choice] = len(completion.token_ids)
+    body = _choice(shape, choice, completion, delta, new_tokens, reason)
+    if shape.is_chat:
+        body["delta"] = {"content": body.pop("text")} if delta or not reason else {}
+    return _event({**shape.envelope(chunk=True), "choices": [body]})
 
 
 def _event(body: dict[str, Any]) -> str:
