@@ -194,6 +194,8 @@ def _convert(source: Path, out_dir: Path) -> None:
 
     from safetensors import SafetensorError
 
+    from offload.model.gguf_checks import check_gguf_header
+
     check_gguf_header(source)
     try:
         _dequantize_and_save(source, out_dir)
@@ -211,35 +213,6 @@ def conversion_failure(error: BaseException) -> str:
     if full or getattr(error, "errno", None) in (errno.ENOSPC, errno.EFBIG):
         return f"the disk is full or the file-size limit was reached ({text})"
     return text
-
-
-# The fixed part of a GGUF header, and the least bytes a tensor's description and a
-# key/value pair can take (name length, one byte of name, and the smallest rest).
-_GGUF_HEADER = 24
-_MIN_TENSOR_INFO = 8 + 1 + 4 + 8 + 4 + 8
-_MIN_KEY_VALUE = 8 + 1 + 4 + 1
-
-
-def check_gguf_header(source: Path) -> None:
-    """The header's counts against the file's size, before a reader allocates for them
-    (ValueError naming the file otherwise)."""
-    import struct
-
-    with source.open("rb") as file:
-        head = file.read(_GGUF_HEADER)
-    size = source.stat().st_size
-    if len(head) < _GGUF_HEADER or head[:4] != b"GGUF":
-        raise ValueError(f"{source} is not a GGUF file (it does not start with a GGUF header)")
-    version, tensors, settings = struct.unpack("<IQQ", head[4:])
-    if version > 0xFFFF:  # written big-endian
-        version, tensors, settings = struct.unpack(">IQQ", head[4:])
-    if version not in (2, 3):
-        raise ValueError(f"{source} has GGUF version {version}; versions 2 and 3 are read")
-    if _GGUF_HEADER + tensors * _MIN_TENSOR_INFO + settings * _MIN_KEY_VALUE > size:
-        raise ValueError(
-            f"{source} is damaged or truncated: its header lists {tensors} tensors and "
-            f"{settings} settings, more than its {size} bytes can hold"
-        )
 
 
 def _dequantize_and_save(source: Path, out_dir: Path) -> None:

@@ -280,7 +280,7 @@ def _from_gguf(source: Path, out: Path) -> None:
 
 
 def _stored_gguf(source: Path, out: Path, kernels: str) -> None:
-    from offload.model.default import check_gguf_header
+    from offload.model.gguf_checks import check_gguf_header
     from offload.model.gguf_stored import save_as_stored
 
     check_gguf_header(source)

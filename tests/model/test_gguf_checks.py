@@ -1,0 +1,182 @@
+"""Hostile .gguf headers (issue 48's red team): each refused by name, from our own header
+parser, before gguf's or transformers' reader sees the file."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import gguf
+import numpy as np
+import pytest
+
+from offload.errors import ModelError
+from offload.model import sources
+from offload.model.gguf_checks import check_gguf_header
+
+
+def _tiny(path, layers=2, hidden=8, heads=2, kv_heads=1, tokens=4, eos=1, numbers=None):
+    """A header-and-float32 Llama small enough to write in milliseconds: `layers` blocks of
+    two norms and a query, a token list of `tokens` words, `numbers` set over the rest."""
+    writer = gguf.GGUFWriter(path, "llama")
+    settings = {
+        "llama.context_length": 64, "llama.embedding_length": hidden, "llama.block_count": layers,
+        "llama.feed_forward_length": 2 * hidden, "llama.attention.head_count": heads,
+        "llama.attention.head_count_kv": kv_heads, "tokenizer.ggml.eos_token_id": eos,
+        **(numbers or {}),
+    }  # fmt: skip
+    for key, value in settings.items():
+        writer.add_uint32(key, value)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(tokens)])
+    writer.add_tensor("token_embd.weight", np.zeros((max(tokens, 1), hidden), np.float32))
+    for i in range(layers):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.attn_q.weight", np.zeros((hidden, hidden), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _value_at(data: bytes, key: str) -> int:
+    """The byte where setting `key`'s value begins (past its name and value type)."""
+    return data.index(key.encode()) + len(key) + 4
+
+
+def _patched(path, at: int, form: str, *values) -> None:
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<" + form, data, at, *values)
+    path.write_bytes(bytes(data))
+
+
+@pytest.fixture
+def no_reader(monkeypatch):
+    """gguf's reader, which transformers parses a .gguf with, fails the test if used."""
+
+    def reader(*args, **kwargs):
+        raise AssertionError("gguf's reader saw a file our checks should have refused")
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+
+
+def _refused(path, needle: str) -> str:
+    """`path` refused by the header check, by the float32 conversion and by the stored
+    path alike, quickly and in one line naming `needle`; gguf's reader never runs."""
+    started = time.perf_counter()
+    with pytest.raises(ModelError, match=needle) as info:
+        check_gguf_header(path)
+    assert time.perf_counter() - started < 1.0
+    message = str(info.value)
+    assert "\n" not in message
+    for quantization in (None, "gguf"):
+        with pytest.raises(ModelError, match=needle):
+            sources.resolve_model(path, quantization=quantization, kernels="gguf")
+    return message
+
+
+def test_a_well_formed_file_passes(tmp_path):
+    header = check_gguf_header(_tiny(tmp_path / "m.gguf"))
+    assert header.arch == "llama" and header.numbers["llama.block_count"] == 2
+    assert header.arrays["tokenizer.ggml.tokens"] == (8, 4)
+    assert [t.name for t in header.tensors][:2] == ["token_embd.weight", "blk.0.attn_norm.weight"]
+
+
+def test_a_billion_blocks_is_refused_at_the_layer_limit(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf", numbers={"llama.block_count": 10**9})
+    _refused(path, r"llama\.block_count=1000000000 is out of range: layers must be 1 to 4096")
+
+
+@pytest.mark.parametrize("count", [1, 3000])
+def test_a_block_count_other_than_the_blocks_held_is_refused(tmp_path, no_reader, count):
+    path = _tiny(tmp_path / "m.gguf", numbers={"llama.block_count": count})
+    _refused(
+        path, rf"llama\.block_count={count}, but its tensors are of blocks 0 to 1: it must be 2"
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "needle"),
+    [
+        ("llama.embedding_length", 2**21, r"embedding_length=2097152 is out of range: hidden"),
+        ("llama.context_length", 0, r"context_length=0 is out of range: positions must be 1"),
+        ("llama.feed_forward_length", 2**30, r"feed_forward_length=1073741824 is out of range"),
+    ],
+)
+def test_a_size_beyond_its_config_limit_is_refused(tmp_path, no_reader, key, value, needle):
+    _refused(_tiny(tmp_path / "m.gguf", numbers={key: value}), needle)
+
+
+def test_an_array_of_2_62_items_is_refused_without_walking_it(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf")
+    at = _value_at(path.read_bytes(), "tokenizer.ggml.tokens") + 4  # (past the item type)
+    _patched(path, at, "Q", 2**62)
+    _refused(path, r"setting 'tokenizer\.ggml\.tokens' is an array of 4611686018427387904 items")
+
+
+def test_a_string_of_2_62_bytes_is_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf")
+    _patched(path, _value_at(path.read_bytes(), "tokenizer.ggml.model"), "Q", 2**62)
+    _refused(path, r"a string of setting 'tokenizer\.ggml\.model' has a length of 4611686018")
+
+
+@pytest.mark.parametrize("off_by", [3, -3])
+def test_a_settings_count_off_by_three_is_refused(tmp_path, no_reader, off_by):
+    path = _tiny(tmp_path / "m.gguf")
+    (count,) = struct.unpack_from("<Q", path.read_bytes(), 16)
+    _patched(path, 16, "Q", count + off_by)
+    _refused(path, r"damaged or truncated|not UTF-8|dimensions; GGUF allows")
+
+
+def test_an_eos_token_beyond_the_vocabulary_is_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf", tokens=4, eos=4)
+    _refused(path, r"tokenizer\.ggml\.eos_token_id=4 is not a token of its 4: it must be 0 to 3")
+
+
+def test_an_empty_token_list_is_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf", tokens=0, eos=0)  # (the writer leaves it out)
+    _refused(path, r"tokenizer\.ggml\.tokens holds 0 items .* must hold 1 to 16777216 strings")
+    path = _tiny(tmp_path / "m.gguf", tokens=1, eos=0)
+    at = _value_at(path.read_bytes(), "tokenizer.ggml.tokens") + 4  # (past the item type)
+    _patched(path, at, "Q", 0)  # (its one string is then read as the first tensor's name)
+    _refused(path, r"tensor 't0' has \d+ dimensions; GGUF allows 1 to 4")
+
+
+@pytest.mark.parametrize(
+    ("heads", "needle"),
+    [
+        (0, r"head_count=0; a model needs at least 1 head"),
+        (3, r"head_count=3 does not divide llama\.embedding_length=8"),
+    ],
+)
+def test_heads_that_do_not_divide_the_hidden_size_are_refused(tmp_path, no_reader, heads, needle):
+    _refused(_tiny(tmp_path / "m.gguf", heads=heads, kv_heads=1), needle)
+
+
+def test_key_value_heads_that_do_not_divide_the_heads_are_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf", heads=4, kv_heads=3)
+    _refused(path, r"head_count_kv=3: it must divide llama\.attention\.head_count=4")
+
+
+def test_overlapping_tensors_are_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    name = b"blk.1.attn_q.weight"
+    at = data.index(name) + len(name) + 4 + 2 * 8 + 4  # (past dims count, 2 dims, type)
+    _patched(path, at, "Q", 0)  # (where the embedding is)
+    _refused(path, r"tensors 'token_embd\.weight' and 'blk\.1\.attn_q\.weight' overlap")
+
+
+def test_a_tensor_of_five_dimensions_is_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    _patched(path, data.index(b"blk.0.attn_norm.weight") + 22, "I", 5)
+    _refused(path, r"tensor 'blk\.0\.attn_norm\.weight' has 5 dimensions; GGUF allows 1 to 4")
+
+
+def test_a_count_given_as_a_float_is_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf")
+    at = _value_at(path.read_bytes(), "llama.block_count")
+    _patched(path, at - 4, "If", 6, 2.0)  # (type float32)
+    _refused(path, r"llama\.block_count=2\.0; it must be an integer")
