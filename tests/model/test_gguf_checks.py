@@ -180,3 +180,11 @@ def test_a_count_given_as_a_float_is_refused(tmp_path, no_reader):
     at = _value_at(path.read_bytes(), "llama.block_count")
     _patched(path, at - 4, "If", 6, 2.0)  # (type float32)
     _refused(path, r"llama\.block_count=2\.0; it must be an integer")
+
+
+def test_a_tensor_of_a_type_gguf_does_not_have_is_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf")
+    data = path.read_bytes()
+    at = data.index(b"blk.0.attn_norm.weight") + 22 + 4 + 8  # (past its one dimension)
+    _patched(path, at, "I", 2**31)
+    _refused(path, r"tensor 'blk\.0\.attn_norm\.weight' is of GGUF type 2147483648; the types")

@@ -108,9 +108,8 @@ def _check_tensor(tensor: HeaderTensor, header: Header, where: str) -> None:
 
     name = f"{where} tensor {tensor.name!r}"
     if tensor.kind.startswith("type "):
-        raise ModelError(
-            f"{name} is of GGUF {tensor.kind}, not a type gguf {gguf.__version__} reads"
-        )
+        known = ", ".join(str(int(kind)) for kind in gguf.GGMLQuantizationType)
+        raise ModelError(f"{name} is of GGUF {tensor.kind}; the types gguf reads are {known}")
     if min(tensor.dims) < 1:
         raise ModelError(f"{name} has dimensions {list(tensor.dims)}; each must be at least 1")
     block_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[tensor.kind]][0]
