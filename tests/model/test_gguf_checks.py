@@ -188,3 +188,30 @@ def test_a_tensor_of_a_type_gguf_does_not_have_is_refused(tmp_path, no_reader):
     at = data.index(b"blk.0.attn_norm.weight") + 22 + 4 + 8  # (past its one dimension)
     _patched(path, at, "I", 2**31)
     _refused(path, r"tensor 'blk\.0\.attn_norm\.weight' is of GGUF type 2147483648; the types")
+
+
+def _both_paths_refuse(path, needle: str) -> None:
+    """`path` refused by the float32 conversion and the stored path, in one line naming
+    `needle`, before transformers reads it."""
+    for quantization in (None, "gguf"):
+        with pytest.raises(ModelError, match=needle) as info:
+            sources.resolve_model(path, quantization=quantization, kernels="gguf")
+        assert "\n" not in str(info.value) and "float32" not in str(info.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_float_tensor_holding_nan_or_inf_is_named(tmp_path, no_reader, value):
+    path = _tiny(tmp_path / "m.gguf")
+    norm = next(t for t in check_gguf_header(path).tensors if t.name == "blk.1.attn_norm.weight")
+    _patched(path, norm.offset + 4 * 3, "f", value)
+    _both_paths_refuse(path, r"tensor 'blk\.1\.attn_norm\.weight' \(F32\) holds 1 nan or inf val")
+
+
+def test_a_quantized_block_with_a_nan_scale_is_named(tmp_path, no_reader):
+    """As a tensor read from the wrong bytes: a block's fp16 scale that is not finite."""
+    from gguf_files import write_llama_gguf
+
+    path = write_llama_gguf(tmp_path / "m.gguf", kind="Q4_0")
+    up = next(t for t in check_gguf_header(path).tensors if t.name == "blk.0.ffn_up.weight")
+    _patched(path, up.offset + 18 * 5, "H", 0x7E00)  # (block 5's scale: a float16 nan)
+    _both_paths_refuse(path, r"'blk\.0\.ffn_up\.weight' \(Q4_0\) holds 1 nan or inf block scales")

@@ -115,7 +115,10 @@ def _ct_weights(**change):
     [
         (_ct_weights(num_bits=3), r"group_0\.weights: type 'int' of num_bits 3 is not read"),
         (_ct_weights(num_bits=16), r"type 'int' of num_bits 16 is not read \(int: 4, 8; float"),
-        (_ct_weights(num_bits=8), r"weight_packed holds 4-bit values; config_groups say num_bits 8"),
+        (
+            _ct_weights(num_bits=8),
+            r"weight_packed holds 4-bit values; config_groups say num_bits 8",
+        ),
         (_ct_weights(strategy="diagonal"), r"strategy 'diagonal' is not read \(read: tensor,"),
         (
             lambda s: s["config_groups"]["group_0"].update(targets=["Conv2d"]),

@@ -194,9 +194,9 @@ def _convert(source: Path, out_dir: Path) -> None:
 
     from safetensors import SafetensorError
 
-    from offload.model.gguf_checks import check_gguf_header
+    from offload.model.gguf_checks import check_finite, check_gguf_header
 
-    check_gguf_header(source)
+    check_finite(source, check_gguf_header(source).tensors)
     try:
         _dequantize_and_save(source, out_dir)
     except struct.error as error:  # a field that runs past the end of the file

@@ -211,3 +211,58 @@ def check_tokenizer(header: Header, where: str) -> None:
             raise ModelError(
                 f"{where} {key}={token} is not a token of its {count}: it must be 0 to {count - 1}"
             )
+
+
+_CHUNK_BYTES = 16 * 2**20  # read at a time, so a check holds no whole tensor
+
+
+def check_finite(source: Path, tensors: list[HeaderTensor]) -> None:
+    """Every float tensor's values and every quantized block's fp16 scales finite (a NaN
+    there, or a tensor read from the wrong bytes, makes the logits NaN in any dtype): a
+    ModelError naming the first tensor that holds one. Read in chunks; types without a
+    scale table here are left to their reader."""
+    import os
+
+    descriptor = os.open(source, os.O_RDONLY)
+    try:
+        for tensor in tensors:
+            bad = _nonfinite(descriptor, tensor)
+            if bad:
+                what = "values" if tensor.kind in _FLOAT_BITS else "block scales"
+                raise ModelError(
+                    f"{source}: tensor {tensor.name!r} ({tensor.kind}) holds {bad} nan or inf "
+                    f"{what}: the file is damaged (a weight must be finite)"
+                )
+    finally:
+        os.close(descriptor)
+
+
+# Float types: (bytes a value, the exponent bits, all set in a nan or an inf).
+_FLOAT_BITS = {"F32": (4, 0x7F800000), "F16": (2, 0x7C00), "BF16": (2, 0x7F80)}
+
+
+def _nonfinite(descriptor: int, tensor: HeaderTensor) -> int:
+    """How many of `tensor`'s float values or block scales are nan or inf."""
+    import os
+
+    import numpy as np
+
+    from offload.model.gguf_quants import FORMATS, SCALES_AT
+
+    if tensor.kind in _FLOAT_BITS:
+        unit, exponent = _FLOAT_BITS[tensor.kind]
+        fields, starts = np.dtype(f"<u{unit}"), (0,)
+    elif tensor.kind in SCALES_AT:
+        unit, exponent = FORMATS[tensor.kind].block_bytes, 0x7C00
+        fields, starts = np.dtype("<u2"), SCALES_AT[tensor.kind]
+    else:
+        return 0
+    step = max(unit, _CHUNK_BYTES // unit * unit)  # (whole blocks or values a read)
+    bad = 0
+    for at in range(0, tensor.num_bytes, step):
+        raw = os.pread(descriptor, min(step, tensor.num_bytes - at), tensor.offset + at)
+        units = np.frombuffer(raw, np.uint8).reshape(-1, unit)
+        for start in starts:
+            bits = units[:, start : start + fields.itemsize].copy().view(fields)
+            bad += int(np.count_nonzero((bits & exponent) == exponent))
+    return bad

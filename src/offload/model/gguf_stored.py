@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.errors import ModelError
+from offload.model.gguf_checks import check_finite
 from offload.model.gguf_header import HeaderTensor, gguf_header, gguf_tensors
 from offload.model.gguf_plan import FLOATS, Planned, SourceTensor, plan, row_orders
 from offload.model.gguf_quants import FORMATS
@@ -48,6 +49,7 @@ def save_as_stored(
     if why is not None:
         raise ModelError(f"{source}: {why}; dtype='float32' (--dtype float32) converts it")
     arch, tensors = gguf_tensors(source)
+    check_finite(source, tensors)  # (before a layout is timed on them, or one is written)
     with gguf_parsed_once():
         config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
