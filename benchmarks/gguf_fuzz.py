@@ -120,15 +120,60 @@ def fields(data: bytes) -> list[tuple[str, int, str]]:
     return found
 
 
-def mutate(data: bytes, rng: random.Random) -> tuple[bytes, str]:
+# Settings a model's reader takes as sizes, ids or counts (added where the file lacks them).
+_SETTINGS = (
+    "llama.block_count", "llama.embedding_length", "llama.feed_forward_length",
+    "llama.context_length", "llama.vocab_size", "llama.expert_count",
+    "llama.expert_used_count", "llama.attention.head_count", "llama.attention.head_count_kv",
+    "llama.attention.key_length", "llama.attention.value_length", "llama.rope.dimension_count",
+    "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.padding_token_id", "tokenizer.ggml.unknown_token_id", "general.alignment",
+)  # fmt: skip
+
+
+def with_setting(data: bytes, key: str, value: object, kind, work: Path) -> bytes:
+    """`data` written again by gguf's writer with the setting `key` set to `value` (of
+    GGUF value type `kind`): every other setting and tensor as they were."""
+    import gguf
+
+    source = work / "setting-source.gguf"
+    source.write_bytes(data)
+    reader = gguf.GGUFReader(source)
+    target = work / "setting-target.gguf"
+    writer = gguf.GGUFWriter(target, "llama")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", key):
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub_type)
+    writer.add_key_value(key, value, kind)
+    for tensor in reader.tensors:
+        writer.add_tensor(
+            tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type
+        )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return target.read_bytes()
+
+
+def mutate(data: bytes, rng: random.Random, work: Path) -> tuple[bytes, str]:
     """One random mutation of the header of `data`, and what it was."""
+    import gguf
+
     table = fields(data)
     end = table[-1][1]
     roll = rng.random()
-    if roll < 0.15:
+    if roll < 0.25:
+        key = rng.choice(_SETTINGS)
+        value = rng.choice([0, 1, 3, 5, 256, 257, 2**20 + 1, 10**9, 2**31, 2**32 - 1])
+        kind = rng.choice([gguf.GGUFValueType.UINT32, gguf.GGUFValueType.UINT64])
+        return with_setting(data, key, value, kind, work), f"set {key} = {value} ({kind.name})"
+    if roll < 0.35:
         cut = rng.randrange(4, len(data))
         return data[:cut], f"cut to {cut} bytes"
-    if roll < 0.3:
+    if roll < 0.5:
         out = bytearray(data)
         spots = [rng.randrange(0, end) for _ in range(rng.randint(1, 4))]
         for spot in spots:
@@ -222,7 +267,7 @@ def main() -> None:
     os.environ["OFFLOAD_CACHE_DIR"] = str(work / "cache")
     cases = []
     for index in range(args.count):
-        data, what = mutate(original, rng)
+        data, what = mutate(original, rng, work)
         path = work / f"case-{index}.gguf"
         path.write_bytes(data)
         dtype = "auto" if index % 2 == 0 else "float32"

@@ -215,3 +215,22 @@ def test_a_quantized_block_with_a_nan_scale_is_named(tmp_path, no_reader):
     up = next(t for t in check_gguf_header(path).tensors if t.name == "blk.0.ffn_up.weight")
     _patched(path, up.offset + 18 * 5, "H", 0x7E00)  # (block 5's scale: a float16 nan)
     _both_paths_refuse(path, r"'blk\.0\.ffn_up\.weight' \(Q4_0\) holds 1 nan or inf block scales")
+
+
+@pytest.mark.parametrize(
+    ("numbers", "needle"),
+    [
+        (
+            {"llama.embedding_length": 16},
+            r"'token_embd\.weight' has dimensions \[8, 4\]; the file's settings \(hidden 16,",
+        ),
+        (
+            {"llama.attention.key_length": 8},  # (2 heads of 8: the queries 16 wide)
+            r"'blk\.0\.attn_q\.weight' has dimensions \[8, 8\]; .* make \[8, 16\]",
+        ),
+    ],
+)
+def test_tensors_of_other_sizes_than_the_settings_say_are_refused(
+    tmp_path, no_reader, numbers, needle
+):
+    _refused(_tiny(tmp_path / "m.gguf", numbers=numbers), needle)

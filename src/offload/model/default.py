@@ -208,7 +208,8 @@ def _convert(source: Path, out_dir: Path) -> None:
 def conversion_failure(error: BaseException) -> str:
     """One line for a conversion that failed; a full disk or a file-size limit is named
     as such (safetensors reports them as its own error)."""
-    text = str(error).strip()
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = text if len(text) <= 400 else text[:397] + "..."  # (one line, whoever raised it)
     full = "No space left" in text or "File too large" in text
     if full or getattr(error, "errno", None) in (errno.ENOSPC, errno.EFBIG):
         return f"the disk is full or the file-size limit was reached ({text})"

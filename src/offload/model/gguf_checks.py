@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 from offload.errors import ModelError, shown
 from offload.model.gguf_header import Header, HeaderTensor, read_header
+from offload.model.gguf_shapes import check_shapes
 from offload.model.limits import check_parameters, size_limit
 
 _FIXED_BYTES = 24  # magic, version, tensor count, settings count
@@ -62,6 +63,7 @@ def _checked(source: Path, num_bytes: int, mtime_ns: int) -> Header:
     check_tensors(header, where)
     check_heads(header, where)
     check_tokenizer(header, where)
+    check_shapes(header, where)
     return header
 
 
