@@ -15,10 +15,13 @@ from offload.model import sources
 from offload.model.gguf_checks import check_gguf_header
 
 
-def _tiny(path, layers=2, hidden=8, heads=2, kv_heads=1, tokens=4, eos=1, numbers=None):
+def _tiny(path, layers=2, hidden=8, heads=2, kv_heads=1, tokens=4, eos=1, numbers=None, more=None):
     """A header-and-float32 Llama small enough to write in milliseconds: `layers` blocks of
-    two norms and a query, a token list of `tokens` words, `numbers` set over the rest."""
+    two norms and a query, a token list of `tokens` words, `numbers` set over the rest,
+    and whatever `more(writer)` adds."""
     writer = gguf.GGUFWriter(path, "llama")
+    if more is not None:
+        more(writer)
     settings = {
         "llama.context_length": 64, "llama.embedding_length": hidden, "llama.block_count": layers,
         "llama.feed_forward_length": 2 * hidden, "llama.attention.head_count": heads,
@@ -234,3 +237,47 @@ def test_tensors_of_other_sizes_than_the_settings_say_are_refused(
     tmp_path, no_reader, numbers, needle
 ):
     _refused(_tiny(tmp_path / "m.gguf", numbers=numbers), needle)
+
+
+@pytest.mark.parametrize(
+    ("more", "needle"),
+    [
+        (
+            lambda w: w.add_float32("llama.attention.layer_norm_rms_epsilon", float("nan")),
+            r"llama\.attention\.layer_norm_rms_epsilon=nan; it must be a finite number above 0",
+        ),
+        (
+            lambda w: w.add_float32("llama.rope.freq_base", 0.0),
+            r"llama\.rope\.freq_base=0\.0; it must be a finite number above 0",
+        ),
+        (
+            lambda w: w.add_uint32("llama.rope.dimension_count", 3),
+            r"llama\.rope\.dimension_count=3; it must be the head size, 4",
+        ),
+        (
+            lambda w: w.add_string("llama.expert_count", "many"),
+            r"llama\.expert_count is not a number; it must be an integer",
+        ),
+    ],
+    ids=["nan epsilon", "zero rotary base", "rotary dimensions", "a string count"],
+)
+def test_settings_that_make_every_logit_nan_or_are_not_numbers_are_refused(
+    tmp_path, no_reader, more, needle
+):
+    _refused(_tiny(tmp_path / "m.gguf", more=more), needle)
+
+
+def test_a_quantized_vector_is_refused(tmp_path, no_reader):
+    path = _tiny(tmp_path / "m.gguf", hidden=32)
+    data = path.read_bytes()
+    at = data.index(b"blk.0.attn_norm.weight") + 22 + 4 + 8  # (past its one dimension)
+    _patched(path, at, "I", 2)  # (Q4_0: the norm's 32 floats read as blocks)
+    _refused(path, r"'blk\.0\.attn_norm\.weight' is a vector of Q4_0 blocks; a vector is stored")
+
+
+def test_a_tokenizer_transformers_cannot_build_is_one_line_naming_the_file(tmp_path):
+    """A merge of one token: the tokenizers library raises a bare Exception for it."""
+    path = _tiny(tmp_path / "m.gguf", more=lambda w: w.add_token_merges(["t0"]))
+    for quantization in (None, "gguf"):
+        with pytest.raises(ModelError, match=r"m\.gguf: transformers cannot read its tokenizer"):
+            sources.resolve_model(path, quantization=quantization, kernels="gguf")

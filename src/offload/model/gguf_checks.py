@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import re
 import struct
 from pathlib import Path
@@ -60,6 +61,7 @@ def _checked(source: Path, num_bytes: int, mtime_ns: int) -> Header:
     if header.arch is None:
         raise ModelError(f"{where} general.architecture is missing; a GGUF model names it")
     check_sizes(header, where)
+    check_floats(header, where)
     check_tensors(header, where)
     check_heads(header, where)
     check_tokenizer(header, where)
@@ -115,6 +117,11 @@ def _check_tensor(tensor: HeaderTensor, header: Header, where: str) -> None:
     if min(tensor.dims) < 1:
         raise ModelError(f"{name} has dimensions {list(tensor.dims)}; each must be at least 1")
     block_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[tensor.kind]][0]
+    if block_size > 1 and len(tensor.dims) == 1:  # (ggml quantizes matrices only)
+        raise ModelError(
+            f"{name} is a vector of {tensor.kind} blocks; a vector is stored as floats "
+            "(F32, F16, BF16)"
+        )
     if tensor.dims[0] % block_size:
         raise ModelError(
             f"{name} has rows of {tensor.dims[0]} values, not whole {tensor.kind} blocks of "
@@ -138,7 +145,8 @@ def _integer(header: Header, key: str, where: str) -> int | None:
         return None
     value = header.numbers.get(key)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ModelError(f"{where} {key}={shown(value)}; it must be an integer")
+        given = f"={shown(value)}" if key in header.numbers else " is not a number"
+        raise ModelError(f"{where} {key}{given}; it must be an integer")
     return value
 
 
@@ -158,6 +166,22 @@ def check_sizes(header: Header, where: str) -> None:
             )
         sizes.setdefault(config_key, value)
     check_parameters(SimpleNamespace(**sizes), Path(where.rstrip(":")))
+
+
+_POSITIVE = ("attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon", "rope.freq_base")
+
+
+def check_floats(header: Header, where: str) -> None:
+    """The model's real-valued settings finite, its norms' epsilon and its rotary base
+    above 0 (a NaN or a 0 there makes every logit NaN, whatever the dtype)."""
+    prefix = f"{header.arch}."
+    for key, value in header.numbers.items():
+        if not key.startswith(prefix) or not isinstance(value, float):
+            continue
+        positive = key[len(prefix) :] in _POSITIVE
+        if not math.isfinite(value) or (positive and value <= 0):
+            allowed = "a finite number above 0" if positive else "a finite number"
+            raise ModelError(f"{where} {key}={value}; it must be {allowed}")
 
 
 def check_heads(header: Header, where: str) -> None:

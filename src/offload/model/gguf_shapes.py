@@ -20,6 +20,12 @@ def check_shapes(header: Header, where: str) -> None:
     sizes = _sizes(header)
     if header.arch not in _SHAPED or sizes is None:
         return
+    rotary = header.numbers.get(f"{header.arch}.rope.dimension_count")
+    if rotary is not None and rotary != sizes["key_size"]:  # (llama.cpp refuses it too)
+        raise ModelError(
+            f"{where} {header.arch}.rope.dimension_count={rotary}; it must be the head size, "
+            f"{sizes['key_size']}"
+        )
     expected = _expected(**sizes)
     for tensor in header.tensors:
         block = _BLOCK.match(tensor.name)

@@ -43,7 +43,7 @@ def save_as_stored(
     terminal)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from offload.model.default import gguf_parsed_once
+    from offload.model.default import gguf_parsed_once, read_by_transformers
 
     why = not_read_as_stored(source)
     if why is not None:
@@ -51,8 +51,10 @@ def save_as_stored(
     arch, tensors = gguf_tensors(source)
     check_finite(source, tensors)  # (before a layout is timed on them, or one is written)
     with gguf_parsed_once():
-        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        with read_by_transformers(source, "settings"):
+            config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        with read_by_transformers(source, "tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     sources = _source_tensors(source, tensors, arch, config)
     chooser = LayoutChooser(kernels)
     descriptor = os.open(source, os.O_RDONLY)
