@@ -100,10 +100,15 @@ def test_a_float32_qweight_is_refused(pairs, tmp_path):
     _refused(edited, r"q_proj\.qweight is torch\.float32; it must be int32")
 
 
-@pytest.mark.parametrize("group_size", [0, 16])
+@pytest.mark.parametrize("group_size", [0, 16, 32.0])
 def test_an_awq_group_size_its_kernels_do_not_take_is_refused(pairs, tmp_path, group_size):
     edited = _edited(pairs["awq"], tmp_path, lambda s: s.update(group_size=group_size))
     _refused(edited, rf"AWQ group_size {group_size} is not one AWQ's kernels take \(read: -1,")
+
+
+def test_gptq_bits_that_are_not_an_integer_are_refused(pairs, tmp_path):
+    edited = _edited(pairs["gptq"], tmp_path, lambda s: s.update(bits=4.0))
+    _refused(edited, r"GPTQ bits 4\.0 is not read \(read: 2, 4, 8\)")
 
 
 def _ct_weights(**change):

@@ -53,7 +53,8 @@ def check_method_settings(method: str | None, settings: Mapping[str, Any], where
                 f"{where}: GPTQ checkpoint_format {shown(fmt)} is not read (read: "
                 f"{', '.join(GPTQ_FORMATS)})"
             )
-    if method == "awq" and settings.get("group_size", 128) not in AWQ_GROUP_SIZES:
+    awq_group = settings.get("group_size", 128)
+    if method == "awq" and (not _is_int(awq_group) or awq_group not in AWQ_GROUP_SIZES):
         raise ModelError(
             f"{where}: AWQ group_size {shown(settings.get('group_size'))} is not one AWQ's "
             f"kernels take (read: {', '.join(map(str, AWQ_GROUP_SIZES))})"

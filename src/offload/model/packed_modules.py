@@ -188,7 +188,8 @@ def _check_settings(method: str | None, settings: Mapping[str, Any], where: obje
                 f"{where}: compressed-tensors format {unread[0]} is not read "
                 f"(read: {', '.join(_CT_FORMATS)})"
             )
-    if method == "gptq" and settings.get("bits") not in (2, 4, 8):
+    bits = settings.get("bits")
+    if method == "gptq" and (bits not in (2, 4, 8) or not isinstance(bits, int)):
         raise ModelError(f"{where}: GPTQ bits {settings.get('bits')!r} is not read (read: 2, 4, 8)")
     if method == "awq":
         version = str(settings.get("version", "gemm")).lower()
