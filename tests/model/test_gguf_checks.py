@@ -281,3 +281,15 @@ def test_a_tokenizer_transformers_cannot_build_is_one_line_naming_the_file(tmp_p
     for quantization in (None, "gguf"):
         with pytest.raises(ModelError, match=r"m\.gguf: transformers cannot read its tokenizer"):
             sources.resolve_model(path, quantization=quantization, kernels="gguf")
+
+
+def test_more_strings_than_any_tokenizer_has_are_refused_before_they_are_read(
+    tmp_path, no_reader, monkeypatch
+):
+    """gguf's reader takes ~20 us a string: a file of 10^7 one-byte tokens (~90 MB) would
+    take minutes; the limit is lowered here so that the test's file stays small."""
+    from offload.model import gguf_header
+
+    monkeypatch.setattr(gguf_header, "MAX_STRINGS", 3)
+    path = _tiny(tmp_path / "m.gguf", tokens=4, eos=1)
+    _refused(path, r"arrays hold more than 3 strings \(setting 'tokenizer\.ggml\.tokens' has 4\)")

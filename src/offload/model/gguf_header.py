@@ -25,6 +25,10 @@ _SCALAR_FORMS.update({10: "Q", 11: "q", 12: "d"})
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _MIN_ITEM_BYTES = {**_SCALAR_BYTES, _STRING: 8, _ARRAY: 12}  # (an empty string, array)
 _DEFAULT_ALIGNMENT = 32
+# Strings in all the arrays of a header: gguf's reader makes numpy arrays of each (~20 us
+# and ~300 bytes a string), so a file of 10^7 one-byte tokens would take minutes and GBs.
+# The largest tokenizers hold about 0.5 million (Command R: 256k tokens, 253k merges).
+MAX_STRINGS = 1 << 20
 _MAX_DIMS = 4  # GGML_MAX_DIMS: ggml's tensors have at most 4 dimensions
 _PLAIN = ("F32", "F16", "F64", "I8", "I16", "I32", "I64", "BF16")  # one value an element
 
@@ -94,6 +98,7 @@ class _Cursor:
         self.order = "<" if struct.unpack_from("<I", data, 4)[0] <= 0xFFFF else ">"
         self.num_tensors, self.num_settings = self.unpack("QQ", 8)
         self.at = 24
+        self.num_strings = 0  # in arrays so far
 
     def damaged(self, what: str) -> ModelError:
         return ModelError(f"{self.source} is damaged or truncated: {what}")
@@ -145,6 +150,12 @@ class _Cursor:
         (count,) = self.unpack("Q", self.at)
         self.at += 8
         self.need(count, _MIN_ITEM_BYTES[item], f"setting {key!r} is an array")
+        self.num_strings += count if item == _STRING else 0
+        if self.num_strings > MAX_STRINGS:
+            raise ModelError(
+                f"{self.source}: its settings' arrays hold more than {MAX_STRINGS} strings "
+                f"(setting {key!r} has {count}); the largest tokenizers have about 0.5 million"
+            )
         return item, count
 
     def walk(self, item: int, count: int, key: str) -> None:
