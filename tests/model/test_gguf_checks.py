@@ -105,6 +105,7 @@ def test_a_block_count_other_than_the_blocks_held_is_refused(tmp_path, no_reader
         ("llama.embedding_length", 2**21, r"embedding_length=2097152 is out of range: hidden"),
         ("llama.context_length", 0, r"context_length=0 is out of range: positions must be 1"),
         ("llama.feed_forward_length", 2**30, r"feed_forward_length=1073741824 is out of range"),
+        ("llama.attention.key_length", 0, r"key_length=0 is out of range: heads must be 1 to"),
     ],
 )
 def test_a_size_beyond_its_config_limit_is_refused(tmp_path, no_reader, key, value, needle):

@@ -37,7 +37,13 @@ _SIZES = {
     "expert_count": "num_local_experts",
     "expert_used_count": "num_experts_per_tok",
 }
-_AT_LEAST_ONE = ("block_count", "embedding_length", "context_length")
+_AT_LEAST_ONE = (
+    "block_count",
+    "embedding_length",
+    "context_length",
+    "attention.key_length",
+    "attention.value_length",
+)
 _NO_ATTENTION = ("mamba", "rwkv")  # architectures whose head counts may be 0
 _TOKEN_IDS = ("bos", "eos", "unknown", "padding", "seperator", "cls", "mask", "eot", "eom")
 _TOKENS = "tokenizer.ggml.tokens"
