@@ -289,8 +289,8 @@ def test_more_strings_than_any_tokenizer_has_are_refused_before_they_are_read(
 ):
     """gguf's reader takes ~20 us a string: a file of 10^7 one-byte tokens (~90 MB) would
     take minutes; the limit is lowered here so that the test's file stays small."""
-    from offload.model import gguf_header
+    from offload.model import gguf_read
 
-    monkeypatch.setattr(gguf_header, "MAX_STRINGS", 3)
+    monkeypatch.setattr(gguf_read, "MAX_STRINGS", 3)
     path = _tiny(tmp_path / "m.gguf", tokens=4, eos=1)
     _refused(path, r"arrays hold more than 3 strings \(setting 'tokenizer\.ggml\.tokens' has 4\)")

@@ -17,7 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from offload.errors import ModelError, shown
-from offload.model.gguf_header import Header, HeaderTensor, read_header
+from offload.model.gguf_read import Header, HeaderTensor, read_header
 from offload.model.gguf_shapes import check_shapes
 from offload.model.limits import check_parameters, size_limit
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 from offload.errors import ModelError
-from offload.model.gguf_header import Header
+from offload.model.gguf_read import Header
 
 _SHAPED = ("llama", "qwen2", "qwen3")
 _BLOCK = re.compile(r"blk\.\d+\.")
