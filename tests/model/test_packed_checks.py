@@ -125,12 +125,13 @@ def _ct_weights(**change):
             r"weight_packed holds 4-bit values; config_groups say num_bits 8",
         ),
         (_ct_weights(strategy="diagonal"), r"strategy 'diagonal' is not read \(read: tensor,"),
+        (_ct_weights(group_size=16), r"weight_scale holds 2 groups; group_size 16 over 64 inp"),
         (
             lambda s: s["config_groups"]["group_0"].update(targets=["Conv2d"]),
             r"group_0 targets 'Conv2d', which names no module of the model",
         ),
     ],
-    ids=["3 bits", "16 bits", "bits of the tensors", "strategy", "targets"],
+    ids=["3 bits", "16 bits", "bits of the tensors", "strategy", "group size", "targets"],
 )
 def test_compressed_tensors_settings_that_are_not_read_are_refused(pairs, tmp_path, change, needle):
     _refused(_edited(pairs["ct-w4a16"], tmp_path, change), needle)
@@ -164,3 +165,9 @@ def test_an_fp8_block_size_the_scales_disagree_with_is_refused(pairs, tmp_path, 
 def test_a_nan_scale_is_named_at_load_not_blamed_on_the_dtype(pairs, tmp_path, fmt, scale):
     edited = _edited(pairs[fmt], tmp_path, tensors=_set(scale, _nan_at_first))
     _refused(edited, rf"q_proj\.{scale} holds 1 nan or inf values: the checkpoint is damaged")
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_a_config_without_a_group_size_takes_the_scales_groups(pairs, tmp_path, fmt):
+    edited = _edited(pairs[fmt], tmp_path, lambda s: s.pop("group_size"))
+    assert build_empty(edited, "auto") is not None

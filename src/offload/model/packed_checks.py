@@ -150,10 +150,18 @@ def check_layer(
     kind = form.split(":")[0]
     if kind in ("gptq", "awq") and "scales" in tensors:
         _check_dtypes(tensors, where)
-        group = settings.get("group_size", -1 if kind == "gptq" else 128)
-        _check_groups(tensors["scales"].shape[0], group, module.in_features, where)
+        group = settings.get("group_size", settings.get("q_group_size"))
+        if group is not None:  # (else the scales say how many groups there are)
+            _check_groups(tensors["scales"].shape[0], group, module.in_features, where)
     if kind == "ct_packed":
         _check_ct_bits(form, settings, where)
+    scale = tensors.get("weight_scale")
+    if kind in ("ct_packed", "ct_plain") and scale is not None and len(scale.shape) == 2:
+        sizes = {
+            w.get("group_size") for _, w in ct_weight_args(settings) if w.get("strategy") == "group"
+        }
+        if len(sizes) == 1:  # (one group size for every target: each layer's is known)
+            _check_groups(scale.shape[1], sizes.pop(), module.in_features, where, "weight_scale")
     if kind == "fp8" and form.count(":") == 2:
         rows, columns = (int(size) for size in form.split(":")[1:])
         scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
@@ -176,7 +184,9 @@ def _check_dtypes(tensors: Mapping[str, StoredTensor], where: str) -> None:
         )
 
 
-def _check_groups(groups: int, group_size: int, in_features: int, where: str) -> None:
+def _check_groups(
+    groups: int, group_size: int, in_features: int, where: str, scales: str = "scales"
+) -> None:
     """The scales' groups are those `group_size` makes of the layer's inputs."""
     if group_size == -1:
         expected = 1
@@ -188,7 +198,7 @@ def _check_groups(groups: int, group_size: int, in_features: int, where: str) ->
         )
     if groups != expected:
         raise ModelError(
-            f"{where}.scales holds {groups} groups; group_size {group_size} over "
+            f"{where}.{scales} holds {groups} groups; group_size {group_size} over "
             f"{in_features} inputs makes {expected}"
         )
 
