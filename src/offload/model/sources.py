@@ -220,9 +220,8 @@ def _converted(
                 convert(staging)
                 staging.rename(target)
             except (OSError, ValueError, RuntimeError, ImportError, SafetensorError) as error:
-                raise ModelError(
-                    f"converting {sources[0]} to safetensors failed: {conversion_failure(error)}"
-                ) from None
+                why = conversion_failure(error).removeprefix(f"{sources[0]}: ")  # (named once)
+                raise ModelError(f"converting {sources[0]} to safetensors failed: {why}") from None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     finally:
