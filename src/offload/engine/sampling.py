@@ -178,8 +178,9 @@ def _why_unusable(
     left no finite choice. Runs only on that path, so it may recompute."""
     if bool(torch.isnan(raw).any() | torch.isposinf(raw).any()):
         return ModelError(
-            f"the model's logits for prompt {prompt} hold nan or inf (its weights or "
-            "dtype overflowed); try dtype='float32'"
+            f"the model's logits for prompt {prompt} hold nan or inf: its activations "
+            "overflowed its dtype (try dtype='float32'), or its float weights hold nan or inf "
+            "(a damaged checkpoint; quantized scales and .gguf blocks are checked at load)"
         )
     adjusted = adjust_logits(raw, request, counts)
     if bool(torch.isneginf(adjusted).all()):

@@ -28,7 +28,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from offload.errors import OffloadError
+from offload.errors import ModelError, OffloadError
 from offload.memory.cache_digest import NotSigned, check_entry, sign_entry
 from offload.memory.cache_trust import cache_folder, cache_root
 
@@ -213,7 +213,9 @@ def _convert(source: Path, out_dir: Path) -> None:
 
     from safetensors import SafetensorError
 
-    check_gguf_header(source)
+    from offload.model.gguf_checks import check_finite, check_gguf_header
+
+    check_finite(source, check_gguf_header(source).tensors)
     try:
         _dequantize_and_save(source, out_dir)
     except struct.error as error:  # a field that runs past the end of the file
@@ -225,40 +227,12 @@ def _convert(source: Path, out_dir: Path) -> None:
 def conversion_failure(error: BaseException) -> str:
     """One line for a conversion that failed; a full disk or a file-size limit is named
     as such (safetensors reports them as its own error)."""
-    text = str(error).strip()
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    text = text if len(text) <= 400 else text[:397] + "..."  # (one line, whoever raised it)
     full = "No space left" in text or "File too large" in text
     if full or getattr(error, "errno", None) in (errno.ENOSPC, errno.EFBIG):
         return f"the disk is full or the file-size limit was reached ({text})"
     return text
-
-
-# The fixed part of a GGUF header, and the least bytes a tensor's description and a
-# key/value pair can take (name length, one byte of name, and the smallest rest).
-_GGUF_HEADER = 24
-_MIN_TENSOR_INFO = 8 + 1 + 4 + 8 + 4 + 8
-_MIN_KEY_VALUE = 8 + 1 + 4 + 1
-
-
-def check_gguf_header(source: Path) -> None:
-    """The header's counts against the file's size, before a reader allocates for them
-    (ValueError naming the file otherwise)."""
-    import struct
-
-    with source.open("rb") as file:
-        head = file.read(_GGUF_HEADER)
-    size = source.stat().st_size
-    if len(head) < _GGUF_HEADER or head[:4] != b"GGUF":
-        raise ValueError(f"{source} is not a GGUF file (it does not start with a GGUF header)")
-    version, tensors, settings = struct.unpack("<IQQ", head[4:])
-    if version > 0xFFFF:  # written big-endian
-        version, tensors, settings = struct.unpack(">IQQ", head[4:])
-    if version not in (2, 3):
-        raise ValueError(f"{source} has GGUF version {version}; versions 2 and 3 are read")
-    if _GGUF_HEADER + tensors * _MIN_TENSOR_INFO + settings * _MIN_KEY_VALUE > size:
-        raise ValueError(
-            f"{source} is damaged or truncated: its header lists {tensors} tensors and "
-            f"{settings} settings, more than its {size} bytes can hold"
-        )
 
 
 def _dequantize_and_save(source: Path, out_dir: Path) -> None:
@@ -267,12 +241,14 @@ def _dequantize_and_save(source: Path, out_dir: Path) -> None:
 
     # The GGUF holds tensors and settings only: no code of its package ever runs.
     with gguf_parsed_once():
-        tokenizer = AutoTokenizer.from_pretrained(
-            source.parent, gguf_file=source.name, trust_remote_code=False
-        )
-        model = AutoModelForCausalLM.from_pretrained(
-            source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
-        )
+        with read_by_transformers(source, "tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(
+                source.parent, gguf_file=source.name, trust_remote_code=False
+            )
+        with read_by_transformers(source, "model"):
+            model = AutoModelForCausalLM.from_pretrained(
+                source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
+            )
     # The de-quantized weights are ordinary float tensors: drop the GGUF marker so the
     # model saves (and later loads) as a plain checkpoint.
     model.hf_quantizer = None
@@ -325,6 +301,24 @@ def align_safetensors(path: Path) -> None:
     except BaseException:  # a full disk, Ctrl-C: the file stays as it was, and no half copy
         aligning.unlink(missing_ok=True)
         raise
+
+
+@contextlib.contextmanager
+def read_by_transformers(source: Path, what: str) -> Iterator[None]:
+    """transformers reading the .gguf `source`'s `what` (its settings, tokenizer, model):
+    an error it raises for what the file holds (a merge that is not two tokens, a list
+    where a number belongs: a TypeError, the tokenizers library's bare Exception) is a
+    one-line ModelError naming the file. A full disk (OSError) is left to the caller."""
+    try:
+        yield
+    except (OffloadError, OSError):
+        raise
+    except Exception as error:
+        text = " ".join(str(error).split()) or type(error).__name__
+        text = text if len(text) <= 300 else text[:297] + "..."
+        raise ModelError(
+            f"{source}: transformers cannot read its {what} ({type(error).__name__}: {text})"
+        ) from None
 
 
 _GGUF_PATCH = threading.Lock()

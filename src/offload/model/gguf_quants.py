@@ -40,6 +40,12 @@ FORMATS = {
     "Q6_K": BlockFormat(QK_K, 210),
 }
 
+# The byte of each fp16 scale (and minimum) in a block of each format.
+SCALES_AT = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
 
 def dequantize(raw: torch.Tensor, type_name: str) -> torch.Tensor:
     """The float32 values of `raw` (uint8 [..., bytes per row]) stored as GGUF type

@@ -20,6 +20,7 @@ from typing import Any
 
 from offload.errors import ModelError
 from offload.memory.host import trim_freed_memory
+from offload.model.gguf_checks import check_finite
 from offload.model.gguf_header import HeaderTensor, gguf_header, gguf_tensors
 from offload.model.gguf_plan import FLOATS, Planned, SourceTensor, plan, row_orders
 from offload.model.gguf_quants import FORMATS
@@ -44,15 +45,18 @@ def save_as_stored(
     terminal)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from offload.model.default import gguf_parsed_once
+    from offload.model.default import gguf_parsed_once, read_by_transformers
 
     why = not_read_as_stored(source)
     if why is not None:
         raise ModelError(f"{source}: {why}; dtype='float32' (--dtype float32) converts it")
     arch, tensors = gguf_tensors(source)
+    check_finite(source, tensors)  # (before a layout is timed on them, or one is written)
     with gguf_parsed_once():
-        config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+        with read_by_transformers(source, "settings"):
+            config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+        with read_by_transformers(source, "tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     _hand_back_freed()  # gguf's reader: a numpy array per token and merge, freed now
     sources = _source_tensors(source, tensors, arch, config)
     chooser = LayoutChooser(kernels)

@@ -73,6 +73,12 @@ _SIZES = {
 _LIMITS = {key: (what, limit) for (what, limit), keys in _SIZES.items() for key in keys}
 
 
+def size_limit(key: str) -> tuple[str, int]:
+    """What the size setting `key` (a config.json name: "num_hidden_layers") counts, and
+    its limit."""
+    return _LIMITS[key]
+
+
 def check_sizes(settings: dict[str, Any], config_file: Path) -> None:
     """Refuse a size beyond its limit anywhere in the raw settings (nested configs, such
     as a multimodal model's text_config, included), before transformers reads them."""

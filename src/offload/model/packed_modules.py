@@ -19,6 +19,12 @@ from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.safetensors import StoredTensor
+from offload.model.packed_checks import (
+    check_layer,
+    check_method_settings,
+    check_targets,
+    check_values,
+)
 from offload.model.packed_quant import dequantize_packed
 from offload.model.quant_layouts import stored_op
 
@@ -92,6 +98,9 @@ def packed_forms(
     hold quantized by `settings` (checked against the layer's size)."""
     method = method_of(settings)
     _check_settings(method, settings, where)
+    check_method_settings(method, settings, where)
+    if method == "compressed-tensors":
+        check_targets(settings, model, where)
     prefix = getattr(model, "base_model_prefix", "")
     forms: dict[str, Form] = {}
     for name, module in model.named_modules():
@@ -102,7 +111,9 @@ def packed_forms(
         if form is None:
             continue
         specs = {suffix: (entry.shape, entry.dtype) for suffix, entry in tensors.items()}
+        check_layer(form, settings, tensors, module, f"{where}: {name}")
         _check_shapes(form, specs, module, f"{where}: {name}")
+        check_values(form, tensors, module, f"{where}: {name}")
         forms[name] = (form, specs)
     if not forms:
         raise ModelError(f"{where}: quant_method {method}, but no layer's tensors are quantized")
@@ -177,7 +188,8 @@ def _check_settings(method: str | None, settings: Mapping[str, Any], where: obje
                 f"{where}: compressed-tensors format {unread[0]} is not read "
                 f"(read: {', '.join(_CT_FORMATS)})"
             )
-    if method == "gptq" and settings.get("bits") not in (2, 4, 8):
+    bits = settings.get("bits")
+    if method == "gptq" and (bits not in (2, 4, 8) or not isinstance(bits, int)):
         raise ModelError(f"{where}: GPTQ bits {settings.get('bits')!r} is not read (read: 2, 4, 8)")
     if method == "awq":
         version = str(settings.get("version", "gemm")).lower()

@@ -232,9 +232,8 @@ def _converted(
                 sign_entry(staging, target.name)
                 staging.rename(target)
             except (OSError, ValueError, RuntimeError, ImportError, SafetensorError) as error:
-                raise ModelError(
-                    f"converting {sources[0]} to safetensors failed: {conversion_failure(error)}"
-                ) from None
+                why = conversion_failure(error).removeprefix(f"{sources[0]}: ")  # (named once)
+                raise ModelError(f"converting {sources[0]} to safetensors failed: {why}") from None
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
     finally:
@@ -300,7 +299,7 @@ def _from_gguf(source: Path, out: Path) -> None:
 
 
 def _stored_gguf(source: Path, out: Path, kernels: str) -> None:
-    from offload.model.default import check_gguf_header
+    from offload.model.gguf_checks import check_gguf_header
     from offload.model.gguf_stored import save_as_stored
 
     check_gguf_header(source)
