@@ -34,9 +34,9 @@ forward read from disk over the disk's O_DIRECT rate on the model's own files if
 served at N clients, N tokens a step (its decode rate: N over the median gap between a
 stream's tokens). The memory allowance where a budget B is given: B + the fixed overhead
 the run states (`LLM.fixed_overhead`: the process, the weights outside the decoder stack,
-the tokenizer; for the server, which states it in its own process: the RSS after importing
-torch, transformers and offload, plus the weights outside the stack), +25% (the issue's
-check). A process is killed above
+the tokenizer; the server states it on its start line; where none is stated: the RSS
+after importing torch, transformers and offload, plus the weights outside the stack),
++25% (the issue's check). A process is killed above
 --cap-gib (recorded). Results: benchmarks/results/scale-cpu-<date>.json, with the machine,
 the models' manifests and every run; FOLDER/scale-partial.json grows run by run.
 """
@@ -232,9 +232,9 @@ def add_figures(record: dict, manifest: dict, reference: dict | None) -> list[di
 
 def allowed(record: dict, manifest: dict, result: dict, reference: dict | None) -> int | None:
     """budget + the fixed overhead the run states (`LLM.fixed_overhead`, generate's figures
-    line: process, weights outside the stack, tokenizer); where it states none (the server
-    runs in its own process): a process's RSS after its imports, measured by the resident
-    run, plus the weights outside the stack as stored."""
+    line and serve's start line: process, weights outside the stack, tokenizer); where it
+    states none: a process's RSS after its imports, measured by the resident run, plus the
+    weights outside the stack as stored."""
     if record["budget_gib"] is None:
         return None
     if result.get("stated_overhead_bytes"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -150,7 +151,17 @@ def run_serve(model: str, flags: list[str], env: dict[str, str], args, log: Path
     result["polled_peak_rss_bytes"] = found["polled_peak_rss_bytes"]
     result["error"] = found.get("error") or result.get("error")
     result["exit"] = server.exit
+    result["stated_overhead_bytes"] = stated_overhead_bytes(log)
     return result
+
+
+_OVERHEAD = re.compile(r"fixed overhead (\d+\.\d+) GiB")  # (serve's start line, on a budget)
+
+
+def stated_overhead_bytes(log: Path) -> int | None:
+    """The fixed overhead `offload serve` states on its start line (None: none stated)."""
+    found = _OVERHEAD.search(log.read_text()) if log.is_file() else None
+    return int(float(found.group(1)) * 2**30) if found else None
 
 
 def _clients(url: str, n: int, args) -> dict:

@@ -2,6 +2,7 @@
 input is one line on stderr, exit status 2, and measures nothing."""
 
 import dataclasses
+import importlib
 import shlex
 
 import pytest
@@ -137,3 +138,26 @@ def test_a_cpu_budget_bounds_the_plan_what_it_measures_and_its_flags(tmp_path, m
     plan = dataclasses.replace(plan, chosen=dataclasses.replace(plan.chosen, batch_size=2))
     out = describe(plan, ["--model", str(model)], {"--kv-cache-memory-bytes"})
     assert f"--kv-cache-memory-bytes {2 * 4 * 2**20}\n" in out  # 2 x 4 MiB at 128 positions
+
+
+def test_a_default_context_too_long_for_the_budget_shrinks_and_an_asked_one_does_not(
+    tiny, monkeypatch, capsys, caplog
+):
+    """As an LLM's: the default context shrinks to the longest power of two that fits the
+    budget (a line says so) and the flags printed carry it; one asked for is refused."""
+    from offload.llm import auto
+
+    plan = importlib.import_module("offload.planner.plan")  # (the module, not its function)
+    fits = auto.fits_at_all
+
+    def short_only(shape, budgets, batch, length):
+        return length <= 300 and fits(shape, budgets, batch, length)
+
+    monkeypatch.setattr(auto, "fits_at_all", short_only)
+    monkeypatch.setattr(plan, "fits_at_all", short_only)
+    argv = ["plan", "--model", str(tiny), "--batch-size", "1", "--device", "cpu"]
+    assert main([*argv, "--cpu-memory-gb", "4"]) == 0
+    assert "decoding with 256 positions of context" in capsys.readouterr().out
+    assert "context_len 1024 does not fit the memory budget" in caplog.text
+    assert main([*argv, "--cpu-memory-gb", "4", "--context-len", "512"]) == 2
+    assert "error:" in capsys.readouterr().err

@@ -132,7 +132,7 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     assert key[:2] == (1, 128) and (key[2:3] == ("kv",)) == (setting == "kv-cache")
     # Kept on disk (prefetch hooks and KV offload's layers name their offloader by id),
     # in one graph (KV offload's cache update is one op).
-    assert {path.suffix for path in step_cache.folder().glob("*")} == {".pt2"}
+    assert {path.suffix for path in step_cache.folder().glob("*")} == {".pt2", ".digest"}
     assert llm._cpu_step.graphs == {key: 1}
     moved = llm.transfer_stats()
     assert moved.num_compiled_steps == GREEDY.max_tokens - 1  # (the first token: the prefill's)

@@ -142,9 +142,16 @@ def _serve(args, sock, path, config, name, waiting) -> int:
         )
     )
     port = sock.getsockname()[1]  # (the one the system chose for --port 0)
+    budget = ""
+    if llm.host_budget is not None:  # (a CPU with cpu_memory_gb: it bounds the process)
+        budget = (
+            f"; peak RSS within {llm.host_budget.budget_bytes / 2**30:.2f} GiB and the fixed "
+            f"overhead {llm.fixed_overhead.describe()}"
+        )
     print(
         f"offload serve: {settings.model_name} on http://{args.host}:{port}/v1 "
-        f"({llm.offloader.__class__.__name__}, {serving.engine.max_rows} sequences at once)",
+        f"({llm.offloader.__class__.__name__}, {serving.engine.max_rows} sequences at once"
+        f"{budget})",
         file=sys.stderr,
         flush=True,
     )

@@ -9,6 +9,7 @@ this machine's measurements (`offload.probes`, cached), and the first that the m
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch import nn
 
 from offload.config import DISK_IO, OffloadConfig
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
+from offload.llm.budget import MIN_FITTED_LEN
 from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
@@ -38,6 +40,8 @@ from offload.planner.plan import (
 from offload.planner.shape import shape_of
 from offload.probes.measure import measure
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
+
+_logger = logging.getLogger(__name__)
 
 
 def wants_plan(config: OffloadConfig) -> bool:
@@ -206,12 +210,15 @@ def plan_for(
     path = resolve_model(model, quantization=quantization, device=device)
     empty = build_empty(path, dtype, trust_remote_code)
     limit = model_len_limit(empty.config)
+    asked_len = context_len
     context_len = min(DEFAULT_CONTEXT_LEN, limit) if context_len is None else context_len
     context_len = checked_context_len("context_len", context_len, limit)
     batch_sizes = batch_sizes_for(batch_size, max_batch)
-    shape = shape_of(empty, context_len)
     # Every input is checked before anything is measured: a bad flag costs nothing.
     budgets = budgets_for(device, gpu_memory_utilization, device_memory_gb, cpu_memory_gb)
+    if asked_len is None:  # (a default context shrinks to fit a budget, as an LLM's does)
+        context_len = fitted_context(empty, budgets, min(batch_sizes), context_len)
+    shape = shape_of(empty, context_len)
     # Only the batch sizes some placement can run are measured (and their KV caches made).
     batch_sizes = measurable_batches(shape, budgets, batch_sizes, context_len)
     measured = measure(
@@ -227,6 +234,24 @@ def plan_for(
     )
     overhead = fixed_overhead(empty, path if path.is_dir() else None)
     return make_plan(shape, measured, budgets, batch_sizes, path, overhead=overhead)
+
+
+def fitted_context(empty: nn.Module, budgets: Budgets, batch: int, context_len: int) -> int:
+    """The default `context_len`, or where no placement fits it within `budgets` the
+    longest power of two (at least `MIN_FITTED_LEN`) that one does (a log line says so);
+    where none does, the default (the error then gives the numbers)."""
+    length = context_len
+    while not fits_at_all(shape_of(empty, length), budgets, batch, length):
+        if length <= MIN_FITTED_LEN:
+            return context_len
+        length = max(MIN_FITTED_LEN, 1 << ((length - 1).bit_length() - 1))
+    if length != context_len:
+        _logger.warning(
+            "context_len %d does not fit the memory budget beside the layer stack: %d "
+            "positions (set --context-len to choose)",
+            context_len, length,
+        )  # fmt: skip
+    return length
 
 
 def within(settings: MeasureSettings, budgets: Budgets) -> MeasureSettings:
