@@ -123,3 +123,24 @@ def test_jobs_run_once_each_and_hand_their_result_over_once():
     assert jobs.take("a") == (True, 1) and jobs.take("a") == (False, None)
     jobs.submit("b", lambda: 1 / 0)  # a failing job: None, logged
     assert jobs.wait(10) and jobs.take("b") == (True, None)
+
+
+def test_a_process_about_to_exit_waits_for_a_compile_not_for_a_load(checkpoint, gate):
+    """`offload generate` waits at its end for a step still compiling (kept for the next
+    run) but not for a kept one still loading (it keeps nothing new)."""
+    first = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(first)  # its job held: compiling
+    assert first._cpu_step.compiling
+    assert not first._cpu_step.wait(timeout_s=0.2, loads=False)  # a compile: waited for
+    gate.set()
+    first.wait_for_compiles()
+    assert len(list(step_cache.folder().glob("*.pt2"))) == 1
+    gate.clear()
+    later = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(later)  # its job held: loading the kept step
+    assert later._cpu_step.compiling
+    assert later._cpu_step.wait(timeout_s=0.2, loads=False)  # a load: not waited for
+    assert not later._cpu_step.wait(timeout_s=0.2)  # (it is still loading)
+    gate.set()
+    later.wait_for_compiles()
+    assert later._cpu_step.loaded == 1

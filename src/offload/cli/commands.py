@@ -122,7 +122,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
             out.write(f"--- prompt {number}: {_short(prompt)}\n{output.outputs[0].text}\n")
     out.write(_figures(llm, outputs, before, seconds) + "\n")
     out.flush()
-    llm.wait_for_compiles()  # (a step still compiling: kept for the next run)
+    llm.wait_for_compiles(loads=False)  # (a step still compiling: kept for the next run)
 
 
 def bench(args: argparse.Namespace, out: TextIO | None = None) -> None:

@@ -45,6 +45,7 @@ class CompiledCpuStep:
         self._traced_step: Callable | None = None  # (made at the first shape: `_traced`)
         self._steps: dict[tuple[int, ...], Callable] = {}
         self._jobs = StepJobs()
+        self._compiling: set[tuple[int, ...]] = set()  # shapes whose job compiles (no file)
         self.background = os.environ.get(ENV, "1") != "wait" if background is None else background
         self.compile_s = 0.0  # seconds of the calls that compiled, summed (waited for)
         self.loaded = 0  # shapes loaded from disk
@@ -74,10 +75,12 @@ class CompiledCpuStep:
         """Seconds the background loads and compiles took (no step waited for them)."""
         return self._jobs.seconds
 
-    def wait(self, timeout_s: float | None = None) -> bool:
+    def wait(self, timeout_s: float | None = None, loads: bool = True) -> bool:
         """Wait for the loads and compiles in the background (so that they are kept for
-        the next process); whether they ended."""
-        if not self._jobs.pending():
+        the next process); whether they ended. `loads` False: only while one compiles (a
+        load keeps nothing new: a process about to exit need not wait for it)."""
+        pending = [shape for shape in self._compiling if self._jobs.pending(shape)]
+        if not self._jobs.pending() or (not loads and not pending):
             return True
         with Announced("keeping the compiled decode step for the next run", "compile"):
             return self._jobs.wait(timeout_s)
@@ -131,6 +134,8 @@ class CompiledCpuStep:
                 # is not mid-forward, whatever the job's trace meets later)
                 check_inductor_cache()
                 path = step_cache.folder() / f"{self._name(step, shape)}.pt2"
+                if not path.exists():  # (compiled and kept, not loaded)
+                    self._compiling.add(shape)
                 self._jobs.submit(shape, functools.partial(self._kept, step, path))
             return None
         if kept is None:

@@ -312,11 +312,12 @@ class LLM(DecodeLoop):
             compile_s=self._cpu_step.compile_s if self._cpu_step is not None else 0.0,
         )
 
-    def wait_for_compiles(self) -> None:
+    def wait_for_compiles(self, loads: bool = True) -> None:
         """Wait for CPU decode steps compiling in the background (decoding does not), so
-        that the next process loads them instead of compiling them again."""
+        that the next process loads them instead of compiling them again. `loads` False:
+        not for kept steps still loading (they keep nothing new)."""
         if self._cpu_step is not None:
-            self._cpu_step.wait()
+            self._cpu_step.wait(loads=loads)
 
     def close(self) -> None:
         """End the copy threads and drop the model, its offloaded weights and the host KV
