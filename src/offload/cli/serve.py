@@ -95,6 +95,13 @@ def _stop_while_loading():
     def stop(signum, frame) -> None:
         raise _Stopped(signum)
 
+    with _on_signals(stop):
+        yield
+
+
+@contextlib.contextmanager
+def _on_signals(stop):
+    """`stop(signum, frame)` handles SIGINT and SIGTERM inside the block."""
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
@@ -217,9 +224,5 @@ def _stop_on_signals(server, serving):
         server.should_exit = True
         serving.close()  # in this thread: marks the loop stopped, joins nothing
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
+    with _on_signals(stop):
         yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
