@@ -20,7 +20,7 @@ from torch import nn
 
 from offload.config import DISK_IO, OffloadConfig
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
-from offload.llm.budget import MIN_FITTED_LEN
+from offload.llm.budget import MIN_FITTED_LEN, shorter_power_of_two
 from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
@@ -244,7 +244,7 @@ def fitted_context(empty: nn.Module, budgets: Budgets, batch: int, context_len: 
     while not fits_at_all(shape_of(empty, length), budgets, batch, length):
         if length <= MIN_FITTED_LEN:
             return context_len
-        length = max(MIN_FITTED_LEN, 1 << ((length - 1).bit_length() - 1))
+        length = shorter_power_of_two(length)
     if length != context_len:
         _logger.warning(
             "context_len %d does not fit the memory budget beside the layer stack: %d "

@@ -115,6 +115,12 @@ def kv_room_after(budget: HostBudget | None, offloader: Any) -> int | None:
 MIN_FITTED_LEN = 256  # positions: the shortest context a budget is fitted down to
 
 
+def shorter_power_of_two(length: int) -> int:
+    """The longest power of two below `length`, at least `MIN_FITTED_LEN` (the next
+    context tried when one does not fit a budget)."""
+    return max(MIN_FITTED_LEN, 1 << ((length - 1).bit_length() - 1))
+
+
 def shorter_context(
     empty: nn.Module, budget: HostBudget, error: StackRoomError, max_num_batched_tokens
 ) -> int | None:
@@ -128,7 +134,7 @@ def shorter_context(
     held = budget.kv_bytes + budget.activation_bytes
     length = budget.max_model_len
     while length > MIN_FITTED_LEN:
-        length = max(MIN_FITTED_LEN, 1 << ((length - 1).bit_length() - 1))
+        length = shorter_power_of_two(length)
         need = kv_cache_bytes(empty.config, length, dtype)
         need += activation_bytes(empty.config, length, dtype, max_num_batched_tokens)
         if held - need >= short_bytes:
