@@ -18,7 +18,7 @@ from offload.llm import serving
 from offload.llm.budget import MARGIN_BYTES, HostBudget
 from offload.llm.llm import LLM
 from offload.llm.serving import CPU_KV_BYTES, RowPlan, kv_cache_room, plan_rows
-from offload.planner.overhead import PROCESS_BASELINE_BYTES, fixed_overhead
+from offload.planner.overhead import COMPILER_BYTES, PROCESS_BASELINE_BYTES, fixed_overhead
 from offload.sizes import GIB, MIB
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -190,3 +190,19 @@ def test_the_fixed_overhead_is_the_process_the_parameters_outside_the_stack_and_
     assert overhead.tokenizer_bytes == 20 * (Path(checkpoint) / "tokenizer.json").stat().st_size
     assert overhead.total_bytes == PROCESS_BASELINE_BYTES + outside + overhead.tokenizer_bytes
     assert overhead.describe().startswith(f"{overhead.total_bytes / GIB:.2f} GiB (process 0.38")
+
+
+def test_a_process_whose_cpu_steps_compile_states_the_compiler_beside(checkpoint, monkeypatch):
+    model = zoo.build("llama", num_layers=2)
+    eager = fixed_overhead(model, Path(checkpoint))
+    compiling = fixed_overhead(model, Path(checkpoint), compiles=True)
+    assert compiling.compiler_bytes == COMPILER_BYTES > 0
+    assert compiling.total_bytes == eager.total_bytes + COMPILER_BYTES
+    assert "compiler 0.25" in compiling.describe() and "compiler" not in eager.describe()
+    # An LLM on a CPU states it unless its steps stay eager (the suite's switch, enforce_eager).
+    monkeypatch.setenv("OFFLOAD_CPU_COMPILE", "1")
+    llm = LLM(checkpoint, dtype="float32")
+    assert llm.fixed_overhead.compiler_bytes == COMPILER_BYTES
+    assert LLM(checkpoint, dtype="float32", enforce_eager=True).fixed_overhead.compiler_bytes == 0
+    monkeypatch.setenv("OFFLOAD_CPU_COMPILE", "0")
+    assert LLM(checkpoint, dtype="float32").fixed_overhead.compiler_bytes == 0

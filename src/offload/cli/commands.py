@@ -15,6 +15,7 @@ from offload.api import plan
 from offload.cli.defaults import whole_stack_config
 from offload.cli.options import QUESTION
 from offload.config import OffloadConfig
+from offload.engine import cpu_step
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError, ModelError
@@ -311,7 +312,8 @@ def _budget_lines(
     context_len = args.max_model_len or model_len_limit(model.config)
     shape = shape_of(model, context_len)
     ram_bytes = int(config.disk.cpu_memory_gb * GIB) if config.disk.is_active else None
-    overhead = fixed_overhead(model, path if path.is_dir() else None)
+    compiles = not getattr(args, "enforce_eager", False) and cpu_step.enabled()
+    overhead = fixed_overhead(model, path if path.is_dir() else None, compiles=compiles)
     return [f"  {line}" for line in describe_budget(shape, overhead, ram_bytes, context_len)]
 
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from offload.config import DISK_IO, OffloadConfig
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
+from offload.engine import cpu_step
 from offload.llm.budget import MIN_FITTED_LEN, shorter_power_of_two
 from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
@@ -232,7 +233,8 @@ def plan_for(
         trust_remote_code=trust_remote_code,
         progress=progress,
     )
-    overhead = fixed_overhead(empty, path if path.is_dir() else None)
+    compiles = device.type == "cpu" and cpu_step.enabled()  # (as the planned run's steps)
+    overhead = fixed_overhead(empty, path if path.is_dir() else None, compiles=compiles)
     return make_plan(shape, measured, budgets, batch_sizes, path, overhead=overhead)
 
 

@@ -17,6 +17,7 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
+from offload.engine import cpu_step
 from offload.engine.decode_loop import DecodeLoop
 from offload.engine.kv_cache import KVHostPool
 from offload.engine.sampling_params import SamplingParams
@@ -53,7 +54,7 @@ from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.model.tokenizer import eos_token_ids
 from offload.offloader.disk_placement import StackRoomError
-from offload.planner.overhead import fixed_overhead
+from offload.planner.overhead import COMPILER_BYTES, fixed_overhead
 
 
 class LLM(DecodeLoop):
@@ -176,6 +177,8 @@ class LLM(DecodeLoop):
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
         # On a CPU, a compiled decode step where it pays (engine/cpu_step.py), same switch.
         self._compile_cpu, self._cpu_step = self.device.type == "cpu" and not enforce_eager, None
+        if self._compile_cpu and cpu_step.enabled():  # (the compiler stays in the process)
+            self.fixed_overhead = replace(self.fixed_overhead, compiler_bytes=COMPILER_BYTES)
         self.seed = seed
         torch.manual_seed(seed)
 

@@ -31,6 +31,7 @@ from offload.offloader.base import BaseOffloader
 from offload.offloader.disk_tier import ReadHooks
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_DUMMY_PIECE_VALUES = 2**22  # float32 values drawn at a time for a dummy weight (16 MiB)
 
 
 def load_model(
@@ -87,6 +88,8 @@ def _fill(model, offloader, targets, device: torch.device, progress: bool, drop:
     largest = max((_largest_read(e) for e in targets.values() if e is not None), default=0)
     staging = _Staging(largest, device, drop)
     generator = torch.Generator().manual_seed(0)
+    dummy = any(entry is None for entry in targets.values())
+    scratch = torch.empty(_DUMMY_PIECE_VALUES if dummy else 0, dtype=torch.float32)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -104,7 +107,7 @@ def _fill(model, offloader, targets, device: torch.device, progress: bool, drop:
         host = offloader.ledger.host_view(tensor)
         destination = host if host is not None else tensor.data
         if entry is None:
-            _dummy(destination, generator)
+            _dummy(destination, generator, scratch)
         elif isinstance(entry, Assembled):
             for part, index in entry.parts:  # each part straight into its slice
                 _read(part, destination[index], staging)
@@ -147,12 +150,20 @@ class _Staging:
         return raw.view(entry.dtype).view(entry.shape)
 
 
-def _dummy(destination: torch.Tensor, generator: torch.Generator) -> None:
-    """Random weights of a plausible scale: ones for vectors (norms), N(0, 0.02) else."""
+def _dummy(destination: torch.Tensor, generator: torch.Generator, scratch: torch.Tensor) -> None:
+    """Random weights of a plausible scale: ones for vectors (norms), N(0, 0.02) else,
+    drawn through `scratch` (float32, `_DUMMY_PIECE_VALUES` long, reused)."""
     if destination.dim() <= 1:
         destination.fill_(1.0)
         return
-    values = torch.empty(destination.shape, dtype=torch.float32).normal_(
-        0.0, 0.02, generator=generator
-    )
-    destination.copy_(values)
+    # Drawn a few rows at a time: a whole float32 copy of a large embedding would take
+    # twice a bf16 model's own bytes beside it, past the budget of a plan's cut models.
+    row_values = max(1, destination[0].numel())
+    step = max(1, len(scratch) // row_values)
+    if step * row_values > len(scratch):  # a row longer than the scratch: a whole copy
+        scratch = torch.empty(destination.numel(), dtype=torch.float32)
+        step = destination.shape[0]
+    for start in range(0, destination.shape[0], step):
+        piece = destination[start : start + step]
+        values = scratch[: piece.numel()].view(piece.shape)
+        piece.copy_(values.normal_(0.0, 0.02, generator=generator))
