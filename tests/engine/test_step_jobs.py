@@ -2,6 +2,7 @@
 for a compile or a load; steps run eagerly until it is ready, compiled after; a compile
 that finishes after its LLM closed keeps nothing."""
 
+import importlib
 import threading
 
 import pytest
@@ -144,3 +145,22 @@ def test_a_process_about_to_exit_waits_for_a_compile_not_for_a_load(checkpoint, 
     gate.set()
     later.wait_for_compiles()
     assert later._cpu_step.loaded == 1
+
+
+def test_the_program_ends_without_finalizing_while_a_compile_runs(monkeypatch):
+    """A daemon thread inside torch's C++ at interpreter exit aborts the process (status
+    134): the `offload` program leaves by os._exit, after the exit handlers, while a job
+    runs or waits; once none does, it exits as usual."""
+    cli_main = importlib.import_module("offload.cli.main")
+
+    exits, ran = [], []
+    monkeypatch.setattr(cli_main.os, "_exit", exits.append)
+    monkeypatch.setattr(cli_main.atexit, "_run_exitfuncs", lambda: ran.append(True))
+    jobs, release = StepJobs(), threading.Event()
+    jobs.submit("shape", lambda: release.wait(30))
+    cli_main._leave_compiles(0)
+    assert exits == [0] and ran == [True]
+    release.set()
+    assert jobs.wait(timeout_s=30)
+    cli_main._leave_compiles(3)
+    assert exits == [0]

@@ -99,6 +99,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         kv_offload=args.kv_offload,
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant or None,  # (unset: VLLM_BATCH_INVARIANT decides)
     )
     # With no prompt, the default question goes through the chat template, if there is one.
     chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
 import sys
 import time
@@ -189,6 +191,12 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
         help="decode eagerly: no CUDA graphs on a GPU, no compiled step on a CPU",
     )
     parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="each answer the same alone or beside others (as VLLM_BATCH_INVARIANT=1): "
+        "eager steps, each prompt prefilled alone",
+    )
+    parser.add_argument(
         "--no-stream",
         action="store_true",
         help="write the answer when it is complete, not as it is generated",
@@ -296,6 +304,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command. As the program (`argv` None: sys.argv's), Ctrl-C is one line and status
     130; called from Python with `argv`, a KeyboardInterrupt goes on to the caller, whose
     Ctrl-C it is (as a status it was lost: a test run went on after it)."""
+    status = _command(argv)
+    if argv is None:
+        _leave_compiles(status)
+    return status
+
+
+def _leave_compiles(status: int) -> None:
+    """End the program now where a decode step still compiles in the background (a
+    server stopped by SIGTERM before its compile finished): CPython ends a daemon thread
+    that is inside torch's C++ at exit by aborting the process (status 134, "terminate
+    called without an active exception": 1 of 4 such stops in benchmarks/scale.py). The
+    exit handlers run first; the unfinished step keeps nothing (`step_cache.save` writes
+    whole files only)."""
+    jobs = sys.modules.get("offload.engine.step_jobs")  # (imported only where steps compile)
+    if jobs is None or not jobs.busy():
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    os._exit(status)
+
+
+def _command(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if argv is None:  # the program: a user reads the warning, not our source line

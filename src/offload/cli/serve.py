@@ -48,6 +48,9 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
     serve.add_argument("--enforce-eager", action="store_true",
                        help="decode eagerly: no compiled CPU step (nor its compile at start)")  # fmt: skip
+    serve.add_argument("--batch-invariant", action="store_true",
+                       help="each answer the same whoever else is served (as "
+                       "VLLM_BATCH_INVARIANT=1): eager steps, each prompt prefilled alone")  # fmt: skip
     serve.add_argument("--no-progress", action="store_true", help="no loading progress bar")
 
 
@@ -190,6 +193,7 @@ def serve_llm(args: argparse.Namespace, path, config: OffloadConfig, progress: b
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         progress=progress,
         enforce_eager=args.enforce_eager,
+        batch_invariant=args.batch_invariant or None,  # (unset: VLLM_BATCH_INVARIANT decides)
     )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from offload.engine import cpu_linear
+from offload.engine import cpu_linear, invariant
 from offload.engine.cpu_linear import kernels_for
 from offload.engine.requests import EngineModel, Group, Row, Submitted
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
@@ -40,6 +40,7 @@ class BatchingEngine:
         max_num_batched_tokens: int | None = None,
         kv_dims=None,
         own_thread: bool = True,
+        invariant: bool = False,
     ):
         self._runner = runner
         dtype = compute_dtype(runner.model)
@@ -48,6 +49,10 @@ class BatchingEngine:
         )
         self.max_rows, self.max_len = max_rows, max_len
         self._chunk_tokens = max_num_batched_tokens
+        # Batch invariance (`invariant.py`): each request prefills alone, its prompt at
+        # column 0, and every step runs the eager products the model's linears were padded
+        # for (no kernel chosen by row count, no compiled step).
+        self.invariant = invariant
         self._inbox: deque[Submitted] = deque()
         self._waiting: deque[Submitted] = deque()
         self._running: list[Row] = []  # rows [0, len)
@@ -130,14 +135,30 @@ class BatchingEngine:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
-            try:
-                self._turn()
-            except Exception as error:  # the engine's own fault: no request may wait on it
-                self.last_error = error
-                self._fail_all(error)
-                self._waiting.clear()
-                self._running, self._group = [], None
+            self._guarded_turn()
         self._fail_all(OffloadError("the server is shutting down"))
+
+    def drain(self) -> None:
+        """Run turns on the caller's thread until every submitted request is done (an
+        engine made with `own_thread=False`, whose caller holds the model already: `LLM`'s
+        generate in batch-invariant mode). An error of the engine's own ends the requests
+        it met, as in `run`."""
+        while True:
+            with self._wake:
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+            if not self._has_work():
+                return
+            self._guarded_turn()
+
+    def _guarded_turn(self) -> None:
+        try:
+            self._turn()
+        except Exception as error:  # the engine's own fault: no request may wait on it
+            self.last_error = error
+            self._fail_all(error)
+            self._waiting.clear()
+            self._running, self._group = [], None
 
     def _has_work(self) -> bool:
         return bool(self._inbox or self._waiting or self._running or self._group)
@@ -200,6 +221,8 @@ class BatchingEngine:
             new_longest = max(longest, max(s.limit for s in request.sequences))
             if size > free or new_width + new_longest > self.max_len:
                 break
+            if self.invariant and taken:  # (one request a group: no prompt is padded)
+                break
             taken.append(self._waiting.popleft())
             free -= size
             width, longest = new_width, new_longest
@@ -224,7 +247,7 @@ class BatchingEngine:
         starts = torch.tensor([row.start for row in group.rows], device=device)  # [rows]
         ids = [[self._runner.pad_id] * row.start + row.sequence.prompt_ids for row in group.rows]
         input_ids = torch.tensor(ids, device=device)[:, start:end]  # [rows, tokens]
-        width = read_width(group.width, self.max_len)
+        width = self._read_width(group.width)
         every = torch.arange(width, device=device)
         mask = ((every[None, :] >= starts[:, None]) & (every[None, :] < group.width)).long()
         self._cache.select(group.first, group.first + num, columns.expand(num, -1), start, width)
@@ -249,7 +272,7 @@ class BatchingEngine:
             logits = compiled(step)  # (None while it compiles in the background)
             counted = logits is not None and compiled.usable(step)  # (known after a call)
         if logits is None:
-            with kernels_for(self._runner.model, self._runner.device):
+            with self._kernels():
                 logits = step()
         logits = logits[: len(rows)]  # (less the padding rows)
         self._runner.on_forward(counted)
@@ -267,10 +290,10 @@ class BatchingEngine:
         # (a finished row still in the batch rewrites its last column: never past the end)
         at = [min(row.column, self.max_len - 1) for row in rows]
         starts = [row.start for row in rows]
-        width = read_width(max(at, default=0) + 1, self.max_len)
+        width = self._read_width(max(at, default=0) + 1)
         pad = max(pad_to - len(rows), 0)
         compiled = len(rows) + pad <= cpu_linear.MAX_ROWS
-        compiled = compiled and self._runner.compiled is not None
+        compiled = compiled and self._runner.compiled is not None and not self.invariant
         last, at, starts = ([*values, *(values or [0])[:1] * pad] for values in (last, at, starts))
         columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
         start = torch.tensor(starts, device=device)[:, None]  # [rows, 1]
@@ -287,7 +310,7 @@ class BatchingEngine:
         rows only) now, before a request meets them (`offload serve` does, before it
         listens): loaded or compiled in the background (steps run eagerly until then), or
         here where they compile in the foreground (`OFFLOAD_CPU_COMPILE=wait`)."""
-        if self._runner.compiled is None:
+        if self._runner.compiled is None or self.invariant:
             return
         with self._runner.lock, torch.inference_mode():
             for rows in (1, MIN_ROWS):
@@ -295,10 +318,7 @@ class BatchingEngine:
 
     def _forward(self, input_ids, mask, position_ids, cache_position) -> torch.Tensor:
         model = self._runner.model
-        # On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
-        # weight for a few rows) where the float32 weights are large enough for it to pay.
-        kernels = kernels_for(model, self._runner.device)
-        with torch.inference_mode(), kernels:
+        with torch.inference_mode(), self._kernels():
             out = model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -310,6 +330,19 @@ class BatchingEngine:
             )
         self._runner.on_forward(False)
         return out.logits[:, -1, :]  # [rows, vocab]
+
+    def _read_width(self, num_columns: int) -> int:
+        """The columns attention reads; every one in batch-invariant mode (how many there
+        are changes how its sums group, and the others' lengths would set it)."""
+        return self.max_len if self.invariant else read_width(num_columns, self.max_len)
+
+    def _kernels(self):
+        """On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
+        weight for a few rows) where the float32 weights are large enough for it to pay;
+        not where every row must round as it would alone (`invariant`)."""
+        if self.invariant:
+            return invariant.RowByRow()
+        return kernels_for(self._runner.model, self._runner.device)
 
     def _pick(self, rows: list[Row], logits: torch.Tensor) -> None:
         """Each live row's next token; a row whose sampling fails fails its request."""

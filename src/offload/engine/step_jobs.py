@@ -20,6 +20,7 @@ import queue
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 
 import torch
@@ -27,6 +28,12 @@ import torch
 log = logging.getLogger(__name__)
 
 _SWITCH_S = 1e-5  # the GIL's switch interval while a job runs
+_ALL: weakref.WeakSet = weakref.WeakSet()  # every StepJobs, for `busy`
+
+
+def busy() -> bool:
+    """Whether a job is running or queued in any `StepJobs` of the process."""
+    return any(jobs._pending for jobs in list(_ALL))
 
 
 class StepJobs:
@@ -42,6 +49,7 @@ class StepJobs:
         self._thread: threading.Thread | None = None
         self.closed = threading.Event()
         self.seconds = 0.0  # spent in jobs, summed (none of it waited for)
+        _ALL.add(self)
 
     def submit(self, key: Hashable, job: Callable[[], object]) -> None:
         """Run `job()` for `key` unless it is running, queued or done."""

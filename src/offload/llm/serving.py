@@ -100,6 +100,7 @@ class Serving:
         max_num_seqs: int | None = None,
         fixed_length: bool = False,
         engine_thread: bool = True,
+        caller_holds_model: bool = False,
     ):
         self._llm = llm
         if llm.kv_offload:
@@ -108,15 +109,17 @@ class Serving:
                 "served yet (leave it off; weights may still be offloaded)"
             )
         plan = _row_plan(llm, max_num_seqs or llm.max_num_seqs, fixed_length)
+        invariant = llm.batch_invariant
         runner = EngineModel(
             llm.model,
             llm._tokens,
             llm.device,
             llm.tokenizer.pad_token_id or 0,
-            llm._lock,
+            # (`caller_holds_model`: the thread that runs the engine holds the LLM's lock)
+            contextlib.nullcontext() if caller_holds_model else llm._lock,
             on_forward=self._count_forward,
             # (one graph for every batch of 2 to 64 rows: `rows.RowStep`)
-            compiled=llm._compiled_step(MIN_ROWS),
+            compiled=None if invariant else llm._compiled_step(MIN_ROWS),
         )
         self.engine = BatchingEngine(
             runner,
@@ -124,6 +127,7 @@ class Serving:
             plan.length,
             llm.max_num_batched_tokens,
             own_thread=engine_thread,
+            invariant=invariant,
         )
         self.max_model_len = plan.length  # what a request may hold here (prompt + output)
         self._probe: _Probe | None = None

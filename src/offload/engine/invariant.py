@@ -1,0 +1,159 @@
+"""Batch invariance (vLLM's `VLLM_BATCH_INVARIANT=1`): a sequence's logits, and so its
+tokens and logprobs, bit for bit the same whether it runs alone or beside any others.
+
+Three things make a sequence's numbers depend on its batch, and each is taken away:
+- **A product's rounding depends on how many rows it has.** BLAS libraries pick a kernel
+  by the row count: on the 2-core x86 machine MKL's float32 `F.linear` rounds a row one
+  way alone, another among 2-3 rows, a third among 4 or more; past a few rows every row
+  rounds alike, but only where their count is a multiple of the kernel's block (4 there: a
+  fifth row takes the tail's path). `row_multiple` finds that multiple on the machine, for
+  the model's dtype and shapes, and `pad_products` makes every linear (plain, stored and
+  packed alike) run a multiple of it, padding with zero rows that are then dropped.
+- **A group's prefill pads prompts to one width**, which moves a prompt's columns and so
+  how attention's sums group them: in this mode each request prefills alone, its prompt
+  at column 0 (`batching.BatchingEngine`).
+- **Attention's kernel splits its work by the batch**: ATen's CPU attention of one new
+  token computes a sequence alone differently from the same sequence among others (it
+  divides the columns between threads when there are few sequences). `RowByRow` runs it
+  one sequence at a time, over every column of the row (the engine passes them all).
+- **Product kernels chosen by row count** (the few-row `weight @ x.T`, the compiled
+  step's one-row loops): off in this mode; every step runs the same eager products.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from offload.errors import ConfigError
+
+ENV = "VLLM_BATCH_INVARIANT"  # vLLM's switch, read as the default of `batch_invariant`
+_MULTIPLES = (1, 2, 4, 8, 16, 32, 64)  # row counts tried, smallest first
+_TIMES = (1, 2, 3, 5, 8, 16, 32)  # each tried at these multiples of it
+_MAX_ROWS = 256
+
+
+def from_env() -> bool:
+    return os.environ.get(ENV, "0") not in ("", "0")
+
+
+def linears(model: nn.Module) -> list[nn.Module]:
+    """The modules that compute `x @ weight.T` over a last dimension: `nn.Linear` and the
+    stored and packed forms (each has `in_features` and `out_features`)."""
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, nn.Linear)
+        or (hasattr(module, "in_features") and hasattr(module, "out_features"))
+    ]
+
+
+def row_multiple(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+    """The fewest rows T such that `F.linear` of `dtype` on `device` rounds a row the same
+    in every product of a multiple of T rows, wherever the row is, for every weight shape
+    of `model`'s linears (random values of those shapes); a clear error where no T up to
+    64 does."""
+    shapes = sorted({(m.out_features, m.in_features) for m in linears(model)})
+    multiple = 1
+    for shape in shapes:
+        found = _multiple_of(shape, device, dtype)
+        if found is None:
+            raise ConfigError(
+                f"batch_invariant: on {device} the {dtype} products of a {shape[0]}x{shape[1]} "
+                f"weight round a row differently by the number of rows beside it, whatever "
+                f"multiple of up to {_MULTIPLES[-1]} rows is tried; batch invariance is not "
+                f"available on this machine"
+            )
+        multiple = max(multiple, found)
+    return multiple
+
+
+@functools.cache
+def _multiple_of(shape: tuple[int, int], device: torch.device, dtype: torch.dtype) -> int | None:
+    """A row's rounding depends on the kernel the row count picks and on the row's place
+    (a block of the kernel's rows, or the tail past the last whole block), not on the other
+    rows' values: the same row repeated shows each place's rounding (`_cancelling`)."""
+    weight, row = _cancelling(shape, device, dtype)
+    with torch.inference_mode():
+        for multiple in _MULTIPLES:
+            first = None
+            for times in _TIMES:
+                rows = multiple * times
+                if rows > _MAX_ROWS:
+                    break
+                out = F.linear(row.expand(rows, -1).contiguous(), weight)
+                first = out[0] if first is None else first
+                if not bool((out == first).all()):
+                    break
+            else:
+                return multiple
+            if rows > _MAX_ROWS:
+                return multiple
+    return None
+
+
+def _cancelling(shape: tuple[int, int], device: torch.device, dtype: torch.dtype):
+    """A weight and a row whose products sum to almost nothing: each output is what is
+    left of partial sums far larger than it, so any change in the order of the sums shows
+    in its bits, even rounded to bfloat16 (random values hide most: a sum that ends 2^-16
+    away from where another order ends rounds to the same bfloat16)."""
+    generator = torch.Generator().manual_seed(0)
+    row = torch.randn(shape[1], generator=generator, dtype=torch.float64)
+    weight = torch.randn(shape, generator=generator, dtype=torch.float64)
+    if shape[1] > 1:
+        weight[:, -1] = -(weight[:, :-1] @ row[:-1]) / row[-1]
+    return weight.to(device, dtype), row[None].to(device, dtype)
+
+
+def pad_products(model: nn.Module, multiple: int) -> None:
+    """Every linear of `model` runs a multiple of `multiple` rows (zero rows added, their
+    outputs dropped); `multiple` 1: nothing to do."""
+    if multiple <= 1:
+        return
+    for module in linears(model):
+        if "forward" not in vars(module):  # (once)
+            module.forward = functools.partial(_padded, module.forward, multiple)
+
+
+def _padded(forward, multiple: int, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // max(1, x.shape[-1])
+    extra = -rows % multiple
+    if not extra:
+        return forward(x)
+    flat = x.reshape(rows, x.shape[-1])
+    out = forward(torch.cat([flat, flat.new_zeros(extra, x.shape[-1])]))[:rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class RowByRow(TorchFunctionMode):
+    """Attention (`F.scaled_dot_product_attention`) of a batch run one sequence at a time,
+    each as it runs alone: the mode a batch-invariant forward runs in."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and args[0].dim() == 4:
+            rows = args[0].shape[0]
+            if rows > 1:
+                return torch.cat(
+                    [
+                        func(
+                            *(_row(arg, rows, i) for arg in args),
+                            **{key: _row(value, rows, i) for key, value in kwargs.items()},
+                        )
+                        for i in range(rows)
+                    ]
+                )
+        return func(*args, **kwargs)
+
+
+def _row(value, rows: int, index: int):
+    """Sequence `index` of a batch's tensor ([rows, ...]); anything else as it is (a mask
+    broadcast over the batch, a scale)."""
+    if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
+        return value[index : index + 1]
+    return value

@@ -1,0 +1,134 @@
+"""Batch invariance (`LLM(batch_invariant=True)`, vLLM's VLLM_BATCH_INVARIANT=1): a prompt's
+tokens and logprobs are bit for bit the same alone and in any batch, whatever the other
+prompts' lengths and order, on every weight form (float32, bfloat16, GGUF as stored,
+packed checkpoints), in `generate` and among concurrent streams (what `serve` runs)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import gguf_files
+import packed_zoo
+import pytest
+import torch
+
+from offload import LLM, SamplingParams
+from offload.engine import invariant
+from offload.errors import ConfigError
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+LENGTHS = (1, 2, 3, 5, 7, 9, 13, 30)  # prompt lengths in tokens: every tail of 4 rows
+
+
+def _prompts(vocab: int, seed: int = 0) -> list[dict]:
+    generator = random.Random(seed)
+    return [
+        {"prompt_token_ids": [generator.randrange(3, vocab) for _ in range(length)]}
+        for length in LENGTHS
+    ]
+
+
+def _answer(output) -> tuple:
+    completion = output.outputs[0]
+    return tuple(completion.token_ids), tuple(
+        tuple(sorted((token, entry.logprob) for token, entry in step.items()))
+        for step in completion.logprobs
+    )
+
+
+def _check_invariant(llm: LLM, vocab: int) -> None:
+    prompts = _prompts(vocab)
+    alone = [_answer(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts]
+    together = [_answer(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    assert together == alone
+    order = list(range(len(prompts)))
+    random.Random(1).shuffle(order)
+    some = order[: len(order) - 2]  # another mix: shuffled, two left out
+    mixed = llm.generate([prompts[i] for i in some], PARAMS, use_tqdm=False)
+    assert [_answer(o) for o in mixed] == [alone[i] for i in some]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "stored"])
+def test_the_default_model_answers_alike_alone_and_in_any_batch(dtype):
+    kwargs = {} if dtype == "stored" else {"dtype": dtype}
+    with LLM(batch_invariant=True, max_model_len=128, **kwargs) as llm:
+        _check_invariant(llm, llm.model.config.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_a_gguf_as_stored_answers_alike_alone_and_in_any_batch(tmp_path, kind):
+    path = gguf_files.write_llama_gguf(tmp_path / f"tiny-{kind}.gguf", kind=kind)
+    with LLM(str(path), batch_invariant=True, max_model_len=64) as llm:
+        _check_invariant(llm, 257)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "ct-w4a16", "fp8-block"])
+def test_a_packed_checkpoint_answers_alike_alone_and_in_any_batch(tmp_path, fmt):
+    quantized, _ = packed_zoo.save_pair(tmp_path, fmt)
+    with LLM(quantized, device="cpu", batch_invariant=True, max_model_len=64) as llm:
+        _check_invariant(llm, llm.model.config.vocab_size)
+
+
+def test_an_offloaded_model_answers_as_resident_alone_and_in_batches():
+    prompts = _prompts(49152)[2:7]
+    with LLM(dtype="float32", batch_invariant=True, max_model_len=128) as llm:
+        resident = [_answer(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    offloaded = LLM(
+        dtype="float32",
+        batch_invariant=True,
+        max_model_len=128,
+        offload_backend="prefetch",
+        offload_group_size=2,
+        offload_num_in_group=1,
+    )
+    with offloaded as llm:
+        together = [_answer(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+        alone = [_answer(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts[:3]]
+        assert llm.transfer_stats().weight_copied_bytes > 0
+    assert together == resident and alone == resident[:3]
+
+
+def test_concurrent_streams_answer_as_generate_does_alone():
+    """What `offload serve` runs: requests from several threads, joining the batch at
+    different steps, each answered as `generate` answers it alone."""
+    with LLM(dtype="float32", batch_invariant=True, max_model_len=128) as llm:
+        prompts = _prompts(llm.model.config.vocab_size, seed=2)
+        alone = [_answer(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts]
+        streamed: dict[int, tuple] = {}
+
+        def stream(index: int) -> None:
+            *_, last = llm.stream(prompts[index], PARAMS)
+            streamed[index] = _answer(last)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert [streamed[i] for i in range(len(prompts))] == alone
+
+
+def test_the_products_are_padded_to_a_multiple_that_rounds_every_row_alike():
+    """The probe's multiple holds for rows of any values in any place (the repeated row it
+    tries stands for them), and the padded linear gives a row's bits whatever the count."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=False)
+    multiple = invariant.row_multiple(linear, torch.device("cpu"), torch.float32)
+    invariant.pad_products(linear, multiple)
+    x = torch.randn(23, 96)
+    with torch.inference_mode():
+        alone = [linear(x[i : i + 1])[0] for i in range(len(x))]
+        for rows in (2, 3, 5, 6, 11, 23):
+            out = linear(x[:rows])
+            assert all(torch.equal(out[i], alone[i]) for i in range(rows))
+
+
+def test_batch_invariant_is_checked_before_the_model_loads(monkeypatch):
+    with pytest.raises(ConfigError, match=r"batch_invariant must be True or False"):
+        LLM("/nonexistent", batch_invariant="yes")
+    with pytest.raises(ConfigError, match=r"leave kv_offload and swap_space unset"):
+        LLM("/nonexistent", batch_invariant=True, kv_offload=True)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # vLLM's switch sets the default
+    with pytest.raises(ConfigError, match=r"leave kv_offload and swap_space unset"):
+        LLM("/nonexistent", swap_space=1)
