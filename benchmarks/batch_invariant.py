@@ -15,7 +15,7 @@ import random
 import statistics
 import time
 
-from common import machine, save
+from common import save
 
 from offload import LLM, SamplingParams
 
@@ -90,7 +90,7 @@ def main() -> None:
         )
     import torch
 
-    path = save("batch-invariant", torch.device("cpu"), {"machine": machine(), "rows": rows})
+    path = save("batch-invariant", torch.device("cpu"), {"rows": rows})
     print(f"saved {path}")
 
 

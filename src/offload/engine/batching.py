@@ -272,7 +272,7 @@ class BatchingEngine:
             logits = compiled(step)  # (None while it compiles in the background)
             counted = logits is not None and compiled.usable(step)  # (known after a call)
         if logits is None:
-            with self._kernels():
+            with invariant.decoding(len(rows)) if self.invariant else self._kernels():
                 logits = step()
         logits = logits[: len(rows)]  # (less the padding rows)
         self._runner.on_forward(counted)
@@ -338,10 +338,8 @@ class BatchingEngine:
 
     def _kernels(self):
         """On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
-        weight for a few rows) where the float32 weights are large enough for it to pay;
-        not where every row must round as it would alone (`invariant`)."""
-        if self.invariant:
-            return invariant.RowByRow()
+        weight for a few rows) where the float32 weights are large enough for it to pay.
+        (A batch-invariant decode step runs in `invariant.decoding` instead.)"""
         return kernels_for(self._runner.model, self._runner.device)
 
     def _pick(self, rows: list[Row], logits: torch.Tensor) -> None:

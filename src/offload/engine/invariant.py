@@ -22,8 +22,10 @@ Three things make a sequence's numbers depend on its batch, and each is taken aw
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -120,10 +122,26 @@ def pad_products(model: nn.Module, multiple: int) -> None:
             module.forward = functools.partial(_padded, module.forward, multiple)
 
 
+_decoding = threading.local()  # .on: the engine's thread runs a decode step (`decoding`)
+
+
+@contextlib.contextmanager
+def decoding(rows: int):
+    """A decode step of `rows` sequences runs in here: its linears padded, its attention
+    one sequence at a time. (A prefill needs neither: each request prefills alone, so its
+    products are the same whatever runs beside it, and take the default kernels.)"""
+    _decoding.on = True
+    try:
+        with RowByRow() if rows > 1 else contextlib.nullcontext():
+            yield
+    finally:
+        _decoding.on = False
+
+
 def _padded(forward, multiple: int, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // max(1, x.shape[-1])
     extra = -rows % multiple
-    if not extra:
+    if not extra or not getattr(_decoding, "on", False):
         return forward(x)
     flat = x.reshape(rows, x.shape[-1])
     out = forward(torch.cat([flat, flat.new_zeros(extra, x.shape[-1])]))[:rows]
