@@ -77,6 +77,10 @@ class LLM(DecodeLoop):
     unlike vLLM's preemption swap space, which this engine has no use for, it holds the
     cache itself). `device_memory_gb` emulates a smaller device.
 
+    `batch_invariant=True` (vLLM's VLLM_BATCH_INVARIANT=1 sets the default) makes each
+    prompt's tokens and logprobs the same alone and in any batch, at a cost: eager steps,
+    padded products (`engine/invariant.py`; not with `kv_offload`).
+
     One `LLM` may be shared by threads: their calls run one at a time, each with the
     output it would have alone. `close()` (or a `with LLM(...) as llm:` block) ends its
     copy threads and lets its memory go at once; otherwise that happens when the object
