@@ -101,7 +101,7 @@ _SLOW = (
     "server/test_load.py", "model/test_untrusted.py", "offloader/test_disk_tier.py",
     "planner/test_fit.py", "server/test_openai_server.py", "llm/test_dropped.py",
     "model/test_default_model.py", "engine/test_cpu_step.py", "engine/test_step_jobs.py",
-    "engine/test_cpu_step_halves.py",
+    "engine/test_cpu_step_halves.py", "llm/test_batch_invariance.py", "cli/test_serve_signals.py",
 )  # fmt: skip
 
 

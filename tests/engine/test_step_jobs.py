@@ -76,6 +76,30 @@ def test_steps_run_eagerly_while_the_step_compiles_then_compiled(checkpoint, gat
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+def test_an_answer_begun_eagerly_ends_eagerly_when_its_step_becomes_ready(
+    checkpoint, gate, monkeypatch
+):
+    """The compiled step's bits may differ from the eager step's: an answer that began
+    while its step compiled runs every step eagerly, even once the step is ready (a
+    switch midway made an answer depend on when the compile ended); the next answer runs
+    compiled."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    kernels = llm._step_kernels
+
+    def compile_done_during_the_first_eager_step():
+        gate.set()
+        assert llm._cpu_step.wait(60)
+        return kernels()
+
+    monkeypatch.setattr(llm, "_step_kernels", compile_done_during_the_first_eager_step)
+    _run(llm)
+    assert not llm._cpu_step.compiling  # (ready from the second step on)
+    assert llm.transfer_stats().num_compiled_steps == 0
+    monkeypatch.setattr(llm, "_step_kernels", kernels)
+    _run(llm)
+    assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
+
+
 def _serve_one(serving) -> list:
     """One request through the server's engine (its own thread): its token ids."""
     import queue

@@ -17,8 +17,8 @@ from offload import LLM, SamplingParams
 from offload.engine import invariant
 from offload.errors import ConfigError
 
-PARAMS = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
-LENGTHS = (1, 2, 3, 5, 7, 9, 13, 30)  # prompt lengths in tokens: every tail of 4 rows
+PARAMS = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+LENGTHS = (1, 2, 3, 5, 9, 30)  # prompt lengths in tokens (batches of 1-6 rows: each tail of 4)
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[dict]:
@@ -71,7 +71,7 @@ def test_a_packed_checkpoint_answers_alike_alone_and_in_any_batch(tmp_path, fmt)
 
 
 def test_an_offloaded_model_answers_as_resident_alone_and_in_batches():
-    prompts = _prompts(49152)[2:7]
+    prompts = _prompts(49152)[1:]
     with LLM(dtype="float32", batch_invariant=True, max_model_len=128) as llm:
         resident = [_answer(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     offloaded = LLM(

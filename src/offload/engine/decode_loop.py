@@ -277,6 +277,10 @@ class DecodeLoop:
         step = DecodeStep(self.model, cache, batch.mask, positions)
         graphs, position = None, batch.width  # where the newest token goes
         in_place = self.offloader.weights_in_place and cache.kv_offloader is None
+        # An answer runs in one form: begun eagerly while its step compiles in the
+        # background, it ends eagerly (the compiled step's bits may differ from the eager
+        # step's: a switch midway made an answer depend on when the compile ended).
+        eager_answer = False
         while True:
             tokens = self._tokens.pick(logits, sequences)
             progress.update()
@@ -296,13 +300,14 @@ class DecodeLoop:
             logits = None
             if graphs is not None:
                 logits = graphs.run(position + 1)
-            elif compiled is not None and compiled.usable(step):
+            elif compiled is not None and compiled.usable(step) and not eager_answer:
                 # (the same step object all loop long, its weights staying put: the
                 # kept step's guards are checked at its first call only); None while
                 # it compiles in the background
                 logits = compiled(step, in_place)
                 if logits is not None:  # (whether it counts is known after its first call)
                     self._compiled_steps += compiled.usable(step)
+                eager_answer = logits is None
             if logits is None:
                 with self._step_kernels():
                     logits = step()
