@@ -80,6 +80,7 @@ def run_llm(spec: dict, result: dict) -> None:
         answer_s, out = timed(lambda: generate(answer))
         answers.append(answer_s)
         result["same_tokens_each_round"] = list(out.token_ids) == result["tokens"]
+        result["steady_tokens"] = list(out.token_ids)
     # Decode: the N - 1 steps after the first token, in the median answer's time less the
     # median first token's (medians first: on a tiny model one round's difference is noise).
     decode_s = statistics.median(answers) - statistics.median(ttft)
