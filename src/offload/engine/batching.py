@@ -21,7 +21,7 @@ import torch
 
 from offload.engine import cpu_linear, invariant
 from offload.engine.cpu_linear import kernels_for
-from offload.engine.requests import EngineModel, Group, Row, Submitted
+from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError, OffloadError
@@ -76,25 +76,12 @@ class BatchingEngine:
     def submit_all(self, requests: list[Submitted]) -> None:
         """Queue `requests` at once: the next turn sees all of them, whatever the timing."""
         for request in requests:
-            self._check(request)
+            check_fits(request, self.max_rows, self.max_len)
         with self._wake:
             if self._stop:
                 raise OffloadError("the engine is shutting down")
             self._inbox.extend(requests)
             self._wake.notify()
-
-    def _check(self, request: Submitted) -> None:
-        for sequence in request.sequences:
-            if len(sequence.prompt_ids) + sequence.limit > self.max_len:
-                raise ConfigError(
-                    f"the prompt ({len(sequence.prompt_ids)} tokens) and its output "
-                    f"({sequence.limit}) do not fit in {self.max_len} positions"
-                )
-        if len(request.sequences) > self.max_rows:
-            raise ConfigError(
-                f"n={len(request.sequences)} is more sequences than run at once "
-                f"(max_num_seqs={self.max_rows})"
-            )
 
     def cancel(self, request: Submitted) -> None:
         """Stop `request` at the next step boundary; its rows are freed."""

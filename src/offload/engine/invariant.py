@@ -33,6 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from offload.errors import ConfigError
+from offload.sizes import compute_dtype
 
 ENV = "VLLM_BATCH_INVARIANT"  # vLLM's switch, read as the default of `batch_invariant`
 _MULTIPLES = (1, 2, 4, 8, 16, 32, 64)  # row counts tried, smallest first
@@ -55,11 +56,12 @@ def linears(model: nn.Module) -> list[nn.Module]:
     ]
 
 
-def row_multiple(model: nn.Module, device: torch.device, dtype: torch.dtype) -> int:
+def row_multiple(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> int:
     """The fewest rows T such that `F.linear` of `dtype` on `device` rounds a row the same
     in every product of a multiple of T rows, wherever the row is, for every weight shape
     of `model`'s linears (random values of those shapes); a clear error where no T up to
-    64 does."""
+    64 does. `dtype` None: the model's compute dtype."""
+    dtype = dtype or compute_dtype(model)
     shapes = sorted({(m.out_features, m.in_features) for m in linears(model)})
     multiple = 1
     for shape in shapes:

@@ -13,6 +13,7 @@ import torch
 
 from offload.engine.sequences import RequestOutput, SequenceState, completion_of
 from offload.engine.tokens import TokenSteps
+from offload.errors import ConfigError
 
 if TYPE_CHECKING:
     from offload.engine.compiled_step import CompiledCpuStep
@@ -73,3 +74,19 @@ class EngineModel:
     lock: threading.Lock  # held for each forward: the model's other callers wait
     on_forward: Callable[[bool], None] = lambda compiled: None  # after each (a compiled step?)
     compiled: CompiledCpuStep | None = None  # the compiled CPU decode step, where it pays
+
+
+def check_fits(request: Submitted, max_rows: int, max_len: int) -> None:
+    """That each of `request`'s sequences fits a row of `max_len` positions and that its
+    `n` sequences fit `max_rows` rows."""
+    for sequence in request.sequences:
+        if len(sequence.prompt_ids) + sequence.limit > max_len:
+            raise ConfigError(
+                f"the prompt ({len(sequence.prompt_ids)} tokens) and its output "
+                f"({sequence.limit}) do not fit in {max_len} positions"
+            )
+    if len(request.sequences) > max_rows:
+        raise ConfigError(
+            f"n={len(request.sequences)} is more sequences than run at once "
+            f"(max_num_seqs={max_rows})"
+        )

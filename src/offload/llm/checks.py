@@ -15,6 +15,7 @@ from torch import nn
 
 from offload.config.limits import SEED_RANGE
 from offload.config.validate import flag, integer
+from offload.engine import invariant
 from offload.errors import ConfigError, ModelError, shown
 from offload.memory.threads import check_not_forked
 from offload.model.build import DTYPES
@@ -226,3 +227,16 @@ def serialized(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return call
+
+
+def batch_invariant_of(value: object, kv_offload: bool) -> bool:
+    """`batch_invariant` checked; None: vLLM's VLLM_BATCH_INVARIANT=1 decides, as there."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"batch_invariant must be True or False, got {value!r}")
+    on = invariant.from_env() if value is None else value
+    if on and kv_offload:
+        raise ConfigError(
+            "batch_invariant runs on the continuous-batching engine, which keeps the KV "
+            "cache on the device: leave kv_offload and swap_space unset with it"
+        )
+    return on

@@ -36,6 +36,7 @@ from offload.llm.auto import planned_memory
 from offload.llm.budget import host_budget_of, kv_room_after, load_fitted
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
+    batch_invariant_of,
     check_llm_args,
     check_token_ids,
     check_use_tqdm,
@@ -55,7 +56,6 @@ from offload.model.sources import resolve_model, stored_unless_asked
 from offload.model.tokenizer import eos_token_ids
 from offload.offloader.disk_placement import StackRoomError
 from offload.planner.overhead import COMPILER_BYTES, fixed_overhead
-from offload.sizes import compute_dtype
 
 
 class LLM(DecodeLoop):
@@ -126,8 +126,6 @@ class LLM(DecodeLoop):
         # are trimmed at the collection that ends it (else RSS keeps what it held).
         weakref.finalize(self, trim_after_collection)
         self._on_step: Callable[[list[SequenceState]], None] | None = None  # see _streaming
-        if batch_invariant is not None and not isinstance(batch_invariant, bool):
-            raise ConfigError(f"batch_invariant must be True or False, got {batch_invariant!r}")
         limits = check_llm_args(
             model=model,
             tokenizer=tokenizer,
@@ -151,14 +149,8 @@ class LLM(DecodeLoop):
         config = offload_config_of(offload_config, offload_flags, own_argument_names(LLM))
         self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
         self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:6]
-        # Each sequence's numbers whatever its batch (`engine/invariant.py`); vLLM's
-        # VLLM_BATCH_INVARIANT=1 sets the default, as there.
-        self.batch_invariant = invariant.from_env() if batch_invariant is None else batch_invariant
-        if self.batch_invariant and self.kv_offload:
-            raise ConfigError(
-                "batch_invariant runs on the continuous-batching engine, which keeps the KV "
-                "cache on the device: leave kv_offload and swap_space unset with it"
-            )
+        # Each sequence's numbers whatever its batch (`engine/invariant.py`).
+        self.batch_invariant = batch_invariant_of(batch_invariant, self.kv_offload)
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
         self.device = check_device(device)
@@ -193,8 +185,12 @@ class LLM(DecodeLoop):
         self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
         # On a CPU, a compiled decode step where it pays (engine/cpu_step.py), same switch.
         self._compile_cpu, self._cpu_step = self.device.type == "cpu" and not enforce_eager, None
+        # Batch invariance: products padded as this machine needs, eager steps, and
+        # `generate` on a batching engine of its own (`_generate`), as `serve` runs.
+        self._invariant_engine: Serving | None = None
         if self.batch_invariant:
-            self._start_invariant()
+            invariant.pad_products(self.model, invariant.row_multiple(self.model, self.device))
+            self._compile_cpu, self._use_graphs = False, False
         if self._compile_cpu and cpu_step.enabled():  # (the compiler stays in the process)
             self.fixed_overhead = replace(self.fixed_overhead, compiler_bytes=COMPILER_BYTES)
         self.seed = seed
@@ -333,15 +329,6 @@ class LLM(DecodeLoop):
             compile_s=self._cpu_step.compile_s if self._cpu_step is not None else 0.0,
         )
 
-    def _start_invariant(self) -> None:
-        """Batch-invariant mode: the linears padded to the rows from which this machine's
-        products round every row alike; eager steps (`invariant.py`); `generate` and
-        `chat` run on a continuous-batching engine of their own, as `serve` does."""
-        multiple = invariant.row_multiple(self.model, self.device, compute_dtype(self.model))
-        invariant.pad_products(self.model, multiple)
-        self._compile_cpu, self._use_graphs = False, False
-        self._invariant_engine: Serving | None = None
-
     def _generate(self, prompts, ids, sampling_params, use_tqdm=False) -> list[RequestOutput]:
         if not self.batch_invariant:
             return super()._generate(prompts, ids, sampling_params, use_tqdm)
@@ -349,25 +336,8 @@ class LLM(DecodeLoop):
         # model): each prefills alone and decodes beside the others, as it would under serve.
         if self._invariant_engine is None:
             self._invariant_engine = Serving(self, engine_thread=False, caller_holds_model=True)
-        serving = self._invariant_engine
         params = per_prompt(sampling_params, len(prompts))
-        errors: list[BaseException] = []
-
-        def keep_errors(item: RequestOutput | BaseException) -> None:
-            if isinstance(item, BaseException):
-                errors.append(item)
-
-        requests = [  # (all checked before any runs)
-            serving.prepare(text, prompt_ids, request, keep_errors, request_id=str(number))
-            for number, (text, prompt_ids, request) in enumerate(
-                zip(prompts, ids, params, strict=True)
-            )
-        ]
-        serving.engine.submit_all(requests)
-        serving.engine.drain()
-        if errors:
-            raise errors[0]
-        return [request.output() for request in requests]
+        return self._invariant_engine.run_all(prompts, ids, params)
 
     def wait_for_compiles(self, loads: bool = True) -> None:
         """Wait for CPU decode steps compiling in the background (decoding does not), so
@@ -392,6 +362,7 @@ class LLM(DecodeLoop):
                 self._cpu_step.close()
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool
+            self._invariant_engine = None  # (its rows' KV cache)
         trim_freed_memory()
 
     @contextlib.contextmanager

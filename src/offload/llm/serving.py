@@ -166,6 +166,28 @@ class Serving:
             sequence.limit = min(sequence.limit, self.max_model_len - len(prompt_ids))
         return Submitted(request_id or f"req-{next(_ids)}", prompt, prompt_ids, sequences, emit)
 
+    def run_all(self, prompts, ids, params: list[SamplingParams]) -> list[RequestOutput]:
+        """Every prompt as one request, all checked before any runs, then the engine's
+        turns on this thread until they end (an engine made with `engine_thread=False`):
+        their outputs in order, or the first error one met."""
+        errors: list[BaseException] = []
+
+        def keep_errors(item: RequestOutput | BaseException) -> None:
+            if isinstance(item, BaseException):
+                errors.append(item)
+
+        requests = [
+            self.prepare(text, prompt_ids, request, keep_errors, request_id=str(number))
+            for number, (text, prompt_ids, request) in enumerate(
+                zip(prompts, ids, params, strict=True)
+            )
+        ]
+        self.engine.submit_all(requests)
+        self.engine.drain()
+        if errors:
+            raise errors[0]
+        return [request.output() for request in requests]
+
     def stream(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
         """The request's outputs as they grow (each one whole so far), ending with the
         finished one; closing the iterator early cancels the request."""
