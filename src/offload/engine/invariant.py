@@ -120,8 +120,9 @@ def pad_products(model: nn.Module, multiple: int) -> None:
     if multiple <= 1:
         return
     for module in linears(model):
-        if "forward" not in vars(module):  # (once)
+        if not getattr(module, "_rows_padded", False):  # (once; over any forward of its own)
             module.forward = functools.partial(_padded, module.forward, multiple)
+            module._rows_padded = True
 
 
 _decoding = threading.local()  # .on: the engine's thread runs a decode step (`decoding`)
