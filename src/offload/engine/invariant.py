@@ -114,15 +114,64 @@ def _cancelling(shape: tuple[int, int], device: torch.device, dtype: torch.dtype
     return weight.to(device, dtype), row[None].to(device, dtype)
 
 
-def pad_products(model: nn.Module, multiple: int) -> None:
+def pad_products(model: nn.Module, multiple: int, probe_stored: bool = False) -> None:
     """Every linear of `model` runs a multiple of `multiple` rows (zero rows added, their
-    outputs dropped); `multiple` 1: nothing to do."""
-    if multiple <= 1:
-        return
+    outputs dropped); 1: as it is. `probe_stored`: a stored or packed module computing in
+    float32 whose weights are in place (a resident model) gets the multiple its own kernel
+    needs, tried on it (the CPU int4 kernel rounds a row alike at any count: 1, where the
+    float32 `F.linear` needs 4)."""
+    found: dict[tuple, int] = {}
     for module in linears(model):
-        if not getattr(module, "_rows_padded", False):  # (once; over any forward of its own)
-            module.forward = functools.partial(_padded, module.forward, multiple)
-            module._rows_padded = True
+        if getattr(module, "_rows_padded", False):  # (once; over any forward of its own)
+            continue
+        own = multiple
+        if probe_stored and not isinstance(module, nn.Linear):
+            key = _kernel_key(module)
+            if key not in found:
+                found[key] = _module_multiple(module)
+            own = found[key] or multiple
+        if own > 1:
+            module.forward = functools.partial(_padded, module.forward, own)
+        module._rows_padded = True
+
+
+def _kernel_key(module: nn.Module) -> tuple:
+    """What picks a stored module's kernel: its class, shape and stored kind."""
+    kind = tuple(str(getattr(module, name, "")) for name in ("kind", "op", "form"))
+    return (type(module).__name__, module.in_features, module.out_features, *kind)
+
+
+def _module_multiple(module: nn.Module) -> int | None:
+    """The fewest rows T such that `module` gives a row the same bits in every multiple of
+    T rows, tried with random float32 rows (a float32 output shows a changed summation
+    order, unlike bfloat16's); None where its inputs are not float32 or no T up to 64 does."""
+    tensors = [*module.parameters(), *module.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    generator = torch.Generator().manual_seed(1)
+    rows = torch.randn(2, module.in_features, generator=generator).to(device)
+    with torch.inference_mode():
+        try:
+            if module(rows[:1]).dtype != torch.float32:
+                return None
+            for multiple in _MULTIPLES:
+                if all(_alike(module, row, multiple) for row in rows):
+                    return multiple
+        except RuntimeError:  # (a kernel that takes no float32 input: the default multiple)
+            return None
+    return None
+
+
+def _alike(module: nn.Module, row: torch.Tensor, multiple: int) -> bool:
+    first = None
+    for times in _TIMES:
+        count = multiple * times
+        if count > _MAX_ROWS:
+            break
+        out = module(row[None].expand(count, -1).contiguous())
+        first = out[0] if first is None else first
+        if not bool((out == first).all()):
+            return False
+    return True
 
 
 _decoding = threading.local()  # .on: the engine's thread runs a decode step (`decoding`)

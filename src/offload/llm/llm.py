@@ -189,7 +189,9 @@ class LLM(DecodeLoop):
         # `generate` on a batching engine of its own (`_generate`), as `serve` runs.
         self._invariant_engine: Serving | None = None
         if self.batch_invariant:
-            invariant.pad_products(self.model, invariant.row_multiple(self.model, self.device))
+            multiple = invariant.row_multiple(self.model, self.device)
+            resident = self.offloader.offloaded_bytes == 0  # (its weights in place to try)
+            invariant.pad_products(self.model, multiple, probe_stored=resident)
             self._compile_cpu, self._use_graphs = False, False
         if self._compile_cpu and cpu_step.enabled():  # (the compiler stays in the process)
             self.fixed_overhead = replace(self.fixed_overhead, compiler_bytes=COMPILER_BYTES)
