@@ -80,11 +80,12 @@ def nothing_loads(monkeypatch):
     import offload.llm.args as llm_args_module
     import offload.llm.auto as auto_module
     import offload.llm.llm as llm_module
+    import offload.llm.loading as loading_module
 
     for module, step in (
         (llm_module, "build_empty"),
         (llm_args_module, "load_tokenizer"),
-        (llm_module, "load_model"),
+        (loading_module, "load_model"),
         (auto_module, "measure"),
     ):
         monkeypatch.setattr(module, step, lambda *a, _s=step, **k: pytest.fail(f"{_s} ran"))

@@ -65,11 +65,12 @@ def test_bad_llm_arguments_are_refused_before_anything_loads(
 ):
     import offload.llm.args as llm_args_module
     import offload.llm.llm as llm_module
+    import offload.llm.loading as loading_module
 
     for module, step in (
         (llm_module, "build_empty"),
         (llm_args_module, "load_tokenizer"),
-        (llm_module, "load_model"),
+        (loading_module, "load_model"),
     ):
         monkeypatch.setattr(module, step, lambda *a, _s=step, **k: pytest.fail(_s))
     kwargs = dict(kwargs)

@@ -196,11 +196,11 @@ def test_the_load_shows_progress_in_bytes(smollm2_path, capsys):
 def test_swap_space_must_leave_room_for_the_offloaded_weights(smollm2_path, monkeypatch):
     """swap_space alone fits in RAM, but not with the 0.39 GiB of weights offloading puts
     there too: refused before loading (the RAM figure is pinned, so the test is stable)."""
-    import offload.llm.llm as llm_module
+    import offload.llm.loading as loading_module
     import offload.planner.fit as fit_module
 
     monkeypatch.setattr(fit_module, "available_ram_bytes", lambda: 2 * 2**30)
-    monkeypatch.setattr(llm_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
+    monkeypatch.setattr(loading_module, "load_model", lambda *a, **k: pytest.fail("loaded"))
     with pytest.raises(
         ConfigError, match=r"swap_space=1\.8 GiB plus the 0\.39 GiB of offloaded weights"
     ):
@@ -447,12 +447,12 @@ def test_chat_takes_vllms_template_arguments(resident):
 def test_a_model_without_tokenizer_is_refused_before_its_weights_load(
     smollm2_path, tmp_path, monkeypatch
 ):
-    import offload.llm.llm as llm_module
+    import offload.llm.loading as loading_module
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("loaded the weights before finding the tokenizer missing")
 
-    monkeypatch.setattr(llm_module, "load_model", must_not_run)
+    monkeypatch.setattr(loading_module, "load_model", must_not_run)
     folder = _copy_of(smollm2_path, tmp_path, drop=("tokenizer.json", "tokenizer_config.json"))
     with pytest.raises(ModelError, match="has no usable tokenizer"):
         LLM(folder)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -19,7 +18,6 @@ from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
 from offload.engine import cpu_step, invariant
 from offload.engine.decode_loop import DecodeLoop
-from offload.engine.kv_cache import KVHostPool
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState, per_prompt
 from offload.engine.tokens import TokenSteps
@@ -30,10 +28,9 @@ from offload.llm.args import (
     check_attention_model,
     offload_config_of,
     own_argument_names,
-    tokenizer_of,
 )
 from offload.llm.auto import planned_memory
-from offload.llm.budget import host_budget_of, kv_room_after, load_fitted
+from offload.llm.budget import host_budget_of, load_fitted
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
     batch_invariant_of,
@@ -44,18 +41,16 @@ from offload.llm.checks import (
     serialized,
     vocab_limit,
 )
+from offload.llm.loading import load_into
 from offload.llm.serving import Serving
 from offload.memory.device import check_device
 from offload.memory.host import trim_after_collection, trim_freed_memory
 from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
-from offload.model.loader import load_model
 from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
-from offload.model.tokenizer import eos_token_ids
-from offload.offloader.disk_placement import StackRoomError
-from offload.planner.overhead import COMPILER_BYTES, fixed_overhead
+from offload.planner.overhead import COMPILER_BYTES
 
 
 class LLM(DecodeLoop):
@@ -175,7 +170,7 @@ class LLM(DecodeLoop):
         budget_gb = asked_gb if config.disk.is_active else None
         self.host_budget = host_budget_of(self, empty, config, budget_gb, device_memory_gb)
         load = functools.partial(
-            self._load, path, empty, config, tokenizer, dtype, load_format, progress
+            load_into, self, path, empty, config, tokenizer, dtype, load_format, progress
         )
         fit = max_model_len is None  # (the default context may shrink to fit the budget)
         load_fitted(self, load, empty, config, (budget_gb, device_memory_gb), fit)
@@ -197,46 +192,6 @@ class LLM(DecodeLoop):
             self.fixed_overhead = replace(self.fixed_overhead, compiler_bytes=COMPILER_BYTES)
         self.seed = seed
         torch.manual_seed(seed)
-
-    def _load(
-        self,
-        path: Path,
-        empty: torch.nn.Module,
-        config: OffloadConfig,
-        tokenizer: str | Path | None,
-        dtype: str | torch.dtype,
-        load_format: str,
-        progress: bool | None,
-    ) -> None:
-        """The tokenizer (before the weights: its errors come first), then the model with
-        its offloader, and the state the decode loop keeps between calls."""
-        self.tokenizer = tokenizer_of(path, tokenizer, load_format, self.trust_remote_code)
-        self._tokens = TokenSteps(self.tokenizer, eos_token_ids(path, self.tokenizer, empty.config))
-        # What cpu_memory_gb does not cover (the figures line of `offload generate` says it).
-        self.fixed_overhead = fixed_overhead(empty, Path(tokenizer) if tokenizer else path)
-        if progress is None:  # a bar for the load when someone watches
-            progress = sys.stderr.isatty()
-        budget = self.host_budget
-        try:
-            self.model, self.offloader = load_model(
-                path,
-                config,
-                device=self.device,
-                dtype=dtype,
-                load_format=load_format,
-                progress=progress,
-                trust_remote_code=self.trust_remote_code,
-                stack_budget_bytes=budget.stack_bytes if budget is not None else None,
-            )
-        except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
-            raise budget.refused(error) from error  # (LLM may fit a shorter context)
-        self._kv_room_bytes = kv_room_after(budget, self.offloader)  # (generate's batches)
-        self._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
-        self._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
-        self._compiled_steps = 0  # of which compiled CPU decode steps
-        # Host memory of the offloaded KV cache, kept between calls (pinned once).
-        self._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
-        self._kv_pool = KVHostPool(self.device, disable_pin_memory=config.disable_pin_memory)
 
     # -- public API -------------------------------------------------------------
 

@@ -1,0 +1,63 @@
+"""Loading an `LLM`: its tokenizer, its model with the offloader in place, and the state
+its decode loop keeps between calls (`LLM.__init__` calls it through `budget.load_fitted`,
+which may call it again with a shorter context)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from offload.config import OffloadConfig
+from offload.engine.kv_cache import KVHostPool
+from offload.engine.tokens import TokenSteps
+from offload.engine.transfer_stats import TransferStats
+from offload.llm.args import tokenizer_of
+from offload.llm.budget import kv_room_after
+from offload.model.loader import load_model
+from offload.model.tokenizer import eos_token_ids
+from offload.offloader.disk_placement import StackRoomError
+from offload.planner.overhead import fixed_overhead
+
+
+def load_into(
+    llm: Any,
+    path: Path,
+    empty: torch.nn.Module,
+    config: OffloadConfig,
+    tokenizer: str | Path | None,
+    dtype: str | torch.dtype,
+    load_format: str,
+    progress: bool | None,
+) -> None:
+    """`llm`'s tokenizer (before the weights: its errors come first), then its model with
+    its offloader, and the state the decode loop keeps between calls."""
+    llm.tokenizer = tokenizer_of(path, tokenizer, load_format, llm.trust_remote_code)
+    llm._tokens = TokenSteps(llm.tokenizer, eos_token_ids(path, llm.tokenizer, empty.config))
+    # What cpu_memory_gb does not cover (the figures line of `offload generate` says it).
+    llm.fixed_overhead = fixed_overhead(empty, Path(tokenizer) if tokenizer else path)
+    if progress is None:  # a bar for the load when someone watches
+        progress = sys.stderr.isatty()
+    budget = llm.host_budget
+    try:
+        llm.model, llm.offloader = load_model(
+            path,
+            config,
+            device=llm.device,
+            dtype=dtype,
+            load_format=load_format,
+            progress=progress,
+            trust_remote_code=llm.trust_remote_code,
+            stack_budget_bytes=budget.stack_bytes if budget is not None else None,
+        )
+    except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
+        raise budget.refused(error) from error  # (LLM may fit a shorter context)
+    llm._kv_room_bytes = kv_room_after(budget, llm.offloader)  # (generate's batches)
+    llm._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
+    llm._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
+    llm._compiled_steps = 0  # of which compiled CPU decode steps
+    # Host memory of the offloaded KV cache, kept between calls (pinned once).
+    llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
+    llm._kv_pool = KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory)
