@@ -85,18 +85,7 @@ def _multiple_of(shape: tuple[int, int], device: torch.device, dtype: torch.dtyp
     weight, row = _cancelling(shape, device, dtype)
     with torch.inference_mode():
         for multiple in _MULTIPLES:
-            first = None
-            for times in _TIMES:
-                rows = multiple * times
-                if rows > _MAX_ROWS:
-                    break
-                out = F.linear(row.expand(rows, -1).contiguous(), weight)
-                first = out[0] if first is None else first
-                if not bool((out == first).all()):
-                    break
-            else:
-                return multiple
-            if rows > _MAX_ROWS:
+            if _alike(lambda x: F.linear(x, weight), row[0], multiple):
                 return multiple
     return None
 
@@ -161,13 +150,15 @@ def _module_multiple(module: nn.Module) -> int | None:
     return None
 
 
-def _alike(module: nn.Module, row: torch.Tensor, multiple: int) -> bool:
+def _alike(product, row: torch.Tensor, multiple: int) -> bool:
+    """Whether `product` gives `row` repeated the same bits in every row, at each count of
+    `multiple` x `_TIMES` rows (up to `_MAX_ROWS`)."""
     first = None
     for times in _TIMES:
         count = multiple * times
         if count > _MAX_ROWS:
             break
-        out = module(row[None].expand(count, -1).contiguous())
+        out = product(row[None].expand(count, -1).contiguous())
         first = out[0] if first is None else first
         if not bool((out == first).all()):
             return False
