@@ -1,7 +1,9 @@
 """What batch invariance costs (`LLM(batch_invariant=True)`, vLLM's VLLM_BATCH_INVARIANT=1):
 `generate` of one prompt and of a batch of mixed-length prompts, default against invariant,
-on the default model as stored and in float32; and whether each prompt's tokens are the
-same alone and in the batch (the default's may differ, the invariant's must not).
+on the default model as stored and in float32 (`--forms`: bfloat16 too), resident or with
+`--cpu-offload-gb` streamed; the batch's prefill alone (one token each: every prompt
+prefills as it would alone, in both modes); and whether each prompt's tokens are the same
+alone and in the batch (the default's may differ, the invariant's must not).
 
 Each setting in a fresh LLM; one warm-up call, then `--repeats` timed calls, the median
 kept (the compiled steps of the default are waited for first: the steady state). Run:
@@ -45,8 +47,12 @@ def _tokens(output) -> list[int]:
 def run(form: str, invariant: bool, args) -> dict:
     kwargs = {} if form == "stored" else {"dtype": form}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    if args.cpu_offload_gb:
+        kwargs["cpu_offload_gb"] = args.cpu_offload_gb
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     with LLM(batch_invariant=invariant, max_model_len=512, **kwargs) as llm:
         prompts = _prompts(llm.model.config.vocab_size)
+        prefill_s, _ = _timed(llm, prompts, first, args.repeats)
         one_s, _ = _timed(llm, prompts[3:4], params, args.repeats)
         batch_s, together = _timed(llm, prompts, params, args.repeats)
         alone = [_tokens(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
@@ -55,6 +61,8 @@ def run(form: str, invariant: bool, args) -> dict:
     return {
         "form": form,
         "batch_invariant": invariant,
+        "cpu_offload_gb": args.cpu_offload_gb,
+        "batch_prefill_s": prefill_s,
         "one_prompt_s": one_s,
         "one_prompt_tok_s": args.max_tokens / one_s,
         "batch_s": batch_s,
@@ -69,20 +77,24 @@ def main() -> None:
     parser.add_argument("--forms", nargs="+", default=["stored", "float32"])
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--cpu-offload-gb", type=float, default=0.0)
+    parser.add_argument("--modes", nargs="+", default=["default", "invariant"])
     args = parser.parse_args()
     rows = []
-    print(f"{'form':8} {'mode':10} {'1 prompt tok/s':>15} {'8 prompts tok/s':>16} {'same':>6}")
+    print(
+        f"{'form':8} {'mode':10} {'8 prefills s':>12} {'1 prompt tok/s':>15} "
+        f"{'8 prompts tok/s':>16} {'same':>6}"
+    )
     for form in args.forms:
-        for invariant in (False, True):
-            row = run(form, invariant, args)
+        for mode in args.modes:
+            row = run(form, mode == "invariant", args)
             rows.append(row)
-            mode = "invariant" if invariant else "default"
             print(
-                f"{form:8} {mode:10} {row['one_prompt_tok_s']:15.1f} {row['batch_tok_s']:16.1f} "
-                f"{row['prompts_same_alone_and_batched']:>3}/{row['prompts']}",
+                f"{form:8} {mode:10} {row['batch_prefill_s']:12.2f} {row['one_prompt_tok_s']:15.1f} "
+                f"{row['batch_tok_s']:16.1f} {row['prompts_same_alone_and_batched']:>3}/{row['prompts']}",
                 flush=True,
             )
-    for form in args.forms:
+    for form in args.forms if len(args.modes) == 2 else ():
         base, inv = (r for r in rows if r["form"] == form)
         print(
             f"{form}: invariant/default one prompt {inv['one_prompt_tok_s'] / base['one_prompt_tok_s']:.2f}x, "

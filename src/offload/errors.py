@@ -13,6 +13,10 @@ class ModelError(OffloadError, ValueError):
     """The model cannot be offloaded as given (no layer stack, meta tensors, ...)."""
 
 
+class NonFiniteLogits(ModelError):
+    """A forward's logits hold nan or inf: a damaged checkpoint or an overflowing dtype."""
+
+
 def shown(value: object) -> str:
     """`value`'s repr, cut short: an error stays one readable line whatever was passed."""
     try:

@@ -2,7 +2,7 @@
 as soon as they finish, so every weight stream serves all of them.
 
 One thread runs the model. Each turn: take new requests, drop cancelled ones, admit a
-group of waiting ones into free rows of a `RowCache` and prefill it (in chunks of
+waiting one into free rows of a `RowCache` and prefill it (in chunks of
 `max_num_batched_tokens`), then one decode step of every running sequence. A request that
 can never fit is refused at once; one that does not fit now waits. What a request has so
 far goes to its `emit` callback after every step that changed it.
@@ -49,14 +49,15 @@ class BatchingEngine:
         )
         self.max_rows, self.max_len = max_rows, max_len
         self._chunk_tokens = max_num_batched_tokens
-        # Batch invariance (`invariant.py`): each request prefills alone, its prompt at
-        # column 0, and every step runs the eager products the model's linears were padded
-        # for (no kernel chosen by row count, no compiled step).
+        # Batch invariance (`invariant.py`): every step runs the eager products the model's
+        # linears were padded for (no kernel chosen by row count, no compiled step). (Each
+        # request prefills alone in any mode.)
         self.invariant = invariant
         self._inbox: deque[Submitted] = deque()
         self._waiting: deque[Submitted] = deque()
         self._running: list[Row] = []  # rows [0, len)
         self._group: Group | None = None
+        self._turn_tokens: int | None = None  # prefill tokens left this turn (None: any)
         self._wake = threading.Condition()
         self._stop = False
         self.last_error: BaseException | None = None  # of the last forward; None once one works
@@ -151,12 +152,20 @@ class BatchingEngine:
         return bool(self._inbox or self._waiting or self._running or self._group)
 
     def _turn(self) -> None:
+        """Prefills (each waiting request alone, one after another, while rows are free
+        and the turn's `max_num_batched_tokens` last), then one decode step of every
+        running sequence: requests that arrive together decode together."""
         self._drop_cancelled()
-        if self._group is None:
-            self._pack()
-            self._group = self._admit()
-        if self._group is not None:
+        self._turn_tokens = self._chunk_tokens
+        while self._turn_tokens is None or self._turn_tokens > 0:
+            if self._group is None:
+                self._pack()
+                self._group = self._admit()
+            if self._group is None:
+                break
             self._run_forward(self._group_rows(), self._prefill_chunk)
+            if self._group is not None:  # (its prompt's rest at the next turns)
+                break
         if any(row.is_live for row in self._running):
             self._run_forward(self._running, self._decode_step)
 
@@ -196,30 +205,16 @@ class BatchingEngine:
         self._running = keep
 
     def _admit(self) -> Group | None:
-        """Waiting requests (in order) into the free rows, while every sequence of the
-        group still fits `max_len` with the group's prompts right-aligned together."""
-        free = self.max_rows - len(self._running)
-        taken: list[Submitted] = []
-        width, longest = 0, 0
-        while self._waiting:
-            request = self._waiting[0]
-            size = len(request.sequences)
-            new_width = max(width, len(request.prompt_ids))
-            new_longest = max(longest, max(s.limit for s in request.sequences))
-            if size > free or new_width + new_longest > self.max_len:
-                break
-            if self.invariant and taken:  # (one request a group: no prompt is padded)
-                break
-            taken.append(self._waiting.popleft())
-            free -= size
-            width, longest = new_width, new_longest
-        if not taken:
+        """The first waiting request into free rows, its prompt at column 0, prefilled
+        alone: prompts prefilled together are padded to one width, which moves a prompt's
+        logits (`row_prefill`). (`check_fits` saw that it fits `max_len`.)"""
+        if not self._waiting:
             return None
-        rows = [
-            Row(request, sequence, width - len(request.prompt_ids), width)
-            for request in taken
-            for sequence in request.sequences
-        ]
+        if len(self._waiting[0].sequences) > self.max_rows - len(self._running):
+            return None
+        request = self._waiting.popleft()
+        width = len(request.prompt_ids)
+        rows = [Row(request, sequence, 0, width) for sequence in request.sequences]
         return Group(len(self._running), rows, width)
 
     # -- forwards ---------------------------------------------------------------------
@@ -227,8 +222,11 @@ class BatchingEngine:
     def _prefill_chunk(self) -> None:
         group = self._group
         num = len(group.rows)
-        step = group.width if not self._chunk_tokens else max(1, self._chunk_tokens // num)
+        budget = self._turn_tokens
+        step = group.width if budget is None else max(1, budget // num)
         start, end = group.done_columns, min(group.done_columns + step, group.width)
+        if budget is not None:
+            self._turn_tokens = budget - (end - start) * num
         device = self._runner.device
         columns = torch.arange(start, end, device=device)  # [tokens]
         starts = torch.tensor([row.start for row in group.rows], device=device)  # [rows]

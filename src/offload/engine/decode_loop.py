@@ -54,6 +54,7 @@ class DecodeLoop:
     swap_space_bytes: int
     _tokens: TokenSteps
     _kv_pool: KVHostPool
+    _prefill_kv_pool: KVHostPool  # (a prompt's own cache, `_prefill_each`, beside the batch's)
     _kv_dims: tuple | None
     _use_graphs: bool
     _compile_cpu: bool  # a compiled decode step on a CPU where it pays (not enforce_eager)
@@ -158,7 +159,7 @@ class DecodeLoop:
         cache = self._make_cache(len(sequences), batch.columns.numel())
         graphs = None
         try:
-            graphs = self._decode_steps(sequences, batch, cache, progress, compiled)
+            graphs = self._decode_steps(sequences, batch, cache, progress, compiled, room)
         finally:
             self._count_moved(cache.kv_offloader, graphs)
         for sequence in sequences:
@@ -215,7 +216,7 @@ class DecodeLoop:
             self._forwards += 1  # the probe is a forward of the whole model too
         return self._kv_dims[0]
 
-    def _make_cache(self, batch: int, length: int):
+    def _make_cache(self, batch: int, length: int, host_pool: KVHostPool | None = None):
         dtype = compute_dtype(self.model)
         dims = None
         if self.kv_offload:
@@ -230,7 +231,7 @@ class DecodeLoop:
             dtype,
             self.device,
             offload=self.kv_offload,
-            host_pool=self._kv_pool,
+            host_pool=host_pool or self._kv_pool,
             kv_dims=dims,
         )
 
@@ -257,6 +258,38 @@ class DecodeLoop:
             self._forwards += 1
         return torch.cat(chunks, dim=1) if every_position else chunks[-1]
 
+    def _prefill_each(self, sequences, batch: Batch, cache, every_position: bool, room):
+        """The batch's prompts through the model, each distinct one as it runs alone (its
+        own one-row cache, then copied into its rows of `cache`: `row_prefill`), so that
+        a prompt's logits do not depend on the prompts beside it; logits [batch, columns,
+        vocab], right-aligned as the grouped prefill's. A cache of other layer kinds
+        (sliding windows) keeps the grouped prefill."""
+        from offload.engine import row_prefill  # (imports transformers)
+
+        if len(sequences) == 1 or not row_prefill.copyable(cache):
+            positions = (batch.columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
+            return self._prefill(batch, positions, cache, every_position)
+        rows_of: dict[tuple[int, ...], list[int]] = {}
+        for row, sequence in enumerate(sequences):
+            rows_of.setdefault(tuple(sequence.prompt_ids), []).append(row)
+        width, out = batch.width, None
+        for rows in rows_of.values():
+            alone = Batch.of([sequences[rows[0]]], self.tokenizer.pad_token_id, self.device, room)
+            own = self._make_cache(1, alone.columns.numel(), self._prefill_kv_pool)
+            try:
+                positions = alone.columns[None, : alone.width]
+                logits = self._prefill(alone, positions, own, every_position)
+            finally:
+                self._count_moved(own.kv_offloader, None)  # (and its writes have landed)
+            if out is None:
+                shape = (len(sequences), width if every_position else 1, logits.shape[-1])
+                out = logits.new_zeros(shape)
+            for row in rows:
+                row_prefill.place(own, cache, row, width - alone.width, len(sequences))
+                out[row, out.shape[1] - logits.shape[1] :] = logits[0]
+        row_prefill.written(cache, width)
+        return out
+
     def _decode_steps(
         self,
         sequences: list[SequenceState],
@@ -264,13 +297,14 @@ class DecodeLoop:
         cache,
         progress: RequestProgress,
         compiled: CompiledCpuStep | None,
+        room: Callable[[int], int],
     ) -> DecodeGraphs | None:
         """The prefill, then one token per step: the first decode step eagerly (it also
         warms up), the rest as CUDA graph replays on a GPU unless `enforce_eager`; on a
         CPU, compiled where that pays (`compiled`)."""
         positions = (batch.columns[None, : batch.width] - batch.starts[:, None]).clamp(min=0)
         every_position = any(s.params.prompt_logprobs is not None for s in sequences)
-        logits = self._prefill(batch, positions, cache, every_position)  # [batch, cols, vocab]
+        logits = self._prefill_each(sequences, batch, cache, every_position, room)
         if every_position:
             self._tokens.prompt_logprobs(logits, sequences, batch.width)
         logits = logits[:, -1, :]  # [batch, vocab]

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from offload.engine.sampling_params import SamplingParams
-from offload.errors import ConfigError, ModelError
+from offload.errors import ConfigError, ModelError, NonFiniteLogits
 
 
 def bad_words_token_ids(words: Sequence[str], encode) -> list[list[int]]:
@@ -177,7 +177,7 @@ def _why_unusable(
     """The error for a row `sample` could not pick from: which setting (or the model)
     left no finite choice. Runs only on that path, so it may recompute."""
     if bool(torch.isnan(raw).any() | torch.isposinf(raw).any()):
-        return ModelError(
+        return NonFiniteLogits(
             f"the model's logits for prompt {prompt} hold nan or inf: its activations "
             "overflowed its dtype (try dtype='float32'), or its float weights hold nan or inf "
             "(a damaged checkpoint; quantized scales and .gguf blocks are checked at load)"

@@ -3,13 +3,14 @@ row may not pick; after it, the penalties' counts, the text, and whether the seq
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
 from offload.engine.logprobs import log_softmax, prompt_logprobs, token_logprobs
 from offload.engine.sampling import banned_tokens, find_stop, sample
 from offload.engine.sequences import SequenceState
+from offload.errors import NonFiniteLogits
 
 
 class TokenSteps:
@@ -18,6 +19,9 @@ class TokenSteps:
     def __init__(self, tokenizer, eos_ids: Collection[int]):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        # What names the checkpoint's tensor that holds nan or inf, where non-finite logits
+        # meet it (None: the guard's message as it is); set by whoever loads the model.
+        self.damage: Callable[[], str | None] | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -27,13 +31,19 @@ class TokenSteps:
         the unfinished sequences take theirs. Returns the tokens [batch]."""
         raw = self._raw_logprobs(logits, sequences)  # before anything changes the logits
         self._ban(logits, sequences)
-        tokens = sample(
-            logits,
-            [s.params for s in sequences],
-            [s.generator for s in sequences],
-            [s.counts for s in sequences],
-            [s.request for s in sequences],
-        )
+        try:
+            tokens = sample(
+                logits,
+                [s.params for s in sequences],
+                [s.generator for s in sequences],
+                [s.counts for s in sequences],
+                [s.request for s in sequences],
+            )
+        except NonFiniteLogits as error:
+            found = self.damage() if self.damage is not None else None
+            if found is None:
+                raise
+            raise NonFiniteLogits(f"{error.args[0].split(':')[0]}: {found}") from None
         for row, (sequence, token) in enumerate(zip(sequences, tokens.tolist(), strict=True)):
             if sequence.finish_reason is None:
                 if row in raw:

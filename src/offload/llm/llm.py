@@ -318,7 +318,7 @@ class LLM(DecodeLoop):
             if self._cpu_step is not None:  # (before the teardown a compile may be tracing)
                 self._cpu_step.close()
             self.offloader.close()
-            del self.model, self.offloader, self._kv_pool
+            del self.model, self.offloader, self._kv_pool, self._prefill_kv_pool
             self._invariant_engine = None  # (its rows' KV cache)
         trim_freed_memory()
 

@@ -4,6 +4,7 @@ which may call it again with a shorter context)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.llm.args import tokenizer_of
 from offload.llm.budget import kv_room_after
+from offload.model.finite_checks import non_finite_tensor
 from offload.model.loader import load_model
 from offload.model.tokenizer import eos_token_ids
 from offload.offloader.disk_placement import StackRoomError
@@ -36,6 +38,7 @@ def load_into(
     its offloader, and the state the decode loop keeps between calls."""
     llm.tokenizer = tokenizer_of(path, tokenizer, load_format, llm.trust_remote_code)
     llm._tokens = TokenSteps(llm.tokenizer, eos_token_ids(path, llm.tokenizer, empty.config))
+    llm._tokens.damage = functools.cache(functools.partial(_damage, path))
     # What cpu_memory_gb does not cover (the figures line of `offload generate` says it).
     llm.fixed_overhead = fixed_overhead(empty, Path(tokenizer) if tokenizer else path)
     if progress is None:  # a bar for the load when someone watches
@@ -61,3 +64,17 @@ def load_into(
     # Host memory of the offloaded KV cache, kept between calls (pinned once).
     llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
     llm._kv_pool = KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory)
+    llm._prefill_kv_pool = KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory)
+
+
+def _damage(path: Path) -> str | None:
+    """The checkpoint's tensor holding nan or inf, said in a sentence (None: none does:
+    the dtype overflowed)."""
+    found = non_finite_tensor(path)
+    if found is None:
+        return None
+    file, name, count = found
+    return (
+        f"the checkpoint's tensor {name!r} in {file} holds {count} nan or inf values "
+        "(the file is damaged: download or convert it again)"
+    )
