@@ -138,3 +138,15 @@ def test_no_import_circle():
 def test_the_cycle_check_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert import_cycles(graph) == [["a", "b", "c"]]
+
+
+MAX_LINES = 375  # a module past this is split by what it does (docs/design.md)
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {
+        str(path.relative_to(SRC)): count
+        for path in SRC.rglob("*.py")
+        if (count := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
