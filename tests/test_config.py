@@ -423,3 +423,19 @@ def test_bad_disk_settings_are_one_line_naming_the_field(data, needle):
     with pytest.raises(ConfigError) as info:
         OffloadConfig.from_dict(data)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_backends_and_units_are_typed_and_still_equal_to_vllms_strings():
+    from offload.config import Backend, PrefetchUnit
+
+    config = OffloadConfig(
+        offload_backend="prefetch", prefetch={"offload_group_size": 2}, prefetch_unit="module"
+    )
+    assert config.offload_backend is Backend.PREFETCH and config.offload_backend == "prefetch"
+    assert config.prefetch_unit is PrefetchUnit.MODULE
+    assert OffloadConfig().selected_backend is Backend.NONE
+    data = json.loads(json.dumps(config.to_dict()))
+    assert data["offload_backend"] == "prefetch" and data["prefetch_unit"] == "module"
+    assert OffloadConfig.from_dict(data).to_dict() == config.to_dict()
+    with pytest.raises(ConfigError, match="offload_backend must be one of auto, uva, prefetch"):
+        OffloadConfig(offload_backend="none")

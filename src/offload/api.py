@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.config import OffloadConfig
+from offload.config import Backend, OffloadConfig
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine
 from offload.memory.device import check_device, cuda_usable
@@ -139,7 +139,7 @@ def plan(
     no hook attached, so `model` may be built on the meta device. A config that offloads
     nothing plans nothing (no layer stack is looked for)."""
     config = as_config(config)
-    if config.selected_backend == "none":
+    if config.selected_backend == Backend.NONE:
         return OffloadPlan(NoopOffloader(), [])
     offloader, blocks = _offloader_for(model, config, device, layers, checkpoint)
     return OffloadPlan(offloader, offloader.plan(iter(blocks)))

@@ -14,7 +14,7 @@ import torch
 from offload.api import plan
 from offload.cli.defaults import whole_stack_config
 from offload.cli.options import QUESTION
-from offload.config import OffloadConfig
+from offload.config import Backend, OffloadConfig
 from offload.engine import cpu_step
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
@@ -88,7 +88,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     show_progress = not args.no_progress and sys.stderr.isatty()
     config = OffloadConfig.from_cli_args(args)
     path = model_path(args, args.model, config)
-    if config.selected_backend == "none" and not args.no_offload:
+    if config.selected_backend == Backend.NONE and not args.no_offload:
         config = whole_stack_config(build_empty(path, args.dtype, args.trust_remote_code))
     llm = llm_of(
         args,
@@ -261,7 +261,7 @@ def inspect(args: argparse.Namespace) -> str:
     lines += _budget_lines(path, model, config, device, args)
     fits, config = _what_fits(path, model, config, device, args)
     lines.append(fits)
-    if config.selected_backend == "none":
+    if config.selected_backend == Backend.NONE:
         on_host = device.type == "cpu" and args.device_memory_gb is None
         lines.append(
             "no offloading configured (add e.g. --cpu-memory-gb 4: layers beyond 4 GiB of RAM "
@@ -278,7 +278,7 @@ def inspect(args: argparse.Namespace) -> str:
         f"({len(manifest)} parameters of {len(modules)} modules: {_ranges(modules)}); "
         f"{format_bytes(total - planned.offloaded_bytes)} stays on {device}"
     )
-    if config.selected_backend == "prefetch":
+    if config.selected_backend == Backend.PREFETCH:
         lines.append(
             f"device staging: {offloader.prefetch_step} slot(s) of {offloader.unit} units, "
             f"{format_bytes(planned.staging_bytes)} in all"
@@ -354,7 +354,7 @@ def _what_fits(
             raise
         return f"does not fit the {where}: {error}", config
     resolved = memory.config
-    if resolved.selected_backend == "none":
+    if resolved.selected_backend == Backend.NONE:
         return (
             f"fits the {where} without offloading: {format_bytes(memory.needs.total)} needed",
             resolved,

@@ -10,7 +10,7 @@ import torch
 
 from offload.api import apply
 from offload.cli.defaults import whole_stack_config
-from offload.config import OffloadConfig
+from offload.config import Backend, OffloadConfig
 from offload.errors import OffloadError
 from offload.model.build import build_empty
 from offload.model.default import default_model_path
@@ -55,7 +55,7 @@ def run_demo(
     model, tokenizer = load_pretrained(model_path)
     model.to(device)
     resident_ids, resident_rate = greedy(model, tokenizer, prompt, max_tokens)
-    if config.selected_backend == "none":
+    if config.selected_backend == Backend.NONE:
         config = whole_stack_config(model)  # no flags: offload every layer
     offloader = apply(model, config)
     offloaded_ids, offloaded_rate = greedy(model, tokenizer, prompt, max_tokens)

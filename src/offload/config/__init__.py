@@ -8,9 +8,11 @@ from offload.config.parts import (
     BACKENDS,
     DISK_IO,
     PREFETCH_UNITS,
+    Backend,
     DiskOffloadConfig,
     OffloadBackend,
     PrefetchOffloadConfig,
+    PrefetchUnit,
     UVAOffloadConfig,
 )
 
@@ -19,10 +21,12 @@ __all__ = [
     "DISK_IO",
     "OFFLOAD_KEYS",
     "PREFETCH_UNITS",
+    "Backend",
     "DiskOffloadConfig",
     "OffloadBackend",
     "OffloadConfig",
     "PrefetchOffloadConfig",
+    "PrefetchUnit",
     "UVAOffloadConfig",
     "add_cli_args",
 ]

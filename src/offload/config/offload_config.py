@@ -21,15 +21,17 @@ import json
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from offload.config.flags import flag_values, parse_flags
 from offload.config.parts import (
     BACKENDS,
     PREFETCH_UNITS,
+    Backend,
     DiskOffloadConfig,
     OffloadBackend,
     PrefetchOffloadConfig,
+    PrefetchUnit,
     UVAOffloadConfig,
     as_bool,
 )
@@ -49,7 +51,7 @@ class OffloadConfig:
     layout given, every layer is offloaded (`offload_group_size=1`).
     """
 
-    offload_backend: OffloadBackend = "auto"
+    offload_backend: OffloadBackend = Backend.AUTO
     uva: UVAOffloadConfig = field(default_factory=UVAOffloadConfig)
     prefetch: PrefetchOffloadConfig = field(default_factory=PrefetchOffloadConfig)
     disable_uva: bool = False
@@ -58,7 +60,7 @@ class OffloadConfig:
     # layers; "module" copies each weight-holding module of an offloaded layer on its own,
     # so `offload_prefetch_step` counts modules; "auto" is layers on a GPU and modules on
     # a CPU (see offloader/units.py).
-    prefetch_unit: str = "auto"
+    prefetch_unit: PrefetchUnit = PrefetchUnit.AUTO
     disk: DiskOffloadConfig = field(default_factory=DiskOffloadConfig)
 
     def __post_init__(self) -> None:
@@ -67,21 +69,23 @@ class OffloadConfig:
         self.disk = _sub_config(DiskOffloadConfig, "disk", self.disk)
         self.disable_uva = as_bool("offload", "disable_uva", self.disable_uva)
         self.disable_pin_memory = as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
-        if self.prefetch_unit not in PREFETCH_UNITS:
+        if not isinstance(self.prefetch_unit, str) or self.prefetch_unit not in PREFETCH_UNITS:
             raise ConfigError(
                 f"prefetch_unit must be one of {', '.join(PREFETCH_UNITS)}, "
                 f"got {shown(self.prefetch_unit)}"
             )
+        self.prefetch_unit = PrefetchUnit(self.prefetch_unit)
         self.validate()
         self._warn_about_ignored_fields()
 
     def validate(self) -> None:
         """Check every field again (they may have been assigned since construction)."""
-        if self.offload_backend not in BACKENDS:
+        if not isinstance(self.offload_backend, str) or self.offload_backend not in BACKENDS:
             raise ConfigError(
                 f"offload_backend must be one of {', '.join(BACKENDS)}, "
                 f"got {shown(self.offload_backend)}"
             )
+        self.offload_backend = Backend(self.offload_backend)
         # The parts may have been replaced since construction, by anything.
         self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
         self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
@@ -89,13 +93,13 @@ class OffloadConfig:
         self.uva.__post_init__()
         self.prefetch.__post_init__()
         self.disk.__post_init__()
-        if self.disk.is_active and self.offload_backend == "uva":
+        if self.disk.is_active and self.offload_backend == Backend.UVA:
             raise ConfigError(
                 "cpu_memory_gb (the disk tier) streams layers through the prefetch backend; "
                 "offload_backend='uva' cannot use it: use 'prefetch' or 'auto'"
             )
         pre = self.prefetch
-        if self.offload_backend == "prefetch" or pre.offload_group_size > 0:
+        if self.offload_backend == Backend.PREFETCH or pre.offload_group_size > 0:
             if pre.offload_num_in_group > pre.offload_group_size:
                 raise ConfigError(
                     f"offload_num_in_group ({pre.offload_num_in_group}) must be "
@@ -116,11 +120,11 @@ class OffloadConfig:
         pre = self.prefetch
         uva_active = self.uva.cpu_offload_gb == "auto" or self.uva.cpu_offload_gb > 0
         prefetch_active = pre.offload_group_size > 0
-        if self.offload_backend == "uva" and prefetch_active:
+        if self.offload_backend == Backend.UVA and prefetch_active:
             message = "Prefetch offload fields are set but offload_backend='uva'. Prefetch settings will be ignored."
-        elif self.offload_backend == "prefetch" and uva_active:
+        elif self.offload_backend == Backend.PREFETCH and uva_active:
             message = "UVA offload fields are set but offload_backend='prefetch'. UVA settings will be ignored."
-        elif self.offload_backend == "auto" and uva_active and prefetch_active:
+        elif self.offload_backend == Backend.AUTO and uva_active and prefetch_active:
             message = (
                 "Both UVA and prefetch offload fields are set with offload_backend='auto'. "
                 "Prefetch backend will be selected. Set offload_backend explicitly to "
@@ -131,15 +135,15 @@ class OffloadConfig:
         warnings.warn(message, UserWarning, stacklevel=4)
 
     @property
-    def selected_backend(self) -> Literal["none", "uva", "prefetch"]:
-        """The backend `create_offloader` builds for this config."""
-        if self.offload_backend != "auto":
-            return self.offload_backend
+    def selected_backend(self) -> Backend:
+        """The backend `create_offloader` builds for this config (`Backend.NONE`: none)."""
+        if self.offload_backend != Backend.AUTO:
+            return Backend(self.offload_backend)
         if self.prefetch.offload_group_size > 0 or self.disk.is_active:
-            return "prefetch"
+            return Backend.PREFETCH
         if self.uva.cpu_offload_gb == "auto" or self.uva.cpu_offload_gb > 0:
-            return "uva"
-        return "none"
+            return Backend.UVA
+        return Backend.NONE
 
     def compute_hash(self) -> str:
         """A digest of every field: compile caches keyed on it change with any setting."""

@@ -4,6 +4,7 @@ field, the value and what is allowed."""
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -13,9 +14,30 @@ from offload.config.validate import flag, gib, whole_number
 from offload.errors import ConfigError, shown
 from offload.memory.placement import DiskIO
 
+
+class Backend(enum.StrEnum):
+    """What offloads the weights (vLLM's `offload_backend` values), equal to its string,
+    so configs, JSON and flags keep vLLM's shapes. `NONE` is what `selected_backend` says
+    when nothing is offloaded; it is not a setting."""
+
+    AUTO = "auto"
+    UVA = "uva"
+    PREFETCH = "prefetch"
+    NONE = "none"
+
+
+class PrefetchUnit(enum.StrEnum):
+    """What one prefetch copy brings in (ours, not vLLM's): whole layers (vLLM's), each
+    weight-holding module of a layer, or `AUTO`, chosen by the device (offloader/units.py)."""
+
+    AUTO = "auto"
+    LAYER = "layer"
+    MODULE = "module"
+
+
 OffloadBackend = Literal["auto", "uva", "prefetch"]
-BACKENDS: tuple[str, ...] = ("auto", "uva", "prefetch")
-PREFETCH_UNITS = ("auto", "layer", "module")
+BACKENDS: tuple[Backend, ...] = (Backend.AUTO, Backend.UVA, Backend.PREFETCH)
+PREFETCH_UNITS: tuple[PrefetchUnit, ...] = tuple(PrefetchUnit)
 
 
 def _as_segments(owner: str, name: str, value: Any) -> set[str]:

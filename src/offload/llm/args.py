@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from offload.config import OFFLOAD_KEYS, OffloadConfig
+from offload.config import OFFLOAD_KEYS, Backend, OffloadConfig
 from offload.errors import ConfigError, ModelError, did_you_mean
 from offload.llm.vllm_args import IGNORED, check_ignored
 from offload.model.tokenizer import NoTokenizer, load_tokenizer
@@ -67,7 +67,7 @@ def as_run(config: OffloadConfig) -> OffloadConfig:
     `llm.offload_config` shows); as it is where nothing is offloaded, or where the name
     alone would not validate (the disk tier without a prefetch group)."""
     backend = config.selected_backend
-    if config.offload_backend != "auto" or backend == "none":
+    if config.offload_backend != Backend.AUTO or backend == Backend.NONE:
         return config
     try:
         return replace(config, offload_backend=backend)

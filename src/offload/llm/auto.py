@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.config import DISK_IO, OffloadConfig
+from offload.config import DISK_IO, Backend, OffloadConfig
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
 from offload.engine import cpu_step
 from offload.llm.budget import MIN_FITTED_LEN, shorter_power_of_two
@@ -49,7 +49,7 @@ def wants_plan(config: OffloadConfig) -> bool:
     """Whether `config` leaves backend and layout to the planner (a budget only)."""
     return (
         config.uva.cpu_offload_gb == "auto"
-        and config.offload_backend == "auto"
+        and config.offload_backend == Backend.AUTO
         and config.prefetch.offload_group_size == 0
     )
 
@@ -161,14 +161,14 @@ def _merged(user: OffloadConfig, planned: OffloadConfig) -> OffloadConfig:
     folder, threads and way of reading)."""
     backend = planned.selected_backend
     uva = planned.uva
-    if backend == "uva" and not uva.cpu_offload_params:
+    if backend == Backend.UVA and not uva.cpu_offload_params:
         uva = replace(uva, cpu_offload_gb="auto")
     # The host budget (the user's cpu_memory_gb) is met by the plan: the disk tier is on
     # only where the plan puts layers on disk.
     disk = replace(user.disk, cpu_memory_gb=planned.disk.cpu_memory_gb)
     return replace(
         user,
-        offload_backend="auto" if backend == "none" else backend,
+        offload_backend=Backend.AUTO if backend == Backend.NONE else backend,
         uva=uva,
         prefetch=planned.prefetch,
         disk=disk,

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from offload.config import OffloadConfig
+from offload.config import Backend, OffloadConfig
 from offload.errors import ConfigError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.disk_layout import TensorRange
@@ -41,7 +41,7 @@ def create_offloader(
     config = as_config(config)
     device = torch.device(device) if device is not None else None
     backend = config.selected_backend
-    if backend == "uva":
+    if backend == Backend.UVA:
         if config.uva.cpu_offload_gb == "auto":
             raise ConfigError(
                 "cpu_offload_gb='auto' needs the model's size and the device budget: "
@@ -54,7 +54,7 @@ def create_offloader(
             disable_uva=config.disable_uva,
             disable_pin_memory=config.disable_pin_memory,
         )
-    if backend == "prefetch":
+    if backend == Backend.PREFETCH:
         pre = config.prefetch
         group, num, step = (
             pre.offload_group_size,

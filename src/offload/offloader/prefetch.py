@@ -9,6 +9,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from offload.config import PrefetchUnit
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, CopyStats, make_copy_engine
 from offload.memory.disk_layout import slot_buffer
@@ -122,9 +123,9 @@ class PrefetchOffloader(BaseOffloader):
         device = self.device or next(params, torch.empty(0)).device
         largest_layer = max((layer.num_bytes for layer in layers), default=0)
         unit = resolve_unit(self.unit, device, largest_layer, self.prefetch_step)
-        if self._disk.reads_whole_layers and self.unit == "auto":
-            unit = "layer"
-        self._units = ModuleUnits(self) if unit == "module" else LayerUnits()
+        if self._disk.reads_whole_layers and self.unit == PrefetchUnit.AUTO:
+            unit = PrefetchUnit.LAYER
+        self._units = ModuleUnits(self) if unit == PrefetchUnit.MODULE else LayerUnits()
         layers = self._units.split(layers)
         sizes = [layer.num_bytes for layer in layers]
         self.prefetch_step = units_ahead(self.unit, unit, self.prefetch_step, sizes, largest_layer)

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from offload.config import PrefetchUnit
 from offload.errors import ModelError
 from offload.memory.disk_layout import DiskLayout
 from offload.memory.host import HostSlab, TensorSpec, pack_offsets
 from offload.memory.threads import available_cores
 
-UNITS = ("auto", "layer", "module")
+UNITS = tuple(PrefetchUnit)
 AUTO_MODULES_AHEAD = 3
 
 
@@ -37,11 +38,12 @@ def resolve_unit(
     when a copy thread runs beside compute (torch leaves a core free) and
     `prefetch_step` slots of the largest layer plus one more streaming in exceed the
     last-level cache, else layers (copies on the compute thread: fewer is faster)."""
-    if unit != "auto":
-        return unit
+    if unit != PrefetchUnit.AUTO:
+        return PrefetchUnit(unit)
     if device.type != "cpu" or torch.get_num_threads() >= available_cores():
-        return "layer"
-    return "module" if (prefetch_step + 1) * largest_layer > last_level_cache_bytes() else "layer"
+        return PrefetchUnit.LAYER
+    spill = (prefetch_step + 1) * largest_layer > last_level_cache_bytes()
+    return PrefetchUnit.MODULE if spill else PrefetchUnit.LAYER
 
 
 _CACHE_SIZES = "/sys/devices/system/cpu/cpu0/cache"
@@ -71,7 +73,7 @@ def units_ahead(
     `prefetch_step` (in layers, vLLM's meaning) bounds the staging memory, `prefetch_step`
     x the largest layer, and copies run `AUTO_MODULES_AHEAD` modules ahead within that
     bound."""
-    if unit != "auto" or resolved != "module" or not unit_bytes:
+    if unit != PrefetchUnit.AUTO or resolved != PrefetchUnit.MODULE or not unit_bytes:
         return prefetch_step
     largest = max(unit_bytes)
     fits = max(1, prefetch_step * layer_bytes // largest) if largest else AUTO_MODULES_AHEAD
