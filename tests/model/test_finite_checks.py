@@ -27,9 +27,9 @@ def test_non_finite_logits_name_the_damaged_tensor(tmp_path, value):
     path = zoo.save_with_tokenizer(zoo.build("llama"), tmp_path)
     name = "model.layers.1.mlp.up_proj.weight"
     _damage(path, name, value)
-    with LLM(str(path), dtype="float32") as llm:
-        with pytest.raises(ModelError, match=rf"tensor '{name}' in model.safetensors holds 5 "):
-            llm.generate(["t5 t6 t7"], GREEDY, use_tqdm=False)
+    damaged = pytest.raises(ModelError, match=rf"tensor '{name}' in model.safetensors holds 5 ")
+    with LLM(str(path), dtype="float32") as llm, damaged:
+        llm.generate(["t5 t6 t7"], GREEDY, use_tqdm=False)
 
 
 def test_a_finite_checkpoint_leaves_the_guards_message(tmp_path):
