@@ -175,7 +175,9 @@ def compare_reads(
             extents[folder.name] = sorted({len(layer) for layer in reads})
             total = sum(e.num_bytes for layer in reads for e in layer)
             files = sorted({e.path for layer in reads for e in layer})
-            rate = disk_gb_per_s(files, total, 2, computing, reads, chunk * 2**20)
+            rate = disk_gb_per_s(
+                files, total, 2, computing=computing, reads=reads, chunk_bytes=chunk * 2**20
+            )
             rates.setdefault(
                 f"{folder.name} {chunk} MiB{' computing' if computing else ''}", []
             ).append(rate)

@@ -238,13 +238,13 @@ def test_predictions_of_one_moment_order_the_layouts_as_a_cpu_runs_them(tiny_lla
     for batch in BATCHES:
         inputs.time_now(batch)
         resident = layouts.resident(shape)
-        step = {"resident": predict_latest(inputs, limits, resident, batch, False)}
+        step = {"resident": predict_latest(inputs, limits, resident, batch, reads_page_cache=False)}
         for name, layout in [
             ("prefetch-all", PrefetchAll(prepared).layout(shape)),
             ("mapped", mapped),
             ("direct", direct),
         ]:
-            step[name] = predict_latest(inputs, limits, layout, batch, False)
+            step[name] = predict_latest(inputs, limits, layout, batch, reads_page_cache=False)
         assert step["prefetch-all"] > step["resident"] > 0
         assert step["mapped"] == pytest.approx(step["resident"])
         assert step["direct"] >= step["resident"] * (1 - 1e-9)  # sums in another order
@@ -276,7 +276,7 @@ def test_bench_times_compute_as_its_methods_decode_and_rates_around_each_run(
 
     def predicted(copies):
         limits.forward_copy_samples_gb_per_s = copies
-        return predict_latest(inputs, limits, layout, 2, False)
+        return predict_latest(inputs, limits, layout, 2, reads_page_cache=False)
 
     steady = predicted([1.0, 1.0, 1.0])
     limits.memcpy_samples_gb_per_s = [50.0]  # a plain memory copy: not the link's rate

@@ -37,11 +37,11 @@ def run_probes(prepared: Prepared) -> RunProbes:
 
 
 def predict_latest(
-    probes: RunProbes, limits: Limits, layout: Layout, batch: int, reads_page_cache: bool
+    probes: RunProbes, limits: Limits, layout: Layout, batch: int, *, reads_page_cache: bool
 ) -> float:
     """The planner's step for `layout` at `batch` from the measurements around the last
     run at `batch` (`RunProbes.latest`)."""
-    latest = probes.latest(limits, batch, reads_page_cache)
+    latest = probes.latest(limits, batch, reads_page_cache=reads_page_cache)
     found = evaluate(probes.shape, latest, UNLIMITED, layout, batch, kv_offload=False)
     assert found is not None, "an unlimited budget fits every layout"
     return found.time.step_s

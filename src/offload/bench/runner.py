@@ -170,7 +170,9 @@ def _around_run(
 
     def after() -> float:
         measure_rates()
-        return predict_latest(planner, limits, layout, batch, method.reads_page_cache)
+        return predict_latest(
+            planner, limits, layout, batch, reads_page_cache=method.reads_page_cache
+        )
 
     return after
 

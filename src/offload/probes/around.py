@@ -116,7 +116,7 @@ class RunProbes:
             None,
         )
 
-    def latest(self, limits: Limits, batch: int, reads_page_cache: bool) -> Measurements:
+    def latest(self, limits: Limits, batch: int, *, reads_page_cache: bool) -> Measurements:
         """The planner's `Measurements` around the last run at `batch`: the last timing of
         compute at `batch` and each rate's median over its last `_RATE_WINDOW`
         measurements (taken just before and just after the run: a single short measurement

@@ -28,6 +28,7 @@ def disk_gb_per_s(
     files: list[Path],
     max_bytes: int,
     threads: int,
+    *,
     computing: bool = False,
     reads: list[tuple[Extent, ...]] | None = None,
     chunk_bytes: int = CHUNK_BYTES,

@@ -103,8 +103,8 @@ def measure_limits(
     else:
         limits.notes["disk"] = "no checkpoint files to read"
     if device.type == "cuda":
-        limits.h2d_pinned_gb_per_s = _copy_gb_per_s(device, copy_bytes, True)
-        limits.h2d_pageable_gb_per_s = _copy_gb_per_s(device, copy_bytes, False)
+        limits.h2d_pinned_gb_per_s = _copy_gb_per_s(device, copy_bytes, pinned=True)
+        limits.h2d_pageable_gb_per_s = _copy_gb_per_s(device, copy_bytes, pinned=False)
         limits.device_free_bytes, limits.device_memory_bytes = torch.cuda.mem_get_info(device)
     return limits
 
@@ -130,10 +130,10 @@ def measure_memory_read(limits: Limits, settings: MeasureSettings) -> None:
     limits.memory_read_gb_per_s = statistics.median(limits.memory_read_samples_gb_per_s)
 
 
-def _copy_gb_per_s(device: torch.device, num_bytes: int, pinned: bool | None = None) -> float:
+def _copy_gb_per_s(device: torch.device, num_bytes: int, *, pinned: bool | None = None) -> float:
     """GB/s of one large host -> `device` copy (a memory copy on a CPU), the planner's
     own probe: each byte counts once, not for its read and its write."""
-    return link.link_gb_per_s(device, num_bytes, 1, 5, pinned)
+    return link.link_gb_per_s(device, num_bytes, 1, 5, pinned=pinned)
 
 
 def measure_disk(
@@ -164,7 +164,9 @@ def measure_disk(
                 TIER_WAY: disk.disk_gb_per_s(files, read_bytes, threads, reads=layer_reads),
             }
             if device.type == "cpu":  # computing on the CPU
-                busy = disk.disk_gb_per_s(files, read_bytes, threads, True, layer_reads)
+                busy = disk.disk_gb_per_s(
+                    files, read_bytes, threads, computing=True, reads=layer_reads
+                )
     except (OSError, ModelError) as error:  # no O_DIRECT here (tmpfs refuses the open)
         why = getattr(error, "strerror", None) or error
         limits.notes["disk"] = f"O_DIRECT reads failed: {why}"

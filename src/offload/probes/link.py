@@ -40,7 +40,12 @@ class Clock:
 
 
 def link_gb_per_s(
-    device: torch.device, num_bytes: int, warmup: int, repeats: int, pinned: bool | None = None
+    device: torch.device,
+    num_bytes: int,
+    warmup: int,
+    repeats: int,
+    *,
+    pinned: bool | None = None,
 ) -> float:
     """Host -> `device` copies of `num_bytes` from pinned memory (pageable where `pinned`
     is False), GB/s; on a CPU, a memory copy (each byte counted once)."""

@@ -275,7 +275,12 @@ def _read_rates(
         rates = [
             [
                 disk.disk_gb_per_s(
-                    files, s.disk_bytes, threads, busy, reads, max_read_bytes=s.max_read_bytes
+                    files,
+                    s.disk_bytes,
+                    threads,
+                    computing=busy,
+                    reads=reads,
+                    max_read_bytes=s.max_read_bytes,
                 )
                 for busy in computing
             ]
