@@ -6,12 +6,12 @@ packed checkpoints), in `generate` and among concurrent streams (what `serve` ru
 from __future__ import annotations
 
 import random
-import threading
 
 import gguf_files
 import packed_zoo
 import pytest
 import torch
+from streams import streamed_apart
 
 from offload import LLM, SamplingParams
 from offload.engine import invariant
@@ -95,18 +95,7 @@ def test_concurrent_streams_answer_as_generate_does_alone():
     with LLM(dtype="float32", batch_invariant=True, max_model_len=128) as llm:
         prompts = _prompts(llm.model.config.vocab_size, seed=2)
         alone = [_answer(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts]
-        streamed: dict[int, tuple] = {}
-
-        def stream(index: int) -> None:
-            *_, last = llm.stream(prompts[index], PARAMS)
-            streamed[index] = _answer(last)
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert [streamed[i] for i in range(len(prompts))] == alone
+        assert streamed_apart(llm, prompts, PARAMS, _answer) == alone
 
 
 def test_the_products_are_padded_to_a_multiple_that_rounds_every_row_alike():

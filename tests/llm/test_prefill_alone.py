@@ -8,11 +8,11 @@ products may round apart by the batch; `batch_invariant=True` covers those,
 from __future__ import annotations
 
 import random
-import threading
 
 import gguf_files
 import packed_zoo
 import pytest
+from streams import streamed_apart
 
 from offload import LLM, SamplingParams
 
@@ -101,15 +101,4 @@ def test_concurrent_streams_begin_as_generate_does_alone():
             return completion.token_ids[0], tuple(sorted((t, e.logprob) for t, e in step.items()))
 
         alone = [first(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
-        streamed: dict[int, tuple] = {}
-
-        def stream(index: int) -> None:
-            *_, last = llm.stream(prompts[index], params)
-            streamed[index] = first(last)
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-        assert [streamed[i] for i in range(len(prompts))] == alone
+        assert streamed_apart(llm, prompts, params, first) == alone

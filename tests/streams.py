@@ -1,0 +1,23 @@
+"""Requests from several threads at once, as `offload serve` gets them."""
+
+from __future__ import annotations
+
+import threading
+
+
+def streamed_apart(llm, prompts, params, answer) -> list:
+    """Each prompt streamed by `llm.stream` on a thread of its own, all started together
+    (they join the running batch at different steps): `answer` of each one's last output,
+    in the prompts' order."""
+    outputs: dict[int, object] = {}
+
+    def stream(index: int) -> None:
+        *_, last = llm.stream(prompts[index], params)
+        outputs[index] = answer(last)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return [outputs.get(i) for i in range(len(prompts))]
