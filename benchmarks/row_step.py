@@ -27,7 +27,6 @@ import common
 
 from offload import LLM
 from offload.engine.cpu_linear import kernels_for
-from offload.llm.serving import Serving
 
 SHAPES = ("1x64", "1x512", "1x2048", "2x64", "8x64", "32x64", "8x128", "32x128", "2x256", "8x256", "32x256", "8x512",
           "32x512", "16x1024", "16x2048")  # fmt: skip
@@ -43,8 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes]
     llm = LLM(dtype=args.dtype, device="cpu", max_model_len=max(w for _, w in shapes) + 1)
-    serving = Serving(llm, max_num_seqs=max(r for r, _ in shapes), engine_thread=False)
-    engine, runner = serving.engine, serving.engine._runner
+    serving = llm.serving(max_num_seqs=max(r for r, _ in shapes), engine_thread=False)
+    engine, runner = serving.core.runner, serving.core.runner.model
     started = time.perf_counter()
     serving.warm_up()
     ready_s = time.perf_counter() - started
@@ -53,7 +52,7 @@ def main() -> None:
     with torch.inference_mode():
         for num_rows, width in shapes:
             rows = [_row(width) for _ in range(num_rows)]
-            step = engine._row_step(rows)
+            step = engine.row_step(rows)
 
             def compiled(step=step):
                 return runner.compiled(step)

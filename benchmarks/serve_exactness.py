@@ -70,7 +70,7 @@ def together(llm: LLM, ids: list[list[int]], params: SamplingParams) -> list:
     serving = llm.serving(max_num_seqs=16)
     outputs = [queue.Queue() for _ in ids]
     requests = [serving.prepare(None, i, params, q.put) for i, q in zip(ids, outputs, strict=True)]
-    serving.engine.submit_all(requests)
+    serving.core.submit_all(requests)
     finals = []
     for q in outputs:
         while not (item := q.get()).finished:

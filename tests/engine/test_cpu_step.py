@@ -508,7 +508,7 @@ def _serve(llm, max_num_seqs=2):
         serving.prepare(None, ids, _served_params(tokens), out.put)
         for (ids, tokens), out in zip(SERVED, queues, strict=True)
     ]
-    serving.engine.submit_all(requests)
+    serving.core.submit_all(requests)
     results = []
     for out in queues:
         while not (item := out.get(timeout=600)).finished:
@@ -529,18 +529,18 @@ def served(checkpoint, tmp_path_factory):
     """The served prompts on the resident model: compiled (its graphs counted), and eager."""
     from torch._dynamo.utils import counters
 
-    from offload.engine.batching import BatchingEngine
+    from offload.engine.step_runner import StepRunner
 
     batches = []  # the rows of each decode step
-    decode = BatchingEngine._decode_step
+    decode = StepRunner.decode
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(cpu_step.ENV, "wait")
         patch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path_factory.mktemp("served")))
         patch.setattr(cpu_linear, "PAYS_BYTES", 0)
         patch.setattr(
-            BatchingEngine,
-            "_decode_step",
-            lambda self: (batches.append(len(self._running)), decode(self)),
+            StepRunner,
+            "decode",
+            lambda self, rows: (batches.append(len(rows)), decode(self, rows))[1],
         )
         llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
         graphs = counters["stats"]["unique_graphs"]
@@ -594,7 +594,7 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
 
     first = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
     serving = first.serving(2)
-    rows = serving.engine._cache
+    rows = serving.core.runner.cache
     for layer in rows.cache.layers:  # (marked, to see what the warm-up writes)
         layer.all_keys.fill_(float("nan"))
     serving.warm_up()
@@ -622,10 +622,10 @@ def test_a_stored_models_served_steps_compile_and_offloaded_give_their_resident_
     the server's lone rows and batches run compiled, tokens as eager's, and offloaded
     (prefetch, the disk tier) give the resident bits."""
 
-    from offload.engine.batching import BatchingEngine
+    from offload.engine.step_runner import StepRunner
 
     batches = []  # the rows of each decode step
-    decode = BatchingEngine._decode_step
+    decode = StepRunner.decode
 
     def serve(**settings):
         llm = LLM(stored, device="cpu", max_num_batched_tokens=4, **settings)
@@ -636,9 +636,9 @@ def test_a_stored_models_served_steps_compile_and_offloaded_give_their_resident_
     assert cpu_step.pays(LLM(stored, device="cpu", enforce_eager=True).model)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
-            BatchingEngine,
-            "_decode_step",
-            lambda self: (batches.append(len(self._running)), decode(self)),
+            StepRunner,
+            "decode",
+            lambda self, rows: (batches.append(len(rows)), decode(self, rows))[1],
         )
         expected, moved = serve()
     assert 1 in batches and 2 in batches and moved.num_compiled_steps == len(batches)

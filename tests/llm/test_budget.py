@@ -122,7 +122,7 @@ def test_the_servers_rows_come_out_of_the_budget(checkpoint, expected, caplog):
         assert source == "of cpu_memory_gb" and 2 * row_bytes <= room < 3 * row_bytes
         with caplog.at_level(logging.WARNING, logger="offload"):
             served = llm.serving(max_num_seqs=8)
-        assert (served.engine.max_rows, served.max_model_len) == (2, MAX_LEN)
+        assert (served.core.max_rows, served.max_model_len) == (2, MAX_LEN)
         assert "would not fit in" in caplog.text and "(of cpu_memory_gb)" in caplog.text
         outputs = [served.stream(None, [3, 4, 5], GREEDY) for _ in range(3)]
         assert [list(out)[-1].outputs[0].token_ids for out in outputs] == [expected] * 3

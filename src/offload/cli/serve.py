@@ -160,7 +160,7 @@ def _serve(args, sock, path, config, name, waiting) -> int:
         )
     print(
         f"offload serve: {settings.model_name} on http://{args.host}:{port}/v1 "
-        f"({llm.offloader.__class__.__name__}, {serving.engine.max_rows} sequences at once"
+        f"({llm.offloader.__class__.__name__}, {serving.core.max_rows} sequences at once"
         f"{budget})",
         file=sys.stderr,
         flush=True,
@@ -169,7 +169,7 @@ def _serve(args, sock, path, config, name, waiting) -> int:
     try:
         with _stop_on_signals(server, serving):
             http.start()
-            serving.engine.run()  # until a signal, or the HTTP side stops
+            serving.core.run()  # until a signal, or the HTTP side stops
         http.join(timeout=10)
     finally:
         serving.close()

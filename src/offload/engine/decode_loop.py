@@ -17,7 +17,7 @@ from offload.engine.cpu_step import cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
 from offload.engine.kv_shape import check_host_kv, kv_shape_of
-from offload.engine.sampling import TokenCounts, bad_words_token_ids, make_generator
+from offload.engine.request_maker import RequestMaker
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import (
     Batch,
@@ -53,6 +53,7 @@ class DecodeLoop:
     kv_offload: bool
     swap_space_bytes: int
     _tokens: TokenSteps
+    _requests: RequestMaker  # the one check of a prompt and its limits
     _kv_pool: KVHostPool
     _prefill_kv_pool: KVHostPool  # (a prompt's own cache, `_prefill_each`, beside the batch's)
     _kv_dims: tuple | None
@@ -67,9 +68,9 @@ class DecodeLoop:
 
     def _generate(self, prompts, ids, sampling_params, use_tqdm=False) -> list[RequestOutput]:
         params = per_prompt(sampling_params, len(prompts))
-        ids = [self._truncate(i, p) for i, p in zip(ids, params, strict=True)]
+        ids = [self._requests.truncate(i, p) for i, p in zip(ids, params, strict=True)]
         for prompt_ids, request in zip(ids, params, strict=True):  # all before any work
-            self._check_request(prompt_ids, request)
+            self._requests.check(prompt_ids, request)
         sequences = self._sequences(ids, params)
         if sequences:
             progress = RequestProgress(sequences, use_tqdm)
@@ -102,50 +103,10 @@ class DecodeLoop:
 
     def _sequences(self, ids: list[list[int]], params: list[SamplingParams]) -> list[SequenceState]:
         """`n` sequences per prompt, in order; a request's sequences share its generator."""
-        vocab = self.model.config.vocab_size
         sequences = []
         for index, (prompt_ids, request) in enumerate(zip(ids, params, strict=True)):
-            generator = make_generator(request, self.device)
-            room = self.max_model_len - len(prompt_ids)
-            limit = room if request.max_tokens is None else min(request.max_tokens, room)
-            bad_ids = bad_words_token_ids(request.bad_words or [], self._tokens.encode)
-            for number in range(request.n):
-                counts = (
-                    TokenCounts(prompt_ids, vocab, self.device) if request.has_penalties else None
-                )
-                sequence = SequenceState(prompt_ids, request, generator, limit, counts)
-                sequence.is_first, sequence.request, sequence.bad_ids = number == 0, index, bad_ids
-                sequences.append(sequence)
+            sequences += self._requests.sequences(prompt_ids, request, index)
         return sequences
-
-    def _truncate(self, prompt_ids: list[int], request: SamplingParams) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: room for one new token)."""
-        keep = request.truncate_prompt_tokens
-        if keep is None:
-            return prompt_ids
-        return prompt_ids[-(self.max_model_len - 1 if keep == -1 else keep) :]
-
-    def _check_request(self, prompt_ids: list[int], request: SamplingParams) -> None:
-        if not prompt_ids or len(prompt_ids) >= self.max_model_len:
-            raise ConfigError(
-                f"a prompt has {len(prompt_ids)} tokens; it must have 1 to "
-                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
-            )
-        vocab = self.model.config.vocab_size
-        for name, tokens in request.token_ids_named().items():
-            if any(token >= vocab for token in tokens):
-                raise ConfigError(
-                    f"{name} must hold token ids below the vocabulary size {vocab}, "
-                    f"got {max(tokens)}"
-                )
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(request, name)
-            num = vocab if asked == -1 else asked
-            if num is not None and self.max_logprobs != -1 and num > self.max_logprobs:
-                raise ConfigError(
-                    f"{name}={asked} asks for {num} log-probabilities per token; at most "
-                    f"max_logprobs={self.max_logprobs} are allowed (set LLM(max_logprobs=...))"
-                )
 
     @torch.inference_mode()
     def _decode(self, sequences: list[SequenceState], progress: RequestProgress) -> None:

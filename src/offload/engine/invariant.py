@@ -11,7 +11,7 @@ Three things make a sequence's numbers depend on its batch, and each is taken aw
   packed alike) run a multiple of it, padding with zero rows that are then dropped.
 - **A group's prefill pads prompts to one width**, which moves a prompt's columns and so
   how attention's sums group them: in this mode each request prefills alone, its prompt
-  at column 0 (`batching.BatchingEngine`).
+  at column 0 (`scheduler.Scheduler`).
 - **Attention's kernel splits its work by the batch**: ATen's CPU attention of one new
   token computes a sequence alone differently from the same sequence among others (it
   divides the columns between threads when there are few sequences). `RowByRow` runs it

@@ -37,7 +37,10 @@ class Submitted:
     def output(self) -> RequestOutput:
         completions = [completion_of(i, s) for i, s in enumerate(self.sequences)]
         done = all(s.finish_reason is not None for s in self.sequences)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_ids, completions, done)
+        first = self.sequences[0].prompt_logprobs if self.sequences else None
+        return RequestOutput(
+            self.request_id, self.prompt, self.prompt_ids, completions, done, first
+        )
 
 
 @dataclass
@@ -61,6 +64,12 @@ class Group:
     rows: list[Row]
     width: int
     done_columns: int = 0
+    chunks: list[torch.Tensor] = field(default_factory=list)  # logits kept for prompt logprobs
+
+    @property
+    def every_position(self) -> bool:
+        """Whether its prefill keeps every position's logits (for prompt logprobs)."""
+        return any(row.sequence.params.prompt_logprobs is not None for row in self.rows)
 
 
 @dataclass(frozen=True)

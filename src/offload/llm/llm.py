@@ -16,8 +16,10 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
-from offload.engine import cpu_step, invariant
+from offload.engine.core import EngineCore
 from offload.engine.decode_loop import DecodeLoop
+from offload.engine.requests import EngineModel
+from offload.engine.rows import MIN_ROWS
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState, per_prompt
 from offload.engine.tokens import TokenSteps
@@ -41,8 +43,8 @@ from offload.llm.checks import (
     serialized,
     vocab_limit,
 )
-from offload.llm.loading import load_into
-from offload.llm.serving import Serving
+from offload.llm.loading import load_into, prepare_steps
+from offload.llm.serving import Serving, row_plan
 from offload.memory.device import check_device
 from offload.memory.host import trim_after_collection, trim_freed_memory
 from offload.memory.threads import check_not_forked
@@ -50,7 +52,6 @@ from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
 from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
-from offload.planner.overhead import COMPILER_BYTES
 
 
 class LLM(DecodeLoop):
@@ -174,22 +175,7 @@ class LLM(DecodeLoop):
         )
         fit = max_model_len is None  # (the default context may shrink to fit the budget)
         load_fitted(self, load, empty, config, (budget_gb, device_memory_gb), fit)
-        # CUDA graphs for decode unless enforce_eager, as vLLM; copies from unpinned memory,
-        # per-forward copies or disk reads (queued by a staging thread) cannot be captured.
-        uncapturable = config.disable_pin_memory or config.disable_uva or config.disk.is_active
-        self._use_graphs = self.device.type == "cuda" and not enforce_eager and not uncapturable
-        # On a CPU, a compiled decode step where it pays (engine/cpu_step.py), same switch.
-        self._compile_cpu, self._cpu_step = self.device.type == "cpu" and not enforce_eager, None
-        # Batch invariance: products padded as this machine needs, eager steps, and
-        # `generate` on a batching engine of its own (`_generate`), as `serve` runs.
-        self._invariant_engine: Serving | None = None
-        if self.batch_invariant:
-            multiple = invariant.row_multiple(self.model, self.device)
-            resident = self.offloader.offloaded_bytes == 0  # (its weights in place to try)
-            invariant.pad_products(self.model, multiple, probe_stored=resident)
-            self._compile_cpu, self._use_graphs = False, False
-        if self._compile_cpu and cpu_step.enabled():  # (the compiler stays in the process)
-            self.fixed_overhead = replace(self.fixed_overhead, compiler_bytes=COMPILER_BYTES)
+        prepare_steps(self, config, enforce_eager)
         self.seed = seed
         torch.manual_seed(seed)
 
@@ -250,14 +236,47 @@ class LLM(DecodeLoop):
         `max_num_seqs` rows reserves KV cache for `max_model_len` positions; where that
         does not fit (`kv_cache_room`: on a CPU, what cpu_memory_gb leaves), rows are
         shorter (not with `fixed_length`), then fewer. With `engine_thread=False` the
-        caller runs the engine's loop (`serving().engine.run()`), e.g. on the main thread."""
+        caller runs the engine's loop (`serving().core.run()`), e.g. on the main thread."""
         check_not_forked(self._pid, "this LLM")
         with self._serving_lock:
             if self._closed:
                 raise ConfigError("this LLM is closed; make a new LLM(...) to generate again")
             if self._served is None:
-                self._served = Serving(self, max_num_seqs, fixed_length, engine_thread)
+                self._served = self._serving(max_num_seqs, fixed_length, engine_thread)
             return self._served
+
+    def _serving(self, max_num_seqs, fixed_length, engine_thread, holds_model=False) -> Serving:
+        """A `Serving` over a core of its own (`serving`); `holds_model`: the thread that
+        runs the core holds this LLM's lock already (`generate` in batch-invariant mode)."""
+        if self.kv_offload:
+            raise ConfigError(
+                "continuous batching keeps the KV cache on the device: kv_offload is not "
+                "served yet (leave it off; weights may still be offloaded)"
+            )
+        plan = row_plan(self, max_num_seqs or self.max_num_seqs, fixed_length)
+        model = EngineModel(
+            self.model,
+            self._tokens,
+            self.device,
+            self.tokenizer.pad_token_id or 0,
+            contextlib.nullcontext() if holds_model else self._lock,
+            on_forward=self._count_forward,
+            # (one graph for every batch of 2 to 64 rows: `rows.RowStep`)
+            compiled=None if self.batch_invariant else self._compiled_step(MIN_ROWS),
+        )
+        core = EngineCore(
+            model,
+            plan.rows,
+            plan.length,
+            self.max_num_batched_tokens,
+            own_thread=engine_thread,
+            invariant=self.batch_invariant,
+        )
+        return Serving(core, self._requests, plan.length, self.tokenizer.eos_token_id or 0)
+
+    def _count_forward(self, compiled: bool) -> None:
+        self._forwards += 1
+        self._compiled_steps += compiled
 
     def stream(
         self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None
@@ -292,7 +311,7 @@ class LLM(DecodeLoop):
         # Every request on the continuous-batching engine, run here (the caller holds the
         # model): each prefills alone and decodes beside the others, as it would under serve.
         if self._invariant_engine is None:
-            self._invariant_engine = Serving(self, engine_thread=False, caller_holds_model=True)
+            self._invariant_engine = self._serving(None, False, False, holds_model=True)
         params = per_prompt(sampling_params, len(prompts))
         return self._invariant_engine.run_all(prompts, ids, params)
 
@@ -339,7 +358,9 @@ class LLM(DecodeLoop):
     def set_tokenizer(self, tokenizer: Any) -> None:
         """Use `tokenizer` for later calls (vLLM's name); it must fit the model's vocabulary."""
         self.tokenizer = tokenizer
-        self._tokens = TokenSteps(tokenizer, self._tokens.eos_ids)
+        damage, self._tokens = self._tokens.damage, TokenSteps(tokenizer, self._tokens.eos_ids)
+        self._tokens.damage = damage  # (which tensor a non-finite logit came from)
+        self._requests = replace(self._requests, encode=self._tokens.encode)
 
     def __enter__(self) -> LLM:
         return self

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from offload.config import OffloadConfig
+from offload.engine import cpu_step, invariant
 from offload.engine.kv_cache import KVHostPool
+from offload.engine.request_maker import RequestMaker
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.llm.args import tokenizer_of
@@ -21,7 +24,7 @@ from offload.model.finite_checks import non_finite_tensor
 from offload.model.loader import load_model
 from offload.model.tokenizer import eos_token_ids
 from offload.offloader.disk_placement import StackRoomError
-from offload.planner.overhead import fixed_overhead
+from offload.planner.overhead import COMPILER_BYTES, fixed_overhead
 
 
 def load_into(
@@ -78,3 +81,32 @@ def _damage(path: Path) -> str | None:
         f"the checkpoint's tensor {name!r} in {file} holds {count} nan or inf values "
         "(the file is damaged: download or convert it again)"
     )
+
+
+def prepare_steps(llm: Any, config: OffloadConfig, enforce_eager: bool) -> None:
+    """Once the model is loaded (its context final): the one check of each request
+    (`RequestMaker`), and how `llm`'s decode steps run — CUDA graphs, a compiled CPU
+    step, or the eager products batch invariance needs."""
+    llm._requests = RequestMaker(
+        llm.max_model_len,
+        llm.model.config.vocab_size,
+        llm.max_logprobs,
+        llm.device,
+        llm._tokens.encode,
+    )
+    # CUDA graphs for decode unless enforce_eager, as vLLM; copies from unpinned memory,
+    # per-forward copies or disk reads (queued by a staging thread) cannot be captured.
+    uncapturable = config.disable_pin_memory or config.disable_uva or config.disk.is_active
+    llm._use_graphs = llm.device.type == "cuda" and not enforce_eager and not uncapturable
+    # On a CPU, a compiled decode step where it pays (engine/cpu_step.py), same switch.
+    llm._compile_cpu, llm._cpu_step = llm.device.type == "cpu" and not enforce_eager, None
+    # Batch invariance: products padded as this machine needs, eager steps, and
+    # `generate` on an engine core of its own (`LLM._generate`), as `serve` runs.
+    llm._invariant_engine = None
+    if llm.batch_invariant:
+        multiple = invariant.row_multiple(llm.model, llm.device)
+        resident = llm.offloader.offloaded_bytes == 0  # (its weights in place to try)
+        invariant.pad_products(llm.model, multiple, probe_stored=resident)
+        llm._compile_cpu, llm._use_graphs = False, False
+    if llm._compile_cpu and cpu_step.enabled():  # (the compiler stays in the process)
+        llm.fixed_overhead = replace(llm.fixed_overhead, compiler_bytes=COMPILER_BYTES)

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
-from offload.engine.batching import BatchingEngine
-from offload.engine.requests import EngineModel, Submitted
-from offload.engine.rows import MIN_ROWS, bytes_per_row
+from offload.engine.core import EngineCore
+from offload.engine.request_maker import RequestMaker
+from offload.engine.requests import Submitted
+from offload.engine.rows import bytes_per_row
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
 from offload.errors import ConfigError, OffloadError
@@ -74,7 +75,9 @@ def kv_cache_room(llm: Any) -> tuple[int, str]:
     return min(available_ram_bytes() // 2, CPU_KV_BYTES), "of RAM"
 
 
-def _row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
+def row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
+    """How many rows of how many positions an `LLM`'s core runs (`plan_rows`), with a
+    warning where fewer or shorter than asked."""
     dtype = compute_dtype(llm.model)
     per_position = bytes_per_row(llm.model.config, 1, dtype)
     room_bytes, source = kv_cache_room(llm)
@@ -90,58 +93,30 @@ def _row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
 
 
 class Serving:
-    """Submit requests to `llm` from any thread; they run in continuous batches of at
-    most `max_num_seqs` sequences, in the engine's own thread (or, `engine_thread=False`,
-    in whichever thread calls `engine.run()`)."""
+    """Submit requests from any thread to an `EngineCore`; they run in continuous batches,
+    in the core's own thread (or in whichever thread calls `core.run()`). `requests`
+    checks and sequences each one for rows of `max_model_len` positions; `probe_token`
+    is the token a health probe sends."""
 
     def __init__(
-        self,
-        llm: Any,
-        max_num_seqs: int | None = None,
-        fixed_length: bool = False,
-        engine_thread: bool = True,
-        caller_holds_model: bool = False,
+        self, core: EngineCore, requests: RequestMaker, max_model_len: int, probe_token: int
     ):
-        self._llm = llm
-        if llm.kv_offload:
-            raise ConfigError(
-                "continuous batching keeps the KV cache on the device: kv_offload is not "
-                "served yet (leave it off; weights may still be offloaded)"
-            )
-        plan = _row_plan(llm, max_num_seqs or llm.max_num_seqs, fixed_length)
-        invariant = llm.batch_invariant
-        runner = EngineModel(
-            llm.model,
-            llm._tokens,
-            llm.device,
-            llm.tokenizer.pad_token_id or 0,
-            # (`caller_holds_model`: the thread that runs the engine holds the LLM's lock)
-            contextlib.nullcontext() if caller_holds_model else llm._lock,
-            on_forward=self._count_forward,
-            # (one graph for every batch of 2 to 64 rows: `rows.RowStep`)
-            compiled=None if invariant else llm._compiled_step(MIN_ROWS),
-        )
-        self.engine = BatchingEngine(
-            runner,
-            plan.rows,
-            plan.length,
-            llm.max_num_batched_tokens,
-            own_thread=engine_thread,
-            invariant=invariant,
-        )
-        self.max_model_len = plan.length  # what a request may hold here (prompt + output)
+        self.core = core
+        self._requests = requests
+        self.max_model_len = max_model_len  # what a request may hold here (prompt + output)
+        self._probe_token = probe_token
         self._probe: _Probe | None = None
-
-    def _count_forward(self, compiled: bool) -> None:
-        self._llm._forwards += 1
-        self._llm._compiled_steps += compiled
 
     def submit(self, *args, **kwargs) -> Submitted:
         """`prepare` one request, then queue it: `emit` gets its output after each step
         that changed it (the last one has `finished`), or the error that ended it."""
         request = self.prepare(*args, **kwargs)
-        self.engine.submit_all([request])
+        self.core.submit_all([request])
         return request
+
+    def truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt as it will run (`truncate_prompt_tokens` applied)."""
+        return self._requests.truncate(prompt_ids, params)
 
     def prepare(
         self,
@@ -151,24 +126,15 @@ class Serving:
         emit: Callable[[RequestOutput | BaseException], None],
         request_id: str | None = None,
     ) -> Submitted:
-        """One request checked and ready for `engine.submit_all`."""
-        prompt_ids = self._llm._truncate(prompt_ids, params)
-        self._llm._check_request(prompt_ids, params)
-        if params.prompt_logprobs is not None:
-            raise ConfigError("prompt_logprobs is not served yet; leave it unset")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ConfigError(
-                f"a prompt has {len(prompt_ids)} tokens; this server takes 1 to "
-                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})"
-            )
-        sequences = self._llm._sequences([prompt_ids], [params])
-        for sequence in sequences:  # (the LLM's own limit may be longer than a row)
-            sequence.limit = min(sequence.limit, self.max_model_len - len(prompt_ids))
+        """One request checked and ready for `core.submit_all`."""
+        prompt_ids = self._requests.truncate(prompt_ids, params)
+        self._requests.check(prompt_ids, params, self.max_model_len)
+        sequences = self._requests.sequences(prompt_ids, params, 0, self.max_model_len)
         return Submitted(request_id or f"req-{next(_ids)}", prompt, prompt_ids, sequences, emit)
 
     def run_all(self, prompts, ids, params: list[SamplingParams]) -> list[RequestOutput]:
-        """Every prompt as one request, all checked before any runs, then the engine's
-        turns on this thread until they end (an engine made with `engine_thread=False`):
+        """Every prompt as one request, all checked before any runs, then the core's
+        turns on this thread until they end (a core made with `own_thread=False`):
         their outputs in order, or the first error one met."""
         errors: list[BaseException] = []
 
@@ -182,8 +148,8 @@ class Serving:
                 zip(prompts, ids, params, strict=True)
             )
         ]
-        self.engine.submit_all(requests)
-        self.engine.drain()
+        self.core.submit_all(requests)
+        self.core.drain()
         if errors:
             raise errors[0]
         return [request.output() for request in requests]
@@ -193,29 +159,29 @@ class Serving:
         finished one; closing the iterator early cancels the request."""
         outputs: queue.Queue = queue.Queue()
         request = self.submit(prompt, prompt_ids, params, outputs.put)
-        return _drain(outputs, lambda: self.engine.cancel(request))
+        return _drain(outputs, lambda: self.core.cancel(request))
 
     def healthy(self) -> bool:
         """False while the last forward failed (a disk fault, say). Then a one-token
         request is sent in the background: once the model reads again, it succeeds and
         health comes back without waiting for real traffic."""
-        if self.engine.last_error is None:
+        if self.core.last_error is None:
             return True
         if self._probe is None or self._probe.done.is_set():
             probe = _Probe()
             params = SamplingParams(temperature=0, max_tokens=1)
             with contextlib.suppress(ConfigError, OffloadError):
-                self.submit(None, [self._llm.tokenizer.eos_token_id or 0], params, probe.emit)
+                self.submit(None, [self._probe_token], params, probe.emit)
                 self._probe = probe
         return False
 
     def warm_up(self) -> None:
         """The compiled decode step of the batches compiled (or loaded from disk) now,
         rather than at the first decode step, where each request would wait on it."""
-        self.engine.warm_up()
+        self.core.warm_up()
 
     def close(self) -> None:
-        self.engine.close()
+        self.core.close()
 
 
 class _Probe:

@@ -38,7 +38,7 @@ class ServeSettings:
 def make_app(llm, settings: ServeSettings) -> FastAPI:
     """The server of `llm` (its continuous-batching engine made now)."""
     serving = llm.serving()
-    engine = serving.engine
+    engine = serving.core
     metrics = ServerMetrics(settings.model_name, engine, llm.transfer_stats)
 
     @contextlib.asynccontextmanager
@@ -119,7 +119,7 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
 
     def check_room(ids: list[int], params) -> None:
         """`max_tokens` beyond what the context leaves the prompt: 400, as vLLM answers."""
-        prompt_tokens = len(llm._truncate(ids, params))
+        prompt_tokens = len(serving.truncate(ids, params))
         room = serving.max_model_len - prompt_tokens
         if params.max_tokens is not None and 0 < room < params.max_tokens:
             raise APIError(

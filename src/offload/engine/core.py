@@ -1,0 +1,238 @@
+"""The engine core: requests join the running batch at step boundaries and leave it as
+soon as they finish, so every weight stream serves all of them (continuous batching).
+
+A `Scheduler` decides each turn (who waits, which rows run, which prompt chunk is
+prefilled), a `StepRunner` runs its forwards over the rows' KV cache, and the core turns
+logits into tokens and each request's output (its `emit` callback, after every step that
+changed it). The turns run on the core's own thread (`offload serve`, `LLM.stream`), on a
+thread the owner chooses (`run`), or on the caller's until everything submitted is done
+(`drain`). A request that can never fit is refused at once; one that does not fit now
+waits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
+from offload.engine.scheduler import Scheduler
+from offload.engine.step_runner import StepRunner
+from offload.errors import ConfigError, OffloadError
+
+
+class EngineCore:
+    """Runs submitted requests in continuous batches of at most `max_rows` sequences of at
+    most `max_len` tokens (prompt and output) each."""
+
+    def __init__(
+        self,
+        model: EngineModel,
+        max_rows: int,
+        max_len: int,
+        max_num_batched_tokens: int | None = None,
+        kv_dims=None,
+        own_thread: bool = True,
+        invariant: bool = False,
+    ):
+        self._model = model
+        self.scheduler = Scheduler(max_rows, max_num_batched_tokens)
+        self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant)
+        self.max_rows, self.max_len = max_rows, max_len
+        self.invariant = invariant
+        self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
+        self._wake = threading.Condition()
+        self._stop = False
+        self.last_error: BaseException | None = None  # of the last forward; None once one works
+        self._thread: threading.Thread | None = None
+        self._at_exit: Callable[[], None] | None = None
+        if own_thread:  # else the owner calls run() in a thread of its choosing
+            self._thread = threading.Thread(target=self.run, name="offload-engine", daemon=True)
+            self._thread.start()
+            # A core never closed is closed at exit: CPython ends a daemon thread that is
+            # still inside torch's C++ by aborting the process ("terminate called without an
+            # active exception", status 134). Weakly: the hook keeps no core alive.
+            self._at_exit = functools.partial(_close_at_exit, weakref.ref(self))
+            atexit.register(self._at_exit)
+
+    # -- what callers see ------------------------------------------------------------
+
+    def submit_all(self, requests: list[Submitted]) -> None:
+        """Queue `requests` at once: the next turn sees all of them, whatever the timing."""
+        for request in requests:
+            check_fits(request, self.max_rows, self.max_len)
+        with self._wake:
+            if self._stop:
+                raise OffloadError("the engine is shutting down")
+            self._inbox.extend(requests)
+            self._wake.notify()
+
+    def cancel(self, request: Submitted) -> None:
+        """Stop `request` at the next step boundary; its rows are freed."""
+        request.cancelled = True
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + self.scheduler.num_waiting
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop; requests not finished get an error. (Safe from a signal
+        handler in the loop's own thread: the lock is reentrant, and nothing is joined.)"""
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=timeout_s)
+
+    def warm_up(self) -> None:
+        """The compiled decode steps started before a request meets them (`StepRunner`)."""
+        self.runner.warm_up()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> None:
+        """The loop, until `close`: in the core's own thread, or (`own_thread=False`)
+        in the caller's. On a CPU the main thread runs it fastest: OpenMP spins its
+        workers only while one thread leads teams (see `offload serve`)."""
+        while True:
+            with self._wake:
+                while not self._stop and not self._has_work():
+                    self._wake.wait(timeout=1.0)
+                if self._stop:
+                    break
+                self._take_inbox()
+            self.step()
+        self._fail_all(OffloadError("the server is shutting down"))
+
+    def drain(self) -> None:
+        """Run turns on the caller's thread until every submitted request is done (a core
+        made with `own_thread=False`, whose caller holds the model already). An error of
+        the core's own ends the requests it met, as in `run`."""
+        while True:
+            with self._wake:
+                self._take_inbox()
+            if not self._has_work():
+                return
+            self.step()
+
+    def step(self) -> None:
+        """One turn; an error of the core's own fails every request (none may wait on it)."""
+        try:
+            self._turn()
+        except Exception as error:
+            self.last_error = error
+            self._fail_all(error)
+            self.scheduler.clear()
+
+    def _take_inbox(self) -> None:
+        self.scheduler.add(self._inbox)
+        self._inbox.clear()
+
+    def _has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work
+
+    def _turn(self) -> None:
+        """Prefills (each waiting request alone, one after another, while rows are free
+        and the turn's `max_num_batched_tokens` last), then one decode step of every
+        running sequence: requests that arrive together decode together."""
+        scheduler = self.scheduler
+        scheduler.begin_turn()
+        while True:
+            group, moves = scheduler.next_group()
+            self.runner.move_rows(moves)  # (packed whether or not a request is admitted)
+            if group is None:
+                break
+            start, end = scheduler.next_chunk(group)
+            if not self._run_forward(group.rows, self._prefill, group, start, end):
+                scheduler.drop_group()  # (its requests failed; the next one may start)
+            elif group.done_columns < group.width:
+                break  # (its prompt's rest at the next turns)
+        rows = scheduler.decoding()
+        if rows:
+            self._run_forward(rows, self._decode, rows)
+
+    def _prefill(self, group: Group, start: int, end: int) -> None:
+        logits = self.runner.prefill(group, start, end)
+        if group.every_position:  # [1, tokens, vocab]: kept till the prompt is whole
+            group.chunks.append(logits)
+        if not self.scheduler.prefilled(group, end):
+            return
+        self.runner.copy_prompt(group)
+        num = len(group.rows)
+        sequences = [row.sequence for row in group.rows]
+        if group.every_position:
+            every = torch.cat(group.chunks, dim=1).expand(num, -1, -1)  # [rows, width, vocab]
+            group.chunks.clear()
+            self._model.steps.prompt_logprobs(every, sequences, group.width)
+            logits = every[:, -1, :]
+        self._pick(group.rows, logits.expand(num, -1))
+
+    def _decode(self, rows: list[Row]) -> None:
+        self._pick(rows, self.runner.decode(rows))
+
+    def _run_forward(self, rows: list[Row], forward, *args) -> bool:
+        """One forward and its tokens; if it fails (a disk fault, a sampling error), its
+        requests fail with the error, the others go on, and False."""
+        try:
+            with self._model.lock:
+                forward(*args)
+            self.last_error = None
+            return True
+        except Exception as error:
+            self.last_error = error
+            for request in {id(r.request): r.request for r in rows}.values():
+                self._fail(request, error)
+            return False
+
+    def _pick(self, rows: list[Row], logits) -> None:
+        """Each live row's next token; a row whose sampling fails fails its request."""
+        live = [i for i, row in enumerate(rows) if row.is_live]
+        if not live:
+            return
+        sequences = [rows[i].sequence for i in live]
+        try:
+            self._model.steps.pick(logits[live], sequences)
+        except ConfigError:
+            for i in live:  # one at a time, to fail only the request that caused it
+                try:
+                    if rows[i].is_live:
+                        self._model.steps.pick(logits[i : i + 1], [rows[i].sequence])
+                except ConfigError as error:
+                    self._fail(rows[i].request, error)
+        for request in {id(rows[i].request): rows[i].request for i in live}.values():
+            if not request.failed:
+                request.emit(request.output())
+
+    def _fail(self, request: Submitted, error: BaseException) -> None:
+        if request.failed:
+            return
+        request.failed = True
+        for sequence in request.sequences:
+            if sequence.finish_reason is None:
+                sequence.finish_reason = "abort"
+        request.emit(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request in [*self._inbox, *self.scheduler.pending()]:
+            if any(s.finish_reason is None for s in request.sequences):
+                self._fail(request, error)
+
+
+def _close_at_exit(core: weakref.ref[EngineCore]) -> None:
+    alive = core()
+    if alive is not None:
+        alive.close()

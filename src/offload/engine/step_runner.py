@@ -1,0 +1,133 @@
+"""The engine core's step runner: the forwards the scheduler decides, over a `RowCache` —
+a chunk of one request's prompt prefilled into its rows, or one decode step of every
+running row (compiled where the model has a compiled step, else eager)."""
+
+from __future__ import annotations
+
+import torch
+
+from offload.engine import cpu_linear, invariant
+from offload.engine.cpu_linear import kernels_for
+from offload.engine.requests import EngineModel, Group, Row
+from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
+from offload.engine.transformers_cache import cache_argument
+from offload.sizes import compute_dtype
+
+
+class StepRunner:
+    """Runs `model`'s forwards over a cache of `max_rows` rows of `max_len` positions.
+    `invariant`: batch invariance (`invariant.py`): every step runs the eager products the
+    model's linears were padded for (no kernel chosen by row count, no compiled step),
+    reading every column."""
+
+    def __init__(
+        self, model: EngineModel, max_rows: int, max_len: int, kv_dims=None, invariant=False
+    ):
+        self.model = model
+        dtype = compute_dtype(model.model)
+        self.cache = RowCache(model.model.config, max_rows, max_len, dtype, model.device, kv_dims)
+        self.max_len = max_len
+        self.invariant = invariant
+
+    def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
+        for source, target, num_columns in moves:
+            self.cache.move_row(source, target, num_columns)
+
+    def copy_prompt(self, group: Group) -> None:
+        """The prompt prefilled in `group`'s first row into its other rows."""
+        for index in range(1, len(group.rows)):
+            self.cache.move_row(group.first, group.first + index, group.width)
+
+    def prefill(self, group: Group, start: int, end: int) -> torch.Tensor:
+        """Columns [start, end) of `group`'s prompt into its first row (its other rows,
+        of the same prompt, copy it once it is whole: `copy_prompt`), so that the prompt
+        runs as it would alone; the logits of the last column [1, vocab], or of every
+        column [1, tokens, vocab] where the request asks for its prompt's logprobs."""
+        device = self.model.device
+        row = group.rows[0]
+        columns = torch.arange(start, end, device=device)  # [tokens]
+        ids = [self.model.pad_id] * row.start + row.sequence.prompt_ids
+        input_ids = torch.tensor([ids], device=device)[:, start:end]  # [1, tokens]
+        width = self._read_width(group.width)
+        every = torch.arange(width, device=device)
+        mask = ((every >= row.start) & (every < group.width)).long()[None, :]  # [1, width]
+        self.cache.select(group.first, group.first + 1, columns[None, :], start, width)
+        positions = (columns - row.start).clamp(min=0)[None, :]
+        model = self.model.model
+        with torch.inference_mode(), self._kernels():
+            out = model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                **cache_argument(model, self.cache.cache),
+                cache_position=columns,
+                use_cache=True,
+                logits_to_keep=0 if group.every_position else 1,
+            )
+        self.model.on_forward(False)
+        return out.logits if group.every_position else out.logits[:, -1, :]
+
+    @torch.inference_mode()
+    def decode(self, rows: list[Row]) -> torch.Tensor:
+        """One decode step of `rows` (rows [0, len) of the cache): logits [rows, vocab].
+        Each row's column then moves on if it is live."""
+        # (its inputs made in inference mode, as the warm-up's: a compiled step's guards
+        # check each input's dispatch keys, and a step made outside it missed the graph)
+        step = self.row_step(rows)
+        compiled, logits, counted = self.model.compiled, None, False
+        if compiled is not None and step.compiled and compiled.usable(step):
+            logits = compiled(step)  # (None while it compiles in the background)
+            counted = logits is not None and compiled.usable(step)  # (known after a call)
+        if logits is None:
+            with invariant.decoding(len(rows)) if self.invariant else self._kernels():
+                logits = step()
+        self.model.on_forward(counted)
+        for row in rows:
+            row.column += row.is_live
+        return logits[: len(rows)]  # (less the padding rows)
+
+    def row_step(self, rows: list[Row], pad_to: int = 0) -> RowStep:
+        """The decode step of `rows`: compiled where the model has a compiled step and
+        there are at most `cpu_linear.MAX_ROWS` of them. `pad_to`: padding rows up to
+        that many (copies of the first row, or of an empty one), which write only the
+        column past `max_len` (the warm-up's step is all padding)."""
+        device = self.model.device
+        last = [row.sequence.tokens[-1] if row.sequence.tokens else 0 for row in rows]
+        # (a finished row still in the batch rewrites its last column: never past the end)
+        at = [min(row.column, self.max_len - 1) for row in rows]
+        starts = [row.start for row in rows]
+        width = self._read_width(max(at, default=0) + 1)
+        pad = max(pad_to - len(rows), 0)
+        compiled = len(rows) + pad <= cpu_linear.MAX_ROWS
+        compiled = compiled and self.model.compiled is not None and not self.invariant
+        last, at, starts = ([*values, *(values or [0])[:1] * pad] for values in (last, at, starts))
+        columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
+        start = torch.tensor(starts, device=device)[:, None]  # [rows, 1]
+        every = torch.arange(width, device=device)
+        mask = ((every[None, :] >= start) & (every[None, :] <= columns)).long()
+        positions = columns - start
+        columns[len(rows) :] = self.max_len  # padding rows write past what is read
+        input_ids = torch.tensor(last, device=device)[:, None]
+        return RowStep(self.model.model, self.cache, input_ids, mask, positions, columns, compiled)
+
+    def warm_up(self) -> None:
+        """Start the compiled decode steps (a lone row's and the batches', with padding
+        rows only) now, before a request meets them: loaded or compiled in the background
+        (steps run eagerly until then), or here where they compile in the foreground
+        (`OFFLOAD_CPU_COMPILE=wait`)."""
+        if self.model.compiled is None or self.invariant:
+            return
+        with self.model.lock, torch.inference_mode():
+            for rows in (1, MIN_ROWS):
+                self.model.compiled(self.row_step([], pad_to=rows))
+
+    def _read_width(self, num_columns: int) -> int:
+        """The columns attention reads; every one in batch-invariant mode (how many there
+        are changes how its sums group, and the others' lengths would set it)."""
+        return self.max_len if self.invariant else read_width(num_columns, self.max_len)
+
+    def _kernels(self):
+        """On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
+        weight for a few rows) where the float32 weights are large enough for it to pay.
+        (A batch-invariant decode step runs in `invariant.decoding` instead.)"""
+        return kernels_for(self.model.model, self.model.device)
