@@ -15,10 +15,9 @@ from torch import nn
 from offload.api import plan
 from offload.config import OffloadConfig
 from offload.config.validate import gib, integer, real
-from offload.engine.kv_cache import KV_SLOTS
-from offload.engine.kv_shape import kv_shape_of
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import available_ram_bytes, meminfo_bytes
+from offload.memory.kv_shape import KV_SLOTS, kv_shape_of
 from offload.offloader.layers import find_layer_stacks
 from offload.sizes import GIB, compute_dtype
 
