@@ -20,6 +20,7 @@ from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError, ModelError
 from offload.llm.auto import planner_for
+from offload.llm.fit import plan_memory
 from offload.llm.llm import LLM
 from offload.llm.streaming import TextStream
 from offload.memory.device import check_device
@@ -30,7 +31,7 @@ from offload.model.quantized import check_quantization, stored_form
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.budget import describe_budget
-from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
+from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit
 from offload.planner.overhead import fixed_overhead
 from offload.planner.shape import shape_of
 from offload.probes.host import process_memory_bytes
