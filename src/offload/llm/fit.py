@@ -1,8 +1,9 @@
 """Does this model fit, with this config? Checked before anything is loaded: the model
-built on the meta device is measured (`needs_of`), an offloader plans (a dry run, no
-memory allocated) what each config moves off the device, and the planner's arithmetic
+built on the meta device is measured (`needs_of`), the offloader a config selects plans
+(a dry run, no memory allocated) what it moves off the device, and the planner's arithmetic
 (`offload.planner.fit`) says whether the rest fits the device budget; and the host memory
-that `swap_space` and the KV cache in host memory may take."""
+that `swap_space` and the KV cache in host memory may take. The offloader that planned is
+the one the load wraps the model with (`MemoryPlan.for_load`): it is built once."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from offload.api import plan
+from offload.api import OffloadPlan, plan
 from offload.config import OffloadConfig
 from offload.config.validate import gib
 from offload.errors import ConfigError, ModelError
@@ -59,11 +60,11 @@ def plan_fit(
     device,
     kv_offload: bool,
     host_room: int | None = None,
-) -> tuple[OffloadConfig, int]:
+) -> tuple[OffloadConfig, OffloadPlan]:
     """Resolve cpu_offload_gb='auto' and check, before loading, that the plan fits; the
-    config and the bytes it moves to host memory. ('auto' here is the smallest UVA amount
-    that fits; where only budgets are given, `LLM` first tries the planner's ranked configs,
-    see `plan_memory` and `offload.llm.auto`.)"""
+    config and its offloader's plan (the bytes it moves to host memory). ('auto' here is
+    the smallest UVA amount that fits; where only budgets are given, `LLM` first tries the
+    planner's ranked configs, see `plan_memory` and `offload.llm.auto`.)"""
     if config.uva.cpu_offload_gb == "auto":
         smallest = smallest_offload_gb(needs, budget)
         if smallest is None:
@@ -73,17 +74,30 @@ def plan_fit(
     planned = plan(empty, config, device)
     resident = needs.weights - planned.offloaded_bytes + planned.staging_bytes
     check_fit(needs, budget, resident, not kv_offload, host_room)
-    return config, planned.offloaded_bytes
+    return config, planned
 
 
 class MemoryPlan(NamedTuple):
     """What `plan_memory` settled: the context length, the device bytes it needs, the
-    config (cpu_offload_gb='auto' resolved) and whether a planner ranked configs for it."""
+    config (cpu_offload_gb='auto' resolved), whether a planner ranked configs for it, and
+    the plan of the offloader that config selects, on the model built on the meta device."""
 
     max_model_len: int
     needs: MemoryNeeds
     config: OffloadConfig
     planned: bool
+    dry_run: OffloadPlan
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return self.dry_run.offloaded_bytes
+
+    def for_load(self) -> OffloadPlan | None:
+        """The plan the load carries out, with its offloader (built once, here); None
+        where the load builds its own: with a disk tier, whose offloader is made from the
+        checkpoint's byte ranges as the loader matches them to the model, and given the
+        process budget that this plan's numbers set (`llm/budget.py`)."""
+        return None if self.config.disk.is_active else self.dry_run
 
 
 def plan_memory(
@@ -117,9 +131,9 @@ def plan_memory(
     # RAM that offloaded weights could take: none where the device is the host's RAM.
     room = 0 if device.type == "cpu" and device_memory_gb is None else available_ram_bytes()
     configs = [*ranked, config]
-    config, offloaded = first_fit(empty, configs, needs, budget_bytes, device, kv_offload, room)
-    check_host_room(swap_space_bytes, offloaded)
-    return MemoryPlan(max_model_len, needs, config, bool(ranked))
+    config, dry_run = first_fit(empty, configs, needs, budget_bytes, device, kv_offload, room)
+    check_host_room(swap_space_bytes, dry_run.offloaded_bytes)
+    return MemoryPlan(max_model_len, needs, config, bool(ranked), dry_run)
 
 
 def first_fit(
@@ -130,7 +144,7 @@ def first_fit(
     device,
     kv_offload: bool,
     host_room: int | None = None,
-) -> tuple[OffloadConfig, int]:
+) -> tuple[OffloadConfig, OffloadPlan]:
     """`plan_fit` of the first of `configs` that fits; the last one's error where none
     does (the planner's ranked configs, then the user's own: its error is the one to
     show)."""
