@@ -40,9 +40,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 from decode import copy_bandwidth
 
-from offload.engine.kv_shape import kv_shape_of
 from offload.engine.sampling import SamplingParams
 from offload.llm.llm import LLM
+from offload.memory.kv_shape import kv_shape_of
 
 PROMPT_TEXT = (
     "The history of computing is a story of memory: every machine has had less of the "

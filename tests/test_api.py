@@ -1,11 +1,14 @@
 """Bad input to offload.apply: one clear error, nothing changed."""
 
+import dataclasses
+
 import pytest
 import torch
 import zoo
 from torch import nn
 
 import offload
+from offload.api import finish, plan, prepare
 
 
 def _params(model):
@@ -53,11 +56,12 @@ def test_not_a_module():
         offload.apply("llama", {"cpu_offload_gb": 1})
 
 
-def test_config_object_is_revalidated():
+def test_a_config_object_cannot_change_after_it_is_checked():
     config = offload.OffloadConfig(uva={"cpu_offload_gb": 1})
-    config.uva.cpu_offload_gb = -5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.uva.cpu_offload_gb = -5
     with pytest.raises(offload.ConfigError, match="cpu_offload_gb"):
-        offload.apply(zoo.build("llama"), config)
+        offload.apply(zoo.build("llama"), {"uva": {"cpu_offload_gb": -5}})
 
 
 def test_offloaded_model_reports_params_on_the_compute_device():
@@ -162,3 +166,21 @@ def test_offloading_to_the_cpu_it_computes_on_warns_only_when_a_gpu_is_usable(gp
     said = [str(w.message) for w in caught if "a GPU is usable" in str(w.message)]
     assert len(said) == (1 if gpu else 0)
     assert all("device='cuda'" in message for message in said)
+
+
+@pytest.mark.parametrize("config", [None, PREFETCH, UVA])
+def test_a_plan_is_carried_out_by_its_own_offloader(config):
+    """`prepare(planned=...)` wraps the model with the offloader the dry run made (no
+    second one), moving what the plan said; only on that model, and only once."""
+    model = zoo.build("llama")
+    x = torch.randint(0, 100, (1, 6))
+    expected = _logits(model, x)
+    planned = plan(model, config, torch.device("cpu"))
+    with pytest.raises(offload.ModelError, match="the model it was made for"):
+        prepare(zoo.build("llama"), config, torch.device("cpu"), planned=planned)
+    offloader = finish(prepare(model, config, torch.device("cpu"), planned=planned))
+    assert offloader is planned.offloader
+    assert offloader.manifest() == planned.params and torch.equal(_logits(model, x), expected)
+    if config is not None:
+        with pytest.raises(offload.ModelError, match="already offloaded"):
+            prepare(model, config, torch.device("cpu"), planned=planned)

@@ -37,10 +37,11 @@ def test_vllm_field_names_and_defaults(kind):
         assert getattr(default, name) == value
 
 
-def test_nested_defaults_are_independent():
+def test_nested_defaults_cannot_be_changed():
     a, b = OffloadConfig(), OffloadConfig()
-    a.uva.cpu_offload_params.add("experts")
-    assert b.uva.cpu_offload_params == set()
+    with pytest.raises(AttributeError):  # (a frozenset: no default is shared and changed)
+        a.uva.cpu_offload_params.add("experts")
+    assert b.uva.cpu_offload_params == set() and a == b
 
 
 @pytest.mark.parametrize(
@@ -288,11 +289,13 @@ def test_add_cli_args_extends_a_users_parser():
     assert OffloadConfig.from_cli_args(args).uva.cpu_offload_gb == 4
 
 
-def test_validate_catches_later_assignment():
+def test_a_config_is_frozen_and_a_changed_copy_is_checked():
     config = OffloadConfig()
-    config.uva.cpu_offload_gb = -1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.uva.cpu_offload_gb = -1
     with pytest.raises(ConfigError, match="cpu_offload_gb"):
-        config.validate()
+        dataclasses.replace(config, uva=dataclasses.replace(config.uva, cpu_offload_gb=-1))
+    config.validate()  # (public, as vLLM's: it may run again, and still passes)
 
 
 def test_cpu_offload_gb_auto_is_kept_for_the_engine_to_resolve():
@@ -347,10 +350,10 @@ def test_from_dict_junk_is_one_line_naming_the_field(data, needle):
 def test_parts_may_be_instances_or_null_and_are_checked_again_by_validate():
     part = UVAOffloadConfig(cpu_offload_gb=1)
     assert OffloadConfig.from_dict({"uva": part, "prefetch": None}).uva == part
-    config = OffloadConfig()
-    config.uva = 5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        OffloadConfig().uva = 5
     with pytest.raises(ConfigError, match="uva must be a UVAOffloadConfig"):
-        config.validate()
+        dataclasses.replace(OffloadConfig(), uva=5)
 
 
 @pytest.mark.parametrize(

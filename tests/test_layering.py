@@ -89,6 +89,50 @@ def test_the_check_sees_imports_inside_functions():
     assert upward_imports("offload.cli.main", source) == []
 
 
+# The planner decides and builds nothing: it reaches, directly or through the modules it
+# imports, neither `offload.api` (whose dry run builds an offloader), nor an offloader
+# (base, backends, factory, hooks), nor the engine. Of `offload.offloader` it may use the
+# pure functions of layer stacks, names, indices and sizes, and (through the quantized
+# layouts it reads a model's stored form with) the registry of custom ops.
+BUILDERS = ("offload.api", "offload.engine", "offload.offloader")
+NOT_BUILDERS = (
+    "offload.offloader.layers",
+    "offload.offloader.selection",
+    "offload.offloader.disk_placement",
+    "offload.offloader.ops",
+)
+
+
+def reached(module: str) -> set[str]:
+    """The modules `module` imports, directly or through others (a package's `__init__`
+    where it is imported itself, not for each of its submodules)."""
+    seen, pending = {module}, [module]
+    while pending:
+        current = pending.pop()
+        for name in imported_modules(current, MODULES[current].read_text()):
+            if name in MODULES and name not in seen:
+                seen.add(name)
+                pending.append(name)
+    return seen - {module}
+
+
+def is_builder(module: str) -> bool:
+    return module not in NOT_BUILDERS and any(
+        module == prefix or module.startswith(prefix + ".") for prefix in BUILDERS
+    )
+
+
+@pytest.mark.parametrize("module", [m for m in sorted(MODULES) if m.startswith("offload.planner")])
+def test_the_planner_builds_nothing(module):
+    assert sorted(name for name in reached(module) if is_builder(name)) == []
+
+
+def test_the_builder_check_sees_a_module_reached_through_another():
+    assert is_builder("offload.offloader.factory") and is_builder("offload.api")
+    assert not is_builder("offload.offloader.selection") and not is_builder("offload.planner")
+    assert "offload.offloader.factory" in reached("offload.llm.fit")  # (through offload.api)
+
+
 def test_no_two_packages_share_a_layer():
     shared = [layer for layer in LAYERS[1:] if len(layer) > 1]
     assert shared == []

@@ -83,6 +83,7 @@ def prepare(
     copy_engine_factory: Callable[[torch.device], CopyEngine] | None = None,
     read_hooks: ReadHooks | None = None,
     stack_budget_bytes: int | None = None,
+    planned: OffloadPlan | None = None,
 ) -> BaseOffloader:
     """Everything `apply` does before `post_init`. With `deferred`, parameters may still
     be on the meta device: offloaded ones get their host memory, resident ones empty
@@ -90,17 +91,23 @@ def prepare(
     what was done is undone: the model is left as it was. `copy_engine_factory`: as for
     `apply` (a hook for tests and custom engines); `read_hooks`: the disk tier's switches
     for tests; `stack_budget_bytes`: all the RAM the disk tier's layer stack may take
-    (a process budget, see `create_offloader`)."""
-    offloader, blocks = _offloader_for(
-        model,
-        config,
-        device,
-        layers,
-        checkpoint,
-        copy_engine_factory,
-        read_hooks,
-        stack_budget_bytes,
-    )
+    (a process budget, see `create_offloader`). `planned`: a dry run of `model` (`plan`)
+    whose offloader is the one to use, as it was made (no second one is built; the
+    arguments that make an offloader are then not taken)."""
+    if planned is None:  # (the usual way: one offloader, made here)
+        offloader, blocks = _offloader_for(
+            model,
+            config,
+            device,
+            layers,
+            checkpoint,
+            copy_engine_factory,
+            read_hooks,
+            stack_budget_bytes,
+        )
+    else:
+        made = (checkpoint, copy_engine_factory, read_hooks, stack_budget_bytes)
+        offloader, blocks = _planned_offloader(model, planned, layers, made)
     try:
         offloader.wrap_modules(iter(blocks), deferred=deferred)
     except BaseException:
@@ -113,10 +120,13 @@ def prepare(
 
 @dataclass(frozen=True)
 class OffloadPlan:
-    """What `apply` would do to a model, decided without touching it (a dry run)."""
+    """What `apply` would do to a model, decided without touching it (a dry run), and the
+    offloader that would do it: `prepare(model, ..., planned=plan)` carries it out."""
 
-    offloader: BaseOffloader  # planned, never wrapped (for prefetch: `unit`, `prefetch_step`)
+    offloader: BaseOffloader  # planned, not wrapped (for prefetch: `unit`, `prefetch_step`)
     params: list[OffloadedParam]  # the parameters it would move, in order
+    model: nn.Module | None = None  # the model planned for
+    blocks: tuple[nn.Module, ...] | None = None  # the layers to wrap (None: none looked for)
 
     @property
     def offloaded_bytes(self) -> int:
@@ -140,9 +150,35 @@ def plan(
     nothing plans nothing (no layer stack is looked for)."""
     config = as_config(config)
     if config.selected_backend == Backend.NONE:
-        return OffloadPlan(NoopOffloader(), [])
+        return OffloadPlan(NoopOffloader(), [], model)
     offloader, blocks = _offloader_for(model, config, device, layers, checkpoint)
-    return OffloadPlan(offloader, offloader.plan(iter(blocks)))
+    return OffloadPlan(offloader, offloader.plan(iter(blocks)), model, tuple(blocks))
+
+
+def _planned_offloader(
+    model: nn.Module,
+    planned: OffloadPlan,
+    layers: str | nn.Module | Iterable[nn.Module] | None,
+    made: tuple,
+) -> tuple[BaseOffloader, list[nn.Module]]:
+    """`planned`'s offloader, as it was made, and the layers it wraps: the plan's, or
+    (where it offloads nothing and looked for none) found as `prepare` finds them."""
+    if planned.model is not model:
+        raise ModelError("prepare(planned=...) carries out a plan on the model it was made for")
+    if any(argument is not None for argument in made) or (
+        layers is not None and planned.blocks is not None
+    ):
+        raise ModelError(
+            "prepare(planned=...) uses the plan's offloader and layers as they were made: "
+            "pass layers, checkpoint, copy_engine_factory, read_hooks and "
+            "stack_budget_bytes to the plan"
+        )
+    _check_not_offloaded(model)
+    if planned.blocks is not None:
+        return planned.offloader, list(planned.blocks)
+    blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
+    _bind(planned.offloader, model, blocks)
+    return planned.offloader, blocks
 
 
 def _offloader_for(
@@ -157,12 +193,7 @@ def _offloader_for(
 ) -> tuple[BaseOffloader, list[nn.Module]]:
     """The offloader `config` selects, told the model's names and what must stay
     resident, and the layers it is to wrap."""
-    taken = offloaded_params(model)
-    if taken:
-        raise ModelError(
-            f"this model is already offloaded ({len(taken)} parameters, first "
-            f"{taken[0]!r}); apply offloading once, to a model that is not offloaded"
-        )
+    _check_not_offloaded(model)
     blocks = resolve_layers(model, layers) if layers is not None else find_layers(model)
     config = as_config(config)
     ranges = checkpoint_ranges(model, checkpoint) if config.disk.is_active else None
@@ -174,10 +205,24 @@ def _offloader_for(
         read_hooks=read_hooks,
         stack_budget_bytes=stack_budget_bytes,
     )
+    _bind(offloader, model, blocks)
+    return offloader, blocks
+
+
+def _bind(offloader: BaseOffloader, model: nn.Module, blocks: list[nn.Module]) -> None:
+    """Tell `offloader` the model's names and what must stay resident."""
     offloader.ledger.name_modules(model)
     offloader.ledger.keep_resident(_params_outside(model, blocks))
     offloader.ledger.keep_resident(p for p in model.parameters() if _self_overlapping(p))
-    return offloader, blocks
+
+
+def _check_not_offloaded(model: nn.Module) -> None:
+    taken = offloaded_params(model)
+    if taken:
+        raise ModelError(
+            f"this model is already offloaded ({len(taken)} parameters, first "
+            f"{taken[0]!r}); apply offloading once, to a model that is not offloaded"
+        )
 
 
 def finish(offloader: BaseOffloader) -> BaseOffloader:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from offload import ConfigError
 from offload.engine.kv_cache import KVOffloader
-from offload.engine.kv_shape import KVShape, check_host_kv
 from offload.engine.transformers_cache import probe_kv_dims, static_cache
+from offload.memory.kv_shape import KVShape, check_host_kv
 
 CPU = torch.device("cpu")
 KV_ARCHS = ("llama", "qwen2", "gemma", "phi3", "qwen3_moe", "gpt_neox", "opt", "gpt2")

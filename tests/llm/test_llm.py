@@ -196,8 +196,8 @@ def test_the_load_shows_progress_in_bytes(smollm2_path, capsys):
 def test_swap_space_must_leave_room_for_the_offloaded_weights(smollm2_path, monkeypatch):
     """swap_space alone fits in RAM, but not with the 0.39 GiB of weights offloading puts
     there too: refused before loading (the RAM figure is pinned, so the test is stable)."""
+    import offload.llm.fit as fit_module
     import offload.llm.loading as loading_module
-    import offload.planner.fit as fit_module
 
     monkeypatch.setattr(fit_module, "available_ram_bytes", lambda: 2 * 2**30)
     monkeypatch.setattr(loading_module, "load_model", lambda *a, **k: pytest.fail("loaded"))

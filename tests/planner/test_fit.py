@@ -141,7 +141,7 @@ def test_a_model_larger_than_this_machines_ram_is_told_the_disk_tier(capsys):
 def test_offloading_more_than_the_host_holds_is_told_the_disk_tier(smollm2_path, monkeypatch):
     """A device budget (emulated here) whose fix would move more to RAM than is available:
     the disk tier is the fix said, with the RAM it may keep."""
-    from offload.planner import fit
+    from offload.llm import fit
 
     monkeypatch.setattr(fit, "available_ram_bytes", lambda: 100 * 2**20)
     with pytest.raises(ModelError) as info:

@@ -11,7 +11,7 @@ from typing import TextIO
 
 import torch
 
-from offload.api import plan
+from offload.api import OffloadPlan, plan
 from offload.cli.defaults import whole_stack_config
 from offload.cli.options import QUESTION
 from offload.config import Backend, OffloadConfig
@@ -20,6 +20,7 @@ from offload.engine.sampling_params import SamplingParams
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError, ModelError
 from offload.llm.auto import planner_for
+from offload.llm.fit import plan_memory
 from offload.llm.llm import LLM
 from offload.llm.streaming import TextStream
 from offload.memory.device import check_device
@@ -30,7 +31,7 @@ from offload.model.quantized import check_quantization, stored_form
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.budget import describe_budget
-from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, plan_memory
+from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit
 from offload.planner.overhead import fixed_overhead
 from offload.planner.shape import shape_of
 from offload.probes.host import process_memory_bytes
@@ -259,7 +260,7 @@ def inspect(args: argparse.Namespace) -> str:
     config = OffloadConfig.from_cli_args(args)
     device = check_device(args.device)
     lines += _budget_lines(path, model, config, device, args)
-    fits, config = _what_fits(path, model, config, device, args)
+    fits, config, planned = _what_fits(path, model, config, device, args)
     lines.append(fits)
     if config.selected_backend == Backend.NONE:
         on_host = device.type == "cpu" and args.device_memory_gb is None
@@ -270,7 +271,7 @@ def inspect(args: argparse.Namespace) -> str:
             else "no offloading configured (add e.g. --cpu-offload-gb 4 or --offload-group-size 8)"
         )
         return "\n".join(lines)
-    planned = plan(model, config, device)
+    planned = planned or plan(model, config, device)  # (the fit check's, where it fits)
     manifest, offloader = planned.params, planned.offloader
     modules = list(dict.fromkeys(e.module for e in manifest))
     lines.append(
@@ -320,9 +321,9 @@ def _budget_lines(
 
 def _what_fits(
     path: Path, model, config: OffloadConfig, device: torch.device, args
-) -> tuple[str, OffloadConfig]:
+) -> tuple[str, OffloadConfig, OffloadPlan | None]:
     """Whether `config` fits the device budget, and if not what would (no weights read);
-    and the config with cpu_offload_gb='auto' resolved (by the planner, as `LLM` does)."""
+    the config with cpu_offload_gb='auto' resolved (as `LLM` does); its dry run if it fits."""
     limit = args.max_model_len or model_len_limit(model.config)
     budget = device_budget(device, args.gpu_memory_utilization, args.device_memory_gb)
     where = f"{device} budget {format_bytes(budget)} (max_model_len {limit})"
@@ -352,19 +353,17 @@ def _what_fits(
     except ModelError as error:
         if config.uva.cpu_offload_gb == "auto":
             raise
-        return f"does not fit the {where}: {error}", config
-    resolved = memory.config
+        return f"does not fit the {where}: {error}", config, None
+    resolved, planned = memory.config, memory.dry_run
     if resolved.selected_backend == Backend.NONE:
-        return (
-            f"fits the {where} without offloading: {format_bytes(memory.needs.total)} needed",
-            resolved,
-        )
+        needed = format_bytes(memory.needs.total)
+        return f"fits the {where} without offloading: {needed} needed", resolved, planned
     chosen = ""
     if memory.planned:
         chosen = " (the planner's choice)"
     elif config != resolved:
         chosen = f" (cpu_offload_gb={resolved.uva.cpu_offload_gb:g})"
-    return f"fits the {where} with this offloading{chosen}", resolved
+    return f"fits the {where} with this offloading{chosen}", resolved, planned
 
 
 def _ranges(modules: list[str]) -> str:

@@ -7,8 +7,9 @@ Fields beyond vLLM's, all vLLM's behaviour by default on a GPU: `disable_uva` an
 honoured here too; see `offload.memory.host`), `prefetch_unit`, and the `disk` part (a disk
 tier, off unless `cpu_memory_gb` is set); `to_dict(vllm_only=True)` leaves them out.
 
-The parts and their field checks are in `parts.py`, the flags in `flags.py`; the package
-exports all of them.
+A config is frozen and checked once, when it is made: `dataclasses.replace` makes (and
+checks) a new one. The parts and their field checks are in `parts.py`, the flags in
+`flags.py`; the package exports all of them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from offload.config.parts import (
     PrefetchUnit,
     UVAOffloadConfig,
     as_bool,
+    set_field,
 )
 from offload.errors import ConfigError, shown
 
@@ -41,7 +43,7 @@ _VLLM_TOP_FIELDS = ("offload_backend", "uva", "prefetch")
 _EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit", "disk")
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadConfig:
     """Which backend offloads the weights, and its settings (vLLM's `OffloadConfig`).
 
@@ -64,35 +66,33 @@ class OffloadConfig:
     disk: DiskOffloadConfig = field(default_factory=DiskOffloadConfig)
 
     def __post_init__(self) -> None:
-        self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
-        self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
-        self.disk = _sub_config(DiskOffloadConfig, "disk", self.disk)
-        self.disable_uva = as_bool("offload", "disable_uva", self.disable_uva)
-        self.disable_pin_memory = as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
+        """Each field checked and normalized (parts given as mappings made, strings made
+        enum members), then the fields together (`validate`): once, as the config is made."""
+        set_field(self, "uva", _sub_config(UVAOffloadConfig, "uva", self.uva))
+        set_field(self, "prefetch", _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch))
+        set_field(self, "disk", _sub_config(DiskOffloadConfig, "disk", self.disk))
+        set_field(self, "disable_uva", as_bool("offload", "disable_uva", self.disable_uva))
+        pin = as_bool("offload", "disable_pin_memory", self.disable_pin_memory)
+        set_field(self, "disable_pin_memory", pin)
         if not isinstance(self.prefetch_unit, str) or self.prefetch_unit not in PREFETCH_UNITS:
             raise ConfigError(
                 f"prefetch_unit must be one of {', '.join(PREFETCH_UNITS)}, "
                 f"got {shown(self.prefetch_unit)}"
             )
-        self.prefetch_unit = PrefetchUnit(self.prefetch_unit)
-        self.validate()
-        self._warn_about_ignored_fields()
-
-    def validate(self) -> None:
-        """Check every field again (they may have been assigned since construction)."""
+        set_field(self, "prefetch_unit", PrefetchUnit(self.prefetch_unit))
         if not isinstance(self.offload_backend, str) or self.offload_backend not in BACKENDS:
             raise ConfigError(
                 f"offload_backend must be one of {', '.join(BACKENDS)}, "
                 f"got {shown(self.offload_backend)}"
             )
-        self.offload_backend = Backend(self.offload_backend)
-        # The parts may have been replaced since construction, by anything.
-        self.uva = _sub_config(UVAOffloadConfig, "uva", self.uva)
-        self.prefetch = _sub_config(PrefetchOffloadConfig, "prefetch", self.prefetch)
-        self.disk = _sub_config(DiskOffloadConfig, "disk", self.disk)
-        self.uva.__post_init__()
-        self.prefetch.__post_init__()
-        self.disk.__post_init__()
+        set_field(self, "offload_backend", Backend(self.offload_backend))
+        self.validate()
+        self._warn_about_ignored_fields()
+
+    def validate(self) -> None:
+        """Check the fields together (each field was checked as the config was made). A
+        config is frozen, so this holds for good: construction runs it once, and a caller
+        need not run it again (it is public, as vLLM's, and may be)."""
         if self.disk.is_active and self.offload_backend == Backend.UVA:
             raise ConfigError(
                 "cpu_memory_gb (the disk tier) streams layers through the prefetch backend; "
@@ -222,7 +222,7 @@ def _allowed_keys() -> str:
 
 def _plain(part: UVAOffloadConfig | PrefetchOffloadConfig) -> dict[str, Any]:
     return {
-        key: sorted(value) if isinstance(value, set) else _text(value)
+        key: sorted(value) if isinstance(value, set | frozenset) else _text(value)
         for key, value in dataclasses.asdict(part).items()
     }
 

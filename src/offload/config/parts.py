@@ -1,13 +1,14 @@
 """The parts of an offload config (vLLM's `UVAOffloadConfig`, `PrefetchOffloadConfig`)
 and the checks every field goes through: a bad value raises `ConfigError` naming the
-field, the value and what is allowed."""
+field, the value and what is allowed. A part is frozen: checked once, when it is made
+(`dataclasses.replace` makes, and checks, a new one)."""
 
 from __future__ import annotations
 
 import enum
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from offload.config.validate import flag, gib, whole_number
@@ -40,7 +41,7 @@ BACKENDS: tuple[Backend, ...] = (Backend.AUTO, Backend.UVA, Backend.PREFETCH)
 PREFETCH_UNITS: tuple[PrefetchUnit, ...] = tuple(PrefetchUnit)
 
 
-def _as_segments(owner: str, name: str, value: Any) -> set[str]:
+def _as_segments(owner: str, name: str, value: Any) -> frozenset[str]:
     """A set of dot-separated name segments; a string may hold several, comma-separated."""
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, Iterable) or isinstance(items, bytes | bytearray | Mapping):
@@ -62,14 +63,19 @@ def _as_segments(owner: str, name: str, value: Any) -> set[str]:
                 )
             if part:
                 segments.add(part)
-    return segments
+    return frozenset(segments)
 
 
 def as_bool(owner: str, name: str, value: Any) -> bool:
     return flag(f"{owner}.{name}", value, "true or false")
 
 
-@dataclass
+def set_field(config: Any, name: str, value: Any) -> None:
+    """Set a field of a frozen config being made (its `__post_init__` normalizes it)."""
+    object.__setattr__(config, name, value)
+
+
+@dataclass(frozen=True)
 class UVAOffloadConfig:
     """UVA (zero-copy) offloading: parameters live in pinned host memory.
 
@@ -81,15 +87,17 @@ class UVAOffloadConfig:
     """
 
     cpu_offload_gb: float | Literal["auto"] = 0
-    cpu_offload_params: set[str] = field(default_factory=set)
+    cpu_offload_params: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         if self.cpu_offload_gb != "auto":  # "auto": the smallest amount that fits (see LLM)
-            self.cpu_offload_gb = gib("uva.cpu_offload_gb", self.cpu_offload_gb, text=True)
-        self.cpu_offload_params = _as_segments("uva", "cpu_offload_params", self.cpu_offload_params)
+            gb = gib("uva.cpu_offload_gb", self.cpu_offload_gb, text=True)
+            set_field(self, "cpu_offload_gb", gb)
+        params = _as_segments("uva", "cpu_offload_params", self.cpu_offload_params)
+        set_field(self, "cpu_offload_params", params)
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefetchOffloadConfig:
     """Prefetch offloading: the last `offload_num_in_group` layers of every group of
     `offload_group_size` layers live in host memory and are copied to the device
@@ -100,25 +108,23 @@ class PrefetchOffloadConfig:
     offload_group_size: int = 0
     offload_num_in_group: int = 1
     offload_prefetch_step: int = 1
-    offload_params: set[str] = field(default_factory=set)
+    offload_params: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        self.offload_group_size = whole_number(
-            "prefetch.offload_group_size", self.offload_group_size, 0
-        )
-        self.offload_num_in_group = whole_number(
-            "prefetch.offload_num_in_group", self.offload_num_in_group, 1
-        )
-        self.offload_prefetch_step = whole_number(
-            "prefetch.offload_prefetch_step", self.offload_prefetch_step, 0
-        )
-        self.offload_params = _as_segments("prefetch", "offload_params", self.offload_params)
+        for name, least in (
+            ("offload_group_size", 0),
+            ("offload_num_in_group", 1),
+            ("offload_prefetch_step", 0),
+        ):
+            set_field(self, name, whole_number(f"prefetch.{name}", getattr(self, name), least))
+        params = _as_segments("prefetch", "offload_params", self.offload_params)
+        set_field(self, "offload_params", params)
 
 
 DISK_IO: tuple[DiskIO, ...] = tuple(DiskIO)
 
 
-@dataclass
+@dataclass(frozen=True)
 class DiskOffloadConfig:
     """The disk tier (ours, not vLLM's): offloaded weights beyond `cpu_memory_gb` GiB of
     host memory stay in the checkpoint's own safetensors files and are read into their
@@ -144,20 +150,21 @@ class DiskOffloadConfig:
     def __post_init__(self) -> None:
         owner = "disk"
         if self.cpu_memory_gb is not None:
-            self.cpu_memory_gb = gib("disk.cpu_memory_gb", self.cpu_memory_gb, text=True)
+            gb = gib("disk.cpu_memory_gb", self.cpu_memory_gb, text=True)
+            set_field(self, "cpu_memory_gb", gb)
         if isinstance(self.offload_folder, os.PathLike):  # (a pathlib.Path, as a str)
-            self.offload_folder = os.fspath(self.offload_folder)
+            set_field(self, "offload_folder", os.fspath(self.offload_folder))
         if self.offload_folder is not None and not isinstance(self.offload_folder, str):
             raise ConfigError(
                 f"{owner}.offload_folder must be a folder path, got {shown(self.offload_folder)}"
             )
-        self.read_ahead = whole_number("disk.read_ahead", self.read_ahead, 1)
-        self.io_threads = whole_number("disk.io_threads", self.io_threads, 1)
+        set_field(self, "read_ahead", whole_number("disk.read_ahead", self.read_ahead, 1))
+        set_field(self, "io_threads", whole_number("disk.io_threads", self.io_threads, 1))
         if self.disk_io not in DISK_IO:
             raise ConfigError(
                 f"{owner}.disk_io must be one of {', '.join(DISK_IO)}, got {shown(self.disk_io)}"
             )
-        self.disk_io = DiskIO(self.disk_io)
+        set_field(self, "disk_io", DiskIO(self.disk_io))
 
     @property
     def is_active(self) -> bool:

@@ -16,7 +16,6 @@ from offload.engine.cpu_linear import kernels_for
 from offload.engine.cpu_step import cache_length
 from offload.engine.graphs import DecodeGraphs, DecodeStep
 from offload.engine.kv_cache import KVHostPool, KVOffloader
-from offload.engine.kv_shape import check_host_kv, kv_shape_of
 from offload.engine.request_maker import RequestMaker
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import (
@@ -31,6 +30,7 @@ from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import cache_argument, probe_kv_dims, static_cache
 from offload.errors import ConfigError, ModelError
+from offload.memory.kv_shape import check_host_kv, kv_shape_of
 from offload.offloader.base import BaseOffloader
 from offload.offloader.hooks import attach_boundaries
 from offload.offloader.layers import find_layers

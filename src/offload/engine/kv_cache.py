@@ -18,14 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.engine.kv_shape import KVShape
 from offload.errors import ConfigError
 from offload.memory.copy_engine import CopyEngine, CopyStats, make_copy_engine
 from offload.memory.host import HostSlab, TensorSpec, device_view, should_pin_memory
+from offload.memory.kv_shape import KVShape
 from offload.memory.slots import SlotTable, slot_of
 from offload.offloader import ops
-
-KV_SLOTS = 2  # device slots of the KV ring: the next layer arrives while one computes
 
 
 @dataclass(frozen=True)

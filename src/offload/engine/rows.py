@@ -22,9 +22,9 @@ import torch
 
 from offload.engine import cpu_linear
 from offload.engine.graphs import last_logits
-from offload.engine.kv_shape import config_kv_dims
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError
+from offload.memory.kv_shape import config_kv_dims
 
 
 @dataclass(slots=True)  # (no __dict__: a kept step's name holds none of a window's values)

@@ -12,10 +12,10 @@ from collections.abc import Callable
 
 import torch
 
-from offload.engine.kv_cache import KV_SLOTS, KVHostPool, KVOffloader
-from offload.engine.kv_shape import kv_shape_of
+from offload.engine.kv_cache import KVHostPool, KVOffloader
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
+from offload.memory.kv_shape import KV_SLOTS, kv_shape_of
 
 _logger = logging.getLogger("offload")
 

@@ -3,7 +3,7 @@ to them, `cpu_offload_gb="auto"` with `offload_backend="auto"` and no prefetch l
 that only memory budgets are given (the device's, and `cpu_memory_gb` for host memory):
 the planner ranks the placements for one sequence at the engine's context length, from
 this machine's measurements (`offload.probes`, cached), and the first that the memory check
-(`planner.fit.plan_memory`) passes runs. `plan_for` is `offload plan`'s entry point.
+(`llm.fit.plan_memory`) passes runs. `plan_for` is `offload plan`'s entry point.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from offload.config import DISK_IO, Backend, OffloadConfig
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_MEMORY_UTILIZATION
 from offload.engine import cpu_step
 from offload.llm.budget import MIN_FITTED_LEN, shorter_power_of_two
+from offload.llm.fit import MemoryPlan, plan_memory
 from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
@@ -29,7 +30,7 @@ from offload.model.configs import resolve
 from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import Budgets, candidates, fits_at_all
-from offload.planner.fit import MemoryPlan, checked_context_len, model_len_limit, plan_memory
+from offload.planner.fit import checked_context_len, model_len_limit
 from offload.planner.overhead import fixed_overhead
 from offload.planner.plan import (
     Plan,

@@ -15,8 +15,6 @@ from typing import Any
 
 from torch import nn
 
-from offload.api import plan
-from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.offloader.disk_placement import StackRoomError
 from offload.offloader.layers import find_layer_stacks
@@ -76,7 +74,7 @@ class HostBudget:
 def host_budget_of(
     llm: Any,
     empty: nn.Module,
-    config: OffloadConfig,
+    offloaded_bytes: int,
     budget_gb: float | None,
     device_memory_gb: float | None,
 ) -> HostBudget | None:
@@ -85,8 +83,8 @@ def host_budget_of(
     `device_memory_gb`) and a budget given (`budget_gb`: cpu_memory_gb > 0; 0 is no
     budget but "every layer streams from disk", the least RAM there is); else None. The
     KV cache's share: `kv_cache_memory_bytes`, else `swap_space`, else one sequence of
-    `max_model_len` positions (the least a request may need). Layers that `config`'s
-    layout leaves resident come out of B too."""
+    `max_model_len` positions (the least a request may need). Layers of the stack that
+    the layout leaves resident (beyond its `offloaded_bytes`) come out of B too."""
     if llm.device.type != "cpu" or device_memory_gb is not None or not budget_gb:
         return None
     stack = sum(parameter_bytes(b) for _, blocks in find_layer_stacks(empty) for b in blocks)
@@ -101,7 +99,7 @@ def host_budget_of(
         activation_bytes=activation_bytes(
             empty.config, llm.max_model_len, dtype, llm.max_num_batched_tokens
         ),
-        resident_layer_bytes=stack - plan(empty, config, llm.device).offloaded_bytes,
+        resident_layer_bytes=stack - offloaded_bytes,
     )
 
 
@@ -146,7 +144,7 @@ def load_fitted(
     llm: Any,
     load: Callable[[], None],
     empty: nn.Module,
-    config: OffloadConfig,
+    offloaded_bytes: int,
     budgets: tuple[float | None, float | None],
     fit_len: bool,
 ) -> None:
@@ -168,5 +166,5 @@ def load_fitted(
             llm.max_model_len, budgets[0], shorter,
         )  # fmt: skip
         llm.max_model_len = shorter
-        llm.host_budget = host_budget_of(llm, empty, config, *budgets)
+        llm.host_budget = host_budget_of(llm, empty, offloaded_bytes, *budgets)
         load()

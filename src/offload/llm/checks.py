@@ -17,10 +17,11 @@ from offload.config.limits import SEED_RANGE
 from offload.config.validate import flag, integer
 from offload.engine import invariant
 from offload.errors import ConfigError, ModelError, shown
+from offload.llm.fit import check_swap_space
 from offload.memory.threads import check_not_forked
 from offload.model.build import DTYPES
 from offload.model.loader import LOAD_FORMATS
-from offload.planner.fit import check_budget_args, check_swap_space
+from offload.planner.fit import check_budget_args
 
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}"
 PROMPT_KEYS = ("prompt", "prompt_token_ids")

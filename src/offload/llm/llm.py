@@ -169,12 +169,13 @@ class LLM(DecodeLoop):
         self.offload_config = as_run(config)  # what runs: "auto" resolved, the planner's choice
         # On a CPU, cpu_memory_gb bounds the process (llm/budget.py), planned or not.
         budget_gb = asked_gb if config.disk.is_active else None
-        self.host_budget = host_budget_of(self, empty, config, budget_gb, device_memory_gb)
+        offloaded = plan.offloaded_bytes
+        self.host_budget = host_budget_of(self, empty, offloaded, budget_gb, device_memory_gb)
         load = functools.partial(
-            load_into, self, path, empty, config, tokenizer, dtype, load_format, progress
+            load_into, self, path, empty, plan, tokenizer, dtype, load_format, progress
         )
         fit = max_model_len is None  # (the default context may shrink to fit the budget)
-        load_fitted(self, load, empty, config, (budget_gb, device_memory_gb), fit)
+        load_fitted(self, load, empty, offloaded, (budget_gb, device_memory_gb), fit)
         prepare_steps(self, config, enforce_eager)
         self.seed = seed
         torch.manual_seed(seed)

@@ -1,6 +1,7 @@
-"""Loading an `LLM`: its tokenizer, its model with the offloader in place, and the state
-its decode loop keeps between calls (`LLM.__init__` calls it through `budget.load_fitted`,
-which may call it again with a shorter context)."""
+"""Loading an `LLM`: its tokenizer, its model with the offloader in place (the one the
+fit check planned with, `MemoryPlan.for_load`), and the state its decode loop keeps
+between calls (`LLM.__init__` calls it through `budget.load_fitted`, which may call it
+again with a shorter context)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.llm.args import tokenizer_of
 from offload.llm.budget import kv_room_after
+from offload.llm.fit import MemoryPlan
 from offload.model.finite_checks import non_finite_tensor
 from offload.model.loader import load_model
 from offload.model.tokenizer import eos_token_ids
@@ -31,14 +33,16 @@ def load_into(
     llm: Any,
     path: Path,
     empty: torch.nn.Module,
-    config: OffloadConfig,
+    plan: MemoryPlan,
     tokenizer: str | Path | None,
     dtype: str | torch.dtype,
     load_format: str,
     progress: bool | None,
 ) -> None:
     """`llm`'s tokenizer (before the weights: its errors come first), then its model with
-    its offloader, and the state the decode loop keeps between calls."""
+    its offloader (`empty`, loaded, with the offloader `plan` made, where it is to be
+    used), and the state the decode loop keeps between calls."""
+    config = plan.config
     llm.tokenizer = tokenizer_of(path, tokenizer, load_format, llm.trust_remote_code)
     llm._tokens = TokenSteps(llm.tokenizer, eos_token_ids(path, llm.tokenizer, empty.config))
     llm._tokens.damage = functools.cache(functools.partial(_damage, path))
@@ -57,6 +61,7 @@ def load_into(
             progress=progress,
             trust_remote_code=llm.trust_remote_code,
             stack_budget_bytes=budget.stack_bytes if budget is not None else None,
+            planned=plan.for_load(),
         )
     except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
         raise budget.refused(error) from error  # (LLM may fit a shorter context)

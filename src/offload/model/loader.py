@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.api import finish, prepare
+from offload.api import OffloadPlan, finish, prepare
 from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import TensorRange
@@ -45,6 +45,7 @@ def load_model(
     trust_remote_code: bool = False,
     read_hooks: ReadHooks | None = None,
     stack_budget_bytes: int | None = None,
+    planned: OffloadPlan | None = None,
 ) -> tuple[nn.Module, BaseOffloader]:
     """Load a causal LM from a safetensors directory with `config`'s offloading already in
     place. `load_format="dummy"` (vLLM's name) fills random weights of the right shapes
@@ -52,14 +53,18 @@ def load_model(
     `path` may also name a shipped config, e.g. "llama-3-8b": see `offload.model.configs`).
     The checkpoint's own code runs only with `trust_remote_code=True` (see `build_empty`).
     `read_hooks`: the disk tier's switches for tests. `stack_budget_bytes`: all the RAM
-    a disk tier's layer stack may take (`LLM`'s process budget on a CPU; see `prepare`)."""
+    a disk tier's layer stack may take (`LLM`'s process budget on a CPU; see `prepare`).
+    `planned`: a dry run (`offload.api.plan`) of this checkpoint's model built on the meta
+    device (`build_empty`, with these settings): that model is loaded, wrapped by the plan's
+    offloader (no other is built; what makes one, `read_hooks` and `stack_budget_bytes`
+    included, was the plan's)."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
     path = resolve(path) if load_format == "dummy" else Path(path)
     device = torch.device(device)
-    model = build_empty(path, dtype, trust_remote_code)
+    model = planned.model if planned is not None else build_empty(path, dtype, trust_remote_code)
     stored = {} if load_format == "dummy" else checkpoint_tensors(path)
     targets = checkpoint_targets(model, stored, dummy=load_format == "dummy")
     ranges = {  # where each parameter's bytes are, for a disk tier to stream them
@@ -67,15 +72,26 @@ def load_model(
         for name, entry in targets.items()
         if isinstance(entry, StoredTensor)
     }
-    offloader = prepare(
-        model,
-        config,
-        device,
-        deferred=True,
-        checkpoint=ranges,
-        read_hooks=read_hooks,
-        stack_budget_bytes=stack_budget_bytes,
-    )
+    if planned is None:
+        offloader = prepare(
+            model,
+            config,
+            device,
+            deferred=True,
+            checkpoint=ranges,
+            read_hooks=read_hooks,
+            stack_budget_bytes=stack_budget_bytes,
+        )
+    else:  # the offloader the plan made, no second one (its disk tier had its ranges)
+        offloader = prepare(
+            model,
+            config,
+            device,
+            deferred=True,
+            read_hooks=read_hooks,
+            stack_budget_bytes=stack_budget_bytes,
+            planned=planned,
+        )
     # With a disk tier around the page cache, loading leaves nothing there either: the
     # bytes read are in their final memory, and the budget holds for the machine.
     _fill(model, offloader, targets, device, progress, offloader.disk_io == DiskIO.DIRECT)

@@ -108,11 +108,11 @@ def _disk_tier(
 
 
 def as_config(config: OffloadConfig | Mapping[str, Any] | None) -> OffloadConfig:
-    """Accept a config, a dict in vLLM's shape, or None (no offloading)."""
+    """Accept a config (as it is: frozen, it was checked when made), a dict in vLLM's
+    shape, or None (no offloading)."""
     if config is None:
         return OffloadConfig()
     if isinstance(config, OffloadConfig):
-        config.validate()
         return config
     if isinstance(config, Mapping):
         return OffloadConfig.from_dict(config)

@@ -69,6 +69,7 @@ class PrefetchOffloader(BaseOffloader):
             )
         self.layer_choice = LayerChoice(group_size, num_in_group, offload_params or ())
         self.prefetch_step = prefetch_step
+        self._asked = (unit, prefetch_step)  # what each plan starts from (it resolves both)
         self.device = device
         self._copy_engine_factory = copy_engine_factory
         self._warned_grad = False
@@ -105,6 +106,8 @@ class PrefetchOffloader(BaseOffloader):
         ]
 
     def _plan(self, modules: list[nn.Module], deferred: bool) -> list[Unit]:
+        # A plan, then the wrap that carries it out, resolve the same unit and step.
+        self.unit, self.prefetch_step = self._asked
         choice = self.layer_choice
         layers = choice.layers(modules, self.ledger.resident_ids, self.ledger.module_name, deferred)
         if layers is None:  # the layout picks no layer (and said so)

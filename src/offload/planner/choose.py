@@ -11,8 +11,8 @@ import math
 from dataclasses import dataclass
 
 from offload.config import DISK_IO
-from offload.engine.kv_cache import KV_SLOTS
 from offload.errors import ModelError
+from offload.memory.kv_shape import KV_SLOTS
 from offload.memory.placement import DiskIO, Placement
 from offload.planner import layouts
 from offload.planner.budget import RamUse, least_ram, ram_budget_error, ram_use

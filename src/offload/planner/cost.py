@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from offload.engine.kv_cache import KV_SLOTS
+from offload.memory.kv_shape import KV_SLOTS
 from offload.memory.placement import Placement
 from offload.memory.slots import next_in_slot, num_slots
 

@@ -11,10 +11,11 @@ import torch
 
 from offload.config import DISK_IO, OffloadConfig
 from offload.config.validate import gib, integer
+from offload.memory.host import available_ram_bytes
 from offload.memory.placement import DiskIO
 from offload.planner.budget import least_ram, overhead_without_tokenizer, ram_use
 from offload.planner.choose import Budgets, Candidate, candidates, fits_at_all, nothing_fits
-from offload.planner.fit import available_ram_bytes, device_budget
+from offload.planner.fit import device_budget
 from offload.planner.layouts import resident
 from offload.planner.measurements import Measured
 from offload.planner.overhead import FixedOverhead

@@ -1,6 +1,7 @@
 """The shape of a cache layer's keys and values, derived in one place from a model
 config (or from what `probe_kv_dims` saw): sizing (`planner/fit.py`) and the host KV cache
-(`kv_cache.py`) both read it; and whether the host has room for such a cache."""
+(`engine/kv_cache.py`) both read it; the device slots of the host KV cache's ring; and
+whether the host has room for such a cache."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import torch
 from offload.errors import ConfigError
 from offload.memory.host import available_ram_bytes
 from offload.sizes import GIB as _GIB
+
+KV_SLOTS = 2  # device slots of the KV ring: the next layer arrives while one computes
 
 
 @dataclass(frozen=True)
