@@ -586,6 +586,20 @@ def test_served_compiled_batches_offloaded_equal_them_resident_bitwise(
     assert streamed > 0 or setting == "uva"  # (UVA reads in place on a CPU)
 
 
+def test_served_compiled_steps_with_the_kv_cache_in_host_memory_give_its_device_bits(
+    checkpoint, served, compiles
+):
+    """KV offload on the engine core (`row_kv`): the compiled steps of its own (a lone
+    row's and the batches'), every decode step compiled, the resident server's bits."""
+    llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4, kv_offload=True)
+    assert _serve(llm) == served[0]
+    assert llm.transfer_stats().num_compiled_steps == served[3]
+    assert {key[:2] for key in llm._cpu_step._steps} == {
+        ("rows", "kv offload"),
+        ("row", "kv offload"),
+    }
+
+
 def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint, served, compiles):
     """`warm_up` compiles the step before any request (what `offload serve` does before it
     listens) and keeps it on disk; the next server of the same model loads it (no trace)

@@ -148,8 +148,6 @@ def test_requests_that_cannot_fit_are_refused_at_once(checkpoint):
         with pytest.raises(ConfigError, match="max_num_seqs"):
             list(llm.stream("t3", SamplingParams(n=3, max_tokens=1)))
         assert list(llm.stream("t3", SamplingParams(n=2, max_tokens=1)))[-1].finished
-    with LLM(checkpoint, kv_offload=True) as llm, pytest.raises(ConfigError, match="kv_offload"):
-        llm.serving()
 
 
 def test_a_failing_forward_fails_its_requests_and_the_engine_goes_on(checkpoint, monkeypatch):
@@ -330,3 +328,23 @@ def test_a_served_request_gets_its_prompt_logprobs_whatever_runs_beside_it(check
 
 def _entries(prompt_logprobs):
     return [{t: (lp.logprob, lp.rank) for t, lp in entry.items()} for entry in prompt_logprobs]
+
+
+@pytest.mark.parametrize("weights", ["resident", "prefetch"])
+def test_kv_offload_serves_the_resident_servers_bits(checkpoint, weights):
+    """The rows' KV cache in host memory (`kv_offload`, streamed per layer through two
+    slots): requests queued at once get bit for bit the tokens and logprobs of the server
+    whose cache is on the device, n > 1 and chunked prompts included, and the cache's
+    bytes really moved (brought in, and written back)."""
+    settings = {} if weights == "resident" else OFFLOADED["prefetch"]
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=7, n=2, logprobs=1)] * 3
+    with LLM(checkpoint, max_num_batched_tokens=3, **settings) as llm:
+        expected = _together(llm, PROMPTS, params, max_num_seqs=4)
+    with LLM(checkpoint, max_num_batched_tokens=3, kv_offload=True, **settings) as llm:
+        got = _together(llm, PROMPTS, params, max_num_seqs=4)
+        kv = llm.serving().core.runner.cache.kv_offloader.stats()
+    assert kv.bytes_copied > 0 and kv.bytes_written_back > 0
+    for a, b in zip(got, expected, strict=True):
+        for mine, theirs in zip(a.outputs, b.outputs, strict=True):
+            assert mine.token_ids == theirs.token_ids
+            assert _logprobs(mine) == _logprobs(theirs)  # exact floats

@@ -46,6 +46,11 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="a request body at most this many bytes; a larger one is "
                        "answered 413")  # fmt: skip
     serve.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
+    serve.add_argument("--kv-offload", action="store_true",
+                       help="keep the KV cache in host memory, streamed per layer")  # fmt: skip
+    serve.add_argument("--swap-space", type=float, default=0,
+                       help="GiB of host memory for the KV cache (> 0 keeps it in host "
+                       "memory; its rows sized to fit)")  # fmt: skip
     serve.add_argument("--enforce-eager", action="store_true",
                        help="decode eagerly: no compiled CPU step (nor its compile at start)")  # fmt: skip
     serve.add_argument("--batch-invariant", action="store_true",
@@ -191,6 +196,8 @@ def serve_llm(args: argparse.Namespace, path, config: OffloadConfig, progress: b
         config,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        swap_space=args.swap_space,
+        kv_offload=args.kv_offload,
         progress=progress,
         enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant or None,  # (unset: VLLM_BATCH_INVARIANT decides)

@@ -40,10 +40,12 @@ class EngineCore:
         kv_dims=None,
         own_thread: bool = True,
         invariant: bool = False,
+        host_pool=None,
     ):
         self._model = model
         self.scheduler = Scheduler(max_rows, max_num_batched_tokens)
-        self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant)
+        # (`host_pool`: the KV cache in host memory, streamed per layer: KV offload)
+        self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant, host_pool)
         self.max_rows, self.max_len = max_rows, max_len
         self.invariant = invariant
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
@@ -51,6 +53,7 @@ class EngineCore:
         self._stop = False
         self.last_error: BaseException | None = None  # of the last forward; None once one works
         self._thread: threading.Thread | None = None
+        self._looping = False  # (inside `run`)
         self._at_exit: Callable[[], None] | None = None
         if own_thread:  # else the owner calls run() in a thread of its choosing
             self._thread = threading.Thread(target=self.run, name="offload-engine", daemon=True)
@@ -97,6 +100,8 @@ class EngineCore:
             atexit.unregister(self._at_exit)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
+        if not self._looping:  # (else the loop ends its cache's copies as it returns)
+            self.runner.cache.close()
 
     def warm_up(self) -> None:
         """The compiled decode steps started before a request meets them (`StepRunner`)."""
@@ -108,15 +113,20 @@ class EngineCore:
         """The loop, until `close`: in the core's own thread, or (`own_thread=False`)
         in the caller's. On a CPU the main thread runs it fastest: OpenMP spins its
         workers only while one thread leads teams (see `offload serve`)."""
-        while True:
-            with self._wake:
-                while not self._stop and not self._has_work():
-                    self._wake.wait(timeout=1.0)
-                if self._stop:
-                    break
-                self._take_inbox()
-            self.step()
-        self._fail_all(OffloadError("the server is shutting down"))
+        self._looping = True
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self._has_work():
+                        self._wake.wait(timeout=1.0)
+                    if self._stop:
+                        break
+                    self._take_inbox()
+                self.step()
+            self._fail_all(OffloadError("the server is shutting down"))
+        finally:
+            self._looping = False
+            self.runner.cache.close()
 
     def drain(self) -> None:
         """Run turns on the caller's thread until every submitted request is done (a core

@@ -24,7 +24,7 @@ from offload.engine import cpu_linear
 from offload.engine.graphs import last_logits
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError
-from offload.memory.kv_shape import config_kv_dims
+from offload.memory.kv_shape import KVShape, config_kv_dims
 
 
 @dataclass(slots=True)  # (no __dict__: a kept step's name holds none of a window's values)
@@ -48,7 +48,9 @@ class RowCache:
     """`max_rows` rows of `max_len` columns of keys and values in every attention layer,
     on `device`; `cache` is the transformers object a forward takes."""
 
-    def __init__(self, hf_config, max_rows: int, max_len: int, dtype, device, dims=None):
+    def __init__(
+        self, hf_config, max_rows: int, max_len: int, dtype, device, dims=None, host_pool=None
+    ):
         held = max(max_rows, MIN_ROWS)  # (room for the warm-up step's padding rows)
         from transformers import StaticCache
         from transformers.cache_utils import StaticLayer
@@ -62,27 +64,54 @@ class RowCache:
         heads, k_dim, v_dim = dims if dims is not None else config_kv_dims(hf_config)
         self.window = RowWindow(offset=torch.zeros((), dtype=torch.long, device=device))
         self.max_rows, self.max_len = max_rows, max_len
+        # With a host pool, the keys and values live in host memory (KV offload).
+        self.kv_offloader = None
+        if host_pool is not None:
+            shape = KVShape(held, heads, max_len + 1, k_dim, v_dim, dtype)
+            self.kv_offloader = _row_kv().RowKVOffloader(
+                len(cache.layers), shape, device, host_pool=host_pool
+            )
         for index in range(len(cache.layers)):
-            layer = _row_layer_class()(max_len)
+            layer = self._layer(index, max_len)
             layer.window = self.window
             layer.dtype, layer.device = dtype, torch.device(device)
             layer.max_batch_size = layer.batch_size = held
             layer.num_heads, layer.k_head_dim, layer.v_head_dim = heads, k_dim, v_dim
             layer.head_dim = k_dim
-            layer.all_keys = torch.zeros(
-                held, heads, max_len + 1, k_dim, dtype=dtype, device=device
-            )
-            layer.all_values = torch.zeros(
-                held, heads, max_len + 1, v_dim, dtype=dtype, device=device
-            )
+            if self.kv_offloader is not None:  # (views of its device slot)
+                layer.all_keys, layer.all_values = self.kv_offloader.views(index)
+            else:
+                layer.all_keys = torch.zeros(
+                    held, heads, max_len + 1, k_dim, dtype=dtype, device=device
+                )
+                layer.all_values = torch.zeros(
+                    held, heads, max_len + 1, v_dim, dtype=dtype, device=device
+                )
             layer.keys, layer.values = layer.all_keys, layer.all_values
             layer.is_initialized = True
             cache.layers[index] = layer
         self.cache = cache
 
+    def _layer(self, index: int, max_len: int):
+        if self.kv_offloader is None:
+            return _static_layers().RowLayer(max_len)
+        layer = _static_layers().OffloadedRowLayer(max_len)
+        layer.offloader, layer.offloader_id = self.kv_offloader, self.kv_offloader.id
+        layer.position = index
+        return layer
+
     @property
     def num_bytes(self) -> int:
+        """The keys' and values' bytes on the device (the slots' only, with KV offload)."""
+        if self.kv_offloader is not None:
+            return self.kv_offloader.device_bytes
         return sum(layer.all_keys.nbytes + layer.all_values.nbytes for layer in self.cache.layers)
+
+    def forward_writes(self, high: int) -> None:
+        """The next forward writes columns below `high` (padding rows aside): what KV
+        offload brings in from then on."""
+        if self.kv_offloader is not None:
+            self.kv_offloader.forward_writes(high)
 
     def select(self, first: int, last: int, columns: torch.Tensor, offset: int, width: int) -> None:
         """The next forward runs rows [first, last), writing row i's tokens at
@@ -95,9 +124,18 @@ class RowCache:
     def move_row(self, source: int, target: int, num_columns: int) -> None:
         """Row `source`'s first `num_columns` columns into row `target` (packing the
         running rows after one leaves)."""
+        if self.kv_offloader is not None:  # (on the host; every slot loaded again)
+            self.kv_offloader.host_changed()
+            self.kv_offloader.move_row(source, target, num_columns)
+            return
         for layer in self.cache.layers:
             layer.all_keys[target, :, :num_columns] = layer.all_keys[source, :, :num_columns]
             layer.all_values[target, :, :num_columns] = layer.all_values[source, :, :num_columns]
+
+    def close(self) -> None:
+        """End KV offload's copies (its copy thread), if any."""
+        if self.kv_offloader is not None:
+            self.kv_offloader.close()
 
 
 class RowStep:
@@ -125,8 +163,10 @@ class RowStep:
 
     @property
     def compile_key(self) -> tuple[str]:
-        """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so)."""
-        return ("rows",) if self.columns.shape[0] >= MIN_ROWS else ("row",)
+        """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so); a
+        cache in host memory (KV offload) has graphs of its own."""
+        key = "rows" if self.columns.shape[0] >= MIN_ROWS else "row"
+        return (key,) if self._rows.kv_offloader is None else (key, "kv offload")
 
     def mark_dynamic(self) -> None:
         """Mark the width, and the rows of a batch, as dynamic (for a call that compiles)."""
@@ -163,8 +203,14 @@ def bytes_per_row(hf_config, max_len: int, dtype: torch.dtype, dims=None) -> int
     return per_column * max_len * hf_config.num_hidden_layers
 
 
-def _row_layer_class() -> type:
+def _static_layers():
     """Imported on first use, so that importing offload does not import transformers."""
-    from offload.engine.static_layers import RowLayer
+    from offload.engine import static_layers
 
-    return RowLayer
+    return static_layers
+
+
+def _row_kv():
+    from offload.engine import row_kv  # (imports transformers, as `_static_layers`)
+
+    return row_kv

@@ -182,3 +182,55 @@ ROW_UPDATE_OP = ops.define_op(
     _row_update,
     _no_row_update,
 )
+
+
+class OffloadedRowLayer(RowLayer):
+    """A `RowLayer` whose keys and values live in host memory (`row_kv.RowKVOffloader`):
+    `all_keys` and `all_values` are views of a device slot that the offloader fills
+    before the layer's update; each new token is written to the slot and to the host."""
+
+    offloader: object  # its `RowKVOffloader` (not imported: it imports this module's base)
+    offloader_id: int  # its `ops` id
+    position: int  # its number among the offloaded layers
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        window = self.window
+        kv = [self.all_keys, self.all_values]
+        if torch.compiler.is_compiling():  # one op (its id, not the offloader: see above)
+            OFFLOADED_ROW_UPDATE_OP(
+                kv, key_states, value_states, window.columns, window.first,
+                self.offloader_id, self.position,
+            )  # fmt: skip
+        else:
+            self.offloader.row_update_at(
+                self.position, kv, key_states, value_states, window.columns, window.first
+            )
+        keys = self.all_keys[window.first : window.last, :, : window.width]
+        values = self.all_values[window.first : window.last, :, : window.width]
+        return keys, values
+
+
+def _offloaded_row_update(
+    kv, key_states, value_states, columns, first: int, offloader_id: int, position: int
+) -> None:
+    offloader = ops.offloader(offloader_id)
+    offloader.check_compiled(position, kv[0])
+    offloader.row_update_at(position, kv, key_states, value_states, columns, first)
+
+
+def _no_offloaded_row_update(
+    kv, key_states, value_states, columns, first: int, offloader_id: int, position: int
+) -> None:
+    return None
+
+
+# `offload::offloaded_row_kv_update`: an offloaded `RowLayer`'s slot filled, its writes made
+# and written back to the host, as one op of a compiled step (as `UPDATE_OP` is for an
+# offloaded static layer).
+OFFLOADED_ROW_UPDATE_OP = ops.define_op(
+    "offloaded_row_kv_update",
+    "(Tensor(a!)[] kv, Tensor key_states, Tensor value_states, Tensor columns, SymInt first, "
+    "int offloader_id, int position) -> ()",
+    _offloaded_row_update,
+    _no_offloaded_row_update,
+)

@@ -21,11 +21,19 @@ class StepRunner:
     reading every column."""
 
     def __init__(
-        self, model: EngineModel, max_rows: int, max_len: int, kv_dims=None, invariant=False
+        self,
+        model: EngineModel,
+        max_rows: int,
+        max_len: int,
+        kv_dims=None,
+        invariant=False,
+        host_pool=None,
     ):
         self.model = model
         dtype = compute_dtype(model.model)
-        self.cache = RowCache(model.model.config, max_rows, max_len, dtype, model.device, kv_dims)
+        hf_config, device = model.model.config, model.device
+        # (`host_pool`: the rows' keys and values in host memory, KV offload)
+        self.cache = RowCache(hf_config, max_rows, max_len, dtype, device, kv_dims, host_pool)
         self.max_len = max_len
         self.invariant = invariant
 
@@ -52,6 +60,7 @@ class StepRunner:
         every = torch.arange(width, device=device)
         mask = ((every >= row.start) & (every < group.width)).long()[None, :]  # [1, width]
         self.cache.select(group.first, group.first + 1, columns[None, :], start, width)
+        self.cache.forward_writes(end)
         positions = (columns - row.start).clamp(min=0)[None, :]
         model = self.model.model
         with torch.inference_mode(), self._kernels():
@@ -74,6 +83,7 @@ class StepRunner:
         # (its inputs made in inference mode, as the warm-up's: a compiled step's guards
         # check each input's dispatch keys, and a step made outside it missed the graph)
         step = self.row_step(rows)
+        self.cache.forward_writes(max(min(row.column, self.max_len - 1) for row in rows) + 1)
         compiled, logits, counted = self.model.compiled, None, False
         if compiled is not None and step.compiled and compiled.usable(step):
             logits = compiled(step)  # (None while it compiles in the background)

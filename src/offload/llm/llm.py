@@ -249,11 +249,6 @@ class LLM(DecodeLoop):
     def _serving(self, max_num_seqs, fixed_length, engine_thread, holds_model=False) -> Serving:
         """A `Serving` over a core of its own (`serving`); `holds_model`: the thread that
         runs the core holds this LLM's lock already (`generate` in batch-invariant mode)."""
-        if self.kv_offload:
-            raise ConfigError(
-                "continuous batching keeps the KV cache on the device: kv_offload is not "
-                "served yet (leave it off; weights may still be offloaded)"
-            )
         plan = row_plan(self, max_num_seqs or self.max_num_seqs, fixed_length)
         model = EngineModel(
             self.model,
@@ -272,6 +267,7 @@ class LLM(DecodeLoop):
             self.max_num_batched_tokens,
             own_thread=engine_thread,
             invariant=self.batch_invariant,
+            host_pool=self._serving_kv_pool if self.kv_offload else None,
         )
         return Serving(core, self._requests, plan.length, self.tokenizer.eos_token_id or 0)
 
@@ -339,6 +335,7 @@ class LLM(DecodeLoop):
                 self._cpu_step.close()
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool, self._prefill_kv_pool
+            del self._serving_kv_pool
             self._invariant_engine = None  # (its rows' KV cache)
         trim_freed_memory()
 

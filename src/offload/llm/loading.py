@@ -71,8 +71,10 @@ def load_into(
     llm._compiled_steps = 0  # of which compiled CPU decode steps
     # Host memory of the offloaded KV cache, kept between calls (pinned once).
     llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
-    llm._kv_pool = KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory)
-    llm._prefill_kv_pool = KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory)
+    # (generate's batch cache, a prompt's own cache, and the engine core's rows: `serving`)
+    llm._kv_pool, llm._prefill_kv_pool, llm._serving_kv_pool = (
+        KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory) for _ in range(3)
+    )
 
 
 def _damage(path: Path) -> str | None:

@@ -64,13 +64,16 @@ def plan_rows(
 def kv_cache_room(llm: Any) -> tuple[int, str]:
     """The bytes the rows' KV cache may take, and where that comes from: on a CPU with a
     budget, what `cpu_memory_gb` leaves once the layer stack is placed (or its share
-    given: `host_budget`); else `kv_cache_memory_bytes` where given; else half the free
-    device memory on a GPU, and half the available RAM up to `CPU_KV_BYTES` on a CPU."""
+    given: `host_budget`); else `kv_cache_memory_bytes` where given; with KV offload (the
+    rows in host memory), `swap_space` where given; else half the free device memory on a
+    GPU, and half the available RAM up to `CPU_KV_BYTES` on a CPU or with KV offload."""
     if llm.host_budget is not None:
         return kv_room_after(llm.host_budget, llm.offloader), "of cpu_memory_gb"
     if llm.kv_cache_memory_bytes is not None:
         return llm.kv_cache_memory_bytes, "of kv_cache_memory_bytes"
-    if llm.device.type == "cuda":
+    if llm.kv_offload and llm.swap_space_bytes:
+        return llm.swap_space_bytes, "of swap_space"
+    if llm.device.type == "cuda" and not llm.kv_offload:
         return torch.cuda.mem_get_info(llm.device)[0] // 2, "half the free device memory"
     return min(available_ram_bytes() // 2, CPU_KV_BYTES), "of RAM"
 
