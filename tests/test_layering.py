@@ -21,6 +21,7 @@ LAYERS = (
     ("offload.config",),
     ("offload.offloader",),
     ("offload.api",),
+    ("offload.quant",),
     ("offload.model",),
     ("offload.engine",),
     ("offload.planner",),

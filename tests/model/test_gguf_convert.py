@@ -30,11 +30,11 @@ from offload.memory.safetensors import (
 from offload.model import gguf_write, layout_choice
 from offload.model.default import gguf_path
 from offload.model.gguf_plan import forward_order, layout_entries
-from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
 from offload.model.loader import load_model
-from offload.model.quant_layouts import INT4_TYPES, int4_cpu_layout, laid_out
-from offload.model.quantized import rows_in_hf_order
 from offload.model.sources import resolve_model
+from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
+from offload.quant.layouts import INT4_TYPES, int4_cpu_layout, laid_out
+from offload.quant.quantized import rows_in_hf_order
 
 
 @pytest.fixture(scope="module")

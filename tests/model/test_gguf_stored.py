@@ -28,13 +28,16 @@ from offload import LLM, SamplingParams
 from offload.engine import cpu_step
 from offload.errors import ConfigError, ModelError
 from offload.memory.safetensors import REFERENCES
-from offload.model import quant_layouts
 from offload.model.build import build_empty
 from offload.model.default import gguf_path
-from offload.model.gguf_quants import affine_4bit, dequantize
 from offload.model.loader import load_model
-from offload.model.quant_layouts import int4_cuda_layout, int4_matmul
-from offload.model.quantized import (
+from offload.model.sources import resolve_model, stored_unless_asked
+from offload.planner.shape import shape_of
+from offload.probes.compute import time_decode
+from offload.quant import layouts
+from offload.quant.gguf_quants import affine_4bit, dequantize
+from offload.quant.layouts import int4_cuda_layout, int4_matmul
+from offload.quant.quantized import (
     GGUFEmbedding,
     GGUFLinear,
     Int4Linear,
@@ -42,9 +45,6 @@ from offload.model.quantized import (
     Q8Linear,
     rows_in_hf_order,
 )
-from offload.model.sources import resolve_model, stored_unless_asked
-from offload.planner.shape import shape_of
-from offload.probes.compute import time_decode
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 PROMPTS = ["What is the capital of France?", "1, 2, 3,"]
@@ -312,13 +312,13 @@ def test_a_q8_product_of_many_rows_by_weight_slices_gives_the_whole_weights_bits
     scales = (torch.rand(6, 1000) / 64).half()
     shifts = (torch.randn(6, 1000) / 8).half() if offsets else None
     x = torch.randn(rows, 6 * 32)
-    monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 64)
-    whole = quant_layouts.q8_matmul(x, values, scales, shifts)
-    floats = quant_layouts.q8_values(values, scales, shifts)
+    monkeypatch.setattr(layouts, "Q8_FEW_ROWS", 64)
+    whole = layouts.q8_matmul(x, values, scales, shifts)
+    floats = layouts.q8_values(values, scales, shifts)
     assert torch.allclose(whole, x @ floats.T, atol=1e-4)
-    monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 8)
-    monkeypatch.setattr(quant_layouts, "Q8_SLICE", 96)  # (the last slice shorter)
-    assert torch.equal(quant_layouts.q8_matmul(x, values, scales, shifts), whole)
+    monkeypatch.setattr(layouts, "Q8_FEW_ROWS", 8)
+    monkeypatch.setattr(layouts, "Q8_SLICE", 96)  # (the last slice shorter)
+    assert torch.equal(layouts.q8_matmul(x, values, scales, shifts), whole)
 
 
 def test_the_planner_times_a_layer_of_the_stored_model(stored):

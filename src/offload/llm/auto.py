@@ -26,7 +26,6 @@ from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
 from offload.model.configs import resolve
-from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import Budgets, candidates, fits_at_all
 from offload.planner.fit import MemoryPlan, checked_context_len, model_len_limit, plan_memory
@@ -41,6 +40,7 @@ from offload.planner.plan import (
 from offload.planner.shape import shape_of
 from offload.probes.measure import measure
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
+from offload.quant.quantized import check_quantization
 
 _logger = logging.getLogger(__name__)
 

@@ -48,9 +48,9 @@ from offload.memory.host import trim_after_collection, trim_freed_memory
 from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
-from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.overhead import COMPILER_BYTES
+from offload.quant.quantized import check_quantization
 
 
 class LLM(DecodeLoop):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
-from offload.model.quant_layouts import GROUP, inner_k_tiles
+from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
+from offload.quant.layouts import GROUP, inner_k_tiles
 
 FLOATS = {"F32": torch.float32, "F16": torch.float16}
 # Within a layer, the order its forward uses its tensors (by the part after the index).
@@ -84,7 +84,7 @@ def group_of(name: str) -> str:
 def layout_entries(
     name: str, kind: str, shape: Sequence[int], layout: str
 ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The tensors (name, dtype, shape) that `quant_layouts.laid_out` makes of the weight
+    """The tensors (name, dtype, shape) that `layouts.laid_out` makes of the weight
     `name` of GGUF type `kind` stored as `shape` [rows, bytes per row], in `layout`."""
     rows, row_bytes = shape
     block = FORMATS[kind]

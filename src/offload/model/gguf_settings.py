@@ -10,11 +10,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from offload.errors import ModelError
-from offload.model.gguf_quants import FORMATS
-from offload.model.packed_modules import FORMS_KEY
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout
-
-ROW_ORDERS_KEY = "rotary_rows"  # quantization_config: weights in llama.cpp's row order
+from offload.quant.gguf_quants import FORMATS
+from offload.quant.layouts import int4_cpu_layout, int4_cuda_layout
+from offload.quant.packed_modules import FORMS_KEY
+from offload.quant.quantized import ROW_ORDERS_KEY
 
 
 def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
@@ -32,7 +31,7 @@ def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
 
 
 def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]:
-    """The layout each quantized weight is kept in (`quant_layouts.py`; "gguf" when not
+    """The layout each quantized weight is kept in (`quant/layouts.py`; "gguf" when not
     named). An int4 layout made by another torch or CPU is refused: its packing differs."""
     layouts = settings.get("weight_layouts") or {}
     if not isinstance(layouts, dict) or set(layouts.values()) - {"int4", "int4_cuda", "q8", "gguf"}:

@@ -6,7 +6,7 @@ or its layout's tensors, a float one keeps its dtype.
 
 config.json names each quantized weight's GGUF type in its `quantization_config`
 (`{"quant_method": "gguf", "weight_types": {name: "Q4_1", ...}}`), so the model is built
-with quantized modules before a byte is read (`model/quantized.py`).
+with quantized modules before a byte is read (`quant/quantized.py`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ from offload.memory.host import trim_freed_memory
 from offload.model.gguf_checks import check_finite
 from offload.model.gguf_header import HeaderTensor, gguf_header, gguf_tensors
 from offload.model.gguf_plan import FLOATS, Planned, SourceTensor, plan, row_orders
-from offload.model.gguf_quants import FORMATS
 from offload.model.gguf_settings import ROW_ORDERS_KEY
 from offload.model.gguf_write import LazyRows, check_free_space, write_planned
 from offload.model.layout_choice import LayoutChooser
-from offload.model.quant_layouts import stored_settings
+from offload.quant.gguf_quants import FORMATS
+from offload.quant.layouts import stored_settings
 
 # The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
 # rows (for its interleaved rotary layout): those are put back in transformers' order.
@@ -39,7 +39,7 @@ def save_as_stored(
 ) -> None:
     """Write `source`'s config, tokenizer and stored tensors into `out_dir`: in GGUF's own
     blocks (`kernels="gguf"`, any device), or laid out for the CPU's or the GPU's kernels
-    (`kernels="cpu"` or `"cuda"`: `quant_layouts.py`). One tensor at a time, and tensors
+    (`kernels="cpu"` or `"cuda"`: `quant/layouts.py`). One tensor at a time, and tensors
     used as the file has them are not copied (`gguf_plan.py`, `gguf_write.py`); the free
     space is checked before anything is written. `progress`: a bar (default: on a
     terminal)."""

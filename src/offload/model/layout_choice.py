@@ -1,6 +1,6 @@
 """Which layout a GGUF weight is kept in on a CPU or a GPU, chosen by measuring this machine.
 
-Each weight has the layouts its type allows (`quant_layouts.layout_for` names the one a
+Each weight has the layouts its type allows (`layouts.layout_for` names the one a
 kernel exists for; GGUF's own blocks are always possible). When a .gguf is laid out for a
 device's kernels, the one-row product (a decode step's) of each candidate is timed there
 once per type and shape, on the first rows of the file's own first weight of that shape
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from offload.memory.cache_trust import check_inductor_cache
-from offload.model.gguf_quants import FORMATS
-from offload.model.quant_layouts import laid_out, layout_for, q8_one_row, stored_op
+from offload.quant.gguf_quants import FORMATS
+from offload.quant.layouts import laid_out, layout_for, q8_one_row, stored_op
 
 
 def synchronize(device: torch.device) -> None:
@@ -105,7 +105,7 @@ def _keeps_kernel(measured: dict[str, float], options: list[str]) -> bool:
 @torch.inference_mode()
 def compiled_q8_seconds(name: str, raw: torch.Tensor, kind: str) -> float:
     """The median seconds of one row times the weight in the q8 layout as a compiled CPU
-    step computes it (`quant_layouts.q8_one_row`, compiled for this shape alone); infinity
+    step computes it (`layouts.q8_one_row`, compiled for this shape alone); infinity
     where this machine cannot compile (its steps then run eagerly)."""
     tensors = laid_out(name, raw, kind, "q8")
     stem = name.removesuffix(".weight")

@@ -47,8 +47,8 @@ from offload.model.default import (
     entry_not_usable,
     gguf_path,
 )
-from offload.model.packed_modules import ALIASES
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, packing_of
+from offload.quant.layouts import int4_cpu_layout, int4_cuda_layout, packing_of
+from offload.quant.packed_modules import ALIASES
 
 ACCEPTED = (
     "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "

@@ -17,15 +17,15 @@ import torch
 from torch import nn
 
 from offload.errors import ConfigError, ModelError
-from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
-from offload.model.gguf_settings import ROW_ORDERS_KEY
-from offload.model.packed_modules import method_of
-from offload.model.quant_layouts import (
+from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
+from offload.quant.layouts import (
     GROUP,
     inner_k_tiles,
     stored_op,
 )
+from offload.quant.packed_modules import method_of
 
+ROW_ORDERS_KEY = "rotary_rows"  # quantization_config: weights in llama.cpp's row order
 # vLLM's `quantization=` values: those read here, then those refused by name.
 READ = ("gguf", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "fp8")
 NOT_YET = ("bitsandbytes", "marlin", "modelopt", "torchao", "mxfp4", "gptq_bitblas", "awq_triton")
@@ -97,7 +97,7 @@ class GGUFLinear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """`nn.Linear` with a 4-bit weight in torch's CPU int4 packing (`quant_layouts.py`):
+    """`nn.Linear` with a 4-bit weight in torch's CPU int4 packing (`quant/layouts.py`):
     `weight` uint8 [out, in / 2], `scale_zero` bfloat16 [in / 32, out, 2]."""
 
     holds_stored_weights = True
@@ -126,7 +126,7 @@ class Int4Linear(nn.Module):
 
 
 class Int4CudaLinear(Int4Linear):
-    """`Int4Linear` in torch's GPU int4 packing (`quant_layouts.py`): `weight` int32
+    """`Int4Linear` in torch's GPU int4 packing (`quant/layouts.py`): `weight` int32
     [out / 8, in / (16 k), 32, k / 2] for k inner tiles."""
 
     op = "int4_cuda"
@@ -138,7 +138,7 @@ class Int4CudaLinear(Int4Linear):
 
 
 def _q8_parameters(module: nn.Module, kind: str, values: int, rows: int) -> None:
-    """A q8 weight's parameters on `module` (`quant_layouts.py`): `weight` int8 [values / g,
+    """A q8 weight's parameters on `module` (`quant/layouts.py`): `weight` int8 [values / g,
     rows, g], `scales` [values / g, rows] (float16 where the file's are, else float32) and,
     for the types with a minimum, `offsets` like the scales (else None)."""
     group, has_offsets = EIGHT_BIT_GROUPS[kind]

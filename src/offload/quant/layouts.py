@@ -30,15 +30,15 @@ import hashlib
 import torch
 import torch.nn.functional as F
 
-from offload.model.gguf_quants import (
+from offload.offloader.ops import define_op
+from offload.quant.gguf_quants import (
     EIGHT_BIT_GROUPS,
     FORMATS,
     affine_4bit,
     affine_8bit,
     dequantize,
 )
-from offload.model.packed_quant import packed_linear, packed_linear_op
-from offload.offloader.ops import define_op
+from offload.quant.packed_quant import packed_linear, packed_linear_op
 
 GROUP = 32  # inputs per scale, in both layouts
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")

@@ -173,7 +173,7 @@ def packed_linear(
     x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """`F.linear` with the weight `tensors` hold in `form`, in x's dtype (under
-    torch.compile it runs as the opaque op below: `quant_layouts.stored_op`)."""
+    torch.compile it runs as the opaque op below: `layouts.stored_op`)."""
     weight = dequantize_packed(form, tensors).to(x.dtype)
     return torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
@@ -184,7 +184,7 @@ def _packed_fake(
     return x.new_empty(*x.shape[:-1], out_features(form, tensors))
 
 
-# (opaque under torch.compile, as quant_layouts' ops: see `quant_layouts.stored_op`)
+# (opaque under torch.compile, as the layouts' ops: see `layouts.stored_op`)
 packed_linear_op = define_op(
     "packed_linear",
     "(Tensor x, Tensor[] tensors, str form, Tensor? bias) -> Tensor",
