@@ -34,9 +34,10 @@ from offload.model.loader import load_model
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.shape import shape_of
 from offload.probes.compute import time_decode
-from offload.quant import layouts
+from offload.quant import kernels, layouts
 from offload.quant.gguf_quants import affine_4bit, dequantize
-from offload.quant.layouts import int4_cuda_layout, int4_matmul
+from offload.quant.kernels import int4_matmul
+from offload.quant.layouts import int4_cuda_layout
 from offload.quant.quantized import (
     GGUFEmbedding,
     GGUFLinear,
@@ -312,13 +313,13 @@ def test_a_q8_product_of_many_rows_by_weight_slices_gives_the_whole_weights_bits
     scales = (torch.rand(6, 1000) / 64).half()
     shifts = (torch.randn(6, 1000) / 8).half() if offsets else None
     x = torch.randn(rows, 6 * 32)
-    monkeypatch.setattr(layouts, "Q8_FEW_ROWS", 64)
-    whole = layouts.q8_matmul(x, values, scales, shifts)
+    monkeypatch.setattr(kernels, "Q8_FEW_ROWS", 64)
+    whole = kernels.q8_matmul(x, values, scales, shifts)
     floats = layouts.q8_values(values, scales, shifts)
     assert torch.allclose(whole, x @ floats.T, atol=1e-4)
-    monkeypatch.setattr(layouts, "Q8_FEW_ROWS", 8)
-    monkeypatch.setattr(layouts, "Q8_SLICE", 96)  # (the last slice shorter)
-    assert torch.equal(layouts.q8_matmul(x, values, scales, shifts), whole)
+    monkeypatch.setattr(kernels, "Q8_FEW_ROWS", 8)
+    monkeypatch.setattr(kernels, "Q8_SLICE", 96)  # (the last slice shorter)
+    assert torch.equal(kernels.q8_matmul(x, values, scales, shifts), whole)
 
 
 def test_the_planner_times_a_layer_of_the_stored_model(stored):

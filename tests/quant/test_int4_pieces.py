@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from offload.quant import layouts
-from offload.quant.layouts import int4_cpu_layout, laid_out
+from offload.quant.layouts import int4_cpu_layout
+from offload.quant.traits import laid_out
 
 pytestmark = pytest.mark.skipif(int4_cpu_layout() is None, reason="no CPU int4 kernel here")
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from offload.quant.gguf_quants import FORMATS
-from offload.quant.layouts import laid_out, layout_for, stored_settings
+from offload.quant.kinds import QuantLayout
+from offload.quant.layouts import layout_for
+from offload.quant.traits import laid_out, stored_settings
 
 
 def write_random_checkpoint(
@@ -63,7 +65,7 @@ def write_random_checkpoint(
                 raw = random_blocks(types[key], specs[key][0], generator)
                 layout = layout_for(types[key], key, kernels, rows=raw.shape[0])
                 tensors.update(laid_out(key, raw, types[key], layout))
-                if layout != "gguf":
+                if layout != QuantLayout.GGUF:
                     layouts[key] = layout
             save_file(tensors, staging / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, name))

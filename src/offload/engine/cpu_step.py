@@ -69,7 +69,7 @@ def pays(model: torch.nn.Module) -> bool:
     linears (written out as the float32 ones are, `step_linears`), or its int4 and q8
     weights kept as stored, would be as large in float32 (stored products stay opaque
     ops, the rest of the step fuses around them; a q8 product of one row becomes one loop,
-    `layouts.q8_one_row`). Measured on the 2-core machine, the default model as
+    `kernels.q8_one_row`). Measured on the 2-core machine, the default model as
     stored: eager 43.5 tok/s, compiled 71.1."""
     if cpu_linear.pays(model):
         return True

@@ -27,7 +27,7 @@ from offload.quant.packed_modules import (
     method_of,
     swap_in_packed,
 )
-from offload.quant.quantized import swap_in_quantized
+from offload.quant.swap import swap_in_quantized
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

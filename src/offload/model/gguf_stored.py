@@ -27,7 +27,8 @@ from offload.model.gguf_settings import ROW_ORDERS_KEY
 from offload.model.gguf_write import LazyRows, check_free_space, write_planned
 from offload.model.layout_choice import LayoutChooser
 from offload.quant.gguf_quants import FORMATS
-from offload.quant.layouts import stored_settings
+from offload.quant.kinds import QuantLayout
+from offload.quant.traits import stored_settings
 
 # The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
 # rows (for its interleaved rotary layout): those are put back in transformers' order.
@@ -84,7 +85,7 @@ def _settings(config: Any, planned: list[Planned], chooser: LayoutChooser) -> di
     """The converted folder's config.json: the model's, with what it holds as stored."""
     quantized = [p for p in planned if p.layout is not None]
     types = {p.source.name: p.source.kind for p in quantized}
-    layouts = {p.source.name: p.layout for p in quantized if p.layout != "gguf"}
+    layouts = {p.source.name: p.layout for p in quantized if p.layout != QuantLayout.GGUF}
     settings = config.to_dict()
     settings["quantization_config"] = stored_settings(types, layouts)
     orders = row_orders(planned)

@@ -25,7 +25,10 @@ import torch
 
 from offload.memory.cache_trust import check_inductor_cache
 from offload.quant.gguf_quants import FORMATS
-from offload.quant.layouts import laid_out, layout_for, q8_one_row, stored_op
+from offload.quant.kernels import q8_one_row, stored_op
+from offload.quant.kinds import QuantLayout
+from offload.quant.layouts import layout_for
+from offload.quant.traits import laid_out, product_args
 
 
 def synchronize(device: torch.device) -> None:
@@ -39,11 +42,11 @@ _TIMED_BYTES = 16 * 2**20  # float32 values of the rows a layout is timed on, at
 _MARGIN = 1.25  # another layout replaces the kernel's only when this much faster (noise)
 
 
-def candidates(type_name: str, name: str, kernels: str, rows: int) -> list[str]:
+def candidates(type_name: str, name: str, kernels: str, rows: int) -> list[QuantLayout]:
     """The layouts a weight may be kept in for `kernels`: the kernel's (if any), then GGUF's
     blocks."""
     layout = layout_for(type_name, name, kernels, rows)
-    return [layout] if layout == "gguf" else [layout, "gguf"]
+    return [layout] if layout == QuantLayout.GGUF else [layout, QuantLayout.GGUF]
 
 
 class LayoutChooser:
@@ -76,12 +79,12 @@ class LayoutChooser:
             measured = {
                 layout: product_seconds(name, raw, kind, layout, device) for layout in options
             }
-            if options[0] == "q8" and not _keeps_kernel(measured, options):
+            if options[0] == QuantLayout.Q8 and not _keeps_kernel(measured, options):
                 # A CPU's decode step is compiled, and there a one-row q8 product is one
                 # loop (`q8_one_row`), the others opaque ops: time it as the step runs it
                 # (only where the eager form lost: the loop is never slower than it).
                 measured["q8 compiled"] = compiled_q8_seconds(name, raw, kind)
-                measured["q8"] = min(measured["q8"], measured["q8 compiled"])
+                measured[QuantLayout.Q8] = min(measured[QuantLayout.Q8], measured["q8 compiled"])
             self.seconds[key] = measured
             fastest = min(options, key=measured.__getitem__)
             self._chosen[key] = fastest if not _keeps_kernel(measured, options) else options[0]
@@ -105,11 +108,9 @@ def _keeps_kernel(measured: dict[str, float], options: list[str]) -> bool:
 @torch.inference_mode()
 def compiled_q8_seconds(name: str, raw: torch.Tensor, kind: str) -> float:
     """The median seconds of one row times the weight in the q8 layout as a compiled CPU
-    step computes it (`layouts.q8_one_row`, compiled for this shape alone); infinity
+    step computes it (`kernels.q8_one_row`, compiled for this shape alone); infinity
     where this machine cannot compile (its steps then run eagerly)."""
-    tensors = laid_out(name, raw, kind, "q8")
-    stem = name.removesuffix(".weight")
-    args = (tensors[name], tensors[f"{stem}.scales"], tensors.get(f"{stem}.offsets"))
+    _, args = product_args(name, laid_out(name, raw, kind, QuantLayout.Q8), kind, QuantLayout.Q8)
     x = torch.randn(1, args[0].shape[0] * args[0].shape[2])
     check_inductor_cache()  # (a compile loads the kernels it finds there)
     try:
@@ -127,14 +128,7 @@ def product_seconds(
     `device` (the CPU by default; a GPU's are timed to the end of their kernels)."""
     device = device or torch.device("cpu")
     tensors = {key: t.to(device) for key, t in laid_out(name, raw, kind, layout).items()}
-    weight = tensors[name]
-    stem = name.removesuffix(".weight")
-    if layout == "gguf":
-        op, args = "gguf", (weight, kind, None)
-    elif layout == "q8":
-        op, args = "q8", (weight, tensors[f"{stem}.scales"], tensors.get(f"{stem}.offsets"))
-    else:
-        op, args = layout, (weight, tensors[f"{stem}.scale_zero"])
+    op, args = product_args(name, tensors, kind, layout)
     block = FORMATS[kind]
     x = torch.randn(1, raw.shape[1] // block.block_bytes * block.block_size, device=device)
     return _median_seconds(lambda: stored_op(op, x, *args), device)

@@ -20,8 +20,9 @@ from offload.model.packed_checks import (
     check_targets,
     check_values,
 )
-from offload.quant.packed_modules import Form, method_of, used_tensors
-from offload.quant.packed_quant import dequantize_packed
+from offload.quant.kinds import PackedKind, PackedMethod
+from offload.quant.packed_modules import Form, method_of
+from offload.quant.packed_quant import dequantize_packed, used_tensors
 
 _CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
 _FP8 = (torch.float8_e4m3fn,)
@@ -35,7 +36,7 @@ def packed_forms(
     method = method_of(settings)
     _check_settings(method, settings, where)
     check_method_settings(method, settings, where)
-    if method == "compressed-tensors":
+    if method == PackedMethod.COMPRESSED_TENSORS:
         check_targets(settings, model, where)
     prefix = getattr(model, "base_model_prefix", "")
     forms: dict[str, Form] = {}
@@ -72,8 +73,10 @@ def _tensors_of(
     return {}
 
 
-def _check_settings(method: str | None, settings: Mapping[str, Any], where: object) -> None:
-    if method == "compressed-tensors":
+def _check_settings(
+    method: PackedMethod | None, settings: Mapping[str, Any], where: object
+) -> None:
+    if method == PackedMethod.COMPRESSED_TENSORS:
         formats = {settings.get("format")} | {
             group.get("format")
             for group in (settings.get("config_groups") or {}).values()
@@ -86,9 +89,9 @@ def _check_settings(method: str | None, settings: Mapping[str, Any], where: obje
                 f"(read: {', '.join(_CT_FORMATS)})"
             )
     bits = settings.get("bits")
-    if method == "gptq" and (bits not in (2, 4, 8) or not isinstance(bits, int)):
+    if method == PackedMethod.GPTQ and (bits not in (2, 4, 8) or not isinstance(bits, int)):
         raise ModelError(f"{where}: GPTQ bits {settings.get('bits')!r} is not read (read: 2, 4, 8)")
-    if method == "awq":
+    if method == PackedMethod.AWQ:
         version = str(settings.get("version", "gemm")).lower()
         if (
             version != "gemm"
@@ -102,7 +105,7 @@ def _check_settings(method: str | None, settings: Mapping[str, Any], where: obje
 
 
 def _form(
-    method: str | None,
+    method: PackedMethod | None,
     settings: Mapping[str, Any],
     tensors: Mapping[str, StoredTensor],
     module: nn.Linear,
@@ -110,29 +113,29 @@ def _form(
 ) -> str | None:
     """The form of one layer's tensors, or None for a layer stored unquantized."""
     dtype = tensors["weight"].dtype if "weight" in tensors else None
-    if method == "compressed-tensors":
+    if method == PackedMethod.COMPRESSED_TENSORS:
         if "weight_g_idx" in tensors:
             raise ModelError(
                 f"{where} is quantized with activation order (weight_g_idx), which is not read yet"
             )
         if "weight_packed" in tensors:
-            return f"ct_packed:{_packed_bits(tensors['weight_packed'], module, where)}"
+            return f"{PackedKind.CT_PACKED}:{_packed_bits(tensors['weight_packed'], module, where)}"
         block = _ct_block(settings)
         if "weight_scale" in tensors and dtype in _FP8 and block:
             return _fp8_form(block, tensors)
         if "weight_scale" in tensors and dtype in (torch.int8, *_FP8):
-            return "ct_plain"
+            return PackedKind.CT_PLAIN.value  # (a plain string: see `kinds.py`)
         return None
-    if method in ("gptq", "awq"):
+    if method in (PackedMethod.GPTQ, PackedMethod.AWQ):
         if "qweight" not in tensors:
             return None
-        if method == "awq":
-            return "awq"
+        if method == PackedMethod.AWQ:
+            return PackedKind.AWQ.value
         version = "v2" if settings.get("checkpoint_format") == "gptq_v2" else "v1"
         # act-order groups by g_idx; without it vLLM ignores g_idx too (groups in order)
         act = ":act" if settings.get("desc_act") and "g_idx" in tensors else ""
-        return f"gptq:{settings['bits']}:{version}{act}"
-    if method == "fp8" and dtype in _FP8:
+        return f"{PackedKind.GPTQ}:{settings['bits']}:{version}{act}"
+    if method == PackedMethod.FP8 and dtype in _FP8:
         return _fp8_form(settings.get("weight_block_size"), tensors)
     return None
 
@@ -142,8 +145,8 @@ def _fp8_form(block: object, tensors: Mapping[str, StoredTensor]) -> str:
     (one scale, one a row or one a group of inputs, as the scale's shape says)."""
     scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
     if scale is not None and len(scale.shape) == 2 and isinstance(block, list) and len(block) == 2:
-        return f"fp8:{block[0]}:{block[1]}"
-    return "fp8"
+        return f"{PackedKind.FP8}:{block[0]}:{block[1]}"
+    return PackedKind.FP8.value
 
 
 def _ct_block(settings: Mapping[str, Any]) -> list[int] | None:

@@ -20,25 +20,22 @@ laid-out bytes as they lie in the file).
   8 bits (1.5-1.8x their file's bytes, a third of float32's), since a product that unpacks
   their bits as it reads them ran 2x slower than this one on the CPU (docs/benchmarks.md).
 - anything else stays in GGUF's own blocks (`gguf_quants` de-quantizes them).
+
+What each layout's module holds, how its tensors are made and which product reads them is
+one table (`traits.LAYOUTS`); the products are `kernels.py`'s.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from offload.offloader.ops import define_op
-from offload.quant.gguf_quants import (
-    EIGHT_BIT_GROUPS,
-    FORMATS,
-    affine_4bit,
-    affine_8bit,
-    dequantize,
-)
-from offload.quant.packed_quant import packed_linear, packed_linear_op
+from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, affine_4bit, affine_8bit
+from offload.quant.kinds import QuantLayout
 
 GROUP = 32  # inputs per scale, in both layouts
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -103,56 +100,57 @@ def _pack_cuda(q: torch.Tensor, high_first: bool) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles(q.shape[1]))
 
 
-def layout_for(type_name: str, name: str, kernels: str, rows: int = 8) -> str:
+def layout_for(type_name: str, name: str, kernels: str, rows: int = 8) -> QuantLayout:
     """The layout a weight of `rows` rows is kept in for `kernels` ("cpu", "cuda" or
     "gguf"): the embedding is looked up by row, so it stays in a layout rows can be read
     from (GGUF's or q8); the GPU's packing needs rows in whole tiles of 8."""
     four_bit = type_name in INT4_TYPES and "embed_tokens" not in name
     if kernels == "cpu" and type_name in EIGHT_BIT_GROUPS:
-        return "q8"
+        return QuantLayout.Q8
     if kernels == "cpu" and four_bit and int4_cpu_layout() is not None:
-        return "int4"
+        return QuantLayout.INT4
     if kernels == "cuda" and four_bit and rows % 8 == 0 and int4_cuda_layout() is not None:
-        return "int4_cuda"
-    return "gguf"
+        return QuantLayout.INT4_CUDA
+    return QuantLayout.GGUF
 
 
-def stored_settings(types: dict[str, str], layouts: dict[str, str]) -> dict[str, object]:
-    """The `quantization_config` of weights of GGUF `types` kept in `layouts` (each
-    packing named by the fingerprint of the torch and device that made it)."""
-    settings: dict[str, object] = {"quant_method": "gguf", "weight_types": types}
-    if layouts:
-        settings["weight_layouts"] = layouts
-    if "int4" in layouts.values():
-        settings["int4_layout"] = int4_cpu_layout()
-    if "int4_cuda" in layouts.values():
-        settings["int4_cuda_layout"] = int4_cuda_layout()
-    return settings
+@dataclass(frozen=True)
+class Packing:
+    """An int4 packing, which depends on the torch and device that made it: the settings key
+    a converted folder names it by, its name here, and what makes it."""
+
+    settings_key: str
+    here: Callable[[], str | None]
+    made_by: str
 
 
-def laid_out(name: str, raw: torch.Tensor, kind: str, layout: str) -> dict[str, torch.Tensor]:
-    """The tensors of one GGUF weight (uint8 [rows, bytes]) in `layout`, by the names of
-    the module's parameters: `weight`, and `scale_zero` or `scales`."""
-    if layout == "gguf":
-        return {name: raw}
-    stem = name.removesuffix(".weight")
-    if layout == "q8":
-        values, scales, offsets = pack_q8(raw, kind)
-        tensors = {name: values, f"{stem}.scales": scales}
-        return tensors if offsets is None else {**tensors, f"{stem}.offsets": offsets}
-    if layout == "int4":
-        # In pieces of rows: the packing is local to blocks of 64 rows, so the bytes are
-        # the same, and the widened copies (int32: 8x the stored bytes) stay small.
-        pieces = [
-            _int4(raw[at : at + _PIECE_ROWS], kind, None) for at in range(0, len(raw), _PIECE_ROWS)
-        ]
-        packed, scale_zero = torch.cat([p for p, _ in pieces]), torch.cat([z for _, z in pieces], 1)
-    else:
-        packing = _cuda_packing()
-        assert packing is not None, "int4_cuda needs the GPU's packing"
-        # (unpacked and packed on the GPU: a large model's in seconds)
-        packed, scale_zero = _int4(raw.to("cuda"), kind, packing[1])
-    return {name: packed, f"{stem}.scale_zero": scale_zero.contiguous().cpu()}
+CPU_PACKING = Packing("int4_layout", int4_cpu_layout, "torch and CPU")
+CUDA_PACKING = Packing("int4_cuda_layout", int4_cuda_layout, "torch and GPU")
+
+
+def as_stored(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor]:
+    """GGUF's blocks: the weight's own bytes."""
+    return (raw,)
+
+
+def int4_cpu_tensors(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit rows (uint8 [rows, bytes]) in the CPU's int4 packing: (packed, scale_zero)."""
+    # In pieces of rows: the packing is local to blocks of 64 rows, so the bytes are
+    # the same, and the widened copies (int32: 8x the stored bytes) stay small.
+    pieces = [
+        _int4(raw[at : at + _PIECE_ROWS], kind, None) for at in range(0, len(raw), _PIECE_ROWS)
+    ]
+    packed, scale_zero = torch.cat([p for p, _ in pieces]), torch.cat([z for _, z in pieces], 1)
+    return packed, scale_zero.contiguous().cpu()
+
+
+def int4_cuda_tensors(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit rows in the GPU's int4 packing: (packed, scale_zero), on the CPU."""
+    packing = _cuda_packing()
+    assert packing is not None, "int4_cuda needs the GPU's packing"
+    # (unpacked and packed on the GPU: a large model's in seconds)
+    packed, scale_zero = _int4(raw.to("cuda"), kind, packing[1])
+    return packed, scale_zero.contiguous().cpu()
 
 
 _PIECE_ROWS = 1024  # rows laid out for the CPU's int4 kernel at a time (a multiple of 64)
@@ -190,185 +188,3 @@ def q8_values(
     if offsets is not None:
         floats = floats + offsets.float().unsqueeze(-1)
     return floats.movedim(0, -2).flatten(-2)
-
-
-def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
-    """What a module computes from its stored weight, by `op`: a product of x [rows, in]
-    ("int4", "q8"; "gguf": GGUF's blocks (with the type's name and the bias) de-quantized,
-    then `F.linear` on x of any shape; "packed": a safetensors format's tensors, its form
-    and the bias, `packed_quant`), or the float32 rows of a table that ids [...] look
-    up ("q8_rows", "gguf_rows"). Under torch.compile each is one opaque op: inductor may
-    not re-lay out what it computes inside, nor fuse it with what follows (a multiply
-    fused with a later add becomes one rounding, not two), so a compiled model gives the
-    same bits wherever its weights came from. One exception: a q8 product of one row on a
-    CPU is written out (`q8_one_row`), so that inductor reads the int8 weight once in one
-    loop instead of widening each block column to float32 for MKL."""
-    if torch.compiler.is_compiling():
-        if op == "q8" and x.shape[0] == 1 and x.device.type == "cpu":
-            return q8_one_row(x, *stored)
-        if op == "int4":  # (its casts fused into the kernels around: ~5% a CPU step)
-            return _OPAQUE[op](x.to(torch.bfloat16), *stored).to(x.dtype)
-        return _OPAQUE[op](x, *stored)
-    return _EAGER[op](x, *stored)
-
-
-def q8_one_row(
-    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
-) -> torch.Tensor:
-    """`q8_matmul` of x [1, in], as plain tensor operations for a compiled step: each block
-    column's 32 products summed, scaled, then the columns summed. Inductor makes of it a
-    loop over the int8 weight at the memory's rate (the eager form widens each column to
-    float32: 113 MB written a step for the default model's head, ~6-16 ms). The sums' order
-    is the kernel's, so its bits may differ from the eager product's (as the compiled
-    float32 step's do); it is the same in a compiled offloaded step, whose weights are
-    inputs of the same loop (tests/engine/test_cpu_step.py). x is put in a buffer first:
-    else inductor computes it where the loop reads it, the model's last norm again for
-    every block of outputs (the default model's head 2.65 -> 0.92 ms, the same bits)."""
-    from torch._inductor import inductor_prims
-
-    x = inductor_prims.force_stride_order(x, (x.shape[-1], 1))
-    columns = x.reshape(values.shape[0], 1, values.shape[-1])
-    parts = (columns * values.to(x.dtype)).sum(-1) * scales.to(x.dtype)  # [blocks, out]
-    if offsets is not None:  # (each offset times its group's inputs' sum)
-        parts = parts + columns.sum(-1) * offsets.to(x.dtype)
-    return parts.sum(0, keepdim=True)
-
-
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    """x [rows, in] (any float dtype) times an int4 weight: bfloat16 activations, as the
-    kernel takes them; the result in x's dtype."""
-    out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, GROUP, scale_zero)
-    return out.to(x.dtype)
-
-
-def int4_cuda_matmul(
-    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor
-) -> torch.Tensor:
-    """x [rows, in] times a weight in the GPU's int4 packing (bfloat16 activations)."""
-    out = torch.ops.aten._weight_int4pack_mm(
-        x.to(torch.bfloat16).contiguous(), packed, GROUP, scale_zero
-    )
-    return out.to(x.dtype)
-
-
-Q8_FEW_ROWS = 8  # up to this many rows a slice is the whole weight (measured: no faster)
-Q8_SLICE = 16384  # weight rows
-
-
-def q8_matmul(
-    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
-) -> torch.Tensor:
-    """x [rows, in] times a q8 weight, one block column at a time (a scratch of one column,
-    never the whole weight in float), in x's dtype. One path for any number of rows: torch's
-    int8 kernel is faster for one row but rounds the activations to bfloat16, so a row's
-    logits would depend on how many rows share its step (docs/design.md). Past
-    `Q8_FEW_ROWS` rows, a slice of `Q8_SLICE` weight rows at a time, so that the sums stay
-    in the cache: the default model's head at 32 rows 67 -> 18 ms, at 64 147 -> 32 (each
-    output's sums are the same, so are its bits)."""
-    columns = x.reshape(x.shape[0], values.shape[0], values.shape[-1]).transpose(0, 1)
-    sums_in = None if offsets is None else columns.sum(-1).T  # [rows, blocks]
-    slice_rows = values.shape[1] if x.shape[0] <= Q8_FEW_ROWS else Q8_SLICE
-    out = x.new_empty(x.shape[0], values.shape[1])
-    for start in range(0, values.shape[1], slice_rows):
-        end = start + slice_rows
-        sums = out[:, start:end]
-        weights = zip(columns, values[:, start:end], scales[:, start:end], strict=True)
-        for i, (column, q, d) in enumerate(weights):
-            part = torch.mm(column, q.to(x.dtype).T).mul_(d.to(x.dtype))
-            if i:
-                sums.add_(part)
-            else:
-                sums.copy_(part)
-        if sums_in is not None:  # (each offset times its group's inputs' sum)
-            sums.add_(torch.mm(sums_in, offsets[:, start:end].to(x.dtype)))
-    return out
-
-
-def gguf_linear(
-    x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """`F.linear` with the float32 weight GGUF's blocks give (then x's dtype)."""
-    return F.linear(x, dequantize(raw, kind).to(x.dtype), bias)
-
-
-def q8_rows(
-    ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
-) -> torch.Tensor:
-    flat = ids.reshape(-1)
-    return q8_values(
-        values[:, flat], scales[:, flat], None if offsets is None else offsets[:, flat]
-    )
-
-
-def gguf_rows(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
-    return dequantize(raw[ids.reshape(-1)], kind)
-
-
-# The opaque ops a compiled step calls (see `stored_op`), defined as offloader/ops.py
-# defines its own: a compiled step of the default model as stored makes ~210 such calls.
-def _int4_fake(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0])
-
-
-def _int4_cuda_fake(
-    x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor
-) -> torch.Tensor:
-    return x.new_empty(x.shape[0], packed.shape[0] * 8)
-
-
-def _q8_fake(
-    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
-) -> torch.Tensor:
-    return x.new_empty(x.shape[0], values.shape[1])
-
-
-def _gguf_fake(
-    x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None
-) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], raw.shape[0])
-
-
-def _q8_rows_fake(
-    ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
-) -> torch.Tensor:
-    return scales.new_empty(ids.numel(), values.shape[0] * values.shape[2], dtype=torch.float32)
-
-
-def _gguf_rows_fake(ids: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
-    block = FORMATS[kind]
-    width = raw.shape[-1] // block.block_bytes * block.block_size
-    return raw.new_empty(ids.numel(), width, dtype=torch.float32)
-
-
-_PRODUCT = "(Tensor x, Tensor weight, Tensor scales) -> Tensor"
-_OPAQUE = {
-    "packed": packed_linear_op,
-    "int4": define_op("int4_matmul", _PRODUCT, int4_matmul, _int4_fake),
-    "int4_cuda": define_op("int4_cuda_matmul", _PRODUCT, int4_cuda_matmul, _int4_cuda_fake),
-    "q8": define_op(
-        "q8_matmul",
-        "(Tensor x, Tensor weight, Tensor scales, Tensor? offsets) -> Tensor",
-        q8_matmul,
-        _q8_fake,
-    ),
-    "gguf": define_op(
-        "gguf_linear",
-        "(Tensor x, Tensor raw, str kind, Tensor? bias) -> Tensor",
-        gguf_linear,
-        _gguf_fake,
-    ),
-    "q8_rows": define_op(
-        "q8_rows",
-        "(Tensor ids, Tensor values, Tensor scales, Tensor? offsets) -> Tensor",
-        q8_rows,
-        _q8_rows_fake,
-    ),
-    "gguf_rows": define_op(
-        "gguf_rows", "(Tensor ids, Tensor raw, str kind) -> Tensor", gguf_rows, _gguf_rows_fake
-    ),
-}
-_EAGER = {
-    "packed": packed_linear,
-    "int4": int4_matmul, "int4_cuda": int4_cuda_matmul, "q8": q8_matmul, "gguf": gguf_linear, "q8_rows": q8_rows,
-    "gguf_rows": gguf_rows,
-}  # fmt: skip

@@ -17,10 +17,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from offload.quant.layouts import stored_op
+from offload.quant.kernels import stored_op
+from offload.quant.kinds import PackedMethod
+from offload.quant.packed_quant import used_tensors
 
-METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
-ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq"}  # vLLM's kernel names, same files
+METHODS: tuple[PackedMethod, ...] = tuple(PackedMethod)
+ALIASES = {
+    "gptq_marlin": PackedMethod.GPTQ,
+    "awq_marlin": PackedMethod.AWQ,
+}  # vLLM's kernel names, same files
 FORMS_KEY = "offload_forms"  # (a config cut to a few layers carries its layers' forms)
 
 Form = tuple[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]  # (form, tensor -> spec)
@@ -57,27 +62,11 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.form}"
 
 
-def used_tensors(form: str, specs: Mapping[str, Any]) -> list[str]:
-    """The tensors `dequantize_packed` takes for `form`, in its order."""
-    kind = form.split(":")[0]
-    if kind == "ct_packed":
-        names = ["weight_packed", "weight_scale", "weight_zero_point"]
-    elif kind == "ct_plain":
-        names = ["weight", "weight_scale", "weight_zero_point"]
-    elif kind == "gptq":
-        names = ["qweight", "qzeros", "scales", "g_idx"]
-    elif kind == "awq":
-        names = ["qweight", "qzeros", "scales"]
-    else:
-        names = ["weight", "weight_scale_inv" if "weight_scale_inv" in specs else "weight_scale"]
-    return [name for name in names if name in specs]
-
-
-def method_of(settings: Mapping[str, Any]) -> str | None:
+def method_of(settings: Mapping[str, Any]) -> PackedMethod | None:
     """The packed method a `quantization_config` names (vLLM's aliases folded), or None."""
     method = settings.get("quant_method")
     method = ALIASES.get(method, method) if isinstance(method, str) else None
-    return method if method in METHODS else None
+    return PackedMethod(method) if method in METHODS else None
 
 
 def swap_in_packed(model: nn.Module, forms: Mapping[str, Form]) -> None:
