@@ -33,6 +33,7 @@ from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit, 
 from offload.planner.overhead import fixed_overhead
 from offload.planner.shape import shape_of
 from offload.probes.host import process_memory_bytes
+from offload.probes.layout_choice import LayoutChooser
 from offload.quant.quantized import check_quantization, stored_form
 from offload.sizes import GIB, compute_dtype, format_bytes, parameter_bytes
 
@@ -73,9 +74,10 @@ def model_path(args: argparse.Namespace, model: str | None, config: OffloadConfi
     will run on, unless --dtype asks for a float conversion)."""
     device = check_device(args.device)
     quantization = check_quantization(args.quantization, "--quantization")
-    quantization = stored_unless_asked(model, quantization, args.dtype, device)
+    stored = stored_unless_asked(model, quantization, args.dtype, device)
+    where = config.disk.offload_folder
     return resolve_model(
-        model, config.disk.offload_folder, quantization=quantization, device=device
+        model, where, quantization=stored, device=device, layout_chooser=LayoutChooser
     )
 
 

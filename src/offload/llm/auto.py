@@ -38,6 +38,7 @@ from offload.planner.plan import (
     measurable_batches,
 )
 from offload.planner.shape import shape_of
+from offload.probes.layout_choice import LayoutChooser
 from offload.probes.measure import measure
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 from offload.quant.quantized import check_quantization
@@ -208,7 +209,9 @@ def plan_for(
     device = check_device(device)
     model = resolve(model) if model is not None else None
     quantization = stored_unless_asked(model, quantization, dtype, device)
-    path = resolve_model(model, quantization=quantization, device=device)
+    path = resolve_model(
+        model, quantization=quantization, device=device, layout_chooser=LayoutChooser
+    )
     empty = build_empty(path, dtype, trust_remote_code)
     limit = model_len_limit(empty.config)
     asked_len = context_len

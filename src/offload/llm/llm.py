@@ -50,6 +50,7 @@ from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.overhead import COMPILER_BYTES
+from offload.probes.layout_choice import LayoutChooser
 from offload.quant.quantized import check_quantization
 
 
@@ -156,6 +157,7 @@ class LLM(DecodeLoop):
                 model, check_quantization(quantization), dtype, self.device
             ),
             device=self.device,
+            layout_chooser=LayoutChooser,
         )
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         empty = build_empty(path, dtype, trust_remote_code)

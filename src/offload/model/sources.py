@@ -47,6 +47,7 @@ from offload.model.default import (
     entry_not_usable,
     gguf_path,
 )
+from offload.quant.choice import LayoutChoice, LayoutChoosers
 from offload.quant.layouts import int4_cpu_layout, int4_cuda_layout, packing_of
 from offload.quant.packed_modules import ALIASES
 
@@ -69,12 +70,15 @@ def resolve_model(
     quantization: str | None = None,
     device: torch.device | None = None,
     kernels: str | None = None,
+    layout_chooser: LayoutChoosers | None = None,
 ) -> Path:
     """The local folder `model` names (see the module's docstring); conversions go into
     `offload_folder` when given, else into the offload cache. `quantization="gguf"` keeps
     a GGUF's tensors as stored (`gguf_stored.py`) instead of converting them to float32,
     laid out for `kernels` ("cpu", "cuda" or "gguf"; by default the kernels of `device`
-    where torch has an int4 kernel there: `kernels_for`)."""
+    where torch has an int4 kernel there: `kernels_for`), each weight's layout chosen by
+    `layout_chooser(kernels)` (`probes/layout_choice.LayoutChooser`: the CPU's and the
+    GPU's kernels need one; GGUF's blocks have one layout and need none)."""
     if model is None and quantization is None:
         return default_model_path()
     into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
@@ -89,7 +93,8 @@ def resolve_model(
             kernels = kernels or kernels_for(device)
             packing = packing_of(kernels)  # (the folder names the packing it holds)
             stored = f"{path.stem}.stored" + (f"-{packing}" if packing else "")
-            write = functools.partial(_stored_gguf, path, kernels=kernels)
+            chooser = layout_chooser(kernels) if layout_chooser is not None else None
+            write = functools.partial(_stored_gguf, path, kernels=kernels, chooser=chooser)
             return _converted(into, stored, [path], write)
         return _converted(into, path.stem, [path], lambda out: _from_gguf(path, out))
     if quantization is not None:
@@ -298,12 +303,12 @@ def _from_gguf(source: Path, out: Path) -> None:
     _convert(source, out)
 
 
-def _stored_gguf(source: Path, out: Path, kernels: str) -> None:
+def _stored_gguf(source: Path, out: Path, kernels: str, chooser: LayoutChoice | None) -> None:
     from offload.model.gguf_checks import check_gguf_header
     from offload.model.gguf_stored import save_as_stored
 
     check_gguf_header(source)
-    save_as_stored(source, out, kernels)
+    save_as_stored(source, out, kernels, chooser=chooser)
 
 
 def kernels_for(device: torch.device | None) -> str:

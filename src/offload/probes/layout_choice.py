@@ -1,6 +1,6 @@
 """Which layout a GGUF weight is kept in on a CPU or a GPU, chosen by measuring this machine.
 
-Each weight has the layouts its type allows (`layouts.layout_for` names the one a
+Each weight has the layouts its type allows (`quant/layouts.layout_for` names the one a
 kernel exists for; GGUF's own blocks are always possible). When a .gguf is laid out for a
 device's kernels, the one-row product (a decode step's) of each candidate is timed there
 once per type and shape, on the first rows of the file's own first weight of that shape
@@ -12,6 +12,10 @@ de-quantize-per-forward rather than on a slow kernel. The seconds measured go in
 folder's config (`layout_seconds`), so `inspect` and the docs can say why. Every layout is
 exact in its own way (offloaded equals resident bitwise in each), so the choice changes
 speed, not the promise.
+
+`model/` lays a .gguf out with the chooser it is handed (a `quant/choice.LayoutChoice`):
+whoever builds the model (`llm/`, `cli/`, `bench/`) passes `LayoutChooser` to
+`sources.resolve_model(layout_chooser=...)`, as `model/` may not import this layer.
 """
 
 from __future__ import annotations
@@ -24,18 +28,12 @@ import numpy as np
 import torch
 
 from offload.memory.cache_trust import check_inductor_cache
+from offload.memory.device import synchronize
 from offload.quant.gguf_quants import FORMATS
 from offload.quant.kernels import q8_one_row, stored_op
 from offload.quant.kinds import QuantLayout
 from offload.quant.layouts import layout_for
 from offload.quant.traits import laid_out, product_args
-
-
-def synchronize(device: torch.device) -> None:
-    """Waits for `device`'s queued kernels (a GPU's run after their call returns)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 _REPEATS = 7  # timed calls of each candidate (after two warm-up calls); the median is kept
 _TIMED_BYTES = 16 * 2**20  # float32 values of the rows a layout is timed on, at most
@@ -56,9 +54,9 @@ class LayoutChooser:
     def __init__(self, kernels: str):
         self.kernels = kernels
         self.seconds: dict[str, dict[str, float]] = {}  # "Q4_1 1536x576" -> layout -> s
-        self._chosen: dict[str, str] = {}
+        self._chosen: dict[str, QuantLayout] = {}
 
-    def choose(self, name: str, raw: torch.Tensor | Any, kind: str) -> str:
+    def choose(self, name: str, raw: torch.Tensor | Any, kind: str) -> QuantLayout:
         """The layout of weight `name`, GGUF type `kind`, stored bytes `raw` [rows, bytes]
         (a tensor, or anything numpy reads with a `shape`: read and copied only when it is
         measured)."""
