@@ -83,6 +83,17 @@ def test_no_module_imports_a_higher_layer(module):
     assert upward_imports(module, MODULES[module].read_text()) == []
 
 
+UNDER_MODEL, UNDER_PLANNER = ["offload", "model"], ["offload", "planner"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("offload.engine")))
+def test_the_engine_imports_neither_model_nor_planner(module):
+    """The engine runs a built model: block formats and their products from `quant/`, never
+    how a model is loaded (`model/`) or chosen (`planner/`), though both are below it."""
+    found = imported_modules(module, MODULES[module].read_text())
+    assert sorted(n for n in found if n.split(".")[:2] in (UNDER_MODEL, UNDER_PLANNER)) == []
+
+
 def test_the_check_sees_imports_inside_functions():
     source = "def late():\n    from offload.llm.llm import LLM\n    from .. import api\n"
     assert upward_imports("offload.memory.host", source) == ["offload.api", "offload.llm.llm"]
