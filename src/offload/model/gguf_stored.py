@@ -52,7 +52,7 @@ def save_as_stored(
     `kernels="gguf"`, whose one layout needs no choice."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from offload.model.default import gguf_parsed_once, read_by_transformers
+    from offload.model.gguf_float import gguf_parsed_once, read_by_transformers
 
     chooser = _chooser_for(kernels, chooser)
     why = not_read_as_stored(source)

@@ -40,13 +40,9 @@ from offload.errors import ModelError
 from offload.memory.cache_digest import sign_entry
 from offload.memory.cache_trust import cache_folder, cache_key, trusted_folder
 from offload.model.bin_checkpoints import from_bin as _from_bin
-from offload.model.default import (
-    cache_dir,
-    conversion_failure,
-    default_model_path,
-    entry_not_usable,
-    gguf_path,
-)
+from offload.model.cache_folder import cache_dir, entry_not_usable
+from offload.model.default import default_model_path, gguf_path
+from offload.model.gguf_float import conversion_failure
 from offload.quant.choice import LayoutChoice, LayoutChoosers
 from offload.quant.layouts import int4_cpu_layout, int4_cuda_layout, packing_of
 from offload.quant.packed_modules import ALIASES
@@ -298,9 +294,9 @@ def _throw_away(target: Path, why: str) -> None:
 
 
 def _from_gguf(source: Path, out: Path) -> None:
-    from offload.model.default import _convert
+    from offload.model.gguf_float import save_as_float
 
-    _convert(source, out)
+    save_as_float(source, out)
 
 
 def _stored_gguf(source: Path, out: Path, kernels: str, chooser: LayoutChoice | None) -> None:
