@@ -130,7 +130,7 @@ def _compile_times() -> dict[str, float]:
     the step kept on disk, then once with the kept step gone (traced again; inductor's
     kernels from its cache); then the disk tier's step (its first process, inductor's
     cache warm from the resident runs), and loading the step it kept."""
-    from offload.model.default import cache_dir
+    from offload.model.cache_folder import cache_dir
 
     times = {}
     with tempfile.TemporaryDirectory() as folder:

@@ -100,6 +100,7 @@ CONVERT = textwrap.dedent(
     from pathlib import Path
     import torch, transformers  # (imported before the baseline: not the conversion's)
     from offload.model.sources import resolve_model
+    from offload.probes.layout_choice import LayoutChooser
 
     def status(field):
         for line in open("/proc/self/status"):
@@ -110,7 +111,10 @@ CONVERT = textwrap.dedent(
         refs.write("5")
     before = status("VmRSS")
     started = time.perf_counter()
-    folder = resolve_model(sys.argv[1], sys.argv[2], quantization="gguf", kernels=sys.argv[3])
+    folder = resolve_model(
+        sys.argv[1], sys.argv[2], quantization="gguf", kernels=sys.argv[3],
+        layout_chooser=LayoutChooser,
+    )
     print(json.dumps({"folder": str(folder), "seconds": time.perf_counter() - started,
                       "peak_growth_bytes": status("VmHWM") - before}))
     """

@@ -46,7 +46,9 @@ def pytest_configure(config):
     # one waits idle. If it fails, the fixture converts and reports why.
     convert = (
         "from offload.model.default import default_model_path; default_model_path(); "
-        "from offload.model.sources import resolve_model; resolve_model(None, quantization='gguf')"
+        "from offload.model.sources import resolve_model; "
+        "from offload.probes.layout_choice import LayoutChooser; "
+        "resolve_model(None, quantization='gguf', layout_chooser=LayoutChooser)"
     )
     config.offload_converting = subprocess.Popen(
         [sys.executable, "-c", convert],

@@ -21,6 +21,7 @@ LAYERS = (
     ("offload.config",),
     ("offload.offloader",),
     ("offload.api",),
+    ("offload.quant",),
     ("offload.model",),
     ("offload.engine",),
     ("offload.planner",),
@@ -80,6 +81,17 @@ def upward_imports(module: str, source: str) -> list[str]:
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_no_module_imports_a_higher_layer(module):
     assert upward_imports(module, MODULES[module].read_text()) == []
+
+
+UNDER_MODEL, UNDER_PLANNER = ["offload", "model"], ["offload", "planner"]
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("offload.engine")))
+def test_the_engine_imports_neither_model_nor_planner(module):
+    """The engine runs a built model: block formats and their products from `quant/`, never
+    how a model is loaded (`model/`) or chosen (`planner/`), though both are below it."""
+    found = imported_modules(module, MODULES[module].read_text())
+    assert sorted(n for n in found if n.split(".")[:2] in (UNDER_MODEL, UNDER_PLANNER)) == []
 
 
 def test_the_check_sees_imports_inside_functions():

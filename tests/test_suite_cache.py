@@ -4,7 +4,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from offload.model.default import cache_dir
+from offload.model.cache_folder import cache_dir
 
 
 def test_the_suite_has_a_cache_folder_of_its_own(pytestconfig):

@@ -10,9 +10,9 @@ from safetensors.torch import load_file
 from offload.bench.checkpoint import write_random_checkpoint
 from offload.bench.workload import Workload, prepare, resolve_checkpoint
 from offload.errors import ConfigError
-from offload.model.gguf_quants import dequantize
 from offload.model.loader import load_model
-from offload.model.quantized import Int4Linear
+from offload.quant.gguf_quants import dequantize
+from offload.quant.quantized import Int4Linear
 
 
 @pytest.mark.parametrize(

@@ -20,9 +20,9 @@ import torch
 import zoo
 
 from offload import LLM, SamplingParams
-from offload.model.quant_layouts import int4_cuda_layout
-from offload.model.quantized import GGUFLinear, Int4CudaLinear
 from offload.model.sources import stored_unless_asked
+from offload.quant.layouts import int4_cuda_layout
+from offload.quant.quantized import GGUFLinear, Int4CudaLinear
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"

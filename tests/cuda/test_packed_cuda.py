@@ -21,8 +21,8 @@ import zoo
 
 from offload import LLM, SamplingParams
 from offload.model.loader import load_model
-from offload.model.packed_modules import PackedLinear
-from offload.model.packed_quant import dequantize_packed
+from offload.quant.packed_modules import PackedLinear
+from offload.quant.packed_quant import dequantize_packed
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"

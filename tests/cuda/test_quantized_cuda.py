@@ -12,14 +12,11 @@ from zoo import save_q4_0_shape
 
 from offload import SamplingParams
 from offload.llm.llm import LLM
-from offload.model.gguf_quants import FORMATS, affine_4bit, dequantize
-from offload.model.quant_layouts import (
-    INT4_TYPES,
-    int4_cuda_layout,
-    int4_cuda_matmul,
-    laid_out,
-)
-from offload.model.quantized import GGUFLinear, Int4CudaLinear
+from offload.quant.gguf_quants import FORMATS, affine_4bit, dequantize
+from offload.quant.kernels import int4_cuda_matmul
+from offload.quant.layouts import INT4_TYPES, int4_cuda_layout
+from offload.quant.quantized import GGUFLinear, Int4CudaLinear
+from offload.quant.traits import laid_out
 
 pytestmark = pytest.mark.cuda
 DEVICE = "cuda"

@@ -151,9 +151,17 @@ def test_generate_runs_no_more_sequences_at_once_than_the_kv_room_holds(checkpoi
 
 
 def test_kv_cache_room_without_a_budget_is_the_share_given_or_todays_cap(monkeypatch):
-    cpu = SimpleNamespace(host_budget=None, kv_cache_memory_bytes=None, device=torch.device("cpu"))
+    cpu = SimpleNamespace(
+        host_budget=None,
+        kv_cache_memory_bytes=None,
+        device=torch.device("cpu"),
+        kv_offload=False,
+        swap_space_bytes=0,
+    )
     monkeypatch.setattr(serving, "available_ram_bytes", lambda: 64 * GIB)
     assert kv_cache_room(cpu) == (CPU_KV_BYTES, "of RAM")  # never more than today's cap
+    swapped = SimpleNamespace(**{**vars(cpu), "kv_offload": True, "swap_space_bytes": 7 * MIB})
+    assert kv_cache_room(swapped) == (7 * MIB, "of swap_space")  # (rows in host memory)
     given = SimpleNamespace(**{**vars(cpu), "kv_cache_memory_bytes": 3 * MIB})
     assert kv_cache_room(given) == (3 * MIB, "of kv_cache_memory_bytes")
     budget = _budget(kv_given=True, kv_bytes=5 * MIB)

@@ -31,7 +31,7 @@ CONVERTER = textwrap.dedent(
         print("converting", out_dir, flush=True)
         time.sleep(float(sys.argv[1]))
         (out_dir / "config.json").write_text("{}")
-    default._convert = convert
+    default.save_as_float = convert
     print("done", default.default_model_path(), flush=True)
     """
 )
@@ -55,7 +55,7 @@ def cache(tmp_path, monkeypatch, conversions):
         (out_dir / "model.safetensors").write_bytes(b"weights")
         (out_dir / "config.json").write_text("{}")
 
-    monkeypatch.setattr(default, "_convert", convert)
+    monkeypatch.setattr(default, "save_as_float", convert)
     return folder
 
 

@@ -9,7 +9,7 @@ import offload
 from offload.cli.demo import greedy, load_pretrained
 from offload.cli.options import QUESTION
 from offload.errors import OffloadError
-from offload.model import default
+from offload.model import cache_folder, default, gguf_float
 
 ANSWER = "The capital of France is Paris."
 
@@ -35,26 +35,12 @@ def test_every_tensor_of_the_converted_checkpoint_starts_64_byte_aligned(smollm2
     import json
 
     path = smollm2_path / "model.safetensors"
-    start = default.data_start(path)
+    start = gguf_float.data_start(path)
     with open(path, "rb") as file:
         file.seek(8)
         header = json.loads(file.read(start - 8))
     offsets = [start + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"]
     assert len(offsets) == 272 and all(offset % 64 == 0 for offset in offsets)
-
-
-def test_a_checkpoint_is_aligned_in_place_with_the_same_tensors(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    tensors = {"a": torch.randn(3, 16), "b": torch.arange(10, dtype=torch.int64)}
-    path = tmp_path / "model.safetensors"
-    save_file(tensors, path, metadata={"format": "pt"})
-    assert default.data_start(path) % 64 != 0  # (as safetensors writes it: 8-byte padding)
-    default.align_safetensors(path)
-    assert default.data_start(path) % 64 == 0
-    loaded = load_file(path)
-    assert loaded.keys() == tensors.keys()
-    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
 
 
 def test_greedy_answer(resident):
@@ -117,4 +103,4 @@ def test_missing_package_is_a_clear_error(monkeypatch, tmp_path):
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("OFFLOAD_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert default.cache_dir() == tmp_path / "offload"
+    assert cache_folder.cache_dir() == tmp_path / "offload"

@@ -27,14 +27,15 @@ from offload.memory.safetensors import (
     checkpoint_tensors,
     read_header,
 )
-from offload.model import gguf_write, layout_choice
+from offload.model import gguf_write
 from offload.model.default import gguf_path
-from offload.model.gguf_plan import forward_order, layout_entries
-from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
+from offload.model.gguf_plan import forward_order
 from offload.model.loader import load_model
-from offload.model.quant_layouts import INT4_TYPES, int4_cpu_layout, laid_out
-from offload.model.quantized import rows_in_hf_order
 from offload.model.sources import resolve_model
+from offload.probes import layout_choice
+from offload.probes.layout_choice import LayoutChooser
+from offload.quant.quantized import rows_in_hf_order
+from offload.quant.traits import laid_out
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,13 @@ def test_the_tensors_are_the_dict_based_conversions(
     the forward runs. (Layouts not timed: the kernel's.)"""
     monkeypatch.setattr(layout_choice, "product_seconds", lambda *_: 1.0)
     source = write_llama_gguf(tmp_path / "m.gguf", kind=kind, float_queries=float_queries)
-    folder = resolve_model(source, tmp_path / "cache", quantization="gguf", kernels=kernels)
+    folder = resolve_model(
+        source,
+        tmp_path / "cache",
+        quantization="gguf",
+        kernels=kernels,
+        layout_chooser=LayoutChooser,
+    )
     settings = json.loads((folder / "config.json").read_text())["quantization_config"]
     ours = folder_tensors(folder)
     for name, heads in settings.get("rotary_rows", {}).items():
@@ -133,25 +140,12 @@ def test_the_default_models_blocks_are_read_from_its_file_not_copied():
     assert grown <= 0.05 * gguf_path().stat().st_size, grown
 
 
-def test_each_layouts_tensors_are_known_before_it_is_made():
-    """The header is written first: `layout_entries` must name what `laid_out` makes."""
-    rng = np.random.default_rng(0)
-    for kind, block in FORMATS.items():
-        raw = torch.from_numpy(rng.integers(0, 256, (16, 2 * block.block_bytes), dtype=np.uint8))
-        raw.view(torch.float16)[..., 0] = 0.01  # (finite scales where they lead the block)
-        layouts = ["gguf"] + ["q8"] * (kind in EIGHT_BIT_GROUPS)
-        layouts += ["int4"] * (kind in INT4_TYPES and int4_cpu_layout() is not None)
-        for layout in layouts:
-            made = laid_out("w.weight", raw, kind, layout)
-            expected = [(k, t.dtype, tuple(t.shape)) for k, t in made.items()]
-            assert layout_entries("w.weight", kind, raw.shape, layout) == expected, (kind, layout)
-
-
 PEAK = textwrap.dedent(
     """
     import json, sys
-    from offload.model import layout_choice
     from offload.model.sources import resolve_model
+    from offload.probes import layout_choice
+    from offload.probes.layout_choice import LayoutChooser
 
     layout_choice.product_seconds = lambda *_: 1.0  # (not timed: the kernel's layout)
 
@@ -161,11 +155,12 @@ PEAK = textwrap.dedent(
                 return int(line.split()[1]) * 1024
 
     warm, big, folder = sys.argv[1:]
-    resolve_model(warm, folder, quantization="gguf", kernels="cpu")  # (imports, first calls)
+    stored = dict(quantization="gguf", kernels="cpu", layout_chooser=LayoutChooser)
+    resolve_model(warm, folder, **stored)  # (imports, first calls)
     with open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
     before = status("VmRSS")
-    resolve_model(big, folder, quantization="gguf", kernels="cpu")
+    resolve_model(big, folder, **stored)
     print(json.dumps({"growth": status("VmHWM") - before}))
     """
 )
@@ -192,7 +187,9 @@ def test_a_disk_without_room_is_named_before_a_byte_is_written(small, tmp_path, 
     monkeypatch.setattr(gguf_write.shutil, "disk_usage", lambda _: Usage)
     cache = tmp_path / "cache"
     with pytest.raises(ModelError, match=r"cache has 1000 B free and small.gguf as stored needs .* --offload-folder, or OFFLOAD_CACHE_DIR"):  # fmt: skip
-        resolve_model(small, cache, quantization="gguf", kernels="cpu")
+        resolve_model(
+            small, cache, quantization="gguf", kernels="cpu", layout_chooser=LayoutChooser
+        )
     assert list(cache.iterdir()) == []  # (no staging folder, no lock file)
 
 
@@ -212,16 +209,25 @@ def test_an_interrupted_conversion_leaves_nothing_trusted(small, tmp_path, monke
     monkeypatch.setattr(gguf_write, "_made", failing)
     cache = tmp_path / "cache"
     with pytest.raises(KeyboardInterrupt if fault is KeyboardInterrupt else ModelError):
-        resolve_model(small, cache, quantization="gguf", kernels="cpu")
+        resolve_model(
+            small, cache, quantization="gguf", kernels="cpu", layout_chooser=LayoutChooser
+        )
     assert list(cache.iterdir()) == []
     monkeypatch.setattr(gguf_write, "_made", made)
-    target = resolve_model(small, cache, quantization="gguf", kernels="cpu")
+    target = resolve_model(
+        small, cache, quantization="gguf", kernels="cpu", layout_chooser=LayoutChooser
+    )
     whole = folder_tensors(target)
     killed = cache / f".{target.name}-killed"
     (killed / "model.safetensors").parent.mkdir()
     (killed / "model.safetensors").write_bytes(b"half")
     os.rename(target, cache / "elsewhere")
-    assert resolve_model(small, cache, quantization="gguf", kernels="cpu") == target
+    assert (
+        resolve_model(
+            small, cache, quantization="gguf", kernels="cpu", layout_chooser=LayoutChooser
+        )
+        == target
+    )
     assert not killed.exists() and folder_tensors(target).keys() == whole.keys()
 
 
@@ -232,11 +238,15 @@ def test_progress_is_a_bar_on_a_terminal_and_two_lines_elsewhere(small, tmp_path
 
     terminal = Terminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    resolve_model(small, tmp_path / "a", quantization="gguf", kernels="cpu")
+    resolve_model(
+        small, tmp_path / "a", quantization="gguf", kernels="cpu", layout_chooser=LayoutChooser
+    )
     assert "small.gguf as stored: 100%|" in terminal.getvalue()
     log = io.StringIO()
     monkeypatch.setattr(sys, "stderr", log)
-    resolve_model(small, tmp_path / "b", quantization="gguf", kernels="cpu")
+    resolve_model(
+        small, tmp_path / "b", quantization="gguf", kernels="cpu", layout_chooser=LayoutChooser
+    )
     lines = log.getvalue().splitlines()
     assert len(lines) == 2 and all(
         line.startswith("offload: small.gguf as stored") for line in lines

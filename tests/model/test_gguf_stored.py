@@ -28,13 +28,18 @@ from offload import LLM, SamplingParams
 from offload.engine import cpu_step
 from offload.errors import ConfigError, ModelError
 from offload.memory.safetensors import REFERENCES
-from offload.model import quant_layouts
 from offload.model.build import build_empty
 from offload.model.default import gguf_path
-from offload.model.gguf_quants import affine_4bit, dequantize
 from offload.model.loader import load_model
-from offload.model.quant_layouts import int4_cuda_layout, int4_matmul
-from offload.model.quantized import (
+from offload.model.sources import resolve_model, stored_unless_asked
+from offload.planner.shape import shape_of
+from offload.probes.compute import time_decode
+from offload.probes.layout_choice import LayoutChooser
+from offload.quant import kernels, layouts
+from offload.quant.gguf_quants import affine_4bit, dequantize
+from offload.quant.kernels import int4_matmul
+from offload.quant.layouts import int4_cuda_layout
+from offload.quant.quantized import (
     GGUFEmbedding,
     GGUFLinear,
     Int4Linear,
@@ -42,9 +47,6 @@ from offload.model.quantized import (
     Q8Linear,
     rows_in_hf_order,
 )
-from offload.model.sources import resolve_model, stored_unless_asked
-from offload.planner.shape import shape_of
-from offload.probes.compute import time_decode
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2)
 PROMPTS = ["What is the capital of France?", "1, 2, 3,"]
@@ -57,7 +59,8 @@ def blocks():
 
 @pytest.fixture(scope="module")
 def stored():
-    return resolve_model(None, quantization="gguf")  # on the CPU: laid out for its kernels
+    # (on the CPU: laid out for its kernels, each layout measured)
+    return resolve_model(None, quantization="gguf", layout_chooser=LayoutChooser)
 
 
 @pytest.fixture(scope="module")
@@ -312,13 +315,13 @@ def test_a_q8_product_of_many_rows_by_weight_slices_gives_the_whole_weights_bits
     scales = (torch.rand(6, 1000) / 64).half()
     shifts = (torch.randn(6, 1000) / 8).half() if offsets else None
     x = torch.randn(rows, 6 * 32)
-    monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 64)
-    whole = quant_layouts.q8_matmul(x, values, scales, shifts)
-    floats = quant_layouts.q8_values(values, scales, shifts)
+    monkeypatch.setattr(kernels, "Q8_FEW_ROWS", 64)
+    whole = kernels.q8_matmul(x, values, scales, shifts)
+    floats = layouts.q8_values(values, scales, shifts)
     assert torch.allclose(whole, x @ floats.T, atol=1e-4)
-    monkeypatch.setattr(quant_layouts, "Q8_FEW_ROWS", 8)
-    monkeypatch.setattr(quant_layouts, "Q8_SLICE", 96)  # (the last slice shorter)
-    assert torch.equal(quant_layouts.q8_matmul(x, values, scales, shifts), whole)
+    monkeypatch.setattr(kernels, "Q8_FEW_ROWS", 8)
+    monkeypatch.setattr(kernels, "Q8_SLICE", 96)  # (the last slice shorter)
+    assert torch.equal(kernels.q8_matmul(x, values, scales, shifts), whole)
 
 
 def test_the_planner_times_a_layer_of_the_stored_model(stored):
@@ -379,45 +382,3 @@ def test_each_layout_is_the_fastest_measured_for_its_type_and_shape(stored):
             continue
         chosen, timed = layouts.get(name, "gguf"), seconds[key]
         assert all(timed[chosen] <= 1.25 * other for other in timed.values()), (name, timed)
-
-
-def test_a_slower_kernel_is_not_chosen(file_tensors, monkeypatch):
-    """Where the kernel's product times slower than de-quantizing GGUF's blocks (a CPU
-    without the vector units torch's int4 kernel is written for), the blocks are kept."""
-    from offload.model import layout_choice
-
-    name, raw = "model.layers.0.mlp.up_proj.weight", file_tensors["blk.0.ffn_up.weight"]
-    chooser = layout_choice.LayoutChooser("cpu")
-    assert chooser.choose(name, raw, "Q4_1") == "int4"  # (as measured on this machine)
-    _times_slower(monkeypatch, "int4")
-    slow = layout_choice.LayoutChooser("cpu")
-    assert slow.choose(name, raw, "Q4_1") == "gguf"
-    assert slow.seconds == {"Q4_1 1536x576": {"int4": 2e-3, "gguf": 1e-3}}
-    assert layout_choice.LayoutChooser("cuda").choose(name, raw, "Q4_1") in ("gguf", "int4_cuda")
-
-
-def _times_slower(monkeypatch, layout: str) -> None:
-    """The chooser's eager timings made up: `layout` 2 ms, any other 1 ms."""
-    from offload.model import layout_choice
-
-    timings = {layout: 2e-3}
-    monkeypatch.setattr(
-        layout_choice, "product_seconds", lambda n, r, k, kept, *_: timings.get(kept, 1e-3)
-    )
-
-
-def test_a_q8_weight_is_timed_as_the_compiled_cpu_step_runs_it(file_tensors, monkeypatch):
-    """Where the eager q8 product loses to de-quantizing the blocks, the choice is made on
-    the product a compiled CPU step runs (one loop over the int8 weight, `q8_one_row`);
-    where nothing compiles here, on the eager timings."""
-    from offload.model import layout_choice
-
-    name = "model.layers.0.mlp.up_proj.weight"
-    raw = torch.from_numpy(np.array(file_tensors["token_embd.weight"][:1536]))
-    _times_slower(monkeypatch, "q8")
-    chooser = layout_choice.LayoutChooser("cpu")
-    assert chooser.choose(name, raw, "Q8_0") == "q8"
-    timed = chooser.seconds["Q8_0 1536x576"]
-    assert timed["q8"] == timed["q8 compiled"] < 1e-3 < timed["gguf"] * 1.01
-    monkeypatch.setattr(layout_choice, "compiled_q8_seconds", lambda *_: float("inf"))
-    assert layout_choice.LayoutChooser("cpu").choose(name, raw, "Q8_0") == "gguf"

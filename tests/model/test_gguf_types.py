@@ -15,8 +15,8 @@ import transformers as tf
 import zoo
 from safetensors.torch import load_file
 
-from offload.model.gguf_quants import FORMATS, dequantize
 from offload.model.loader import load_model
+from offload.quant.gguf_quants import FORMATS, dequantize
 
 SHAPE = {**zoo.GGUF_TYPE_SHAPE, "num_hidden_layers": 2}
 IDS = torch.randint(0, 512, (2, 7), generator=torch.Generator().manual_seed(5))

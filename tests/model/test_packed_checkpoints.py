@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from offload import LLM, SamplingParams
 from offload.errors import ConfigError, ModelError
 from offload.model.loader import load_model
-from offload.model.packed_modules import PackedLinear
-from offload.model.packed_quant import dequantize_packed
+from offload.quant.packed_modules import PackedLinear
+from offload.quant.packed_quant import dequantize_packed
 
 pytest.importorskip("compressed_tensors")  # (the reference for its formats; a test extra)
 
@@ -166,7 +166,7 @@ def test_the_checkpoint_holds_no_float_copy_of_a_packed_weight(pairs):
 def test_every_fp8_code_reads_as_torchs_conversion():
     """The float16-bits reading of E4M3 codes (a 256x larger scale beside it) gives every
     value torch's own conversion gives, subnormals and signs included."""
-    from offload.model.packed_quant import _FP8_UNIT, _fp8_floats
+    from offload.quant.packed_quant import _FP8_UNIT, _fp8_floats
 
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     expected = codes.to(torch.float32)

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import torch
 
-from offload.model.gguf_quants import FORMATS
-from offload.model.quant_layouts import laid_out, layout_for, stored_settings
+from offload.quant.gguf_quants import FORMATS
+from offload.quant.kinds import QuantLayout
+from offload.quant.layouts import layout_for
+from offload.quant.traits import laid_out, stored_settings
 
 
 def write_random_checkpoint(
@@ -30,7 +32,7 @@ def write_random_checkpoint(
     `quantized="Q4_0"` (or another GGUF type of `gguf_quants.FORMATS`): every matrix
     (embedding, projections, head) whose rows are whole blocks is kept as random blocks of
     that type, as offload keeps a .gguf read as stored (Q4_0: 4.5 bits a weight), laid out
-    for `kernels` as a .gguf converted for them would be (`quant_layouts.py`); the rest in
+    for `kernels` as a .gguf converted for them would be (`quant/layouts.py`); the rest in
     the config's dtype."""
     import shutil
     import tempfile
@@ -63,7 +65,7 @@ def write_random_checkpoint(
                 raw = random_blocks(types[key], specs[key][0], generator)
                 layout = layout_for(types[key], key, kernels, rows=raw.shape[0])
                 tensors.update(laid_out(key, raw, types[key], layout))
-                if layout != "gguf":
+                if layout != QuantLayout.GGUF:
                     layouts[key] = layout
             save_file(tensors, staging / name, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(tensors, name))

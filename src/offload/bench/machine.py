@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from offload.model.layout_choice import synchronize
+from offload.memory.device import synchronize
 from offload.probes.host import machine
 
 

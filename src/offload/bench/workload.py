@@ -20,11 +20,12 @@ from offload.memory.safetensors import referenced_files
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
 from offload.model.default import default_model_path, gguf_path
-from offload.model.quant_layouts import packing_of
-from offload.model.quantized import check_quantization
 from offload.model.sources import kernels_for, resolve_model
 from offload.offloader.layers import find_layers
+from offload.probes.layout_choice import LayoutChooser
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
+from offload.quant.layouts import packing_of
+from offload.quant.quantized import check_quantization
 from offload.sizes import compute_dtype, parameter_bytes
 
 SHARD_BYTES = 10**9  # not a multiple of a layer: layers span files, as in real checkpoints
@@ -102,7 +103,12 @@ def prepare(workload: Workload) -> Prepared:
     source = _gguf_source(workload.model)
     shape = _random_shape(workload.model)
     if source is not None or (workload.quantization is not None and not shape):
-        path = resolve_model(workload.model, quantization=workload.quantization, device=device)
+        path = resolve_model(
+            workload.model,
+            quantization=workload.quantization,
+            device=device,
+            layout_chooser=LayoutChooser,
+        )
         form = "as stored" if workload.quantization else "as float32"
         name = f"{(source or gguf_path()).name} {form}"
     else:

@@ -27,7 +27,6 @@ from offload.memory.device import check_device
 from offload.memory.placement import DiskIO, Placement
 from offload.model.build import build_empty
 from offload.model.configs import resolve
-from offload.model.quantized import check_quantization, stored_form
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.budget import describe_budget
@@ -35,6 +34,8 @@ from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit
 from offload.planner.overhead import fixed_overhead
 from offload.planner.shape import shape_of
 from offload.probes.host import process_memory_bytes
+from offload.probes.layout_choice import LayoutChooser
+from offload.quant.quantized import check_quantization, stored_form
 from offload.sizes import GIB, compute_dtype, format_bytes, parameter_bytes
 
 # The `generate` flags that are SamplingParams fields of the same name.
@@ -74,9 +75,10 @@ def model_path(args: argparse.Namespace, model: str | None, config: OffloadConfi
     will run on, unless --dtype asks for a float conversion)."""
     device = check_device(args.device)
     quantization = check_quantization(args.quantization, "--quantization")
-    quantization = stored_unless_asked(model, quantization, args.dtype, device)
+    stored = stored_unless_asked(model, quantization, args.dtype, device)
+    where = config.disk.offload_folder
     return resolve_model(
-        model, config.disk.offload_folder, quantization=quantization, device=device
+        model, where, quantization=stored, device=device, layout_chooser=LayoutChooser
     )
 
 

@@ -39,7 +39,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from offload.engine import cpu_linear, step_attention, step_linears
 from offload.engine.step_attention import rewrite_attention
 from offload.engine.step_linears import step_products
-from offload.model.quantized import Int4Linear, Q8Linear
+from offload.quant.quantized import Int4Linear, Q8Linear
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def pays(model: torch.nn.Module) -> bool:
     linears (written out as the float32 ones are, `step_linears`), or its int4 and q8
     weights kept as stored, would be as large in float32 (stored products stay opaque
     ops, the rest of the step fuses around them; a q8 product of one row becomes one loop,
-    `quant_layouts.q8_one_row`). Measured on the 2-core machine, the default model as
+    `kernels.q8_one_row`). Measured on the 2-core machine, the default model as
     stored: eager 43.5 tok/s, compiled 71.1."""
     if cpu_linear.pays(model):
         return True

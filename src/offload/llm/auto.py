@@ -27,7 +27,6 @@ from offload.memory.device import check_device
 from offload.memory.placement import DiskIO
 from offload.model.build import build_empty
 from offload.model.configs import resolve
-from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import Budgets, candidates, fits_at_all
 from offload.planner.fit import checked_context_len, model_len_limit
@@ -40,8 +39,10 @@ from offload.planner.plan import (
     measurable_batches,
 )
 from offload.planner.shape import shape_of
+from offload.probes.layout_choice import LayoutChooser
 from offload.probes.measure import measure
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
+from offload.quant.quantized import check_quantization
 
 _logger = logging.getLogger(__name__)
 
@@ -209,7 +210,9 @@ def plan_for(
     device = check_device(device)
     model = resolve(model) if model is not None else None
     quantization = stored_unless_asked(model, quantization, dtype, device)
-    path = resolve_model(model, quantization=quantization, device=device)
+    path = resolve_model(
+        model, quantization=quantization, device=device, layout_chooser=LayoutChooser
+    )
     empty = build_empty(path, dtype, trust_remote_code)
     limit = model_len_limit(empty.config)
     asked_len = context_len

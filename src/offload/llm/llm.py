@@ -50,8 +50,9 @@ from offload.memory.host import trim_after_collection, trim_freed_memory
 from offload.memory.threads import check_not_forked
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
-from offload.model.quantized import check_quantization
 from offload.model.sources import resolve_model, stored_unless_asked
+from offload.probes.layout_choice import LayoutChooser
+from offload.quant.quantized import check_quantization
 
 
 class LLM(DecodeLoop):
@@ -157,6 +158,7 @@ class LLM(DecodeLoop):
                 model, check_quantization(quantization), dtype, self.device
             ),
             device=self.device,
+            layout_chooser=LayoutChooser,
         )
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         empty = build_empty(path, dtype, trust_remote_code)

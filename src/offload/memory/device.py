@@ -38,3 +38,9 @@ def check_device(device: torch.device | str) -> torch.device:
     if device.index is not None and device.index >= count:
         raise ConfigError(f"device {str(device)!r} does not exist: this machine has {count} GPU(s)")
     return device
+
+
+def synchronize(device: torch.device) -> None:
+    """Waits for `device`'s queued kernels (a GPU's run after their call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

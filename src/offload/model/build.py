@@ -18,16 +18,16 @@ from offload.errors import ModelError, did_you_mean
 from offload.memory.safetensors import checkpoint_tensors, json_type
 from offload.model.gguf_settings import row_orders, weight_layouts, weight_types
 from offload.model.limits import check_parameters, check_sizes
-from offload.model.packed_modules import (
+from offload.model.packed_forms import packed_forms
+from offload.quant.packed_modules import (
     FORMS_KEY,
     forms_from_setting,
     forms_of,
     forms_setting,
     method_of,
-    packed_forms,
     swap_in_packed,
 )
-from offload.model.quantized import swap_in_quantized
+from offload.quant.swap import swap_in_quantized
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

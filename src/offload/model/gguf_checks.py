@@ -279,7 +279,7 @@ def _nonfinite(descriptor: int, tensor: HeaderTensor) -> int:
 
     import numpy as np
 
-    from offload.model.gguf_quants import FORMATS, SCALES_AT
+    from offload.quant.gguf_quants import FORMATS, SCALES_AT
 
     if tensor.kind in _FLOAT_BITS:
         unit, exponent = _FLOAT_BITS[tensor.kind]

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
-from offload.model.quant_layouts import GROUP, inner_k_tiles
+from offload.quant.kinds import QuantLayout
+from offload.quant.traits import stored_entries
 
 FLOATS = {"F32": torch.float32, "F16": torch.float16}
 # Within a layer, the order its forward uses its tensors (by the part after the index).
@@ -58,7 +58,7 @@ class Planned:
     and the tensors it becomes in the converted folder, in order."""
 
     source: SourceTensor
-    layout: str | None
+    layout: QuantLayout | None
     referenced: bool = False
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = field(default_factory=list)
 
@@ -81,40 +81,17 @@ def group_of(name: str) -> str:
     return f"model.layers.{found.group(1)}" if found else ""
 
 
-def layout_entries(
-    name: str, kind: str, shape: Sequence[int], layout: str
-) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """The tensors (name, dtype, shape) that `quant_layouts.laid_out` makes of the weight
-    `name` of GGUF type `kind` stored as `shape` [rows, bytes per row], in `layout`."""
-    rows, row_bytes = shape
-    block = FORMATS[kind]
-    values = row_bytes // block.block_bytes * block.block_size
-    stem = name.removesuffix(".weight")
-    if layout == "gguf":
-        return [(name, torch.uint8, (rows, row_bytes))]
-    if layout == "q8":
-        group, has_offsets = EIGHT_BIT_GROUPS[kind]
-        scale_dtype = torch.float32 if kind.endswith("_K") else torch.float16
-        made = [
-            (name, torch.int8, (values // group, rows, group)),
-            (f"{stem}.scales", scale_dtype, (values // group, rows)),
-        ]
-        return made + ([(f"{stem}.offsets", scale_dtype, (values // group, rows))] * has_offsets)
-    if layout == "int4":
-        packed = (name, torch.uint8, (rows, values // 2))
-    else:  # int4_cuda: tinygemm's tiles
-        tiles = inner_k_tiles(values)
-        packed = (name, torch.int32, (rows // 8, values // (16 * tiles), 32, tiles // 2))
-    return [packed, (f"{stem}.scale_zero", torch.bfloat16, (values // GROUP, rows, 2))]
-
-
-def plan(sources: Sequence[SourceTensor], choose: Callable[[SourceTensor], str]) -> list[Planned]:
+def plan(
+    sources: Sequence[SourceTensor], choose: Callable[[SourceTensor], QuantLayout]
+) -> list[Planned]:
     """Each of `sources` (any order) planned, in the order the forward uses them: its
     layout by `choose` (quantized ones), whether it is referenced (see the module's
     docstring) and what it becomes."""
     ordered = sorted(sources, key=lambda source: forward_order(source.name))
     planned = [Planned(s, None if s.is_float else choose(s)) for s in ordered]
-    copied_groups = {group_of(p.source.name) for p in planned if p.layout not in (None, "gguf")}
+    copied_groups = {
+        group_of(p.source.name) for p in planned if p.layout not in (None, QuantLayout.GGUF)
+    }
     copied_groups |= {
         group_of(p.source.name) for p in planned if p.source.heads and p.layout is None
     }
@@ -124,8 +101,8 @@ def plan(sources: Sequence[SourceTensor], choose: Callable[[SourceTensor], str])
             item.referenced = not source.heads and group_of(source.name) not in copied_groups
             item.entries = [(source.name, FLOATS[source.kind], source.shape)]
         else:
-            item.referenced = item.layout == "gguf"
-            item.entries = layout_entries(source.name, source.kind, source.shape, item.layout)
+            item.referenced = item.layout == QuantLayout.GGUF
+            item.entries = stored_entries(source.name, source.kind, source.shape, item.layout)
     return planned
 
 

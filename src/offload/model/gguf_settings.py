@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from offload.errors import ModelError
-from offload.model.gguf_quants import FORMATS
-from offload.model.packed_modules import FORMS_KEY
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout
-
-ROW_ORDERS_KEY = "rotary_rows"  # quantization_config: weights in llama.cpp's row order
+from offload.quant.gguf_quants import FORMATS
+from offload.quant.kinds import QuantLayout
+from offload.quant.packed_modules import FORMS_KEY
+from offload.quant.quantized import ROW_ORDERS_KEY
+from offload.quant.traits import LAYOUTS
 
 
 def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
@@ -32,19 +32,20 @@ def weight_types(settings: Mapping[str, Any], where: object) -> dict[str, str]:
 
 
 def weight_layouts(settings: Mapping[str, Any], where: object) -> dict[str, str]:
-    """The layout each quantized weight is kept in (`quant_layouts.py`; "gguf" when not
+    """The layout each quantized weight is kept in (`quant/layouts.py`; "gguf" when not
     named). An int4 layout made by another torch or CPU is refused: its packing differs."""
     layouts = settings.get("weight_layouts") or {}
-    if not isinstance(layouts, dict) or set(layouts.values()) - {"int4", "int4_cuda", "q8", "gguf"}:
-        raise ModelError(f"{where}: weight_layouts must map names to int4, int4_cuda, q8 or gguf")
-    for layout, key, here, what in (
-        ("int4", "int4_layout", int4_cpu_layout, "torch and CPU"),
-        ("int4_cuda", "int4_cuda_layout", int4_cuda_layout, "torch and GPU"),
-    ):
-        if layout in layouts.values() and settings.get(key) != here():
+    if not isinstance(layouts, dict) or set(layouts.values()) - set(QuantLayout):
+        *most, last = QuantLayout
+        raise ModelError(f"{where}: weight_layouts must map names to {', '.join(most)} or {last}")
+    for layout, traits in LAYOUTS.items():
+        packing = traits.packing
+        if packing is None or layout not in layouts.values():
+            continue
+        if settings.get(packing.settings_key) != packing.here():
             raise ModelError(
-                f"{where}: its 4-bit weights are packed for {settings.get(key)}, this {what} "
-                f"pack them as {here()}; convert the .gguf again"
+                f"{where}: its 4-bit weights are packed for {settings.get(packing.settings_key)}, "
+                f"this {packing.made_by} pack them as {packing.here()}; convert the .gguf again"
             )
     return dict(layouts)
 

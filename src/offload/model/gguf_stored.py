@@ -6,7 +6,7 @@ or its layout's tensors, a float one keeps its dtype.
 
 config.json names each quantized weight's GGUF type in its `quantization_config`
 (`{"quant_method": "gguf", "weight_types": {name: "Q4_1", ...}}`), so the model is built
-with quantized modules before a byte is read (`model/quantized.py`).
+with quantized modules before a byte is read (`quant/quantized.py`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from offload.memory.host import trim_freed_memory
 from offload.model.gguf_checks import check_finite
 from offload.model.gguf_header import HeaderTensor, gguf_header, gguf_tensors
 from offload.model.gguf_plan import FLOATS, Planned, SourceTensor, plan, row_orders
-from offload.model.gguf_quants import FORMATS
 from offload.model.gguf_settings import ROW_ORDERS_KEY
 from offload.model.gguf_write import LazyRows, check_free_space, write_planned
-from offload.model.layout_choice import LayoutChooser
-from offload.model.quant_layouts import stored_settings
+from offload.quant.choice import BlocksOnly, LayoutChoice
+from offload.quant.gguf_quants import FORMATS
+from offload.quant.kinds import QuantLayout
+from offload.quant.traits import stored_settings
 
 # The GGUF architectures read as stored, and whether llama.cpp permuted their query and key
 # rows (for its interleaved rotary layout): those are put back in transformers' order.
@@ -35,18 +36,25 @@ _ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
 
 
 def save_as_stored(
-    source: Path, out_dir: Path, kernels: str = "gguf", progress: bool | None = None
+    source: Path,
+    out_dir: Path,
+    kernels: str = "gguf",
+    progress: bool | None = None,
+    chooser: LayoutChoice | None = None,
 ) -> None:
     """Write `source`'s config, tokenizer and stored tensors into `out_dir`: in GGUF's own
     blocks (`kernels="gguf"`, any device), or laid out for the CPU's or the GPU's kernels
-    (`kernels="cpu"` or `"cuda"`: `quant_layouts.py`). One tensor at a time, and tensors
+    (`kernels="cpu"` or `"cuda"`: `quant/layouts.py`). One tensor at a time, and tensors
     used as the file has them are not copied (`gguf_plan.py`, `gguf_write.py`); the free
     space is checked before anything is written. `progress`: a bar (default: on a
-    terminal)."""
+    terminal). `chooser` picks each weight's layout for `kernels` (measuring this machine:
+    `probes/layout_choice.LayoutChooser`, which the caller hands in); None only for
+    `kernels="gguf"`, whose one layout needs no choice."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from offload.model.default import gguf_parsed_once, read_by_transformers
+    from offload.model.gguf_float import gguf_parsed_once, read_by_transformers
 
+    chooser = _chooser_for(kernels, chooser)
     why = not_read_as_stored(source)
     if why is not None:
         raise ModelError(f"{source}: {why}; dtype='float32' (--dtype float32) converts it")
@@ -59,7 +67,6 @@ def save_as_stored(
             tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     _hand_back_freed()  # gguf's reader: a numpy array per token and merge, freed now
     sources = _source_tensors(source, tensors, arch, config)
-    chooser = LayoutChooser(kernels)
     descriptor = os.open(source, os.O_RDONLY)
     try:
         planned = plan(sources, lambda s: chooser.choose(s.name, LazyRows(descriptor, s), s.kind))
@@ -80,11 +87,25 @@ def _hand_back_freed() -> None:
     trim_freed_memory()
 
 
-def _settings(config: Any, planned: list[Planned], chooser: LayoutChooser) -> dict[str, Any]:
+def _chooser_for(kernels: str, chooser: LayoutChoice | None) -> LayoutChoice:
+    """`chooser`, or the one choice the kernels of GGUF's blocks have. A .gguf laid out for
+    the CPU's or the GPU's kernels without a chooser is a caller's mistake: its layouts are
+    measured, never assumed."""
+    if chooser is not None:
+        return chooser
+    if kernels != "gguf":
+        raise TypeError(
+            f"laying a .gguf out for the {kernels} kernels needs a layout chooser "
+            "(probes.layout_choice.LayoutChooser)"
+        )
+    return BlocksOnly()
+
+
+def _settings(config: Any, planned: list[Planned], chooser: LayoutChoice) -> dict[str, Any]:
     """The converted folder's config.json: the model's, with what it holds as stored."""
     quantized = [p for p in planned if p.layout is not None]
     types = {p.source.name: p.source.kind for p in quantized}
-    layouts = {p.source.name: p.layout for p in quantized if p.layout != "gguf"}
+    layouts = {p.source.name: p.layout for p in quantized if p.layout != QuantLayout.GGUF}
     settings = config.to_dict()
     settings["quantization_config"] = stored_settings(types, layouts)
     orders = row_orders(planned)

@@ -34,8 +34,8 @@ from offload.memory.safetensors_writer import (
     write_references,
 )
 from offload.model.gguf_plan import FLOATS, Planned, SourceTensor
-from offload.model.quant_layouts import laid_out
-from offload.model.quantized import rows_in_hf_order
+from offload.quant.quantized import rows_in_hf_order
+from offload.quant.traits import laid_out
 from offload.sizes import format_bytes
 
 MODEL_FILE = "model.safetensors"

@@ -24,6 +24,7 @@ from torch import nn
 
 from offload.errors import ModelError, shown
 from offload.memory.safetensors import StoredTensor, read_into
+from offload.quant.kinds import PackedKind, PackedMethod
 
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 AWQ_GROUP_SIZES = (-1, 32, 64, 128)  # vLLM's AWQ (Marlin) kernels'
@@ -38,9 +39,11 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_method_settings(method: str | None, settings: Mapping[str, Any], where: object) -> None:
+def check_method_settings(
+    method: PackedMethod | None, settings: Mapping[str, Any], where: object
+) -> None:
     """The settings of `method` that the de-quantization reads or relies on."""
-    if method == "gptq":
+    if method == PackedMethod.GPTQ:
         group = settings.get("group_size", -1)
         if not _is_int(group) or not (group == -1 or group >= 1):
             raise ModelError(
@@ -54,15 +57,15 @@ def check_method_settings(method: str | None, settings: Mapping[str, Any], where
                 f"{', '.join(GPTQ_FORMATS)})"
             )
     awq_group = settings.get("group_size", 128)
-    if method == "awq" and (not _is_int(awq_group) or awq_group not in AWQ_GROUP_SIZES):
+    if method == PackedMethod.AWQ and (not _is_int(awq_group) or awq_group not in AWQ_GROUP_SIZES):
         raise ModelError(
             f"{where}: AWQ group_size {shown(settings.get('group_size'))} is not one AWQ's "
             f"kernels take (read: {', '.join(map(str, AWQ_GROUP_SIZES))})"
         )
-    if method == "compressed-tensors":
+    if method == PackedMethod.COMPRESSED_TENSORS:
         for name, weights in ct_weight_args(settings):
             _check_ct_weights(weights, f"{where}: config_groups.{name}.weights")
-    if method == "fp8":
+    if method == PackedMethod.FP8:
         block = settings.get("weight_block_size")
         if block is not None and not _is_block(block):
             raise ModelError(
@@ -148,21 +151,25 @@ def check_layer(
 ) -> None:
     """One layer's tensors against its format: dtypes, groups, block scales (shapes only)."""
     kind = form.split(":")[0]
-    if kind in ("gptq", "awq") and "scales" in tensors:
+    if kind in (PackedKind.GPTQ, PackedKind.AWQ) and "scales" in tensors:
         _check_dtypes(tensors, where)
         group = settings.get("group_size", settings.get("q_group_size"))
         if group is not None:  # (else the scales say how many groups there are)
             _check_groups(tensors["scales"].shape[0], group, module.in_features, where)
-    if kind == "ct_packed":
+    if kind == PackedKind.CT_PACKED:
         _check_ct_bits(form, settings, where)
     scale = tensors.get("weight_scale")
-    if kind in ("ct_packed", "ct_plain") and scale is not None and len(scale.shape) == 2:
+    if (
+        kind in (PackedKind.CT_PACKED, PackedKind.CT_PLAIN)
+        and scale is not None
+        and len(scale.shape) == 2
+    ):
         sizes = {
             w.get("group_size") for _, w in ct_weight_args(settings) if w.get("strategy") == "group"
         }
         if len(sizes) == 1:  # (one group size for every target: each layer's is known)
             _check_groups(scale.shape[1], sizes.pop(), module.in_features, where, "weight_scale")
-    if kind == "fp8" and form.count(":") == 2:
+    if kind == PackedKind.FP8 and form.count(":") == 2:
         rows, columns = (int(size) for size in form.split(":")[1:])
         scale = tensors.get("weight_scale_inv", tensors.get("weight_scale"))
         expected = (-(-module.out_features // rows), -(-module.in_features // columns))
@@ -228,9 +235,9 @@ def check_values(
                     "(a scale must be finite)"
                 )
     kind = form.split(":")[0]
-    if kind == "gptq" and "g_idx" in tensors:
+    if kind == PackedKind.GPTQ and "g_idx" in tensors:
         _check_g_idx(_read(tensors["g_idx"]), tensors["scales"].shape[0], module, where)
-    if kind == "ct_packed" and "weight_shape" in tensors:
+    if kind == PackedKind.CT_PACKED and "weight_shape" in tensors:
         shape = _read(tensors["weight_shape"]).flatten().tolist()
         if shape != [module.out_features, module.in_features]:
             raise ModelError(

@@ -40,15 +40,12 @@ from offload.errors import ModelError
 from offload.memory.cache_digest import sign_entry
 from offload.memory.cache_trust import cache_folder, cache_key, trusted_folder
 from offload.model.bin_checkpoints import from_bin as _from_bin
-from offload.model.default import (
-    cache_dir,
-    conversion_failure,
-    default_model_path,
-    entry_not_usable,
-    gguf_path,
-)
-from offload.model.packed_modules import ALIASES
-from offload.model.quant_layouts import int4_cpu_layout, int4_cuda_layout, packing_of
+from offload.model.cache_folder import cache_dir, entry_not_usable
+from offload.model.default import default_model_path, gguf_path
+from offload.model.gguf_float import conversion_failure
+from offload.quant.choice import LayoutChoice, LayoutChoosers
+from offload.quant.layouts import int4_cpu_layout, int4_cuda_layout, packing_of
+from offload.quant.packed_modules import ALIASES
 
 ACCEPTED = (
     "a folder with safetensors or pytorch_model*.bin weights, a .gguf file, or a Hugging "
@@ -69,12 +66,15 @@ def resolve_model(
     quantization: str | None = None,
     device: torch.device | None = None,
     kernels: str | None = None,
+    layout_chooser: LayoutChoosers | None = None,
 ) -> Path:
     """The local folder `model` names (see the module's docstring); conversions go into
     `offload_folder` when given, else into the offload cache. `quantization="gguf"` keeps
     a GGUF's tensors as stored (`gguf_stored.py`) instead of converting them to float32,
     laid out for `kernels` ("cpu", "cuda" or "gguf"; by default the kernels of `device`
-    where torch has an int4 kernel there: `kernels_for`)."""
+    where torch has an int4 kernel there: `kernels_for`), each weight's layout chosen by
+    `layout_chooser(kernels)` (`probes/layout_choice.LayoutChooser`: the CPU's and the
+    GPU's kernels need one; GGUF's blocks have one layout and need none)."""
     if model is None and quantization is None:
         return default_model_path()
     into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
@@ -89,7 +89,8 @@ def resolve_model(
             kernels = kernels or kernels_for(device)
             packing = packing_of(kernels)  # (the folder names the packing it holds)
             stored = f"{path.stem}.stored" + (f"-{packing}" if packing else "")
-            write = functools.partial(_stored_gguf, path, kernels=kernels)
+            chooser = layout_chooser(kernels) if layout_chooser is not None else None
+            write = functools.partial(_stored_gguf, path, kernels=kernels, chooser=chooser)
             return _converted(into, stored, [path], write)
         return _converted(into, path.stem, [path], lambda out: _from_gguf(path, out))
     if quantization is not None:
@@ -293,17 +294,17 @@ def _throw_away(target: Path, why: str) -> None:
 
 
 def _from_gguf(source: Path, out: Path) -> None:
-    from offload.model.default import _convert
+    from offload.model.gguf_float import save_as_float
 
-    _convert(source, out)
+    save_as_float(source, out)
 
 
-def _stored_gguf(source: Path, out: Path, kernels: str) -> None:
+def _stored_gguf(source: Path, out: Path, kernels: str, chooser: LayoutChoice | None) -> None:
     from offload.model.gguf_checks import check_gguf_header
     from offload.model.gguf_stored import save_as_stored
 
     check_gguf_header(source)
-    save_as_stored(source, out, kernels)
+    save_as_stored(source, out, kernels, chooser=chooser)
 
 
 def kernels_for(device: torch.device | None) -> str:

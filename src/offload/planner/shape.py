@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from offload.model.quantized import stored_form
 from offload.offloader.layers import find_layer_stacks, find_layers
 from offload.offloader.selection import matches_segments
 from offload.planner.fit import activation_bytes, kv_cache_bytes
+from offload.quant.quantized import stored_form
 from offload.sizes import compute_dtype, parameter_bytes
 
 EXPERTS = "experts"  # the name segment of a mixture-of-experts layer's expert weights

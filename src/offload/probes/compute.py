@@ -22,9 +22,9 @@ from offload.errors import ModelError
 from offload.model.build import build_empty, packed_layers
 from offload.model.gguf_settings import first_layers_only
 from offload.model.loader import load_model
-from offload.model.packed_modules import FORMS_KEY, method_of
 from offload.planner.shape import ModelShape
 from offload.probes.link import Clock
+from offload.quant.packed_modules import FORMS_KEY, method_of
 from offload.sizes import format_bytes
 
 _EXTRA_LAYERS = 6  # the longer cut model's layers beyond the shorter's, at most

@@ -1,6 +1,6 @@
 """Which layout a GGUF weight is kept in on a CPU or a GPU, chosen by measuring this machine.
 
-Each weight has the layouts its type allows (`quant_layouts.layout_for` names the one a
+Each weight has the layouts its type allows (`quant/layouts.layout_for` names the one a
 kernel exists for; GGUF's own blocks are always possible). When a .gguf is laid out for a
 device's kernels, the one-row product (a decode step's) of each candidate is timed there
 once per type and shape, on the first rows of the file's own first weight of that shape
@@ -12,6 +12,10 @@ de-quantize-per-forward rather than on a slow kernel. The seconds measured go in
 folder's config (`layout_seconds`), so `inspect` and the docs can say why. Every layout is
 exact in its own way (offloaded equals resident bitwise in each), so the choice changes
 speed, not the promise.
+
+`model/` lays a .gguf out with the chooser it is handed (a `quant/choice.LayoutChoice`):
+whoever builds the model (`llm/`, `cli/`, `bench/`) passes `LayoutChooser` to
+`sources.resolve_model(layout_chooser=...)`, as `model/` may not import this layer.
 """
 
 from __future__ import annotations
@@ -24,26 +28,23 @@ import numpy as np
 import torch
 
 from offload.memory.cache_trust import check_inductor_cache
-from offload.model.gguf_quants import FORMATS
-from offload.model.quant_layouts import laid_out, layout_for, q8_one_row, stored_op
-
-
-def synchronize(device: torch.device) -> None:
-    """Waits for `device`'s queued kernels (a GPU's run after their call returns)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
+from offload.memory.device import synchronize
+from offload.quant.gguf_quants import FORMATS
+from offload.quant.kernels import q8_one_row, stored_op
+from offload.quant.kinds import QuantLayout
+from offload.quant.layouts import layout_for
+from offload.quant.traits import laid_out, product_args
 
 _REPEATS = 7  # timed calls of each candidate (after two warm-up calls); the median is kept
 _TIMED_BYTES = 16 * 2**20  # float32 values of the rows a layout is timed on, at most
 _MARGIN = 1.25  # another layout replaces the kernel's only when this much faster (noise)
 
 
-def candidates(type_name: str, name: str, kernels: str, rows: int) -> list[str]:
+def candidates(type_name: str, name: str, kernels: str, rows: int) -> list[QuantLayout]:
     """The layouts a weight may be kept in for `kernels`: the kernel's (if any), then GGUF's
     blocks."""
     layout = layout_for(type_name, name, kernels, rows)
-    return [layout] if layout == "gguf" else [layout, "gguf"]
+    return [layout] if layout == QuantLayout.GGUF else [layout, QuantLayout.GGUF]
 
 
 class LayoutChooser:
@@ -53,9 +54,9 @@ class LayoutChooser:
     def __init__(self, kernels: str):
         self.kernels = kernels
         self.seconds: dict[str, dict[str, float]] = {}  # "Q4_1 1536x576" -> layout -> s
-        self._chosen: dict[str, str] = {}
+        self._chosen: dict[str, QuantLayout] = {}
 
-    def choose(self, name: str, raw: torch.Tensor | Any, kind: str) -> str:
+    def choose(self, name: str, raw: torch.Tensor | Any, kind: str) -> QuantLayout:
         """The layout of weight `name`, GGUF type `kind`, stored bytes `raw` [rows, bytes]
         (a tensor, or anything numpy reads with a `shape`: read and copied only when it is
         measured)."""
@@ -76,12 +77,12 @@ class LayoutChooser:
             measured = {
                 layout: product_seconds(name, raw, kind, layout, device) for layout in options
             }
-            if options[0] == "q8" and not _keeps_kernel(measured, options):
+            if options[0] == QuantLayout.Q8 and not _keeps_kernel(measured, options):
                 # A CPU's decode step is compiled, and there a one-row q8 product is one
                 # loop (`q8_one_row`), the others opaque ops: time it as the step runs it
                 # (only where the eager form lost: the loop is never slower than it).
                 measured["q8 compiled"] = compiled_q8_seconds(name, raw, kind)
-                measured["q8"] = min(measured["q8"], measured["q8 compiled"])
+                measured[QuantLayout.Q8] = min(measured[QuantLayout.Q8], measured["q8 compiled"])
             self.seconds[key] = measured
             fastest = min(options, key=measured.__getitem__)
             self._chosen[key] = fastest if not _keeps_kernel(measured, options) else options[0]
@@ -105,11 +106,9 @@ def _keeps_kernel(measured: dict[str, float], options: list[str]) -> bool:
 @torch.inference_mode()
 def compiled_q8_seconds(name: str, raw: torch.Tensor, kind: str) -> float:
     """The median seconds of one row times the weight in the q8 layout as a compiled CPU
-    step computes it (`quant_layouts.q8_one_row`, compiled for this shape alone); infinity
+    step computes it (`kernels.q8_one_row`, compiled for this shape alone); infinity
     where this machine cannot compile (its steps then run eagerly)."""
-    tensors = laid_out(name, raw, kind, "q8")
-    stem = name.removesuffix(".weight")
-    args = (tensors[name], tensors[f"{stem}.scales"], tensors.get(f"{stem}.offsets"))
+    _, args = product_args(name, laid_out(name, raw, kind, QuantLayout.Q8), kind, QuantLayout.Q8)
     x = torch.randn(1, args[0].shape[0] * args[0].shape[2])
     check_inductor_cache()  # (a compile loads the kernels it finds there)
     try:
@@ -127,14 +126,7 @@ def product_seconds(
     `device` (the CPU by default; a GPU's are timed to the end of their kernels)."""
     device = device or torch.device("cpu")
     tensors = {key: t.to(device) for key, t in laid_out(name, raw, kind, layout).items()}
-    weight = tensors[name]
-    stem = name.removesuffix(".weight")
-    if layout == "gguf":
-        op, args = "gguf", (weight, kind, None)
-    elif layout == "q8":
-        op, args = "q8", (weight, tensors[f"{stem}.scales"], tensors.get(f"{stem}.offsets"))
-    else:
-        op, args = layout, (weight, tensors[f"{stem}.scale_zero"])
+    op, args = product_args(name, tensors, kind, layout)
     block = FORMATS[kind]
     x = torch.randn(1, raw.shape[1] // block.block_bytes * block.block_size, device=device)
     return _median_seconds(lambda: stored_op(op, x, *args), device)

@@ -27,14 +27,16 @@ Activations are not quantized: W8A8 checkpoints run with their weights de-quanti
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from offload.offloader.ops import define_op
+from offload.quant.kinds import PackedKind
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds
 _NIBBLES = 0x0F0F0F0F0F0F0F0F
-KINDS = ("ct_packed", "ct_plain", "gptq", "awq", "fp8")
 
 
 def unpack_words(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
@@ -54,30 +56,46 @@ def unpack_words(words: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def dequantize_packed(form: str, tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The weight [out, in] that `tensors` (the module's, in `_used(form)`'s order) hold in
-    `form` ("kind:setting:...", as `packed_modules` names it)."""
-    kind, *settings = form.split(":")
-    if kind == "ct_packed":
-        packed, scale, *zero = tensors
-        bits = int(settings[0])
-        q = unpack_words(packed, bits, packed.shape[1] * 32 // bits)
-        offset = 1 << (bits - 1)  # (stored plus 2^(bits-1), zero points too)
-        zero_point = unpack_words(zero[0].T, bits, packed.shape[0]).T if zero else None
-        return _affine(q, scale, offset, zero_point, offset)
-    if kind == "ct_plain":
-        weight, scale, *zero = tensors
-        return _affine(weight, scale, 0, zero[0] if zero else None, 0)
-    if kind == "gptq":
-        return _gptq(tensors, int(settings[0]), settings[1] == "v1", "act" in settings)
-    if kind == "awq":
-        qweight, qzeros, scales = tensors
-        q = _awq_columns(qweight).T  # [out, in]
-        return _affine(q, scales.T, 0, _awq_columns(qzeros).T, 0)
-    if kind == "fp8":
-        weight, scale = tensors[:2]
-        block = [int(size) for size in settings] if settings else None
-        return _fp8(weight, scale, block)
-    raise ValueError(f"unknown packed form {form!r}")
+    """The weight [out, in] that `tensors` (the module's, in `used_tensors(form)`'s order)
+    hold in `form` ("kind:setting:...", as `model/packed_forms.py` names it)."""
+    return _traits(form).dequantize(tensors, form.split(":")[1:])
+
+
+def _traits(form: str) -> PackedTraits:
+    traits = PACKED.get(form.split(":")[0])
+    if traits is None:
+        raise ValueError(f"unknown packed form {form!r}")
+    return traits
+
+
+def _ct_packed(tensors: list[torch.Tensor], settings: list[str]) -> torch.Tensor:
+    packed, scale, *zero = tensors
+    bits = int(settings[0])
+    q = unpack_words(packed, bits, packed.shape[1] * 32 // bits)
+    offset = 1 << (bits - 1)  # (stored plus 2^(bits-1), zero points too)
+    zero_point = unpack_words(zero[0].T, bits, packed.shape[0]).T if zero else None
+    return _affine(q, scale, offset, zero_point, offset)
+
+
+def _ct_plain(tensors: list[torch.Tensor], settings: list[str]) -> torch.Tensor:
+    weight, scale, *zero = tensors
+    return _affine(weight, scale, 0, zero[0] if zero else None, 0)
+
+
+def _gptq_of(tensors: list[torch.Tensor], settings: list[str]) -> torch.Tensor:
+    return _gptq(tensors, int(settings[0]), settings[1] == "v1", "act" in settings)
+
+
+def _awq(tensors: list[torch.Tensor], settings: list[str]) -> torch.Tensor:
+    qweight, qzeros, scales = tensors
+    q = _awq_columns(qweight).T  # [out, in]
+    return _affine(q, scales.T, 0, _awq_columns(qzeros).T, 0)
+
+
+def _fp8_of(tensors: list[torch.Tensor], settings: list[str]) -> torch.Tensor:
+    weight, scale = tensors[:2]
+    block = [int(size) for size in settings] if settings else None
+    return _fp8(weight, scale, block)
 
 
 def _affine(
@@ -161,19 +179,58 @@ def _fp8_floats(weight: torch.Tensor) -> torch.Tensor:
 
 def out_features(form: str, tensors: list[torch.Tensor]) -> int:
     """The rows of the weight `tensors` hold in `form` (from their shapes alone)."""
-    kind = form.split(":")[0]
-    if kind == "gptq":
-        return tensors[0].shape[1]
-    if kind == "awq":
-        return tensors[0].shape[1] * 8
+    return _traits(form).rows(tensors)
+
+
+@dataclass(frozen=True)
+class PackedTraits:
+    """What a packed layer of one kind is: the tensors its de-quantization takes, in its
+    order (a tuple names alternatives: the first the layer has), the de-quantization
+    (tensors, the form's settings -> the weight [out, in]), and its rows by their shapes."""
+
+    tensors: tuple[str | tuple[str, ...], ...]
+    dequantize: Callable[[list[torch.Tensor], list[str]], torch.Tensor]
+    rows: Callable[[list[torch.Tensor]], int]
+
+
+def _rows_first(tensors: list[torch.Tensor]) -> int:
     return tensors[0].shape[0]
+
+
+PACKED: dict[PackedKind, PackedTraits] = {
+    PackedKind.CT_PACKED: PackedTraits(
+        ("weight_packed", "weight_scale", "weight_zero_point"), _ct_packed, _rows_first
+    ),
+    PackedKind.CT_PLAIN: PackedTraits(
+        ("weight", "weight_scale", "weight_zero_point"), _ct_plain, _rows_first
+    ),
+    PackedKind.GPTQ: PackedTraits(
+        ("qweight", "qzeros", "scales", "g_idx"), _gptq_of, lambda t: t[0].shape[1]
+    ),
+    PackedKind.AWQ: PackedTraits(
+        ("qweight", "qzeros", "scales"), _awq, lambda t: t[0].shape[1] * 8
+    ),
+    PackedKind.FP8: PackedTraits(
+        ("weight", ("weight_scale_inv", "weight_scale")), _fp8_of, _rows_first
+    ),
+}
+
+
+def used_tensors(form: str, names: Iterable[str]) -> list[str]:
+    """The tensors of `names` (a layer's) that `dequantize_packed` takes for `form`, in
+    its order."""
+    held, used = set(names), []
+    for entry in _traits(form).tensors:
+        options = (entry,) if isinstance(entry, str) else entry
+        used += [name for name in options if name in held][:1]
+    return used
 
 
 def packed_linear(
     x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """`F.linear` with the weight `tensors` hold in `form`, in x's dtype (under
-    torch.compile it runs as the opaque op below: `quant_layouts.stored_op`)."""
+    torch.compile it runs as the opaque op below: `kernels.stored_op`)."""
     weight = dequantize_packed(form, tensors).to(x.dtype)
     return torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
@@ -184,7 +241,7 @@ def _packed_fake(
     return x.new_empty(*x.shape[:-1], out_features(form, tensors))
 
 
-# (opaque under torch.compile, as quant_layouts' ops: see `quant_layouts.stored_op`)
+# (opaque under torch.compile, as the other stored products: see `kernels.stored_op`)
 packed_linear_op = define_op(
     "packed_linear",
     "(Tensor x, Tensor[] tensors, str form, Tensor? bias) -> Tensor",

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload.model import quant_layouts
-from offload.model.quant_layouts import int4_cpu_layout, laid_out
+from offload.quant import layouts
+from offload.quant.layouts import int4_cpu_layout
+from offload.quant.traits import laid_out
 
 pytestmark = pytest.mark.skipif(int4_cpu_layout() is None, reason="no CPU int4 kernel here")
 
@@ -24,7 +25,7 @@ def _q4_0_rows(rows: int, columns: int) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [64, 2 * 1024 + 64 + 48])  # one piece; two, a part, a tail
 def test_the_int4_layout_in_pieces_is_the_whole_packing(rows):
     raw = _q4_0_rows(rows, 256)
-    whole_packed, whole_scale_zero = quant_layouts._int4(raw, "Q4_0", None)
+    whole_packed, whole_scale_zero = layouts._int4(raw, "Q4_0", None)
     tensors = laid_out("w.weight", raw, "Q4_0", "int4")
     assert torch.equal(tensors["w.weight"], whole_packed)
     assert torch.equal(tensors["w.scale_zero"], whole_scale_zero.contiguous())

@@ -9,8 +9,8 @@ import torch
 
 from offload.errors import ModelError
 from offload.model.default import gguf_path
-from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS, dequantize
-from offload.model.quant_layouts import pack_q8, q8_values
+from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, FORMATS, dequantize
+from offload.quant.layouts import pack_q8, q8_values
 
 # Where each type keeps its fp16 fields (the rest of a block is packed integers).
 F16_AT = {

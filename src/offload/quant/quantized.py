@@ -1,5 +1,6 @@
 """Quantized weights kept as stored: the modules that hold them (what a converted .gguf's
-config says of them is read in `gguf_settings.py`).
+config says of them is read in `model/gguf_settings.py`; which module each layout makes:
+`traits.LAYOUTS`, swapped in by `swap.py`).
 
 A quantized weight is a uint8 parameter [rows, bytes per row] in its file's own block
 layout, so the offloaders, slabs, copies and the disk tier move it as they move any
@@ -10,22 +11,18 @@ values), so a quantized model gives bitwise what its de-quantized float32 model 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from offload.errors import ConfigError, ModelError
-from offload.model.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
-from offload.model.gguf_settings import ROW_ORDERS_KEY
-from offload.model.packed_modules import method_of
-from offload.model.quant_layouts import (
-    GROUP,
-    inner_k_tiles,
-    stored_op,
-)
+from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
+from offload.quant.kernels import stored_op
+from offload.quant.layouts import GROUP, inner_k_tiles
+from offload.quant.packed_modules import method_of
 
+ROW_ORDERS_KEY = "rotary_rows"  # quantization_config: weights in llama.cpp's row order
 # vLLM's `quantization=` values: those read here, then those refused by name.
 READ = ("gguf", "compressed-tensors", "gptq", "gptq_marlin", "awq", "awq_marlin", "fp8")
 NOT_YET = ("bitsandbytes", "marlin", "modelopt", "torchao", "mxfp4", "gptq_bitblas", "awq_triton")
@@ -97,7 +94,7 @@ class GGUFLinear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """`nn.Linear` with a 4-bit weight in torch's CPU int4 packing (`quant_layouts.py`):
+    """`nn.Linear` with a 4-bit weight in torch's CPU int4 packing (`quant/layouts.py`):
     `weight` uint8 [out, in / 2], `scale_zero` bfloat16 [in / 32, out, 2]."""
 
     holds_stored_weights = True
@@ -126,7 +123,7 @@ class Int4Linear(nn.Module):
 
 
 class Int4CudaLinear(Int4Linear):
-    """`Int4Linear` in torch's GPU int4 packing (`quant_layouts.py`): `weight` int32
+    """`Int4Linear` in torch's GPU int4 packing (`quant/layouts.py`): `weight` int32
     [out / 8, in / (16 k), 32, k / 2] for k inner tiles."""
 
     op = "int4_cuda"
@@ -138,7 +135,7 @@ class Int4CudaLinear(Int4Linear):
 
 
 def _q8_parameters(module: nn.Module, kind: str, values: int, rows: int) -> None:
-    """A q8 weight's parameters on `module` (`quant_layouts.py`): `weight` int8 [values / g,
+    """A q8 weight's parameters on `module` (`quant/layouts.py`): `weight` int8 [values / g,
     rows, g], `scales` [values / g, rows] (float16 where the file's are, else float32) and,
     for the types with a minimum, `offsets` like the scales (else None)."""
     group, has_offsets = EIGHT_BIT_GROUPS[kind]
@@ -246,74 +243,3 @@ def _row_bytes(values: int, kind: str, module: nn.Module) -> int:
             f"of {block.block_size}"
         )
     return values // block.block_size * block.block_bytes
-
-
-_MODULES: dict[tuple[type, str], type[nn.Module]] = {
-    (nn.Linear, "gguf"): GGUFLinear,
-    (nn.Linear, "int4"): Int4Linear,
-    (nn.Linear, "int4_cuda"): Int4CudaLinear,
-    (nn.Linear, "q8"): Q8Linear,
-    (nn.Embedding, "gguf"): GGUFEmbedding,
-    (nn.Embedding, "q8"): Q8Embedding,
-}
-_HEADS = {GGUFEmbedding: GGUFLinear, Q8Embedding: Q8Linear}  # a tied head's module
-
-
-def swap_in_quantized(
-    model: nn.Module,
-    types: Mapping[str, str],
-    where: object,
-    layouts: Mapping[str, str] | None = None,
-    orders: Mapping[str, int] | None = None,
-) -> None:
-    """Replace each module whose weight `types` names by its quantized form in its layout
-    (`layouts`, default GGUF's blocks; `orders`: weights in llama.cpp's row order, and
-    their heads), keeping tied weights tied (Llama's lm_head reads the embedding's)."""
-    owners = {name.removesuffix(".weight"): kind for name, kind in types.items()}
-    placed = {name.removesuffix(".weight"): kind for name, kind in (layouts or {}).items()}
-    heads = {name.removesuffix(".weight"): count for name, count in (orders or {}).items()}
-    if set(heads) - {n for n in owners if placed.get(n, "gguf") == "gguf"}:
-        raise ModelError(f"{where}: {ROW_ORDERS_KEY} names weights not kept in GGUF's blocks")
-    tied = _tied_to_embedding(model)
-    swapped: dict[str, nn.Module] = {}
-    for name, module in list(model.named_modules()):
-        if name not in owners:
-            continue
-        base = nn.Linear if isinstance(module, nn.Linear) else nn.Embedding
-        made = _MODULES.get((base, placed.get(name, "gguf")))
-        if name in heads and made is GGUFLinear:
-            new: nn.Module = GGUFLinear(module, owners[name], heads[name])  # type: ignore[arg-type]
-        elif isinstance(module, nn.Linear | nn.Embedding) and made is not None:
-            new = made(module, owners[name])  # type: ignore[call-arg]
-        elif isinstance(module, nn.Linear | nn.Embedding):
-            raise ModelError(f"{where}: {name} cannot be kept as {placed[name]}")
-        else:
-            raise ModelError(
-                f"{where}: {name} is a {type(module).__name__}; quantized: Linear, Embedding"
-            )
-        model.set_submodule(name, new)
-        swapped[name] = new
-    missing = set(owners) - set(swapped)
-    if missing:
-        raise ModelError(
-            f"{where}: weight_types names {sorted(missing)[:3]}, which the model has not"
-        )
-    if tied is not None:
-        embedding_name, head_name = tied
-        embedding, head = model.get_submodule(embedding_name), model.get_submodule(head_name)
-        head_type = _HEADS.get(type(embedding))
-        if head_type is not None:
-            if not isinstance(head, head_type):  # (the file has no head of its own)
-                head = head_type(head, embedding.kind)
-                model.set_submodule(head_name, head)
-            for name, parameter in embedding.named_parameters(recurse=False):
-                setattr(head, name, parameter)
-
-
-def _tied_to_embedding(model: nn.Module) -> tuple[str, str] | None:
-    """(embedding's name, output head's name) when the head's weight is the embedding's."""
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if embedding is None or head is None or head.weight is not embedding.weight:
-        return None
-    names = {id(module): name for name, module in model.named_modules()}
-    return names[id(embedding)], names[id(head)]
