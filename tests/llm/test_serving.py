@@ -348,3 +348,38 @@ def test_kv_offload_serves_the_resident_servers_bits(checkpoint, weights):
         for mine, theirs in zip(a.outputs, b.outputs, strict=True):
             assert mine.token_ids == theirs.token_ids
             assert _logprobs(mine) == _logprobs(theirs)  # exact floats
+
+
+class _CompilingStep:
+    """A compiled step that is not ready for its first `ready_after` calls (None: the core
+    runs the step eagerly, as while a real one compiles in the background), then runs
+    the step (eagerly here) and counts the call as compiled."""
+
+    def __init__(self, ready_after: int):
+        self.calls, self.ready_after, self.compiled_rows = 0, ready_after, []
+
+    def usable(self, step) -> bool:
+        return True
+
+    def __call__(self, step):
+        self.calls += 1
+        if self.calls <= self.ready_after:
+            return None
+        self.compiled_rows.append(step.columns.shape[0])
+        return step()
+
+
+def test_an_answer_begun_eagerly_while_its_step_compiles_ends_eagerly(checkpoint, monkeypatch):
+    """The compiled step becomes ready while a request decodes: that request's steps stay
+    eager to its end (its bits must not depend on when the compile ended); a request that
+    starts once it is alone-free of eager rows runs compiled."""
+    with LLM(checkpoint) as llm:
+        fake = _CompilingStep(ready_after=1)
+        monkeypatch.setattr(llm, "_compiled_step", lambda rows: fake)
+        serving = llm.serving(2)
+        first = _together(llm, ["t3 t4"], GREEDY, max_num_seqs=2)[0]
+        assert fake.calls == 1 and fake.compiled_rows == []  # (asked once; all of it eager)
+        second = _together(llm, ["t3 t4"], GREEDY, max_num_seqs=2)[0]
+        assert len(fake.compiled_rows) == len(second.outputs[0].token_ids) - 1
+        assert serving.core is llm.serving().core
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids

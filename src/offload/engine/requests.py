@@ -49,6 +49,7 @@ class Row:
     sequence: SequenceState
     start: int  # the column of its first prompt token
     column: int  # where its next token is written
+    eager: bool = False  # decoded eagerly while the compiled step was not ready: stays so
 
     @property
     def is_live(self) -> bool:

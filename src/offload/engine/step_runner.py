@@ -85,9 +85,17 @@ class StepRunner:
         step = self.row_step(rows)
         self.cache.forward_writes(max(min(row.column, self.max_len - 1) for row in rows) + 1)
         compiled, logits, counted = self.model.compiled, None, False
-        if compiled is not None and step.compiled and compiled.usable(step):
+        wanted = compiled is not None and step.compiled and compiled.usable(step)
+        # An answer runs in one form: one begun eagerly while its step compiled in the
+        # background ends eagerly, and so do the steps it shares (the compiled step's
+        # bits may differ from the eager step's: a switch midway made an answer depend
+        # on when the compile ended).
+        if wanted and not any(row.eager for row in rows if row.is_live):
             logits = compiled(step)  # (None while it compiles in the background)
             counted = logits is not None and compiled.usable(step)  # (known after a call)
+        if logits is None and wanted:
+            for row in rows:
+                row.eager = True
         if logits is None:
             with invariant.decoding(len(rows)) if self.invariant else self._kernels():
                 logits = step()
