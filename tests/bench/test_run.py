@@ -72,7 +72,8 @@ LIMIT_FIELDS = {
     "forward_copy_samples_gb_per_s",
     "memory_read_gb_per_s",
     "memory_read_samples_gb_per_s",
-    "notes",
+    "disk_note",
+    "planner_note",
 }
 BATCHES = (1, 2)
 ROUNDS = 2
@@ -318,6 +319,17 @@ def test_the_result_is_json_with_the_machine_and_date(result, tmp_path):
     assert set(loaded["records"][0]) == RECORD_FIELDS
     lines = report.table(BenchResult.from_dict(loaded)).splitlines()
     assert any(line.split()[:2] == ["shifted-head", "1"] and line.endswith("NO") for line in lines)
+
+
+def test_a_result_saved_with_the_old_notes_reads_back_into_their_fields(result, tmp_path):
+    """Results written before the notes were fields ("notes": {"disk": ..., "planner":
+    ...}) still load, their notes in `disk_note` and `planner_note`."""
+    loaded = json.loads(report.save(result, tmp_path)[0].read_text())
+    limits = loaded["limits"]
+    del limits["disk_note"], limits["planner_note"]
+    limits["notes"] = {"disk": "O_DIRECT reads failed: EINVAL", "planner": "no plan"}
+    old = BenchResult.from_dict(loaded).limits
+    assert (old.disk_note, old.planner_note) == ("O_DIRECT reads failed: EINVAL", "no plan")
 
 
 def test_a_failing_peer_is_skipped_with_why_and_ours_are_not(result, tiny_llama_path):

@@ -119,7 +119,7 @@ class BenchResult:
         planner = data["planner"]
         return cls(
             workload=RunWorkload(**data["workload"]),
-            limits=Limits(**data["limits"]),
+            limits=Limits.from_dict(data["limits"]),
             compute=Compute(
                 data["compute"]["source"],
                 {int(batch): s for batch, s in data["compute"]["step_s"].items()},

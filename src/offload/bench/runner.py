@@ -85,7 +85,7 @@ def run_methods(prepared: Prepared, methods: Sequence[Method], progress: bool = 
     reads = planner.layer_reads if planner is not None else None
     limits = measure_limits(prepared.device, prepared.files, settings, layer_reads=reads)
     if why:
-        limits.notes["planner"] = why
+        limits.planner_note = why
     loaded: list[Loaded] = []
     skipped: dict[str, str] = {}
     workload = prepared.workload

@@ -26,7 +26,7 @@ SEQUENTIAL_WAY = "1 thread, 64 MiB reads"
 
 @dataclass
 class Limits:
-    """Bandwidths in GB/s (1e9 bytes; None: not measured here, see `notes`) and the
+    """Bandwidths in GB/s (1e9 bytes; None: not measured here, see `disk_note`) and the
     memory the machine has, for a planner to weigh the methods' figures against."""
 
     memcpy_gb_per_s: float
@@ -54,7 +54,18 @@ class Limits:
     # is the step's floor (`memory_read_gb_per_s`: the median).
     memory_read_gb_per_s: float | None = None
     memory_read_samples_gb_per_s: list[float] = field(default_factory=list)
-    notes: dict[str, str] = field(default_factory=dict)
+    disk_note: str | None = None  # why the disk was not measured (None: it was, or no tier)
+    planner_note: str | None = None  # why the planner made no prediction
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Limits:
+        """Limits read back from their JSON; a result written before the notes were fields
+        (a "notes" dict keyed "disk" and "planner") too."""
+        data = dict(data)
+        notes = data.pop("notes", None) or {}
+        data.setdefault("disk_note", notes.get("disk"))
+        data.setdefault("planner_note", notes.get("planner"))
+        return cls(**data)
 
     def tier_disk_gb_per_s(self) -> float | None:
         """The median of the disk's reads made the way the disk tier reads (its threads
@@ -101,7 +112,7 @@ def measure_limits(
         chosen = first_files(files, settings.disk_bytes)
         limits.page_cache_read_gb_per_s = cached_read_gb_per_s(chosen)
     else:
-        limits.notes["disk"] = "no checkpoint files to read"
+        limits.disk_note = "no checkpoint files to read"
     if device.type == "cuda":
         limits.h2d_pinned_gb_per_s = _copy_gb_per_s(device, copy_bytes, pinned=True)
         limits.h2d_pageable_gb_per_s = _copy_gb_per_s(device, copy_bytes, pinned=False)
@@ -149,7 +160,7 @@ def measure_disk(
     `probes.layer_reads`); and the tier's way again with the CPU computing beside (where
     the device is the CPU, its cores are the reads' too). Add them to `limits` and take
     the faster way's median as the disk's bandwidth."""
-    if not files or "disk" in limits.notes:  # nothing to read, or O_DIRECT refused
+    if not files or limits.disk_note is not None:  # nothing to read, or O_DIRECT refused
         return
     threads = OffloadConfig().disk.io_threads
     read_bytes = settings.disk_bytes
@@ -169,7 +180,7 @@ def measure_disk(
                 )
     except (OSError, ModelError) as error:  # no O_DIRECT here (tmpfs refuses the open)
         why = getattr(error, "strerror", None) or error
-        limits.notes["disk"] = f"O_DIRECT reads failed: {why}"
+        limits.disk_note = f"O_DIRECT reads failed: {why}"
         return
     for way, gb_per_s in ways.items():
         limits.disk_read_ways_gb_per_s.setdefault(way, []).append(gb_per_s)
