@@ -10,13 +10,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from offload.memory.placement import Link
+
 # The links a method's bytes cross, each with the machine figure that bounds it.
 LINKS = {
-    "memcpy": "host memory copy",
-    "disk": "sequential disk read (O_DIRECT)",
-    "page_cache": "read of file pages in the page cache",
-    "h2d_pinned": "host to device, from pinned memory",
-    "h2d_pageable": "host to device, from pageable memory",
+    Link.MEMCPY: "host memory copy",
+    Link.DISK: "sequential disk read (O_DIRECT)",
+    Link.PAGE_CACHE: "read of file pages in the page cache",
+    Link.H2D_PINNED: "host to device, from pinned memory",
+    Link.H2D_PAGEABLE: "host to device, from pageable memory",
 }
 COMPUTE = "compute"
 

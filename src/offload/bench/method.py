@@ -14,6 +14,7 @@ import torch
 
 from offload.bench.decode import Decoded, greedy_decode
 from offload.bench.workload import Prepared
+from offload.memory.placement import Link
 from offload.planner.layouts import Layout
 from offload.planner.shape import ModelShape
 
@@ -85,7 +86,7 @@ class Method(ABC):
     @property
     def copy_link(self) -> str:
         """The link a copy to the compute device crosses: on a CPU, a copy in host memory."""
-        return "h2d_pinned" if self.device.type == "cuda" else "memcpy"
+        return Link.H2D_PINNED if self.device.type == "cuda" else Link.MEMCPY
 
 
 def from_pretrained(prepared: Prepared, **kwargs: Any) -> torch.nn.Module:

@@ -7,7 +7,7 @@ from typing import Any, ClassVar
 
 from offload.bench.method import Figures, Method, MethodUnavailable, from_pretrained
 from offload.memory.host import meminfo_bytes
-from offload.memory.placement import DiskIO
+from offload.memory.placement import DiskIO, Link
 from offload.offloader.uva import UVAOffloader
 from offload.planner import layouts
 from offload.planner.layouts import Layout
@@ -89,14 +89,14 @@ class Ours(Method):
             # A GPU kernel reads each offloaded weight from host memory at every forward (or
             # a copy brings it in, where views are off); on a CPU it is already in place.
             cuda = self.device.type == "cuda"
-            moved = {"h2d_pinned": offloaded * self.num_forwards} if cuda else {}
+            moved = {Link.H2D_PINNED: offloaded * self.num_forwards} if cuda else {}
             return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=None)
         moved = {self.copy_link: stats.bytes_copied}
         stall_s = stats.copies.stall_s
         if self.disk_io is not None:  # the disk tier streams some layers
             # Mapped files are computed on in place, as resident weights are: nothing moves.
             # Reads around the page cache are bounded by the disk, others by the page cache.
-            read_link = "disk" if self.disk_io == DiskIO.DIRECT else "page_cache"
+            read_link = Link.DISK if self.disk_io == DiskIO.DIRECT else Link.PAGE_CACHE
             moved[read_link] = moved.get(read_link, 0) + stats.disk.bytes_read
             stall_s += stats.disk.stall_s
         return Figures(offloaded_bytes=offloaded, moved_bytes=moved, stall_s=stall_s)

@@ -18,6 +18,7 @@ from offload.bench.method import (
     from_pretrained,
     module_bytes_by_place,
 )
+from offload.memory.placement import Link
 
 
 class _Accelerate(Method):
@@ -39,9 +40,9 @@ class _Accelerate(Method):
         places = ("cpu", "disk") if self.device.type == "cuda" else ("disk",)
         on_host = sum(self.bytes_by_place.get(place, 0) for place in places)
         on_disk = self.bytes_by_place.get("disk", 0)
-        moved: dict[str, float] = {"page_cache": on_disk * self.num_forwards}
+        moved: dict[str, float] = {Link.PAGE_CACHE: on_disk * self.num_forwards}
         if self.device.type == "cuda":
-            moved["h2d_pageable"] = on_host * self.num_forwards
+            moved[Link.H2D_PAGEABLE] = on_host * self.num_forwards
         return Figures(offloaded_bytes=on_host, moved_bytes=moved, stall_s=None)
 
     def close(self) -> None:
@@ -126,4 +127,4 @@ class Diffusers(Method):
         # Every group (the blocks, and the modules outside them as one more) is copied in
         # at each forward from the pinned copy it keeps.
         total = self.prepared.total_bytes
-        return Figures(total, {"h2d_pinned": total * self.num_forwards}, stall_s=None)
+        return Figures(total, {Link.H2D_PINNED: total * self.num_forwards}, stall_s=None)

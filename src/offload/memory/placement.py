@@ -1,4 +1,5 @@
-"""The vocabulary of where a weight lives and how a weight on disk is read.
+"""The vocabulary of where a weight lives, how a weight on disk is read, and the links
+bytes cross.
 
 Each member is its own string (`Placement.DISK == "disk"`): it prints, formats, hashes
 and serializes (JSON, configs, CLI flags, vLLM-style dicts) as that string, so only the
@@ -38,6 +39,17 @@ class DiskIO(StrChoice):
     DIRECT = "direct"  # read around the page cache (O_DIRECT, or pages dropped after use)
     PAGE_CACHE = "page-cache"  # read through the page cache, the pages left there
     MMAP = "mmap"  # computed on in place from a guarded mapping of the file (CPU only)
+
+
+class Link(StrChoice):
+    """A path bytes cross on their way to compute, each bounded by one measured rate
+    (`bench.bound.LINKS`, `probes.limits.Limits.link_gb_per_s`)."""
+
+    MEMCPY = "memcpy"  # a host memory copy
+    DISK = "disk"  # a sequential read from the disk (O_DIRECT)
+    PAGE_CACHE = "page_cache"  # a read of file pages already in the page cache
+    H2D_PINNED = "h2d_pinned"  # host to device, from pinned memory
+    H2D_PAGEABLE = "h2d_pageable"  # host to device, from pageable memory
 
 
 # The ways a reader reads (the others map the file, or are not resolved yet).

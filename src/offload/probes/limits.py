@@ -16,6 +16,7 @@ from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import Extent
 from offload.memory.host import meminfo_bytes
+from offload.memory.placement import Link
 from offload.probes import disk, link
 from offload.probes.disk import cached_read_gb_per_s, first_files
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
@@ -82,11 +83,11 @@ class Limits:
     def link_gb_per_s(self) -> dict[str, float | None]:
         """The bandwidth of each link in `bound.LINKS`."""
         return {
-            "memcpy": self.memcpy_gb_per_s,
-            "disk": self.disk_read_gb_per_s,
-            "page_cache": self.page_cache_read_gb_per_s,
-            "h2d_pinned": self.h2d_pinned_gb_per_s,
-            "h2d_pageable": self.h2d_pageable_gb_per_s,
+            Link.MEMCPY: self.memcpy_gb_per_s,
+            Link.DISK: self.disk_read_gb_per_s,
+            Link.PAGE_CACHE: self.page_cache_read_gb_per_s,
+            Link.H2D_PINNED: self.h2d_pinned_gb_per_s,
+            Link.H2D_PAGEABLE: self.h2d_pageable_gb_per_s,
         }
 
 
