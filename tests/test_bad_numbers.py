@@ -79,11 +79,11 @@ def nothing_loads(monkeypatch):
     """Any step that reads a model fails the test: every check comes first."""
     import offload.llm.args as llm_args_module
     import offload.llm.auto as auto_module
-    import offload.llm.llm as llm_module
     import offload.llm.loading as loading_module
+    import offload.model.spec as spec_module
 
     for module, step in (
-        (llm_module, "build_empty"),
+        (spec_module, "build_empty"),
         (llm_args_module, "load_tokenizer"),
         (loading_module, "load_model"),
         (auto_module, "measure"),
