@@ -13,7 +13,7 @@ import torch
 
 from offload.api import OffloadPlan, plan
 from offload.cli.defaults import whole_stack_config
-from offload.cli.models import llm_of, spec_of
+from offload.cli.models import llm_arguments, llm_of, spec_of
 from offload.cli.options import QUESTION
 from offload.config import Backend, OffloadConfig
 from offload.engine import cpu_step
@@ -57,13 +57,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     show_progress = not args.no_progress and sys.stderr.isatty()
     config = OffloadConfig.from_cli_args(args)
-    spec = spec_of(args, args.model, config)
-    if config.selected_backend == Backend.NONE and not args.no_offload:
-        config = whole_stack_config(spec.empty)
-    llm = llm_of(
-        args,
-        spec,
-        config,
+    more = dict(
         progress=show_progress,
         swap_space=args.swap_space,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -71,6 +65,11 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant or None,  # (unset: VLLM_BATCH_INVARIANT decides)
     )
+    llm_arguments(args, config, **more)  # (checked before the model is read)
+    spec = spec_of(args, args.model, config)
+    if config.selected_backend == Backend.NONE and not args.no_offload:
+        config = whole_stack_config(spec.empty)
+    llm = llm_of(args, spec, config, **more)
     # With no prompt, the default question goes through the chat template, if there is one.
     chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))
     prompts = args.prompt or [QUESTION]

@@ -4,8 +4,10 @@ resolved once (a `ModelSpec`), then handed to the `LLM` with the command's flags
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from offload.config import OffloadConfig
+from offload.llm.engine_args import EngineArgs
 from offload.llm.llm import LLM
 from offload.llm.spec import ModelSpec, model_spec
 
@@ -13,8 +15,13 @@ from offload.llm.spec import ModelSpec, model_spec
 def llm_of(args: argparse.Namespace, model, config: OffloadConfig, **more) -> LLM:
     """The `LLM` of a command's model (a `ModelSpec`, or a folder), device, budget and
     offload flags (and `more`)."""
-    return LLM(
-        model,
+    return LLM(model, **llm_arguments(args, config, **more))
+
+
+def llm_arguments(args: argparse.Namespace, config: OffloadConfig, **more) -> dict[str, Any]:
+    """`LLM`'s keyword arguments from a command's flags (and `more`), checked as one
+    record (`EngineArgs`): called before the model is read, a bad flag costs nothing."""
+    arguments = dict(
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
@@ -26,6 +33,8 @@ def llm_of(args: argparse.Namespace, model, config: OffloadConfig, **more) -> LL
         quantization=args.quantization,
         **more,
     )
+    EngineArgs(**arguments)
+    return arguments
 
 
 def spec_of(
