@@ -77,13 +77,15 @@ CASES = [
 @pytest.fixture
 def nothing_loads(monkeypatch):
     """Any step that reads a model fails the test: every check comes first."""
+    import offload.cli.models as cli_models_module
     import offload.llm.args as llm_args_module
     import offload.llm.auto as auto_module
-    import offload.llm.llm as llm_module
+    import offload.llm.engine_args as engine_args_module
     import offload.llm.loading as loading_module
 
     for module, step in (
-        (llm_module, "build_empty"),
+        (engine_args_module, "model_spec"),  # (LLM's model)
+        (cli_models_module, "model_spec"),  # (a command's model)
         (llm_args_module, "load_tokenizer"),
         (loading_module, "load_model"),
         (auto_module, "measure"),

@@ -64,11 +64,11 @@ def test_bad_llm_arguments_are_refused_before_anything_loads(
     smollm2_path, monkeypatch, kwargs, needle
 ):
     import offload.llm.args as llm_args_module
-    import offload.llm.llm as llm_module
     import offload.llm.loading as loading_module
+    import offload.model.spec as spec_module
 
     for module, step in (
-        (llm_module, "build_empty"),
+        (spec_module, "build_empty"),
         (llm_args_module, "load_tokenizer"),
         (loading_module, "load_model"),
     ):

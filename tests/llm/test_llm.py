@@ -150,12 +150,12 @@ def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(
 
 
 def test_swap_space_beyond_ram_is_refused_before_loading(smollm2_path, monkeypatch):
-    import offload.llm.llm as llm_module
+    import offload.model.spec as spec_module
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("read the model before refusing swap_space")
 
-    monkeypatch.setattr(llm_module, "build_empty", must_not_run)
+    monkeypatch.setattr(spec_module, "build_empty", must_not_run)
     with pytest.raises(ConfigError, match=r"swap_space=100000 GiB is not possible.*RAM available"):
         LLM(smollm2_path, swap_space=100_000)
     with pytest.raises(ConfigError, match="swap_space=-1 GiB is not possible"):

@@ -14,15 +14,15 @@ import torch
 
 from offload.bench.checkpoint import write_random_checkpoint
 from offload.errors import ConfigError
+from offload.llm.spec import ModelSpec, model_spec
 from offload.memory.cache_trust import cache_folder
 from offload.memory.device import check_device
 from offload.memory.safetensors import referenced_files
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
 from offload.model.default import default_model_path, gguf_path
-from offload.model.sources import kernels_for, resolve_model
+from offload.model.sources import kernels_for
 from offload.offloader.layers import find_layers
-from offload.probes.layout_choice import LayoutChooser
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
 from offload.quant.layouts import packing_of
 from offload.quant.quantized import check_quantization
@@ -82,6 +82,7 @@ class Prepared:
     vocab_size: int
     gguf: Path | None = None  # the GGUF file the checkpoint was made from, if one was
     settings: MeasureSettings = DEFAULT_SETTINGS  # how much the probes of the machine move
+    spec: ModelSpec | None = None  # the model resolved once and built on meta (read only)
 
     @property
     def outside_layers_bytes(self) -> int:
@@ -103,15 +104,16 @@ def prepare(workload: Workload) -> Prepared:
     source = _gguf_source(workload.model)
     shape = _random_shape(workload.model)
     if source is not None or (workload.quantization is not None and not shape):
-        path = resolve_model(
+        spec = model_spec(  # (as asked: a .gguf as float32 unless "gguf" is)
             workload.model,
-            quantization=workload.quantization,
             device=device,
-            layout_chooser=LayoutChooser,
+            dtype=workload.dtype,
+            quantization=workload.quantization,
+            as_stored=False,
         )
         form = "as stored" if workload.quantization else "as float32"
         name = f"{(source or gguf_path()).name} {form}"
-    else:
+    else:  # (a folder as it is: its weights are what the methods read)
         path, name = resolve_checkpoint(
             workload.model,
             workload.dtype,
@@ -119,7 +121,8 @@ def prepare(workload: Workload) -> Prepared:
             quantized="Q4_0" if workload.quantization else None,
             kernels=kernels_for(device),
         )
-    model = build_empty(path, workload.dtype)
+        spec = ModelSpec(path, device, workload.dtype, None, build_empty(path, workload.dtype))
+    path, model = spec.path, spec.empty
     _check_length(workload, getattr(model.config, "max_position_embeddings", None))
     layers = find_layers(model)
     return Prepared(
@@ -133,6 +136,7 @@ def prepare(workload: Workload) -> Prepared:
         layer_bytes=[parameter_bytes(layer) for layer in layers],
         vocab_size=model.config.vocab_size,
         gguf=source or (gguf_path() if workload.model is None else None),
+        spec=spec,
     )
 
 

@@ -13,6 +13,7 @@ import torch
 
 from offload.api import OffloadPlan, plan
 from offload.cli.defaults import whole_stack_config
+from offload.cli.models import llm_arguments, llm_of, spec_of
 from offload.cli.options import QUESTION
 from offload.config import Backend, OffloadConfig
 from offload.engine import cpu_step
@@ -23,19 +24,14 @@ from offload.llm.auto import planner_for
 from offload.llm.fit import plan_memory
 from offload.llm.llm import LLM
 from offload.llm.streaming import TextStream
-from offload.memory.device import check_device
 from offload.memory.placement import DiskIO, Placement
-from offload.model.build import build_empty
-from offload.model.configs import resolve
-from offload.model.sources import resolve_model, stored_unless_asked
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.budget import describe_budget
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit
 from offload.planner.overhead import fixed_overhead
 from offload.planner.shape import shape_of
 from offload.probes.host import process_memory_bytes
-from offload.probes.layout_choice import LayoutChooser
-from offload.quant.quantized import check_quantization, stored_form
+from offload.quant.quantized import stored_form
 from offload.sizes import GIB, compute_dtype, format_bytes, parameter_bytes
 
 # The `generate` flags that are SamplingParams fields of the same name.
@@ -53,35 +49,6 @@ _SAMPLING_FLAGS = (
 )
 
 
-def llm_of(args: argparse.Namespace, path, config: OffloadConfig, **more) -> LLM:
-    """The `LLM` of a command's model, device, budget and offload flags (and `more`)."""
-    return LLM(
-        path,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        device_memory_gb=args.device_memory_gb,
-        trust_remote_code=args.trust_remote_code,
-        offload_config=config,
-        quantization=args.quantization,
-        **more,
-    )
-
-
-def model_path(args: argparse.Namespace, model: str | None, config: OffloadConfig) -> Path:
-    """The folder of a command's model (a .gguf as stored, on the layout of the device it
-    will run on, unless --dtype asks for a float conversion)."""
-    device = check_device(args.device)
-    quantization = check_quantization(args.quantization, "--quantization")
-    stored = stored_unless_asked(model, quantization, args.dtype, device)
-    where = config.disk.offload_folder
-    return resolve_model(
-        model, where, quantization=stored, device=device, layout_chooser=LayoutChooser
-    )
-
-
 def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     """Load, generate and write the answers (streamed when there is one) and a line of
     figures to `out` (default: stdout)."""
@@ -90,13 +57,7 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     params = SamplingParams(**{name: getattr(args, name) for name in _SAMPLING_FLAGS})
     show_progress = not args.no_progress and sys.stderr.isatty()
     config = OffloadConfig.from_cli_args(args)
-    path = model_path(args, args.model, config)
-    if config.selected_backend == Backend.NONE and not args.no_offload:
-        config = whole_stack_config(build_empty(path, args.dtype, args.trust_remote_code))
-    llm = llm_of(
-        args,
-        path,
-        config,
+    more = dict(
         progress=show_progress,
         swap_space=args.swap_space,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -104,6 +65,11 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
         enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant or None,  # (unset: VLLM_BATCH_INVARIANT decides)
     )
+    llm_arguments(args, config, **more)  # (checked before the model is read)
+    spec = spec_of(args, args.model, config)
+    if config.selected_backend == Backend.NONE and not args.no_offload:
+        config = whole_stack_config(spec.empty)
+    llm = llm_of(args, spec, config, **more)
     # With no prompt, the default question goes through the chat template, if there is one.
     chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))
     prompts = args.prompt or [QUESTION]
@@ -235,8 +201,8 @@ def inspected_model(args: argparse.Namespace) -> str | None:
 
 def inspect(args: argparse.Namespace) -> str:
     name = inspected_model(args)
-    path = model_path(args, resolve(name) if name else None, OffloadConfig())
-    model = build_empty(path, args.dtype, args.trust_remote_code)
+    spec = spec_of(args, name, OffloadConfig(), shapes=True)
+    path, model = spec.path, spec.empty
     total = parameter_bytes(model)
     dtype = compute_dtype(model)
     stored = stored_form(model.config)
@@ -260,7 +226,7 @@ def inspect(args: argparse.Namespace) -> str:
     else:
         lines.append("  KV cache: none (no attention heads)")
     config = OffloadConfig.from_cli_args(args)
-    device = check_device(args.device)
+    device = spec.device
     lines += _budget_lines(path, model, config, device, args)
     fits, config, planned = _what_fits(path, model, config, device, args)
     lines.append(fits)

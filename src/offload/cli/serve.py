@@ -69,7 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _checked_and_served(args: argparse.Namespace) -> int:
-    from offload.cli.commands import model_path
+    from offload.cli.models import spec_of
 
     integer("--port", args.port, 0, 65535, what="in [0, 65535]")
     integer("--max-num-seqs", args.max_num_seqs, 1, what=">= 1")
@@ -82,11 +82,11 @@ def _checked_and_served(args: argparse.Namespace) -> int:
     if args.model_tag and args.model and args.model_tag != args.model:
         raise ConfigError("give the model once: as MODEL or as --model")
     config = OffloadConfig.from_cli_args(args)
-    path = model_path(args, name, config)
+    spec = spec_of(args, name, config)
     # The port is taken before the model loads (as vLLM does): a busy port is an error in
     # a second, not after a load of minutes.
     with _listening(args.host, args.port) as sock:
-        return _serve(args, sock, path, config, name, waiting)
+        return _serve(args, sock, spec, config, name, waiting)
 
 
 class _Stopped(KeyboardInterrupt):
@@ -118,14 +118,14 @@ def _on_signals(stop):
             signal.signal(sig, handler)
 
 
-def _serve(args, sock, path, config, name, waiting) -> int:
+def _serve(args, sock, spec, config, name, waiting) -> int:
     import uvicorn
 
     from offload.cli.options import package_version
     from offload.server.app import ServeSettings, make_app
 
     progress = not args.no_progress and sys.stderr.isatty()
-    llm = serve_llm(args, path, config, progress)
+    llm = serve_llm(args, spec, config, progress)
     settings = ServeSettings(
         model_name=args.served_model_name or name or DEFAULT_MODEL_NAME,
         api_key=args.api_key,
@@ -186,13 +186,14 @@ def _serve(args, sock, path, config, name, waiting) -> int:
     return 0
 
 
-def serve_llm(args: argparse.Namespace, path, config: OffloadConfig, progress: bool = False):
-    """The `LLM` that `offload serve` runs (`--enforce-eager`: no compiled CPU step)."""
-    from offload.cli.commands import llm_of
+def serve_llm(args: argparse.Namespace, model, config: OffloadConfig, progress: bool = False):
+    """The `LLM` that `offload serve` runs (`--enforce-eager`: no compiled CPU step), of
+    `model`: its `ModelSpec` (or a folder)."""
+    from offload.cli.models import llm_of
 
     return llm_of(
         args,
-        path,
+        model,
         config,
         max_num_seqs=args.max_num_seqs,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

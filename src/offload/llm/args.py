@@ -4,7 +4,6 @@ here), the kind of model, and the tokenizer that goes with a model directory."""
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -73,9 +72,3 @@ def as_run(config: OffloadConfig) -> OffloadConfig:
         return replace(config, offload_backend=backend)
     except ConfigError:
         return config
-
-
-def own_argument_names(cls: type) -> list[str]:
-    """`cls`'s own keyword arguments (`LLM`'s), named when an unknown one is refused."""
-    parameters = inspect.signature(cls.__init__).parameters
-    return [n for n in parameters if n not in ("self", "offload_flags")]

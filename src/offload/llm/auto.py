@@ -23,11 +23,8 @@ from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH, GPU_ME
 from offload.engine import cpu_step
 from offload.llm.budget import MIN_FITTED_LEN, shorter_power_of_two
 from offload.llm.fit import MemoryPlan, plan_memory
-from offload.memory.device import check_device
+from offload.llm.spec import ModelSpec, model_spec
 from offload.memory.placement import DiskIO
-from offload.model.build import build_empty
-from offload.model.configs import resolve
-from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.choose import Budgets, candidates, fits_at_all
 from offload.planner.fit import checked_context_len, model_len_limit
 from offload.planner.overhead import fixed_overhead
@@ -39,10 +36,8 @@ from offload.planner.plan import (
     measurable_batches,
 )
 from offload.planner.shape import shape_of
-from offload.probes.layout_choice import LayoutChooser
 from offload.probes.measure import measure
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
-from offload.quant.quantized import check_quantization
 
 _logger = logging.getLogger(__name__)
 
@@ -178,7 +173,7 @@ def _merged(user: OffloadConfig, planned: OffloadConfig) -> OffloadConfig:
 
 
 def plan_for(
-    model: str | Path | None = None,
+    model: str | Path | ModelSpec | None = None,
     device: str | torch.device = "auto",
     *,
     dtype: str = "auto",
@@ -195,7 +190,7 @@ def plan_for(
     settings: MeasureSettings = DEFAULT_SETTINGS,
 ) -> Plan:
     """Plan how to run `model` (a folder, a Hugging Face id, a shipped shape such as
-    "llama-3-8b", or None: the default model) on `device`: measure this machine (once,
+    "llama-3-8b", None: the default model, or its `ModelSpec` made already) on `device`: measure this machine (once,
     cached; `remeasure` measures again), then choose the placement and batch size with
     the most tokens per second under the device budget (`gpu_memory_utilization` of the
     device, or `device_memory_gb`) and the host budget (`cpu_memory_gb`, default the RAM
@@ -206,14 +201,18 @@ def plan_for(
     To run a plan: `LLM(model, offload_config=plan.config, kv_offload=plan.kv_offload,
     max_model_len=plan.context_len)` and up to `plan.batch_size` prompts a call (an `LLM`
     given only budgets plans for batch 1 itself, see `planner_for`)."""
-    quantization = check_quantization(quantization, "quantization")
-    device = check_device(device)
-    model = resolve(model) if model is not None else None
-    quantization = stored_unless_asked(model, quantization, dtype, device)
-    path = resolve_model(
-        model, quantization=quantization, device=device, layout_chooser=LayoutChooser
-    )
-    empty = build_empty(path, dtype, trust_remote_code)
+    spec = model if isinstance(model, ModelSpec) else None
+    if spec is None:  # (the one model preamble: `model_spec`)
+        spec = model_spec(
+            model,
+            device=device,
+            dtype=dtype,
+            quantization=quantization,
+            quantization_name="quantization",
+            trust_remote_code=trust_remote_code,
+            shapes=True,
+        )
+    path, empty, device = spec.path, spec.empty, spec.device
     limit = model_len_limit(empty.config)
     asked_len = context_len
     context_len = min(DEFAULT_CONTEXT_LEN, limit) if context_len is None else context_len

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import threading
 import weakref
@@ -25,41 +24,29 @@ from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceSt
 from offload.engine.tokens import TokenSteps
 from offload.engine.transfer_stats import TransferStats
 from offload.errors import ConfigError
-from offload.llm.args import (
-    as_run,
-    check_attention_model,
-    offload_config_of,
-    own_argument_names,
-)
-from offload.llm.auto import planned_memory
-from offload.llm.budget import host_budget_of, load_fitted
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import (
-    batch_invariant_of,
-    check_llm_args,
     check_token_ids,
     check_use_tqdm,
     parse_prompts,
     serialized,
     vocab_limit,
 )
-from offload.llm.loading import load_into, prepare_steps
+from offload.llm.engine_args import EngineArgs
 from offload.llm.serving import Serving, row_plan
-from offload.memory.device import check_device
+from offload.llm.spec import ModelSpec
+from offload.llm.start import start_llm
 from offload.memory.host import trim_after_collection, trim_freed_memory
 from offload.memory.threads import check_not_forked
-from offload.model.build import build_empty
-from offload.model.configs import resolve as shipped
-from offload.model.sources import resolve_model, stored_unless_asked
-from offload.probes.layout_choice import LayoutChooser
-from offload.quant.quantized import check_quantization
 
 
 class LLM(DecodeLoop):
     """Load a model with offloading in place and generate text, as vLLM's `LLM` does.
 
     `model` is a Hugging Face model directory with safetensors weights (default: the
-    bundled SmolLM2-135M-Instruct). Offloading is set by an `offload_config`
+    bundled SmolLM2-135M-Instruct), or a `ModelSpec` made beforehand
+    (`offload.llm.spec.model_spec`: it is not resolved again, and its device and dtype are
+    used). The arguments are checked as one record first (`EngineArgs`). Offloading is set by an `offload_config`
     (`OffloadConfig` or dict) or by vLLM's keyword names: `cpu_offload_gb`,
     `cpu_offload_params`, `offload_backend`, `offload_group_size`,
     `offload_num_in_group`, `offload_prefetch_step`, `offload_params`.
@@ -89,7 +76,7 @@ class LLM(DecodeLoop):
 
     def __init__(
         self,
-        model: str | Path | None = None,
+        model: str | Path | ModelSpec | None = None,
         *,
         dtype: str | torch.dtype = "auto",
         quantization: str | None = None,
@@ -114,6 +101,8 @@ class LLM(DecodeLoop):
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
     ):
+        args = EngineArgs(**{name: value for name, value in locals().items() if name != "self"})
+        self.engine_args = args
         self._lock = threading.Lock()
         self._serving_lock = threading.Lock()
         self._served: Serving | None = None
@@ -123,64 +112,15 @@ class LLM(DecodeLoop):
         # are trimmed at the collection that ends it (else RSS keeps what it held).
         weakref.finalize(self, trim_after_collection)
         self._on_step: Callable[[list[SequenceState]], None] | None = None  # see _streaming
-        limits = check_llm_args(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            device_memory_gb=device_memory_gb,
-            seed=seed,
-            load_format=load_format,
-            kv_offload=kv_offload,
-            enforce_eager=enforce_eager,
-            progress=progress,
-            tensor_parallel_size=tensor_parallel_size,
-            max_logprobs=max_logprobs,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            trust_remote_code=trust_remote_code,
-            swap_space=swap_space,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-        )
-        config = offload_config_of(offload_config, offload_flags, own_argument_names(LLM))
+        limits = args.limits
         self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
         self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:6]
-        # Each sequence's numbers whatever its batch (`engine/invariant.py`).
-        self.batch_invariant = batch_invariant_of(batch_invariant, self.kv_offload)
+        self.batch_invariant = args.is_batch_invariant
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
-        # A shipped shape's name (llama-3-8b, ...) with dummy weights, as `inspect` takes it.
-        self.device = check_device(device)
-        path = resolve_model(
-            shipped(model) if load_format == "dummy" and model else model,
-            config.disk.offload_folder,
-            quantization=stored_unless_asked(
-                model, check_quantization(quantization), dtype, self.device
-            ),
-            device=self.device,
-            layout_chooser=LayoutChooser,
-        )
+        spec = args.model_spec()
+        self.device = spec.device
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
-        empty = build_empty(path, dtype, trust_remote_code)
-        check_attention_model(empty)
-        plan = planned_memory(
-            self, path, empty, config, max_model_len, gpu_memory_utilization, device_memory_gb
-        )
-        asked_gb = config.disk.cpu_memory_gb  # (a plan may keep fewer layers in RAM)
-        self.max_model_len, self.memory_needs, config = plan.max_model_len, plan.needs, plan.config
-        self.offload_config = as_run(config)  # what runs: "auto" resolved, the planner's choice
-        # On a CPU, cpu_memory_gb bounds the process (llm/budget.py), planned or not.
-        budget_gb = asked_gb if config.disk.is_active else None
-        offloaded = plan.offloaded_bytes
-        self.host_budget = host_budget_of(self, empty, offloaded, budget_gb, device_memory_gb)
-        load = functools.partial(
-            load_into, self, path, empty, plan, tokenizer, dtype, load_format, progress
-        )
-        fit = max_model_len is None  # (the default context may shrink to fit the budget)
-        load_fitted(self, load, empty, offloaded, (budget_gb, device_memory_gb), fit)
-        prepare_steps(self, config, enforce_eager)
-        self.seed = seed
-        torch.manual_seed(seed)
+        start_llm(self, args, spec)
 
     # -- public API -------------------------------------------------------------
 

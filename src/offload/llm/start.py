@@ -1,0 +1,56 @@
+"""What `LLM(...)` does once its arguments are checked (`EngineArgs`) and its model
+resolved (`ModelSpec`): plan the memory, load the weights within the budgets, and
+prepare the decode steps."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from offload.llm.args import as_run, check_attention_model
+from offload.llm.auto import planned_memory
+from offload.llm.budget import host_budget_of, load_fitted
+from offload.llm.engine_args import EngineArgs
+from offload.llm.loading import load_into, prepare_steps
+from offload.model.spec import ModelSpec
+
+
+def start_llm(llm: Any, args: EngineArgs, spec: ModelSpec) -> None:
+    """Plan, load and prepare `llm` (its limits set from `args` already) for `spec`."""
+    path, empty = spec.path, spec.empty
+    check_attention_model(empty)
+    config = args.config
+    plan = planned_memory(
+        llm,
+        path,
+        empty,
+        config,
+        args.max_model_len,
+        args.gpu_memory_utilization,
+        args.device_memory_gb,
+    )
+    asked_gb = config.disk.cpu_memory_gb  # (a plan may keep fewer layers in RAM)
+    llm.max_model_len, llm.memory_needs, config = plan.max_model_len, plan.needs, plan.config
+    llm.offload_config = as_run(config)  # what runs: "auto" resolved, the planner's choice
+    # On a CPU, cpu_memory_gb bounds the process (llm/budget.py), planned or not.
+    budget_gb = asked_gb if config.disk.is_active else None
+    offloaded, device_memory_gb = plan.offloaded_bytes, args.device_memory_gb
+    llm.host_budget = host_budget_of(llm, empty, offloaded, budget_gb, device_memory_gb)
+    load = functools.partial(
+        load_into,
+        llm,
+        path,
+        empty,
+        plan,
+        args.tokenizer,
+        spec.dtype,
+        args.load_format,
+        args.progress,
+    )
+    fit = args.max_model_len is None  # (the default context may shrink to fit the budget)
+    load_fitted(llm, load, empty, offloaded, (budget_gb, device_memory_gb), fit)
+    prepare_steps(llm, config, args.enforce_eager)
+    llm.seed = args.seed
+    torch.manual_seed(args.seed)
