@@ -370,16 +370,28 @@ class _CompilingStep:
 
 
 def test_an_answer_begun_eagerly_while_its_step_compiles_ends_eagerly(checkpoint, monkeypatch):
-    """The compiled step becomes ready while a request decodes: that request's steps stay
+    """With `keep_form`: the compiled step becomes ready while a request decodes: its steps stay
     eager to its end (its bits must not depend on when the compile ended); a request that
     starts once it is alone-free of eager rows runs compiled."""
     with LLM(checkpoint) as llm:
         fake = _CompilingStep(ready_after=1)
         monkeypatch.setattr(llm, "_compiled_step", lambda rows: fake)
         serving = llm.serving(2)
+        serving.core.runner.keep_form = True  # (as `generate`'s static batch has it)
         first = _together(llm, ["t3 t4"], GREEDY, max_num_seqs=2)[0]
         assert fake.calls == 1 and fake.compiled_rows == []  # (asked once; all of it eager)
         second = _together(llm, ["t3 t4"], GREEDY, max_num_seqs=2)[0]
         assert len(fake.compiled_rows) == len(second.outputs[0].token_ids) - 1
         assert serving.core is llm.serving().core
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_a_server_switches_to_its_compiled_step_as_soon_as_it_is_ready(checkpoint, monkeypatch):
+    """Without `keep_form` (the server's default): the step compiled in the background is
+    used from the first step after it is ready, whoever began eagerly (else steady traffic
+    would keep every row eager)."""
+    with LLM(checkpoint) as llm:
+        fake = _CompilingStep(ready_after=1)
+        monkeypatch.setattr(llm, "_compiled_step", lambda rows: fake)
+        first = _together(llm, ["t3 t4"], GREEDY, max_num_seqs=2)[0]
+    assert len(fake.compiled_rows) == len(first.outputs[0].token_ids) - 2  # (all but 1 step)
