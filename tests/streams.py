@@ -1,7 +1,9 @@
-"""Requests from several threads at once, as `offload serve` gets them."""
+"""Requests from several threads at once, as `offload serve` gets them, and the random
+prompts they send."""
 
 from __future__ import annotations
 
+import random
 import threading
 
 
@@ -21,3 +23,12 @@ def streamed_apart(llm, prompts, params, answer) -> list:
     for thread in threads:
         thread.join(timeout=120)
     return [outputs.get(i) for i in range(len(prompts))]
+
+
+def random_prompts(vocab: int, lengths, seed: int = 0) -> list[dict]:
+    """One prompt of random token ids (none of the first three) per length in `lengths`."""
+    generator = random.Random(seed)
+    return [
+        {"prompt_token_ids": [generator.randrange(3, vocab) for _ in range(length)]}
+        for length in lengths
+    ]

@@ -11,7 +11,7 @@ import gguf_files
 import packed_zoo
 import pytest
 import torch
-from streams import streamed_apart
+from streams import random_prompts, streamed_apart
 
 from offload import LLM, SamplingParams
 from offload.engine import invariant
@@ -22,11 +22,7 @@ LENGTHS = (1, 2, 3, 5, 9, 30)  # prompt lengths in tokens (batches of 1-6 rows: 
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[dict]:
-    generator = random.Random(seed)
-    return [
-        {"prompt_token_ids": [generator.randrange(3, vocab) for _ in range(length)]}
-        for length in LENGTHS
-    ]
+    return random_prompts(vocab, LENGTHS, seed)
 
 
 def _answer(output) -> tuple:

@@ -12,7 +12,7 @@ import random
 import gguf_files
 import packed_zoo
 import pytest
-from streams import streamed_apart
+from streams import random_prompts, streamed_apart
 
 from offload import LLM, SamplingParams
 
@@ -23,11 +23,7 @@ LENGTHS = (7, 1, 30, 3, 12, 2)  # prompt lengths in tokens, the longest not last
 
 
 def _prompts(vocab: int, seed: int = 0) -> list[dict]:
-    generator = random.Random(seed)
-    return [
-        {"prompt_token_ids": [generator.randrange(3, vocab) for _ in range(length)]}
-        for length in LENGTHS
-    ]
+    return random_prompts(vocab, LENGTHS, seed)
 
 
 def _first(output) -> tuple:
