@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -67,3 +68,29 @@ class Server:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             self.process.wait(timeout=30)
+
+
+class InProcess:
+    """`offload serve`'s app over `llm`, on uvicorn in a thread of this process."""
+
+    def __init__(self, llm, **settings):
+        import uvicorn
+
+        from offload.server.app import ServeSettings, make_app
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        app = make_app(llm, ServeSettings("tiny", **settings))
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error"))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test")
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)

@@ -171,6 +171,20 @@ def greedy(model: torch.nn.Module, ids: torch.Tensor, num_tokens: int = 6) -> to
     )
 
 
+@torch.no_grad()
+def greedy_new_tokens(
+    model: torch.nn.Module, prompts: list[list[int]], num: int
+) -> list[list[int]]:
+    """transformers' own greedy answer of exactly `num` new tokens to each prompt, alone."""
+    answers = []
+    for ids in prompts:
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=num, min_new_tokens=num, do_sample=False
+        )
+        answers.append(out[0, len(ids) :].tolist())
+    return answers
+
+
 def layer_param_bytes(model: torch.nn.Module) -> int:
     from offload.offloader.layers import find_layers
 

@@ -116,7 +116,7 @@ def _guard_checks(llm) -> int:
 
 @pytest.fixture(scope="module")
 def resident_compiled(checkpoint):
-    return _resident_runs(checkpoint, _run, (1, 128))
+    return _resident_runs(checkpoint, _run, ("row", 2, 128))  # (a lone row, of 2 held)
 
 
 @pytest.mark.parametrize("setting", list(OFFLOADS))
@@ -125,11 +125,11 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
 ):
     llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
     assert _run(llm) == resident_compiled[0]
-    assert "compiling the CPU decode step for batch 1, cache 128" in capsys.readouterr().err
+    assert "compiling the CPU decode step for a lone row" in capsys.readouterr().err
     # (KV offload's graph names its offloader's id, a constant: part of the key)
     assert llm._cpu_step is not None and len(llm._cpu_step._steps) == 1
     [key] = llm._cpu_step._steps
-    assert key[:2] == (1, 128) and (key[2:3] == ("kv",)) == (setting == "kv-cache")
+    assert key[:3] == ("row", 2, 128) and ("kv" in key) == (setting == "kv-cache")
     # Kept on disk (prefetch hooks and KV offload's layers name their offloader by id),
     # in one graph (KV offload's cache update is one op).
     assert {path.suffix for path in step_cache.folder().glob("*")} == {".pt2", ".digest"}
@@ -154,11 +154,11 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
 def test_a_call_whose_kv_offloader_gets_another_id_runs_a_step_that_names_it(
     checkpoint, resident_compiled, compiles
 ):
-    """A compiled step with KV offload names its call's KV offloader by id, a constant of
-    its graph. The next call's offloader gets the smallest free id, which may be another
-    one (the last call's id still held, or freed while a lower one came free): its step
-    must name the new id, never the old (missing: an error; another offloader's: the
-    wrong cache)."""
+    """A compiled step with KV offload names its core's KV offloader by id, a constant of
+    its graph. A call that needs more rows makes a larger core, whose offloader gets the
+    smallest free id, which may be another one (the last one's id still held, or freed
+    while a lower one came free): its step must name the new id, never the old (missing:
+    an error; another offloader's: the wrong cache)."""
     from offload.offloader import ops
 
     holder = type("Holder", (), {})()  # (holds the smallest free id for the first call)
@@ -166,9 +166,13 @@ def test_a_call_whose_kv_offloader_gets_another_id_runs_a_step_that_names_it(
     llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS["kv-cache"])
     assert _run(llm) == resident_compiled[0]
     [(*_, first)] = llm._cpu_step._steps
-    ops.unregister(held)  # the next call's KV offloader takes it
-    assert _run(llm) == resident_compiled[0]
-    assert first != held and {key[3] for key in llm._cpu_step._steps} == {first, held}
+    ops.unregister(held)  # the next core's KV offloader takes it
+    longer = SamplingParams(temperature=0, max_tokens=130, logprobs=5, ignore_eos=True)
+    [out] = llm.generate(PROMPT, longer, use_tqdm=False)  # (256 positions: a new core)
+    tokens, logprobs = resident_compiled[0]
+    assert out.outputs[0].token_ids[: len(tokens)] == tokens
+    assert out.outputs[0].logprobs[: len(tokens)] == logprobs
+    assert first != held and {key[-1] for key in llm._cpu_step._steps} == {first, held}
 
 
 def test_the_compiled_step_computes_the_eager_steps_function(resident_compiled):
@@ -208,7 +212,7 @@ def _run_batch(llm):
 
 @pytest.fixture(scope="module")
 def resident_batch(checkpoint):
-    return _resident_runs(checkpoint, _run_batch, (2, 128))
+    return _resident_runs(checkpoint, _run_batch, ("rows", 2, 128))
 
 
 @pytest.mark.parametrize("setting", list(OFFLOADS))
@@ -219,7 +223,7 @@ def test_a_compiled_batch_offloaded_equals_it_resident_bitwise(
     has them): offloaded, it gives the compiled resident batch's bits."""
     llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
     assert _run_batch(llm) == resident_batch[0]
-    assert [key[:2] for key in llm._cpu_step._steps] == [(2, 128)]
+    assert [key[:3] for key in llm._cpu_step._steps] == [("rows", 2, 128)]
     assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
 
 
@@ -287,7 +291,7 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step(checkpoint, compiles):
     for length in (3, 12, 40):
         llm.generate({"prompt_token_ids": list(range(5, 5 + length))}, GREEDY, use_tqdm=False)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert set(llm._cpu_step._steps) == {(1, 128)}
+    assert set(llm._cpu_step._steps) == {("row", 2, 128)}
     assert llm.transfer_stats().num_compiled_steps == 4 * (GREEDY.max_tokens - 1)
 
 
@@ -558,8 +562,8 @@ def served(checkpoint, tmp_path_factory):
 
 def test_served_steps_run_two_compiled_graphs_a_lone_row_s_and_the_batches(served):
     *_, made, _, llm = served
-    assert made == 2 and set(llm._cpu_step._steps) == {("rows",), ("row",)}
-    assert llm._cpu_step.graphs == {("rows",): 1, ("row",): 1}
+    assert made == 2 and sorted(key[0] for key in llm._cpu_step._steps) == ["row", "rows"]
+    assert list(llm._cpu_step.graphs.values()) == [1, 1]
 
 
 def test_the_served_compiled_step_computes_the_eager_steps_function(served):
@@ -594,7 +598,7 @@ def test_served_compiled_steps_with_the_kv_cache_in_host_memory_give_its_device_
     llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4, kv_offload=True)
     assert _serve(llm) == served[0]
     assert llm.transfer_stats().num_compiled_steps == served[3]
-    assert {key[:2] for key in llm._cpu_step._steps} == {
+    assert {(key[0], key[3]) for key in llm._cpu_step._steps} == {
         ("rows", "kv offload"),
         ("row", "kv offload"),
     }
@@ -612,7 +616,8 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
     for layer in rows.cache.layers:  # (marked, to see what the warm-up writes)
         layer.all_keys.fill_(float("nan"))
     serving.warm_up()
-    assert set(first._cpu_step._steps) == {("rows",), ("row",)} and first._cpu_step.loaded == 0
+    assert sorted(key[0] for key in first._cpu_step._steps) == ["row", "rows"]
+    assert first._cpu_step.loaded == 0
     # Its padding rows wrote only the column past max_len, which no row reads (the first
     # layer's keys there are the tokens' own; the later ones' come from what the marks gave).
     layers = rows.cache.layers

@@ -83,19 +83,23 @@ def test_an_answer_begun_eagerly_ends_eagerly_when_its_step_becomes_ready(
     while its step compiled runs every step eagerly, even once the step is ready (a
     switch midway made an answer depend on when the compile ended); the next answer runs
     compiled."""
+    from offload.engine.step_runner import StepRunner
+
     llm = LLM(checkpoint, device="cpu", dtype="float32")
-    kernels = llm._step_kernels
+    kernels, calls = StepRunner._kernels, []
 
-    def compile_done_during_the_first_eager_step():
-        gate.set()
-        assert llm._cpu_step.wait(60)
-        return kernels()
+    def compile_done_during_the_first_eager_step(runner):
+        calls.append(1)
+        if len(calls) == 2:  # (the first: the prompt's prefill)
+            gate.set()
+            assert llm._cpu_step.wait(60)
+        return kernels(runner)
 
-    monkeypatch.setattr(llm, "_step_kernels", compile_done_during_the_first_eager_step)
+    monkeypatch.setattr(StepRunner, "_kernels", compile_done_during_the_first_eager_step)
     _run(llm)
     assert not llm._cpu_step.compiling  # (ready from the second step on)
-    assert llm.transfer_stats().num_compiled_steps == 0
-    monkeypatch.setattr(llm, "_step_kernels", kernels)
+    assert llm.transfer_stats().num_compiled_steps == 0 and len(calls) == GREEDY.max_tokens
+    monkeypatch.setattr(StepRunner, "_kernels", kernels)
     _run(llm)
     assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
 

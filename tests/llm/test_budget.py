@@ -13,6 +13,7 @@ import torch
 import zoo
 
 from offload import SamplingParams
+from offload.engine.step_runner import StepRunner
 from offload.errors import ConfigError, ModelError
 from offload.llm import serving
 from offload.llm.budget import MARGIN_BYTES, HostBudget
@@ -129,8 +130,8 @@ def test_the_servers_rows_come_out_of_the_budget(checkpoint, expected, caplog):
 
 
 def test_generate_runs_no_more_sequences_at_once_than_the_kv_room_holds(checkpoint, monkeypatch):
-    """Five prompts, a KV room of 2.5 rows: batches of two, two and one, each sequence
-    with the tokens it gets alone (the cache of MAX_LEN positions: prompt + 130 > 128)."""
+    """Five prompts, a KV room of 2.5 rows of MAX_LEN positions: at most two run at once,
+    each sequence with the tokens it gets alone (prompt + 130 > 128: clamped)."""
     params = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
     prompts = ["t3 t4 t5", "t6", "t7 t8", "t9 t10 t11 t12", "t13"]
     settings = dict(max_model_len=MAX_LEN, disk_io="direct", **EVERY_LAYER)
@@ -141,12 +142,14 @@ def test_generate_runs_no_more_sequences_at_once_than_the_kv_room_holds(checkpoi
         row_bytes = serving.bytes_per_row(llm.model.config, MAX_LEN, torch.float32)
     budget_gb = (MARGIN_BYTES + activation_bytes + stack_bytes + 2.5 * row_bytes) / GIB
     with LLM(checkpoint, cpu_memory_gb=budget_gb, max_num_seqs=8, **settings) as llm:
-        sizes, decode = [], llm._decode
+        sizes, decode = [], StepRunner.decode
         monkeypatch.setattr(
-            llm, "_decode", lambda batch, p: decode(sizes.append(len(batch)) or batch, p)
+            StepRunner,
+            "decode",
+            lambda runner, rows: decode(runner, sizes.append(len(rows)) or rows),
         )
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert sizes == [2, 2, 1]
+    assert max(sizes) == 2  # (and never more: the rows are sized to the room)
     assert [o.outputs[0].token_ids for o in outputs] == [a.token_ids for a in alone]
 
 

@@ -361,7 +361,10 @@ class _CompilingStep:
     def usable(self, step) -> bool:
         return True
 
-    def __call__(self, step):
+    def ready(self, step) -> bool:
+        return self.calls >= self.ready_after
+
+    def __call__(self, step, checked_once: bool = False):
         self.calls += 1
         if self.calls <= self.ready_after:
             return None

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import openai
-from http_server import chat_checkpoint, free_port, http
+from http_server import InProcess, chat_checkpoint, http
 from load_clients import MAX_TOKENS, PROMPTS
 
 from offload import SamplingParams
@@ -28,29 +28,6 @@ from offload.memory import disk_reader
 from offload.probes.host import process_memory_bytes
 
 CLIENTS = Path(__file__).parents[1] / "load_clients.py"
-
-
-class _InProcess:
-    """The app on uvicorn in a thread of this process."""
-
-    def __init__(self, llm):
-        import uvicorn
-
-        from offload.server.app import ServeSettings, make_app
-
-        self.url = f"http://127.0.0.1:{free_port()}"
-        app = make_app(llm, ServeSettings("tiny", max_waiting=64))
-        port = int(self.url.rsplit(":", 1)[1])
-        self.server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="error"))
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test")
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 def _clients(url, clients, requests, seed, expected) -> list:
@@ -81,7 +58,7 @@ def test_300_requests_with_leavers_bad_input_and_disk_faults(tmp_path, monkeypat
         expected = [o.outputs[0].text for o in resident.generate(PROMPTS, greedy, use_tqdm=False)]
     before_threads = _offload_threads()
     llm = LLM(path, cpu_memory_gb=0, disk_io="direct", max_num_seqs=32)
-    server = _InProcess(llm)
+    server = InProcess(llm, max_waiting=64)
     try:
         _clients(server.url, 8, 5, 1, expected)  # warm-up: 40 requests
         warm_rss = _rss()

@@ -55,6 +55,10 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._looping = False  # (inside `run`)
         self._at_exit: Callable[[], None] | None = None
+        # Called after the turn's prefills that gave first tokens, and after each decode
+        # step (a progress bar, text shown as it grows, a benchmark's clock).
+        self.on_step: Callable[[], None] | None = None
+        self._picked = False
         if own_thread:  # else the owner calls run() in a thread of its choosing
             self._thread = threading.Thread(target=self.run, name="offload-engine", daemon=True)
             self._thread.start()
@@ -148,6 +152,14 @@ class EngineCore:
             self._fail_all(error)
             self.scheduler.clear()
 
+    def abandon(self, error: BaseException) -> None:
+        """Every request not finished ends with `error`, and none runs on (the caller of
+        `drain` was interrupted between two forwards, or inside one)."""
+        with self._wake:
+            self._fail_all(error)
+            self._inbox.clear()
+            self.scheduler.clear()
+
     def _take_inbox(self) -> None:
         self.scheduler.add(self._inbox)
         self._inbox.clear()
@@ -171,9 +183,16 @@ class EngineCore:
                 scheduler.drop_group()  # (its requests failed; the next one may start)
             elif group.done_columns < group.width:
                 break  # (its prompt's rest at the next turns)
+        self._stepped()
         rows = scheduler.decoding()
         if rows:
             self._run_forward(rows, self._decode, rows)
+            self._stepped()
+
+    def _stepped(self) -> None:
+        if self._picked and self.on_step is not None:
+            self.on_step()
+        self._picked = False
 
     def _prefill(self, group: Group, start: int, end: int) -> None:
         logits = self.runner.prefill(group, start, end)
@@ -198,7 +217,9 @@ class EngineCore:
         """One forward and its tokens; if it fails (a disk fault, a sampling error), its
         requests fail with the error, the others go on, and False."""
         try:
-            with self._model.lock:
+            # (its tokens picked in inference mode too: the logits are inference tensors,
+            # and banning tokens writes into them)
+            with self._model.lock, torch.inference_mode():
                 forward(*args)
             self.last_error = None
             return True
@@ -226,6 +247,7 @@ class EngineCore:
         for request in {id(rows[i].request): rows[i].request for i in live}.values():
             if not request.failed:
                 request.emit(request.output())
+        self._picked = True
 
     def _fail(self, request: Submitted, error: BaseException) -> None:
         if request.failed:

@@ -65,12 +65,13 @@ class DecodeStep:
         return last_logits(self)
 
 
-def last_logits(step) -> torch.Tensor:
+def last_logits(step, mask=None) -> torch.Tensor:
     """The one-token forward of `step` (a `DecodeStep` or a `rows.RowStep`: its model,
-    cache argument and inputs); the logits of each row's new token, [rows, vocab]."""
+    cache argument and inputs; `mask`: the masks in place of its 2D one); the logits of
+    each row's new token, [rows, vocab]."""
     out = step._model(
         input_ids=step.input_ids,
-        attention_mask=step.mask,
+        attention_mask=step.mask if mask is None else mask,
         position_ids=step.position_ids,
         **step._cache,
         cache_position=step.cache_position,

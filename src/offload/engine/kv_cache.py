@@ -13,6 +13,7 @@ is one contiguous byte range on both sides (one copy).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -116,6 +117,7 @@ class KVOffloader:
         self._tickets: list[object | None] = [None] * self._table.slots
         self._engine = copy_engine_factory(self.device)
         self._closed = False
+        self._pid = os.getpid()  # (its copy thread's process: a fork's close waits for none)
         self.lengths = [0] * num_layers  # positions written so far, per layer
         self._last: int | None = None  # the layer that updated last (its slot is in use)
         self.capture_rows: int | None = None  # rows a CUDA graph copies (None: all)
@@ -244,6 +246,8 @@ class KVOffloader:
             return
         self._closed = True
         ops.unregister(self.id)
+        if os.getpid() != self._pid:  # (a fork: the copy thread did not come along)
+            return
         self._engine.synchronize()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()

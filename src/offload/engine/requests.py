@@ -84,6 +84,7 @@ class EngineModel:
     lock: threading.Lock  # held for each forward: the model's other callers wait
     on_forward: Callable[[bool], None] = lambda compiled: None  # after each (a compiled step?)
     compiled: CompiledCpuStep | None = None  # the compiled CPU decode step, where it pays
+    weights_in_place: bool = False  # its offloader leaves every weight where it is
 
 
 def check_fits(request: Submitted, max_rows: int, max_len: int) -> None:

@@ -24,6 +24,7 @@ from offload.engine import cpu_linear
 from offload.engine.graphs import last_logits
 from offload.engine.transformers_cache import cache_argument
 from offload.errors import ConfigError
+from offload.memory.host import give_back
 from offload.memory.kv_shape import KVShape, config_kv_dims
 
 
@@ -53,17 +54,22 @@ class RowCache:
     ):
         held = max(max_rows, MIN_ROWS)  # (room for the warm-up step's padding rows)
         from transformers import StaticCache
-        from transformers.cache_utils import StaticLayer
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
         cache = StaticCache(config=hf_config, max_cache_len=max_len)
-        if any(type(layer) is not StaticLayer for layer in cache.layers):
+        kinds = (StaticLayer, StaticSlidingWindowLayer)
+        if any(type(layer) not in kinds for layer in cache.layers):
             raise ConfigError(
-                "continuous batching needs a model whose attention layers all see the whole "
-                "context (this one has sliding-window or linear-attention layers)"
+                "continuous batching needs a model whose layers all attend over a KV cache "
+                "(this one has linear-attention or recurrent layers)"
             )
+        # A sliding-window layer keeps every column of its rows, as a full one (not a ring:
+        # each row is at its own column), and its mask says which it reads (`RowMasks`).
+        self.masks = RowMasks.of(hf_config)
         heads, k_dim, v_dim = dims if dims is not None else config_kv_dims(hf_config)
+        self._host: list[torch.Tensor] = []  # (its keys and values on a CPU: `release`)
         self.window = RowWindow(offset=torch.zeros((), dtype=torch.long, device=device))
-        self.max_rows, self.max_len = max_rows, max_len
+        self.max_rows, self.max_len, self.dtype, self.held = max_rows, max_len, dtype, held
         # With a host pool, the keys and values live in host memory (KV offload).
         self.kv_offloader = None
         if host_pool is not None:
@@ -81,16 +87,29 @@ class RowCache:
             if self.kv_offloader is not None:  # (views of its device slot)
                 layer.all_keys, layer.all_values = self.kv_offloader.views(index)
             else:
-                layer.all_keys = torch.zeros(
-                    held, heads, max_len + 1, k_dim, dtype=dtype, device=device
-                )
-                layer.all_values = torch.zeros(
-                    held, heads, max_len + 1, v_dim, dtype=dtype, device=device
-                )
+                layer.all_keys = self._zeros((held, heads, max_len + 1, k_dim), dtype, device)
+                layer.all_values = self._zeros((held, heads, max_len + 1, v_dim), dtype, device)
             layer.keys, layer.values = layer.all_keys, layer.all_values
             layer.is_initialized = True
             cache.layers[index] = layer
         self.cache = cache
+
+    def _zeros(self, shape: tuple[int, ...], dtype, device) -> torch.Tensor:
+        """Zeros on `device`; on a CPU, in pages the system lends only once written: the
+        rows reserve their whole length, but memory holds what they wrote, and `release`
+        gives it back."""
+        if torch.device(device).type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        give_back(tensor)
+        self._host.append(tensor)
+        return tensor
+
+    def release(self) -> None:
+        """The memory the rows wrote, given back (they read as zeros again): once no row
+        runs, e.g. at the end of `LLM.generate`."""
+        for tensor in self._host:
+            give_back(tensor)
 
     def _layer(self, index: int, max_len: int):
         if self.kv_offloader is None:
@@ -138,6 +157,48 @@ class RowCache:
             self.kv_offloader.close()
 
 
+class RowMasks:
+    """The masks a forward over rows passes where the model has sliding-window layers.
+    transformers measures a sliding window from one query column for the whole batch (the
+    cache's offset), but each row's query sits at its own column; so the masks are built
+    here, transformers' own causal mask with its window overlay moved to each row's query
+    (`shift`: the row's query column less the one transformers counts from): one 4D mask
+    where every layer slides (Mistral), one per layer type where some do (Gemma 2)."""
+
+    def __init__(self, window: int, layer_types: tuple[str, ...] | None):
+        self.window = window
+        self.layer_types = layer_types
+
+    @staticmethod
+    def of(hf_config) -> RowMasks | None:
+        """None where no layer slides (the 2D mask then goes to the model as it is)."""
+        window = getattr(hf_config, "sliding_window", None)
+        types = getattr(hf_config, "layer_types", None)
+        if window is None or (types is not None and "sliding_attention" not in types):
+            return None
+        return RowMasks(int(window), None if types is None else tuple(dict.fromkeys(types)))
+
+    def __call__(self, model, mask, num_queries: int, shift, cache, dtype):
+        """What `model` takes as its attention mask for rows whose 2D `mask` is [rows,
+        width], `num_queries` new tokens each, `shift` [rows] (see the class)."""
+        from transformers.masking_utils import create_causal_mask, sliding_window_overlay
+
+        overlay = sliding_window_overlay(self.window)
+
+        def row_window(batch_idx, head_idx, q_idx, kv_idx):
+            return overlay(batch_idx, head_idx, q_idx + shift[batch_idx], kv_idx)
+
+        shape = (mask.shape[0], num_queries, 1)  # (create_causal_mask reads only its sizes)
+        embeds = torch.empty(shape, dtype=dtype, device=mask.device)
+        arguments = {"config": model.config, "inputs_embeds": embeds, "attention_mask": mask}
+        arguments["cache"] = cache
+        sliding = create_causal_mask(**arguments, and_mask_function=row_window)
+        if self.layer_types is None:
+            return sliding
+        full = create_causal_mask(**arguments)
+        return {kind: sliding if kind == "sliding_attention" else full for kind in self.layer_types}
+
+
 class RowStep:
     """One decode forward of rows [0, rows) of a `RowCache`: each row's new token, the
     column it writes, its position and its mask ([rows, width]). As a compiled CPU step
@@ -162,11 +223,19 @@ class RowStep:
         self.cache_position = torch.tensor([mask.shape[1] - 1], device=mask.device)
 
     @property
-    def compile_key(self) -> tuple[str]:
-        """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so); a
-        cache in host memory (KV offload) has graphs of its own."""
+    def compile_key(self) -> tuple:
+        """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so), and
+        the cache's size, which the graph is specialised to (`generate`'s core and a
+        server's may hold different rows); a cache in host memory (KV offload) has graphs
+        of its own."""
         key = "rows" if self.columns.shape[0] >= MIN_ROWS else "row"
-        return (key,) if self._rows.kv_offloader is None else (key, "kv offload")
+        key = (key, self._rows.held, self._rows.max_len)
+        return key if self._rows.kv_offloader is None else (*key, "kv offload")
+
+    @property
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        """What changes from one step to the next (`StepRunner.row_step` refills them)."""
+        return self.input_ids, self.mask, self.position_ids, self.columns
 
     def mark_dynamic(self) -> None:
         """Mark the width, and the rows of a batch, as dynamic (for a call that compiles)."""
@@ -184,7 +253,12 @@ class RowStep:
     def __call__(self) -> torch.Tensor:
         num_rows, width = self.columns.shape[0], self.mask.shape[1]
         self._rows.select(0, num_rows, self.columns, width - 1, width)
-        return last_logits(self)
+        masks = self._rows.masks
+        if masks is None:
+            return last_logits(self)
+        shift = self.columns[:, 0] - (width - 1)
+        mask = masks(self._model, self.mask, 1, shift, self._rows.cache, self._rows.dtype)
+        return last_logits(self, mask)
 
 
 def read_width(num_columns: int, max_len: int) -> int:

@@ -37,6 +37,7 @@ class StepRunner:
         self.max_len = max_len
         self.invariant = invariant
         self.keep_form = False  # (see `decode`: each answer eager or compiled throughout)
+        self._last: RowStep | None = None  # the last decode step, refilled where it can be
 
     def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
         for source, target, num_columns in moves:
@@ -64,6 +65,11 @@ class StepRunner:
         self.cache.forward_writes(end)
         positions = (columns - row.start).clamp(min=0)[None, :]
         model = self.model.model
+        if self.cache.masks is not None:  # (sliding windows: the query columns are true here)
+            shift = torch.zeros(1, dtype=torch.long, device=device)
+            mask = self.cache.masks(
+                model, mask, end - start, shift, self.cache.cache, self.cache.dtype
+            )
         with torch.inference_mode(), self._kernels():
             out = model(
                 input_ids=input_ids,
@@ -96,7 +102,12 @@ class StepRunner:
         # (bf16 at 1 GiB, 4 clients: 6.4 against 8.8 tok/s).
         eager_rows = self.keep_form and any(row.eager for row in rows if row.is_live)
         if wanted and not eager_rows:
-            logits = compiled(step)  # (None while it compiles in the background)
+            # (None while it compiles in the background; a kept step's guards checked once
+            # for a step refilled in place over weights and a cache that stay put)
+            in_place = self.model.weights_in_place and self.cache.kv_offloader is None
+            if not compiled.ready(step):  # (a call that compiles marks its tensors' sizes
+                self._last = None  # dynamic, which a kept step's guards refuse: not reused)
+            logits = compiled(step, in_place and step is self._last)
             counted = logits is not None and compiled.usable(step)  # (known after a call)
         if logits is None and wanted:
             for row in rows:
@@ -108,6 +119,10 @@ class StepRunner:
         for row in rows:
             row.column += row.is_live
         return logits[: len(rows)]  # (less the padding rows)
+
+    def forget_step(self) -> None:
+        """The next decode step is made anew (its guards checked again, if compiled)."""
+        self._last = None
 
     def row_step(self, rows: list[Row], pad_to: int = 0) -> RowStep:
         """The decode step of `rows`: compiled where the model has a compiled step and
@@ -131,7 +146,17 @@ class StepRunner:
         positions = columns - start
         columns[len(rows) :] = self.max_len  # padding rows write past what is read
         input_ids = torch.tensor(last, device=device)[:, None]
-        return RowStep(self.model.model, self.cache, input_ids, mask, positions, columns, compiled)
+        inputs = (input_ids, mask, positions, columns)
+        reused = self._last
+        if reused is not None and reused.compiled == compiled and reused.mask.shape == mask.shape:
+            # The last step's tensors refilled: the same object, of the same sizes, as a
+            # compiled step checks its guards for once (`CompiledCpuStep`, `checked_once`).
+            for mine, new in zip(reused.inputs, inputs, strict=True):
+                mine.copy_(new)
+            return reused
+        step = RowStep(self.model.model, self.cache, *inputs, compiled)
+        self._last = step
+        return step
 
     def warm_up(self) -> None:
         """Start the compiled decode steps (a lone row's and the batches', with padding
@@ -143,6 +168,7 @@ class StepRunner:
         with self.model.lock, torch.inference_mode():
             for rows in (1, MIN_ROWS):
                 self.model.compiled(self.row_step([], pad_to=rows))
+                self._last = None  # (see `decode`)
 
     def _read_width(self, num_columns: int) -> int:
         """The columns attention reads; every one in batch-invariant mode (how many there

@@ -237,7 +237,7 @@ def batch_invariant_of(value: object, kv_offload: bool) -> bool:
     on = invariant.from_env() if value is None else value
     if on and kv_offload:
         raise ConfigError(
-            "batch_invariant runs on the continuous-batching engine, which keeps the KV "
-            "cache on the device: leave kv_offload and swap_space unset with it"
+            "batch_invariant is not measured with the KV cache in host memory yet: "
+            "leave kv_offload and swap_space unset with it"
         )
     return on

@@ -15,10 +15,7 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
-from offload.engine.core import EngineCore
 from offload.engine.decode_loop import DecodeLoop
-from offload.engine.requests import EngineModel
-from offload.engine.rows import MIN_ROWS
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState, per_prompt
 from offload.engine.tokens import TokenSteps
@@ -32,7 +29,9 @@ from offload.llm.checks import (
     serialized,
     vocab_limit,
 )
+from offload.llm.cores import engine_core, generator_of
 from offload.llm.engine_args import EngineArgs
+from offload.llm.generating import kv_moved
 from offload.llm.serving import Serving, row_plan
 from offload.llm.spec import ModelSpec
 from offload.llm.start import start_llm
@@ -188,29 +187,10 @@ class LLM(DecodeLoop):
                 self._served = self._serving(max_num_seqs, fixed_length, engine_thread)
             return self._served
 
-    def _serving(self, max_num_seqs, fixed_length, engine_thread, holds_model=False) -> Serving:
-        """A `Serving` over a core of its own (`serving`); `holds_model`: the thread that
-        runs the core holds this LLM's lock already (`generate` in batch-invariant mode)."""
+    def _serving(self, max_num_seqs, fixed_length, engine_thread) -> Serving:
+        """A `Serving` over a core of its own (`serving`)."""
         plan = row_plan(self, max_num_seqs or self.max_num_seqs, fixed_length)
-        model = EngineModel(
-            self.model,
-            self._tokens,
-            self.device,
-            self.tokenizer.pad_token_id or 0,
-            contextlib.nullcontext() if holds_model else self._lock,
-            on_forward=self._count_forward,
-            # (one graph for every batch of 2 to 64 rows: `rows.RowStep`)
-            compiled=None if self.batch_invariant else self._compiled_step(MIN_ROWS),
-        )
-        core = EngineCore(
-            model,
-            plan.rows,
-            plan.length,
-            self.max_num_batched_tokens,
-            own_thread=engine_thread,
-            invariant=self.batch_invariant,
-            host_pool=self._serving_kv_pool if self.kv_offload else None,
-        )
+        core = engine_core(self, plan.rows, plan.length, own_thread=engine_thread, generate=False)
         return Serving(core, self._requests, plan.length, self.tokenizer.eos_token_id or 0)
 
     def _count_forward(self, compiled: bool) -> None:
@@ -236,7 +216,10 @@ class LLM(DecodeLoop):
         model forwards (prefill chunks and decode steps) that moved them."""
         weights = self.offloader.stats()
         now = TransferStats.of(weights)
-        return self._moved + replace(
+        moved = self._moved + (self._generator.moved() if self._generator else TransferStats())
+        if self._served is not None:
+            moved += kv_moved(self._served.core)
+        return moved + replace(
             now,
             stall_s=weights.copies.stall_s,
             num_forwards=self._forwards,
@@ -245,14 +228,19 @@ class LLM(DecodeLoop):
         )
 
     def _generate(self, prompts, ids, sampling_params, use_tqdm=False) -> list[RequestOutput]:
-        if not self.batch_invariant:
+        if self._use_graphs:  # (CUDA graphs of the core's row steps: not yet)
             return super()._generate(prompts, ids, sampling_params, use_tqdm)
-        # Every request on the continuous-batching engine, run here (the caller holds the
-        # model): each prefills alone and decodes beside the others, as it would under serve.
-        if self._invariant_engine is None:
-            self._invariant_engine = self._serving(None, False, False, holds_model=True)
+        # Every request on an engine core run here (the caller holds the model): each
+        # prefills alone and decodes beside the others, as under serve.
+        if self._generator is None:
+            self._generator = generator_of(self)
         params = per_prompt(sampling_params, len(prompts))
-        return self._invariant_engine.run_all(prompts, ids, params)
+        try:
+            return self._generator.run(prompts, ids, params, use_tqdm, self._on_step)
+        except BaseException as error:
+            if not isinstance(error, Exception):  # (Ctrl-C: its copies may be mid-way)
+                self._generator.close()
+            raise
 
     def wait_for_compiles(self, loads: bool = True) -> None:
         """Wait for CPU decode steps compiling in the background (decoding does not), so
@@ -275,10 +263,11 @@ class LLM(DecodeLoop):
             self._closed = True
             if self._cpu_step is not None:  # (before the teardown a compile may be tracing)
                 self._cpu_step.close()
+            if self._generator is not None:  # (its rows' KV cache)
+                self._generator.close()
             self.offloader.close()
             del self.model, self.offloader, self._kv_pool, self._prefill_kv_pool
             del self._serving_kv_pool
-            self._invariant_engine = None  # (its rows' KV cache)
         trim_freed_memory()
 
     @contextlib.contextmanager

@@ -107,9 +107,8 @@ def prepare_steps(llm: Any, config: OffloadConfig, enforce_eager: bool) -> None:
     llm._use_graphs = llm.device.type == "cuda" and not enforce_eager and not uncapturable
     # On a CPU, a compiled decode step where it pays (engine/cpu_step.py), same switch.
     llm._compile_cpu, llm._cpu_step = llm.device.type == "cpu" and not enforce_eager, None
-    # Batch invariance: products padded as this machine needs, eager steps, and
-    # `generate` on an engine core of its own (`LLM._generate`), as `serve` runs.
-    llm._invariant_engine = None
+    # Batch invariance: products padded as this machine needs, eager steps.
+    llm._generator = None  # (`generate`'s engine core, made on first use)
     if llm.batch_invariant:
         multiple = invariant.row_multiple(llm.model, llm.device)
         resident = llm.offloader.offloaded_bytes == 0  # (its weights in place to try)

@@ -128,34 +128,14 @@ class Serving:
         params: SamplingParams,
         emit: Callable[[RequestOutput | BaseException], None],
         request_id: str | None = None,
+        index: int = 0,
     ) -> Submitted:
-        """One request checked and ready for `core.submit_all`."""
+        """One request checked and ready for `core.submit_all` (`index`: its number in
+        a call of several)."""
         prompt_ids = self._requests.truncate(prompt_ids, params)
         self._requests.check(prompt_ids, params, self.max_model_len)
-        sequences = self._requests.sequences(prompt_ids, params, 0, self.max_model_len)
+        sequences = self._requests.sequences(prompt_ids, params, index, self.max_model_len)
         return Submitted(request_id or f"req-{next(_ids)}", prompt, prompt_ids, sequences, emit)
-
-    def run_all(self, prompts, ids, params: list[SamplingParams]) -> list[RequestOutput]:
-        """Every prompt as one request, all checked before any runs, then the core's
-        turns on this thread until they end (a core made with `own_thread=False`):
-        their outputs in order, or the first error one met."""
-        errors: list[BaseException] = []
-
-        def keep_errors(item: RequestOutput | BaseException) -> None:
-            if isinstance(item, BaseException):
-                errors.append(item)
-
-        requests = [
-            self.prepare(text, prompt_ids, request, keep_errors, request_id=str(number))
-            for number, (text, prompt_ids, request) in enumerate(
-                zip(prompts, ids, params, strict=True)
-            )
-        ]
-        self.core.submit_all(requests)
-        self.core.drain()
-        if errors:
-            raise errors[0]
-        return [request.output() for request in requests]
 
     def stream(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
         """The request's outputs as they grow (each one whole so far), ending with the

@@ -137,6 +137,34 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+def give_back(tensor: torch.Tensor) -> None:
+    """`tensor` (on the CPU, contiguous, its memory its own) zeroed, its whole pages handed
+    back to the OS (`madvise(MADV_DONTNEED)`: they read as zeros and take memory again only
+    when written); the bytes at its ends that share a page with others written as zeros.
+    Where the call is not there, all of it written as zeros."""
+    advise = _madvise()
+    flat = tensor.view(-1).view(torch.uint8)
+    start, size, page = tensor.data_ptr(), flat.numel(), mmap.PAGESIZE
+    first = -(-start // page) * page
+    last = (start + size) // page * page
+    if advise is None or last <= first or advise(first, last - first, mmap.MADV_DONTNEED) != 0:
+        flat.zero_()
+        return
+    flat[: first - start].zero_()
+    flat[last - start :].zero_()
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        advise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    advise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    advise.restype = ctypes.c_int
+    return advise
+
+
 _trim_pending = threading.Event()
 
 
