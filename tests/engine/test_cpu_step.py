@@ -210,32 +210,6 @@ def _run_batch(llm):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
-@pytest.fixture(scope="module")
-def resident_batch(checkpoint):
-    return _resident_runs(checkpoint, _run_batch, ("rows", 2, 128))
-
-
-@pytest.mark.parametrize("setting", list(OFFLOADS))
-def test_a_compiled_batch_offloaded_equals_it_resident_bitwise(
-    checkpoint, resident_batch, compiles, setting
-):
-    """A batch's step is compiled too (its products as `weight @ x.T`, as the eager step
-    has them): offloaded, it gives the compiled resident batch's bits."""
-    llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS[setting])
-    assert _run_batch(llm) == resident_batch[0]
-    assert [key[:3] for key in llm._cpu_step._steps] == [("rows", 2, 128)]
-    assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
-
-
-def test_a_compiled_batch_computes_the_eager_batchs_function(resident_batch):
-    result, eager = resident_batch
-    assert [tokens for tokens, _ in result] == [tokens for tokens, _ in eager]
-    for (_, logprobs), (_, eager_logprobs) in zip(result, eager, strict=True):
-        for step, eager_step in zip(logprobs, eager_logprobs, strict=True):
-            for token, logprob in step.items():
-                assert logprob.logprob == pytest.approx(eager_step[token].logprob, abs=1e-4)
-
-
 def test_a_trace_that_breaks_says_so_and_one_that_fails_counts_as_eager(
     checkpoint, resident_compiled, compiles, capsys, monkeypatch
 ):
@@ -454,35 +428,11 @@ def stored(request, tmp_path_factory):
 
 
 def _offloads_of(stored) -> list[str]:
-    """The offloaded settings a stored model's compiled tests run: one for each format (the
+    """The offloaded settings a stored model's compiled test runs: one for each format (the
     float32 tests run every setting compiled; tests/model/test_gguf_types.py every
-    format with every setting eagerly), so that each is compiled once."""
+    format with every setting eagerly), so that each is compiled once. (`generate` runs
+    the same steps as the server: `tests/llm/test_one_engine.py`.)"""
     return ["prefetch"] if stored.name.startswith("Q4_1") else ["disk"]
-
-
-def test_a_stored_model_compiles_and_offloaded_gives_its_compiled_resident_bits(
-    stored, compiles, monkeypatch
-):
-    # (as the default model's: no float32 linear to speak of, `cpu_linear.pays` false)
-    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 1)
-
-    def run(**settings):
-        llm = LLM(stored, device="cpu", **settings)
-        result, moved = (_run(llm), _run_batch(llm)), llm.transfer_stats()
-        assert llm._cpu_step is not None and moved.num_compiled_steps == 2 * (GREEDY.max_tokens - 1)
-        return result, moved
-
-    expected, _ = run()
-    eager_llm = LLM(stored, device="cpu", enforce_eager=True)
-    eager = _run(eager_llm), _run_batch(eager_llm)
-    # (same tokens, logprobs to the sums' order: it may move the last bits)
-    assert expected[0][0] == eager[0][0]
-    _assert_close_logprobs(expected[0][1], eager[0][1])
-    assert [tokens for tokens, _ in expected[1]] == [tokens for tokens, _ in eager[1]]
-    for setting in _offloads_of(stored):
-        result, moved = run(**OFFLOADS[setting])
-        assert result == expected, setting
-        assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes > 0
 
 
 def _assert_close_logprobs(got, expected, tolerance=1e-3):

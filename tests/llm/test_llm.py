@@ -143,10 +143,10 @@ def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(
     [one] = llm.generate(PROMPTS[2], GREEDY)
     assert one.outputs[0].token_ids == expected[2]
     assert [slab.buffer.data_ptr() for slab in pool._slabs] == held and pool.num_bytes == size
-    # ... and a larger one grows them.
-    longer = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)  # (> 128 positions)
-    want = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, longer)]
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, longer)] == want
+    # ... and a larger one grows them (its prompt past 128 positions).
+    longer = [{"prompt_token_ids": list(range(300, 430))}]
+    want = [o.outputs[0].token_ids for o in resident.generate(longer, GREEDY)]
+    assert [o.outputs[0].token_ids for o in llm.generate(longer, GREEDY)] == want
     assert pool.num_bytes > size
 
 
