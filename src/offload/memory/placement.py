@@ -1,5 +1,5 @@
-"""The vocabulary of where a weight lives, how a weight on disk is read, and the links
-bytes cross.
+"""The vocabulary of where a weight lives, how a weight on disk is read, the links bytes
+cross, and `AUTO`, the setting left for the library to choose.
 
 Each member is its own string (`Placement.DISK == "disk"`): it prints, formats, hashes
 and serializes (JSON, configs, CLI flags, vLLM-style dicts) as that string, so only the
@@ -51,6 +51,19 @@ class Link(StrChoice):
     H2D_PINNED = "h2d_pinned"  # host to device, from pinned memory
     H2D_PAGEABLE = "h2d_pageable"  # host to device, from pageable memory
 
+
+class Auto(enum.StrEnum):
+    """A setting left for the library to choose (`cpu_offload_gb`, `dtype`, `device`,
+    `load_format`). Its one member equals the string "auto", so a user's plain "auto" is
+    the same value, and it prints and serializes (JSON, flags) as that string."""
+
+    AUTO = "auto"
+
+    def __repr__(self) -> str:  # as the string: signatures and config reprs read 'auto'
+        return repr(self.value)
+
+
+AUTO = Auto.AUTO
 
 # The ways a reader reads (the others map the file, or are not resolved yet).
 READ_MODES = (DiskIO.DIRECT, DiskIO.PAGE_CACHE)
