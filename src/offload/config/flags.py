@@ -9,6 +9,7 @@ from typing import Any
 
 from offload.config.parts import BACKENDS, DISK_IO, PREFETCH_UNITS
 from offload.errors import ConfigError
+from offload.memory.placement import AUTO, Auto
 
 
 class _RaisingParser(argparse.ArgumentParser):
@@ -16,9 +17,9 @@ class _RaisingParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def _gib_or_auto(text: str) -> float | str:
-    if text == "auto":
-        return text
+def _gib_or_auto(text: str) -> float | Auto:
+    if text == AUTO:
+        return AUTO
     try:
         return float(text)
     except ValueError:

@@ -38,6 +38,7 @@ from offload.config.parts import (
     set_field,
 )
 from offload.errors import ConfigError, shown
+from offload.memory.placement import AUTO
 
 _VLLM_TOP_FIELDS = ("offload_backend", "uva", "prefetch")
 _EXTRA_TOP_FIELDS = ("disable_uva", "disable_pin_memory", "prefetch_unit", "disk")
@@ -118,7 +119,7 @@ class OffloadConfig:
 
     def _warn_about_ignored_fields(self) -> None:
         pre = self.prefetch
-        uva_active = self.uva.cpu_offload_gb == "auto" or self.uva.cpu_offload_gb > 0
+        uva_active = self.uva.cpu_offload_gb == AUTO or self.uva.cpu_offload_gb > 0
         prefetch_active = pre.offload_group_size > 0
         if self.offload_backend == Backend.UVA and prefetch_active:
             message = "Prefetch offload fields are set but offload_backend='uva'. Prefetch settings will be ignored."
@@ -141,7 +142,7 @@ class OffloadConfig:
             return Backend(self.offload_backend)
         if self.prefetch.offload_group_size > 0 or self.disk.is_active:
             return Backend.PREFETCH
-        if self.uva.cpu_offload_gb == "auto" or self.uva.cpu_offload_gb > 0:
+        if self.uva.cpu_offload_gb == AUTO or self.uva.cpu_offload_gb > 0:
             return Backend.UVA
         return Backend.NONE
 

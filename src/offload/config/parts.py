@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from offload.config.validate import flag, gib, whole_number
 from offload.errors import ConfigError, shown
-from offload.memory.placement import DiskIO
+from offload.memory.placement import AUTO, Auto, DiskIO
 
 
 class Backend(enum.StrEnum):
@@ -86,11 +86,13 @@ class UVAOffloadConfig:
     does not.
     """
 
-    cpu_offload_gb: float | Literal["auto"] = 0
+    cpu_offload_gb: float | Auto | Literal["auto"] = 0  # "auto" is made `AUTO`
     cpu_offload_params: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
-        if self.cpu_offload_gb != "auto":  # "auto": the smallest amount that fits (see LLM)
+        if self.cpu_offload_gb == AUTO:  # the smallest amount that fits (see LLM)
+            set_field(self, "cpu_offload_gb", AUTO)
+        else:
             gb = gib("uva.cpu_offload_gb", self.cpu_offload_gb, text=True)
             set_field(self, "cpu_offload_gb", gb)
         params = _as_segments("uva", "cpu_offload_params", self.cpu_offload_params)
