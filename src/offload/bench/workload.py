@@ -17,6 +17,7 @@ from offload.errors import ConfigError
 from offload.llm.spec import ModelSpec, model_spec
 from offload.memory.cache_trust import cache_folder
 from offload.memory.device import check_device
+from offload.memory.placement import AUTO
 from offload.memory.safetensors import referenced_files
 from offload.model.build import DTYPES, build_empty
 from offload.model.configs import CONFIGS, shipped
@@ -38,9 +39,9 @@ class Workload:
     (the default model), a model folder, or a shipped shape name (`llama-3-8b`)."""
 
     model: str | None = None
-    dtype: str = "auto"
+    dtype: str = AUTO
     quantization: str | None = None  # "gguf": a GGUF's weights as stored (else float32)
-    device: str = "auto"
+    device: str = AUTO
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     prompt_len: int = 16
     output_len: int = 8
@@ -60,7 +61,7 @@ class Workload:
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{name} ({flag}) must be an integer >= {minimum}, got {value!r}")
         check_quantization(self.quantization, "quantization (--quantization)")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
+        if self.dtype != AUTO and self.dtype not in DTYPES:
             raise ConfigError(
                 f"dtype (--dtype) must be auto, {', '.join(DTYPES)}; got {self.dtype!r}"
             )
@@ -198,7 +199,7 @@ def random_checkpoint(
     settings, so that a changed shape never reuses a stale one."""
     config = json.loads((shape / "config.json").read_text())
     stored = config.get("dtype") or config.get("torch_dtype") or "float32"
-    config["dtype"] = str(stored).removeprefix("torch.") if dtype == "auto" else dtype
+    config["dtype"] = str(stored).removeprefix("torch.") if dtype == AUTO else dtype
     form = f"-{quantized}" if quantized else ""
     keyed = (
         [config, quantized, packing_of(kernels)] if quantized else config

@@ -24,7 +24,7 @@ from offload.llm.auto import planner_for
 from offload.llm.fit import plan_memory
 from offload.llm.llm import LLM
 from offload.llm.streaming import TextStream
-from offload.memory.placement import DiskIO, Placement
+from offload.memory.placement import AUTO, DiskIO, Placement
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.budget import describe_budget
 from offload.planner.fit import device_budget, kv_cache_bytes, model_len_limit
@@ -319,7 +319,7 @@ def _what_fits(
             planned=planned,
         )
     except ModelError as error:
-        if config.uva.cpu_offload_gb == "auto":
+        if config.uva.cpu_offload_gb == AUTO:
             raise
         return f"does not fit the {where}: {error}", config, None
     resolved, planned = memory.config, memory.dry_run

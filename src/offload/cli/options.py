@@ -9,6 +9,7 @@ from importlib import metadata
 
 from offload.config.limits import GPU_MEMORY_UTILIZATION
 from offload.engine.sampling_params import SamplingParams
+from offload.memory.placement import AUTO
 
 QUESTION = "What is the capital of France?"  # what generate and demo ask by default
 # `offload bench --methods`, by name (the parser is built without importing the bench
@@ -78,14 +79,14 @@ def add_weight_flags(parser: argparse.ArgumentParser, quantization_help: str) ->
     parser.add_argument("-q", "--quantization", help=quantization_help)
     parser.add_argument(
         "--dtype",
-        default="auto",
+        default=AUTO,
         choices=("auto", "float32", "bfloat16", "float16"),
         help="weights' dtype (auto: the checkpoint's)",
     )
 
 
 def add_device_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help=DEVICE_HELP)
+    parser.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     add_weight_flags(
         parser,
         "the checkpoint's quantization as vLLM names it (gguf, gptq, awq, compressed-tensors, "

@@ -18,6 +18,7 @@ from offload.cli.options import (
 from offload.config import add_cli_args
 from offload.config.limits import DEFAULT_CONTEXT_LEN, DEFAULT_MAX_BATCH
 from offload.errors import did_you_mean
+from offload.memory.placement import AUTO
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,7 +114,7 @@ def _add_demo(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--prompt", default=QUESTION, help="the user message (chat template applied)")
     demo.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (greedy)")
-    demo.add_argument("--device", default="auto", help=DEVICE_HELP)
+    demo.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     add_cli_args(demo)
 
 
@@ -227,7 +228,7 @@ def _add_bench(commands: argparse._SubParsersAction) -> None:
         "gguf: the GGUF's weights as stored (2-8 bits a weight), not converted to float32; "
         "with a shape, its matrices as random Q4_0 blocks (default: converted)",
     )
-    bench.add_argument("--device", default="auto", help=DEVICE_HELP)
+    bench.add_argument("--device", default=AUTO, help=DEVICE_HELP)
     bench.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="prompts decoded at once"
     )

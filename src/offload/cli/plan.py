@@ -10,6 +10,7 @@ import sys
 from collections.abc import Collection, Sequence
 
 from offload.llm.auto import plan_for
+from offload.memory.placement import AUTO
 from offload.planner.choose import Candidate
 from offload.planner.flags import kv_flags, offload_flags, vllm_flags, warnings_for
 from offload.planner.plan import Plan
@@ -41,9 +42,9 @@ def _model_flags(args: argparse.Namespace) -> list[str]:
     """The flags that named what was planned (model, device, form), so that the flags
     printed run that plan as they are: `-q gguf` planned on a GPU runs converted without it."""
     flags = ["--model", args.model] if args.model else []
-    if args.device != "auto":
+    if args.device != AUTO:
         flags += ["--device", args.device]
-    if args.dtype != "auto":
+    if args.dtype != AUTO:
         flags += ["--dtype", args.dtype]
     if args.quantization:
         flags += ["--quantization", args.quantization]

@@ -24,7 +24,7 @@ from offload.engine import cpu_step
 from offload.llm.budget import MIN_FITTED_LEN, shorter_power_of_two
 from offload.llm.fit import MemoryPlan, plan_memory
 from offload.llm.spec import ModelSpec, model_spec
-from offload.memory.placement import DiskIO
+from offload.memory.placement import AUTO, DiskIO
 from offload.planner.choose import Budgets, candidates, fits_at_all
 from offload.planner.fit import checked_context_len, model_len_limit
 from offload.planner.overhead import fixed_overhead
@@ -45,7 +45,7 @@ _logger = logging.getLogger(__name__)
 def wants_plan(config: OffloadConfig) -> bool:
     """Whether `config` leaves backend and layout to the planner (a budget only)."""
     return (
-        config.uva.cpu_offload_gb == "auto"
+        config.uva.cpu_offload_gb == AUTO
         and config.offload_backend == Backend.AUTO
         and config.prefetch.offload_group_size == 0
     )
@@ -159,7 +159,7 @@ def _merged(user: OffloadConfig, planned: OffloadConfig) -> OffloadConfig:
     backend = planned.selected_backend
     uva = planned.uva
     if backend == Backend.UVA and not uva.cpu_offload_params:
-        uva = replace(uva, cpu_offload_gb="auto")
+        uva = replace(uva, cpu_offload_gb=AUTO)
     # The host budget (the user's cpu_memory_gb) is met by the plan: the disk tier is on
     # only where the plan puts layers on disk.
     disk = replace(user.disk, cpu_memory_gb=planned.disk.cpu_memory_gb)
@@ -174,9 +174,9 @@ def _merged(user: OffloadConfig, planned: OffloadConfig) -> OffloadConfig:
 
 def plan_for(
     model: str | Path | ModelSpec | None = None,
-    device: str | torch.device = "auto",
+    device: str | torch.device = AUTO,
     *,
-    dtype: str = "auto",
+    dtype: str = AUTO,
     quantization: str | None = None,
     context_len: int | None = None,
     batch_size: int | None = None,

@@ -18,6 +18,7 @@ from offload.config.validate import flag, integer
 from offload.engine import invariant
 from offload.errors import ConfigError, ModelError, shown
 from offload.llm.fit import check_swap_space
+from offload.memory.placement import AUTO
 from offload.memory.threads import check_not_forked
 from offload.model.build import DTYPES
 from offload.model.loader import LOAD_FORMATS
@@ -56,7 +57,7 @@ def check_llm_args(
     memory settings they give."""
     _check_path("model", model)
     _check_path("tokenizer", tokenizer)
-    named = isinstance(dtype, str) and (dtype == "auto" or dtype in DTYPES)
+    named = isinstance(dtype, str) and (dtype == AUTO or dtype in DTYPES)
     if not named and not (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
         raise ModelError(f"dtype must be auto, {', '.join(DTYPES)}; got {shown(dtype)}")
     if not isinstance(load_format, str) or load_format not in LOAD_FORMATS:

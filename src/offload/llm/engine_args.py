@@ -16,6 +16,7 @@ from offload.config.limits import GPU_MEMORY_UTILIZATION
 from offload.llm.args import offload_config_of
 from offload.llm.checks import EngineLimits, batch_invariant_of, check_llm_args
 from offload.llm.spec import ModelSpec, model_spec
+from offload.memory.placement import AUTO
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,9 +27,9 @@ class EngineArgs:
     `offload_flags` are vLLM's offload flag names (not with `offload_config`)."""
 
     model: str | Path | ModelSpec | None = None
-    dtype: str | torch.dtype = "auto"
+    dtype: str | torch.dtype = AUTO
     quantization: str | None = None
-    device: str | torch.device = "auto"
+    device: str | torch.device = AUTO
     max_model_len: int | None = None
     gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION
     device_memory_gb: float | None = None
@@ -36,7 +37,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     kv_offload: bool = False
     seed: int = 0
-    load_format: str = "auto"
+    load_format: str = AUTO
     progress: bool | None = None
     enforce_eager: bool = False
     max_logprobs: int = 20

@@ -21,6 +21,7 @@ from offload.config.validate import gib
 from offload.errors import ConfigError, ModelError
 from offload.memory.host import available_ram_bytes
 from offload.memory.kv_shape import KV_SLOTS
+from offload.memory.placement import AUTO
 from offload.offloader.layers import find_layer_stacks
 from offload.planner.fit import (
     MemoryNeeds,
@@ -65,7 +66,7 @@ def plan_fit(
     config and its offloader's plan (the bytes it moves to host memory). ('auto' here is
     the smallest UVA amount that fits; where only budgets are given, `LLM` first tries the
     planner's ranked configs, see `plan_memory` and `offload.llm.auto`.)"""
-    if config.uva.cpu_offload_gb == "auto":
+    if config.uva.cpu_offload_gb == AUTO:
         smallest = smallest_offload_gb(needs, budget)
         if smallest is None:
             # Raises, with the numbers.

@@ -36,6 +36,7 @@ from offload.llm.serving import Serving, row_plan
 from offload.llm.spec import ModelSpec
 from offload.llm.start import start_llm
 from offload.memory.host import trim_after_collection, trim_freed_memory
+from offload.memory.placement import AUTO
 from offload.memory.threads import check_not_forked
 
 
@@ -77,9 +78,9 @@ class LLM(DecodeLoop):
         self,
         model: str | Path | ModelSpec | None = None,
         *,
-        dtype: str | torch.dtype = "auto",
+        dtype: str | torch.dtype = AUTO,
         quantization: str | None = None,
-        device: str | torch.device = "auto",
+        device: str | torch.device = AUTO,
         max_model_len: int | None = None,
         gpu_memory_utilization: float = GPU_MEMORY_UTILIZATION,
         device_memory_gb: float | None = None,
@@ -87,7 +88,7 @@ class LLM(DecodeLoop):
         kv_cache_memory_bytes: int | None = None,
         kv_offload: bool = False,
         seed: int = 0,
-        load_format: str = "auto",
+        load_format: str = AUTO,
         progress: bool | None = None,
         enforce_eager: bool = False,
         max_logprobs: int = 20,

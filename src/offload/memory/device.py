@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from offload.errors import ConfigError
+from offload.memory.placement import AUTO
 
 _ALLOWED = "'cpu', 'cuda' or 'cuda:N', or 'auto' (a GPU when one is usable)"
 
@@ -19,7 +20,7 @@ def check_device(device: torch.device | str) -> torch.device:
     """`device` as a `torch.device`, refused with one clear line unless it is the CPU or
     a CUDA device this process can use. "auto" is the first GPU when one is usable, else
     the CPU (vLLM users never name the device)."""
-    if device == "auto":
+    if device == AUTO:
         return torch.device("cuda", 0) if cuda_usable() else torch.device("cpu")
     try:
         device = torch.device(device)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from offload.errors import ModelError, did_you_mean
+from offload.memory.placement import AUTO
 from offload.memory.safetensors import checkpoint_tensors, json_type
 from offload.model.gguf_settings import row_orders, weight_layouts, weight_types
 from offload.model.limits import check_parameters, check_sizes
@@ -45,7 +46,7 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: Any) -> torch.dtype:
         if dtype not in DTYPES.values():
             raise ModelError(f"dtype must be auto, {', '.join(DTYPES)}; got {dtype}")
         return dtype
-    if dtype == "auto":
+    if dtype == AUTO:
         # (vars: transformers warns on reading its deprecated torch_dtype attribute)
         stored = getattr(hf_config, "dtype", None) or vars(hf_config).get("torch_dtype")
         stored = str(stored).removeprefix("torch.") if stored is not None else "float32"
@@ -120,7 +121,7 @@ def _packed_forms(model: nn.Module, path: Path, config_file: Path, quantized: di
 def packed_layers(path: Path, trust_remote_code: bool = False) -> dict[str, Any]:
     """The forms of the quantized layers of the packed checkpoint at `path`, as JSON, for
     the config of the model cut to its first layers (`gguf_settings.first_layers_only`)."""
-    return forms_setting(forms_of(build_empty(path, "auto", trust_remote_code)))
+    return forms_setting(forms_of(build_empty(path, AUTO, trust_remote_code)))
 
 
 def _checked_settings(path: Path) -> tuple[Path, dict[str, Any]]:

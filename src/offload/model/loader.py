@@ -21,7 +21,7 @@ from offload.config import OffloadConfig
 from offload.errors import ModelError
 from offload.memory.disk_layout import TensorRange
 from offload.memory.host import HostSlab, TensorSpec, should_pin_memory
-from offload.memory.placement import DiskIO
+from offload.memory.placement import AUTO, DiskIO
 from offload.memory.safetensors import StoredTensor, checkpoint_tensors, read_into
 from offload.model.build import build_empty
 from offload.model.checkpoint import checkpoint_targets
@@ -30,7 +30,7 @@ from offload.model.merges import Assembled
 from offload.offloader.base import BaseOffloader
 from offload.offloader.disk_tier import ReadHooks
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = (AUTO, "safetensors", "dummy")
 _DUMMY_PIECE_VALUES = 2**22  # float32 values drawn at a time for a dummy weight (16 MiB)
 
 
@@ -39,8 +39,8 @@ def load_model(
     config: OffloadConfig | Mapping[str, Any] | None = None,
     *,
     device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "auto",
-    load_format: str = "auto",
+    dtype: str | torch.dtype = AUTO,
+    load_format: str = AUTO,
     progress: bool = False,
     trust_remote_code: bool = False,
     read_hooks: ReadHooks | None = None,

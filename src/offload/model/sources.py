@@ -39,6 +39,7 @@ from safetensors import SafetensorError
 from offload.errors import ModelError
 from offload.memory.cache_digest import sign_entry
 from offload.memory.cache_trust import cache_folder, cache_key, trusted_folder
+from offload.memory.placement import AUTO
 from offload.model.bin_checkpoints import from_bin as _from_bin
 from offload.model.cache_folder import cache_dir, entry_not_usable
 from offload.model.default import default_model_path, gguf_path
@@ -112,7 +113,7 @@ def stored_unless_asked(
     CPU or GPU where torch has an int4 kernel (each weight's layout is then measured there);
     an explicit `dtype` ("float32", ...) asks for the old de-quantized float32 conversion
     instead, and so does a file that cannot be read as stored (with a warning saying why)."""
-    if quantization is not None or dtype not in ("auto", None):
+    if quantization is not None or dtype not in (AUTO, None):
         return quantization
     kernel = {"cpu": int4_cpu_layout, "cuda": int4_cuda_layout}.get(device.type)
     path = Path(model).expanduser() if model is not None else None

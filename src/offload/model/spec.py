@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from offload.memory.device import check_device
+from offload.memory.placement import AUTO
 from offload.model.build import build_empty
 from offload.model.configs import resolve as shipped
 from offload.model.sources import resolve_model, stored_unless_asked
@@ -38,8 +39,8 @@ class ModelSpec:
 def make_model_spec(
     model: str | Path | None,
     *,
-    device: str | torch.device = "auto",
-    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = AUTO,
+    dtype: str | torch.dtype = AUTO,
     quantization: str | None = None,
     quantization_name: str = "LLM(): quantization",
     offload_folder: str | Path | None = None,

@@ -11,6 +11,7 @@ from offload.config import Backend, OffloadConfig
 from offload.errors import ConfigError
 from offload.memory.copy_engine import CopyEngine, make_copy_engine
 from offload.memory.disk_layout import TensorRange
+from offload.memory.placement import AUTO
 from offload.offloader.base import BaseOffloader, NoopOffloader
 from offload.offloader.disk_tier import DiskSettings, DiskTier, ReadHooks
 from offload.offloader.prefetch import PrefetchOffloader
@@ -42,7 +43,7 @@ def create_offloader(
     device = torch.device(device) if device is not None else None
     backend = config.selected_backend
     if backend == Backend.UVA:
-        if config.uva.cpu_offload_gb == "auto":
+        if config.uva.cpu_offload_gb == AUTO:
             raise ConfigError(
                 "cpu_offload_gb='auto' needs the model's size and the device budget: "
                 "use LLM(...) or 'offload generate', or give a number of GiB"

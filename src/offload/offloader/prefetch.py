@@ -53,7 +53,7 @@ class PrefetchOffloader(BaseOffloader):
         device: torch.device | None = None,
         disable_pin_memory: bool = False,
         copy_engine_factory: Callable[[torch.device], CopyEngine] = make_copy_engine,
-        unit: str = "auto",
+        unit: str = PrefetchUnit.AUTO,
         disk: DiskTier | None = None,
     ):
         super().__init__(disable_pin_memory=disable_pin_memory)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offload.config import OffloadConfig
+from offload.config import Backend, OffloadConfig
 from offload.config.flags import FLAG_DESTS, FLAG_NAMES
 from offload.planner.choose import candidates
 from offload.planner.plan import Plan
@@ -34,7 +34,8 @@ def config_values(config: OffloadConfig) -> dict[str, Any]:
     return {
         dest: given[dest]
         for dest in FLAG_DESTS
-        if given[dest] != default[dest] or (dest == "offload_backend" and given[dest] != "auto")
+        if given[dest] != default[dest]
+        or (dest == "offload_backend" and given[dest] != Backend.AUTO)
     }
 
 
