@@ -1,13 +1,15 @@
 """`EngineArgs`: `LLM`'s arguments as one record that checks itself."""
 
 import inspect
+import json
 
 import pytest
 
-from offload.config import Backend
+from offload.config import Backend, OffloadConfig, UVAOffloadConfig
 from offload.errors import ConfigError, OffloadError
 from offload.llm.engine_args import EngineArgs, argument_names
 from offload.llm.llm import LLM
+from offload.memory.placement import AUTO, Auto
 
 
 def test_the_record_has_llms_arguments_names_defaults_and_order():
@@ -43,3 +45,23 @@ def test_an_llm_made_from_a_spec_does_not_resolve_again(tmp_path, monkeypatch):
     monkeypatch.setattr(spec_module, "resolve_model", lambda *a, **k: pytest.fail("resolved"))
     with LLM(spec, max_model_len=16, enforce_eager=True) as llm:
         assert llm.model is spec.empty and llm.device == spec.device
+
+
+def test_auto_is_the_string_auto_and_either_form_is_accepted():
+    assert AUTO == "auto" == f"{AUTO}" == str(AUTO) and repr(AUTO) == "'auto'"
+    assert Auto("auto") is AUTO
+    plain, typed = UVAOffloadConfig(cpu_offload_gb="auto"), UVAOffloadConfig(cpu_offload_gb=AUTO)
+    assert plain == typed and plain.cpu_offload_gb is AUTO  # the string is made the member
+    config = OffloadConfig(uva=typed)
+    assert json.loads(json.dumps(config.to_dict()))["uva"]["cpu_offload_gb"] == "auto"
+    assert json.dumps({"dtype": AUTO}) == '{"dtype": "auto"}'
+    assert OffloadConfig.from_dict({"cpu_offload_gb": "auto"}) == config
+    assert OffloadConfig.from_cli(["--cpu-offload-gb", "auto"]) == config
+    args = [
+        EngineArgs(
+            dtype=auto, device=auto, load_format=auto, offload_flags={"cpu_offload_gb": auto}
+        )
+        for auto in ("auto", AUTO)
+    ]
+    assert args[0].config == args[1].config and args[0].config.selected_backend == Backend.UVA
+    assert EngineArgs().dtype == EngineArgs().device == EngineArgs().load_format == "auto"
