@@ -135,8 +135,8 @@ def _serve(args, sock, spec, config, name, waiting) -> int:
         max_request_bytes=args.max_request_bytes,
     )
     # The engine's loop runs on this (the main) thread and HTTP on another: on a CPU,
-    # torch's OpenMP teams are only fast while one thread leads them (measured: a
-    # 16-sequence step 210 -> 103 ms; docs/benchmarks.md).
+    # torch's OpenMP teams are only fast while one thread leads them (a 16-sequence step
+    # took far less time so: docs/benchmarks.md).
     serving = llm.serving(fixed_length=args.max_model_len is not None, engine_thread=False)
     try:
         serving.warm_up()  # the compiled decode step before any request waits on it

@@ -29,12 +29,12 @@ def _run(step) -> torch.Tensor:
 
 class CompiledCpuStep:
     """`step()` of a `graphs.DecodeStep` compiled, one graph per shape (batch, cache
-    length): loaded from the steps kept on disk (`step_cache`, ~2 s), else compiled (about
-    a minute on a machine's first, ~7 s more from inductor's cache) and kept there. By
-    default (`background`) a shape's load or compile runs on a thread of its own
-    (`step_jobs`) while its steps run eagerly: a call gives None until it is ready. Where
-    the step cannot be kept (a graph break), or with `OFFLOAD_CPU_COMPILE=wait`, the call
-    that meets a shape compiles it, announced on stderr."""
+    length): loaded from the steps kept on disk (`step_cache`: the quickest), else compiled
+    (slowest on a machine's first, quicker from inductor's cache; docs/benchmarks.md) and
+    kept there. By default (`background`) a shape's load or compile runs on a thread of its
+    own (`step_jobs`) while its steps run eagerly: a call gives None until it is ready.
+    Where the step cannot be kept (a graph break), or with `OFFLOAD_CPU_COMPILE=wait`, the
+    call that meets a shape compiles it, announced on stderr."""
 
     def __init__(self, background: bool | None = None):
         # A code object of its own: dynamo keeps its compiled graphs (and counts
@@ -94,9 +94,11 @@ class CompiledCpuStep:
         background (the caller runs the step eagerly). `checked_once`: the caller runs
         the same `step` object (its tensors updated in place) over weights that stay in
         place (`BaseOffloader.weights_in_place`) with nothing else running between its
-        calls, so a kept step's guards, once passed for it, are not checked again
-        (measured: 1.2-1.4 ms a step, ~500 tensors' metadata read back from memory after
-        the step has streamed the weights through the cache)."""
+        calls, so a kept step's guards, once passed for it, are not checked again (each
+        check reads hundreds of tensors' metadata back from memory after the step has
+        streamed the weights through the cache: docs/benchmarks.md, "2026-11-28
+        (twenty-first session): the server's few-row steps, and the default model's steps
+        as stored (issue 28)")."""
         shape = _key(step)
         run = self._steps.get(shape)
         if run is None and self.background and step_cache.keepable(step):
@@ -147,8 +149,10 @@ class CompiledCpuStep:
     @property
     def _traced(self) -> Callable:
         """The step as torch.compile traces it. Made at the first compile, whose seconds
-        count it: making it checks the CPU's vector units in ~11 compiler runs (~1 s, once
-        a process), which would else count as decoding time."""
+        count it: making it checks the CPU's vector units in compiler runs (once a process;
+        docs/benchmarks.md, "2026-11-27 (sixteenth session): the stored model's step
+        compiled; both issues' CPU checks again"), which would else count as decoding
+        time."""
         if self._traced_step is None:
             check_inductor_cache()  # (its kernels are loaded from there)
             self._traced_step = torch.compile(

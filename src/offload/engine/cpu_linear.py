@@ -3,18 +3,17 @@ matrix-vector products.
 
 `F.linear` asks MKL for `x @ weight.T`; for 2 to ~64 rows MKL's sgemm then repacks the
 whole weight at every call, so a decode step of 4 rows costs twice one of 1 row though
-it reads the same bytes. `weight @ x.T` streams the weight as stored (measured on the
-2-core AVX2 machine, SmolLM2-135M's matrices, ms per step: 2 rows 85 -> 41, 16 rows
-92 -> 66, 64 rows 233 -> 150; 1 row and >= 96 rows the same). The sums round differently
+it reads the same bytes. `weight @ x.T` streams the weight as stored (faster from 2 to 64
+rows, no different at 1 row or at 96 and more; docs/benchmarks.md). The sums round differently
 from `F.linear`'s, so a batch's tokens may differ from a lone run's; every offload mode
 runs the same kernel, so offloaded still equals resident bitwise.
 
-One row: MKL's float32 matrix-vector product streams the weight at ~11 GB/s here (one
-thread); the same product as `torch.bmm` over the weight cut into row blocks runs ATen's
-own kernel at 21-35 GB/s (the default model's head: 9.8 -> 3.3 ms; its 1536x576 matrices
-308 -> 116 µs; faster on one thread too). Each output is one dot product in that kernel,
-so the bits do not depend on the number of blocks or threads (any count from 2 gives the
-same), only on the weight's row length.
+One row: MKL's float32 matrix-vector product streams the weight on one thread, below the
+memory's rate; the same product as `torch.bmm` over the weight cut into row blocks runs
+ATen's own kernel, faster for the head and the layers' matrices alike, on one thread too
+(docs/benchmarks.md). Each output is one dot product in that kernel, so the bits do not
+depend on the number of blocks or threads (any count from 2 gives the same), only on the
+weight's row length.
 """
 
 from __future__ import annotations
@@ -72,8 +71,10 @@ def weight_times(weight: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
     aligned one first, so that a batch's products on the disk tier give the bits they give
     resident (a copy per product; the default model is written aligned, and pays none).
     The columns are laid out as `x.t()` of a contiguous `x` is, each row's values
-    together: MKL's product over them stored the other way took ~3.3x as long (measured:
-    576x1536, 2 rows, 353 against 106 µs), as a compiled step's down projection had them."""
+    together: MKL's product over them stored the other way took several times as long
+    (docs/benchmarks.md, "2026-11-28 (twenty-first session): the server's few-row steps,
+    and the default model's steps as stored (issue 28)"), as a compiled step's down
+    projection had them."""
     if weight.data_ptr() % ALIGNMENT:
         weight = torch.empty_like(weight, memory_format=torch.contiguous_format).copy_(weight)
     if columns.stride(0) != 1:  # (a compiled step may hand them over row-major)
@@ -96,10 +97,10 @@ def halves_times_weight(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     float16, for a compiled step's 2 to `MAX_ROWS` rows: oneDNN's kernel on the weight as
     stored where the CPU has one for the dtype (`native_halves`: AVX-512 for bf16), else
     `UPCAST_SLICE_ROWS` weight rows at a time widened to float32 for MKL (ATen's own
-    reduced-precision product is slow past a few rows: AVX2, 5632x2048, rows 8 / 32 / 64:
-    2.5 / 0.6 / 0.3 GB/s of weight a thread, a slice at a time 3.3 / 1.4 / 1.0; 2 rows
-    8.9 against 5.9, so below `UPCAST_MIN_ROWS` ATen's is kept). A weight off an
-    `ALIGNMENT` boundary is copied first, as in `weight_times`."""
+    reduced-precision product is slow past a few rows, slower than a slice at a time from
+    8 rows on; at 2 rows ATen's is the faster, so below `UPCAST_MIN_ROWS` it is kept;
+    docs/benchmarks.md). A weight off an `ALIGNMENT` boundary is copied first, as in
+    `weight_times`."""
     if weight.data_ptr() % ALIGNMENT:
         weight = torch.empty_like(weight, memory_format=torch.contiguous_format).copy_(weight)
     if native_halves(weight.dtype) or rows.shape[0] < UPCAST_MIN_ROWS:
@@ -119,8 +120,8 @@ UPCAST_MIN_ROWS = 4
 @functools.cache
 def native_halves(dtype: torch.dtype) -> bool:
     """Whether `F.linear` of `dtype` (bfloat16, float16) runs oneDNN's kernel on this CPU
-    (measured, AVX-512 with BF16, bf16 5632x2048 per thread: 2 to 16 rows 8-10 GB/s of
-    weight, where `weight @ x.T` ran at 5)."""
+    (on AVX-512 with BF16 it read a bf16 weight faster than `weight @ x.T` at 2 to 16 rows;
+    docs/benchmarks.md)."""
     if not torch.backends.mkldnn.is_available():
         return False
     if dtype == torch.bfloat16:
@@ -163,8 +164,8 @@ def kernels_for(model: torch.nn.Module, device: torch.device):
     `F.linear`: `linear_of_floats`) hold at least `PAYS_BYTES` (there the weights' streaming rate is
     the step's time), else nothing: the mode sees every torch call of the step, and a
     model of small or quantized weights (the default model as stored) only pays its
-    per-call cost (measured: the stored default model 47.1 -> 36.0 tok/s with it; a tiny
-    test model 0.31 -> 0.55 s for the same steps)."""
+    per-call cost (the stored default model and a tiny test model were both slower with
+    it; docs/benchmarks.md)."""
     if device.type != "cpu" or not pays(model):
         return contextlib.nullcontext()
     return FewRowsLinear()

@@ -1,14 +1,15 @@
 """The decode step of one sequence on a CPU, compiled (inductor), with each linear of its
 one row written as a multiply and a sum.
 
-Eagerly a step of the default model in float32 spends ~17 ms in its products (at the read
-rate, `cpu_linear`) and ~19 ms in the ~1,200 other ATen calls and the Python of
-transformers' modules around them. Compiled, those fuse into a few C++ loops; and where
-inductor would call MKL's one-thread matrix-vector product for `F.linear`, the product
-written as `(x * weight).sum(-1)` becomes one generated loop over the weight's rows,
-split across the OpenMP threads, which reads each weight once at the memory's rate
-(measured on the 2-core AVX2 machine: eager 16 tok/s, compiled as it is 19, compiled with
-the products so written 41; llama.cpp on the same float32 bytes 52).
+Eagerly a step of the default model in float32 spends about as long in the ~1,200 other
+ATen calls and the Python of transformers' modules around its products as in the products
+themselves (at the read rate, `cpu_linear`; docs/benchmarks.md). Compiled, those fuse into
+a few C++ loops; and where inductor would call MKL's one-thread matrix-vector product for
+`F.linear`, the product written as `(x * weight).sum(-1)` becomes one generated loop over
+the weight's rows, split across the OpenMP threads, which reads each weight once at the
+memory's rate (compiled as it is, the step is barely faster than eager; with the products
+so written, far faster, near llama.cpp on the same float32 bytes: docs/benchmarks.md,
+"2026-11-27 (twelfth session): the set-up's torch in 3 s; where a CPU decode step goes").
 
 Each output element is one row's sum in that loop, so the bits depend on the kernel, not on
 where the weight lives: a compiled step offloaded (prefetch slots, the disk tier) gives
@@ -17,11 +18,11 @@ the same bits as the compiled step resident. They may differ from the eager step
 The graph is specialised to its shapes (`dynamic=False`: kernels with constant sizes); the
 cache's length is one of them, so `LLM` rounds it up to a power of two (`cache_length`):
 a handful of compiles serve every prompt. Each step is compiled ahead of time and kept on
-disk (`step_cache`): a second process loads it in ~2 s instead of tracing it again (~7 s).
-Steps offloaded by prefetch or the disk tier are kept too (their hooks name the
-offloader by id, `ops.register`). Where a step cannot be kept (a graph break: KV offload;
-module units' read checks in its guards) dynamo traces it in each process, and inductor's
-own cache spares the compile.
+disk (`step_cache`): a second process loads it in a fraction of the time tracing it again
+takes (docs/benchmarks.md). Steps offloaded by prefetch or the disk tier are kept too
+(their hooks name the offloader by id, `ops.register`). Where a step cannot be kept (a
+graph break: KV offload; module units' read checks in its guards) dynamo traces it in each
+process, and inductor's own cache spares the compile.
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ def pays(model: torch.nn.Module) -> bool:
     linears (written out as the float32 ones are, `step_linears`), or its int4 and q8
     weights kept as stored, would be as large in float32 (stored products stay opaque
     ops, the rest of the step fuses around them; a q8 product of one row becomes one loop,
-    `kernels.q8_one_row`). Measured on the 2-core machine, the default model as
-    stored: eager 43.5 tok/s, compiled 71.1."""
+    `kernels.q8_one_row`). The default model as stored decodes faster compiled than eager
+    (docs/benchmarks.md, "2026-11-27 (sixteenth session): the stored model's step compiled;
+    both issues' CPU checks again")."""
     if cpu_linear.pays(model):
         return True
     halves = (torch.bfloat16, torch.float16)
@@ -105,7 +107,8 @@ def rewrite_digest() -> str:
 
 
 # (Without inductor's checks of its buffers' sizes, strides and alignment in the step's
-# wrapper: ~1,100 Python calls a step, 4% of it at batch 1. The guards check the inputs.)
+# wrapper: they are Python calls, a share of the step's time at batch 1 (docs/benchmarks.md).
+# The guards check the inputs.)
 COMPILE_OPTIONS = {
     "pre_grad_custom_pass": _ProductsPass(),
     "size_asserts": False,

@@ -131,7 +131,9 @@ class DecodeLoop:
         """The compiled CPU step where it pays (`cpu_step.pays`), for a batch of 1 to
         `cpu_linear.MAX_ROWS` sequences (those whose products it writes, `step_linear`;
         weights kept as stored keep their own products, the rest of the step fuses: the
-        default model as stored, server steps of 2-32 rows 1.12-1.24x eager)."""
+        default model as stored, whose server steps of 2-32 rows run faster compiled than
+        eager; docs/benchmarks.md, "2026-11-28 (twenty-first session): the server's few-row
+        steps, and the default model's steps as stored (issue 28)")."""
         if not self._compile_cpu or not cpu_step.enabled():
             return None
         if num_sequences > cpu_linear.MAX_ROWS or not cpu_step.pays(self.model):

@@ -175,7 +175,9 @@ def _no_row_update(kv, key_states, value_states, columns, first: int) -> None:
 # `offload::row_kv_update`: a `RowLayer`'s writes as one op of a compiled step, declared to
 # mutate the layer's keys and values in place. Traced through, the writes into a slice of
 # rows of dynamic size were functionalized into a copy of every row's whole cache (all
-# `max_model_len` columns) at each step: a 32-row step took 1.1 s instead of ~0.1.
+# `max_model_len` columns) at each step: a 32-row step took many times as long
+# (docs/benchmarks.md, "2026-11-28 (nineteenth session): the server's batched step compiled
+# (issue 28)").
 ROW_UPDATE_OP = ops.define_op(
     "row_kv_update",
     "(Tensor(a!)[] kv, Tensor key_states, Tensor value_states, Tensor columns, SymInt first) -> ()",

@@ -5,9 +5,10 @@ Traced, transformers' attention repeats each KV head's keys and values for its q
 (`repeat_kv`: a copy of the cache read, every layer and step) and calls ATen's attention
 kernel on the copies, an opaque call that splits the step's fusions. Written out instead,
 inductor reads each cached key and value once from its generated loops, with the rest of
-the layer around them. Measured on the 2-core AVX-512 machine, one layer of the default
-model (9 query heads over 3 KV heads, head size 64), compiled, µs: 1 row x 128 columns
-50 -> 29, 1 x 2048 291 -> 123, 8 x 512 787 -> 273, 32 x 128 744 -> 172.
+the layer around them. One layer of the default model (9 query heads over 3 KV heads,
+head size 64), compiled, ran faster so at every number of rows and columns timed
+(docs/benchmarks.md, "2026-11-28 (twentieth session): attention written out in the
+compiled step; the server's lone row compiled (issue 28)").
 
 Every offloaded form of a step runs this same graph, so they keep the resident step's bits.
 """

@@ -1,10 +1,11 @@
 """Compiled CPU decode steps kept on disk, so that a second process neither traces nor
 compiles (`cpu_step`).
 
-Inductor caches its kernels, but dynamo traces the step again in each process: ~4.5 s of
-Python for the default model's 30 layers (transformers' modules, config look-ups), ~7 s
-with the kernels loaded. torch's ahead-of-time compile (`aot_compile`) keeps dynamo's
-output too, and a saved step loads in ~2 s.
+Inductor caches its kernels, but dynamo traces the step again in each process: seconds of
+Python for the default model's 30 layers (transformers' modules, config look-ups), most of
+the time a step takes with the kernels loaded. torch's ahead-of-time compile
+(`aot_compile`) keeps dynamo's output too, and a saved step loads in a fraction of that
+(docs/benchmarks.md).
 
 Its guards are only the portable ones (each input tensor's size, stride and dtype): what
 dynamo would also guard (the model's classes, its config's values, the hooks around its

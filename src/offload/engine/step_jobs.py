@@ -97,9 +97,9 @@ class StepJobs:
             key, job = self._jobs.get()
             started = time.perf_counter()
             # While a job runs (Python, mostly: dynamo's trace), the decode loop's thread
-            # takes the GIL back after each torch call; at the default 5 ms interval
-            # it waited ~5 ms a call (measured: an eager step of the default model
-            # 25 ms -> 9 s beside a compile).
+            # takes the GIL back after each torch call; at Python's default 5 ms interval
+            # it waited up to a whole interval a call, and an eager step of the default
+            # model beside a compile took hundreds of times as long (docs/benchmarks.md).
             interval = sys.getswitchinterval()
             sys.setswitchinterval(_SWITCH_S)
             try:

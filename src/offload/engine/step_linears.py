@@ -2,11 +2,12 @@
 weight once, as stored, at the memory's rate.
 
 Inductor's own lowering of `F.linear` calls MKL: for one row its one-thread
-matrix-vector product (~11 GB/s on the 2-core machine), for 2 to ~64 rows `x @ weight.T`,
-which repacks the whole weight every call. Written instead as `(x * weight).sum(-1)`, the
-product of one row becomes one generated loop over the weight's rows, split across the
-OpenMP threads; a few rows go to `weight @ x.T` (`cpu_linear.WEIGHT_TIMES`), as the eager
-step has them.
+matrix-vector product (below the memory's rate: docs/benchmarks.md, "2026-11-27
+(thirteenth session): one-row products at the read rate (issue 28)"), for 2 to ~64 rows
+`x @ weight.T`, which repacks the whole weight every call. Written instead as
+`(x * weight).sum(-1)`, the product of one row becomes one generated loop over the
+weight's rows, split across the OpenMP threads; a few rows go to `weight @ x.T`
+(`cpu_linear.WEIGHT_TIMES`), as the eager step has them.
 
 bfloat16 and float16 weights take the same forms. Inductor upcasts a reduced-precision
 load to float32 in registers, so the one-row loop reads the weight's 2 bytes a value,
@@ -90,7 +91,8 @@ def step_products(graph: torch.fx.Graph) -> int:
     """Rewrite each `F.linear` of 1 to `cpu_linear.MAX_ROWS` rows of a dtype of `FLOATS`
     in dynamo's graph as `step_linear`; the number rewritten. Done on the graph, not by a
     TorchFunctionMode: dynamo traced every torch call of the step through such a mode,
-    half of its ~6 s of tracing."""
+    half of its tracing time (docs/benchmarks.md, "2026-11-27 (fifteenth session): the
+    compiled step kept on disk, and three of its costs")."""
     rewritten = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not F.linear or node.kwargs:

@@ -99,7 +99,7 @@ class StepRunner:
         # answer depend on when the compile ended). Off for a server: there an answer's
         # bits depend on its batch anyway, and eager rows made every row that shared a
         # step with them eager too, so steady traffic never reached the compiled step
-        # (bf16 at 1 GiB, 4 clients: 6.4 against 8.8 tok/s).
+        # (docs/benchmarks.md).
         eager_rows = self.keep_form and any(row.eager for row in rows if row.is_live)
         if wanted and not eager_rows:
             # (None while it compiles in the background; a kept step's guards checked once

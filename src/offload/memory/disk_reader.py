@@ -33,10 +33,10 @@ from offload.memory.placement import READ_MODES, DiskIO
 
 # The least bytes of one read request. A layer's reads are split into one request per
 # thread (each at least this): on a CPU whose cores compute beside the reads, each request
-# waits for its I/O thread to be run again, and beside matrix products on both cores 4 MiB
-# requests of a 28 MiB layer read at 0.6-1.7 GB/s where 16-32 MiB ones read at 1.3-2.2
-# (medians of paired runs on a shared 2-core machine whose reads alone ran at 1.8-2.6;
-# benchmarks/gguf_convert.py --compare, docs/benchmarks.md).
+# waits for its I/O thread to be run again, and beside matrix products on both cores a
+# layer read in many small requests read slower than in a few large ones
+# (benchmarks/gguf_convert.py --compare; docs/benchmarks.md, "A .gguf as stored at a size
+# where memory shows (issue 47, 2026-11-28)").
 CHUNK_BYTES = 4 * 2**20
 
 

@@ -119,7 +119,8 @@ def trim_freed_memory() -> bool:
     """Hand the pages glibc's malloc holds free back to the OS (`malloc_trim(0)`); False
     where there is no glibc. A dropped model leaves megabytes of freed tensors scattered
     through malloc's heaps, which it keeps: a process that loads models again and again
-    grew 410 -> 558 MiB over 12 loads without this, 366 -> 375 with it (docs/benchmarks.md)."""
+    grew load after load without this, and hardly with it (docs/benchmarks.md, "Leaks: an
+    `LLM` made, used and dropped 20 times (2026-11-26)")."""
     trim = _malloc_trim()
     if trim is None:
         return False

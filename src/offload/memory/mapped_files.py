@@ -124,8 +124,10 @@ class MappedFiles:
         there already (looking at every page costs time). They are read, not only hinted:
         a failing read here is an error at the next `enter`, where a page faulted in by
         compute would be a SIGBUS. The sample is looked at here, in the caller's thread:
-        handing every layer's extents to the reading thread cost a warm disk tier 20-30%
-        of its compiled step (a wake-up and the GIL's hand-over per layer, on 2 cores)."""
+        handing every layer's extents to the reading thread cost a warm disk tier a large
+        share of its compiled step (a wake-up and the GIL's hand-over per layer, on 2
+        cores: docs/benchmarks.md, "2026-11-27 (fifteenth session): the compiled step kept
+        on disk, and three of its costs")."""
         missing = tuple(extent for extent in extents if not self._cached(extent))
         if missing and not self._released:
             with contextlib.suppress(RuntimeError):  # closed meanwhile: hints are optional

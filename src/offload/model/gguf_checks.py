@@ -4,7 +4,7 @@ sizes against the limits config.json gets (`limits.py`), the heads against the h
 size, the tokenizer's ids against its token list, and the tensors' byte ranges against
 the file and each other. gguf's reader builds a table as long as `block_count` and walks
 an array item by item, so a single hostile field would otherwise hang the process or eat
-its memory (`llama.block_count = 10**9` in a 16 MB file: 5.7 GB after 180 s)."""
+its memory (`llama.block_count = 10**9` in a small file ate gigabytes: docs/benchmarks.md)."""
 
 from __future__ import annotations
 

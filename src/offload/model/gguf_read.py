@@ -2,8 +2,8 @@
 architecture, its numeric settings, the length of each of its arrays, and each tensor's
 name, type, shape and byte range, past every other setting (the tokenizer's arrays
 included) without building them. gguf's reader makes a numpy array of every token and
-merge: ~2 s and ~160 MB for a 49k-token vocabulary, at every read (`gguf_header` is asked
-by every `LLM` of a .gguf; a conversion reads every tensor's range).
+merge, slow and large for a 49k-token vocabulary, at every read (docs/benchmarks.md;
+`gguf_header` is asked by every `LLM` of a .gguf; a conversion reads every tensor's range).
 
 Every count and length is bounded by the bytes left in the file before it is used, so a
 hostile header (2^62 array items, a 2^62-byte string) is refused in one pass over its
@@ -25,8 +25,9 @@ _SCALAR_FORMS.update({10: "Q", 11: "q", 12: "d"})
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 _MIN_ITEM_BYTES = {**_SCALAR_BYTES, _STRING: 8, _ARRAY: 12}  # (an empty string, array)
 _DEFAULT_ALIGNMENT = 32
-# Strings in all the arrays of a header: gguf's reader makes numpy arrays of each (~20 us
-# and ~300 bytes a string), so a file of 10^7 one-byte tokens would take minutes and GBs.
+# Strings in all the arrays of a header: gguf's reader makes numpy arrays of each (a cost
+# in time and memory per string: docs/benchmarks.md), so a file of 10^7 one-byte tokens
+# would take minutes and GBs.
 # The largest tokenizers hold about 0.5 million (Command R: 256k tokens, 253k merges).
 MAX_STRINGS = 1 << 20
 _MAX_DIMS = 4  # GGML_MAX_DIMS: ggml's tensors have at most 4 dimensions

@@ -82,7 +82,8 @@ def save_as_stored(
 
 def _hand_back_freed() -> None:
     """Free what cycles hold and hand malloc's freed pages back: the conversion's peak is
-    within the user's memory budget (a 49k-token tokenizer and gguf's parse of it: ~200 MB)."""
+    within the user's memory budget (a 49k-token tokenizer and gguf's parse of it take a
+    share of it: docs/benchmarks.md)."""
     gc.collect()
     trim_freed_memory()
 
@@ -147,7 +148,8 @@ def _kv_heads(config: Any) -> int:
 def not_read_as_stored(source: Path) -> str | None:
     """Why the .gguf `source` cannot be read as stored (its architecture, a tensor type
     with no reader here: an IQ type, ..., or big-endian values), or None where it can;
-    from the header alone (`gguf_header`: ~0.1 s where gguf's reader takes ~2 s)."""
+    from the header alone (`gguf_header`, far quicker than gguf's reader:
+    docs/benchmarks.md)."""
     arch, types = gguf_header(source)
     if arch not in _ARCHITECTURES:
         return (

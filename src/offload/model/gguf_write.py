@@ -124,7 +124,7 @@ def write_planned(
                 for name, tensor in _made(descriptor, item).items():
                     writer.write(name, tensor)
                 # Each tensor's copies are freed in pieces malloc keeps: handed back after
-                # each, a 1.4 GiB GGUF's conversion peaks 0.5 GiB lower.
+                # each, a conversion peaks lower (docs/benchmarks.md).
                 trim_freed_memory()
                 bar(item.source.num_bytes)
     finally:

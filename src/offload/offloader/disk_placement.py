@@ -27,8 +27,8 @@ IO_CHOICES = tuple(DiskIO)
 AUTO_MAP_CACHED = 0.9  # share of the streamed bytes in the page cache for "auto" to map them
 # "auto" maps a cold checkpoint too where its streamed bytes fit this share of the RAM
 # available: after the first forward the page cache holds them (the kernel's memory, not
-# the process's), and later forwards compute on them in place. 2.7 GB bf16 at a 1 GiB
-# budget, cold: 4.7 tok/s mapped, 1.0 read directly (docs/benchmarks.md).
+# the process's), and later forwards compute on them in place: a cold checkpoint mapped
+# decoded several times as fast as one read directly (docs/benchmarks.md).
 AUTO_CACHE_SHARE = 0.5
 
 

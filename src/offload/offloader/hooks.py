@@ -164,10 +164,11 @@ class LayerBoundary(PrefetchHook):
     must (its wait and start declare the layer's streams mutated), so the two compute
     alike: inductor fused a layer's residual add into the next layer's norm resident but
     not offloaded, and for a batch of rows that summed in another order. For one float32
-    row the two agree without it, and it cost the resident step 12% (49.8 against 56.7
-    tok/s): there, and eagerly, it does nothing. A row of bfloat16 or float16 takes it:
-    a fused add keeps its sum in float32 registers where one split off rounds it to the
-    dtype in memory, so the two differed in their last bits."""
+    row the two agree without it, and it slowed the resident step (docs/benchmarks.md,
+    "2026-11-28 (eighteenth session): compiled batches landed; the disk tier's batches
+    were not exact"): there, and eagerly, it does nothing. A row of bfloat16 or float16
+    takes it: a fused add keeps its sum in float32 registers where one split off rounds it
+    to the dtype in memory, so the two differed in their last bits."""
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if torch.compiler.is_compiling() and not _one_float32_row(_float_tensors((args, kwargs))):

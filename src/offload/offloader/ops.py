@@ -66,17 +66,17 @@ def unregister(offloader_id: int) -> None:
 
 
 # Defined with `torch.library.Library`, not `torch.library.custom_op`: the latter's Python
-# autograd and in-place-or-view kernels cost ~17 µs a call (3.6 µs so), 60 calls a step of
-# the default model, ~5% of its compiled CPU step. Neither op touches data, and both run
-# under torch.no_grad, so they need neither kernel.
+# autograd and in-place-or-view kernels cost several times as much a call, 60 calls a step
+# of the default model, a share of its compiled CPU step (docs/benchmarks.md). Neither op
+# touches data, and both run under torch.no_grad, so they need neither kernel.
 _library = torch.library.Library("offload", "FRAGMENT")
 _SCHEMA = "(Tensor(a!)[] activations, Tensor[] weights, int offloader_id, int position) -> ()"
 
 
 def define_op(name: str, schema: str, kernel, fake):
     """`offload::<name>` with `schema` ("(Tensor x, ...) -> Tensor"): `kernel` on every
-    device, `fake` for tracing. The way the ops above are made (a few µs a call where
-    `custom_op` costs ~17), for the operations a compiled step keeps opaque; like them, no
+    device, `fake` for tracing. The way the ops above are made (cheaper a call than
+    `custom_op`'s, see above), for the operations a compiled step keeps opaque; like them, no
     autograd formula: they run under torch.no_grad. Returns the op."""
     _library.define(name + schema, tags=(torch.Tag.pt2_compliant_tag,))
     _library.impl(name, kernel, "CompositeExplicitAutograd")

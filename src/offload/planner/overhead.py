@@ -23,15 +23,16 @@ from offload.offloader.layers import find_layer_stacks
 from offload.sizes import GIB, parameter_bytes
 
 # RSS of a process that has imported torch, transformers and offload and built the model
-# on the meta device, before any weight is read (measured on Linux x86-64, torch 2.x:
-# 348 MiB; `offload serve`'s HTTP stack adds ~16 MiB), rounded up.
+# on the meta device, before any weight is read, with `offload serve`'s HTTP stack, as
+# measured (docs/benchmarks.md), rounded up.
 PROCESS_BASELINE_BYTES = 384 * 2**20
-# A loaded tokenizer's RSS per byte of its files (measured: SmolLM2's 3.5 MB
-# tokenizer.json took 63 MiB once loaded and used), rounded up.
+# A loaded tokenizer's RSS per byte of its files, as measured on SmolLM2's once loaded
+# and used (docs/benchmarks.md), rounded up.
 TOKENIZER_BYTES_PER_FILE_BYTE = 20
 # What a process that compiles its CPU decode steps keeps beside an eager one's peak
-# (inductor imported, the traced graphs, generated code): measured 0.18-0.23 GiB for the
-# 2.7 GB bf16 and 1.4 GB GGUF models of benchmarks/scale.py (docs/benchmarks.md), rounded up.
+# (inductor imported, the traced graphs, generated code), as measured for the models of
+# benchmarks/scale.py (docs/benchmarks.md, "Issue 47 closed out, batch invariance
+# (2026-11-29, twenty-fifth session)"), rounded up.
 COMPILER_BYTES = 256 * 2**20
 _TOKENIZER_FILES = (
     "tokenizer.json",

@@ -124,8 +124,9 @@ def measure(
         _measure_compute(measured, target)
         if device.type == "cpu":
             # The compute probe's models and caches go, and malloc hands their pages back,
-            # before the next probe builds its own: a GGUF's plan at 0.5 GiB peaked 1.45
-            # GiB without, 0.93 with.
+            # before the next probe builds its own: a GGUF's plan peaked far higher without
+            # (docs/benchmarks.md, "Issue 47 closed out, batch invariance (2026-11-29,
+            # twenty-fifth session)").
             _let_go()
             _measure_forward_copies(measured, target)
             _let_go()

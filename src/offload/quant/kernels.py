@@ -30,7 +30,7 @@ def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
     if torch.compiler.is_compiling():
         if op == "q8" and x.shape[0] == 1 and x.device.type == "cpu":
             return q8_one_row(x, *stored)
-        if op == "int4":  # (its casts fused into the kernels around: ~5% a CPU step)
+        if op == "int4":  # (its casts fused into the kernels around: docs/benchmarks.md)
             return _OPAQUE[op](x.to(torch.bfloat16), *stored).to(x.dtype)
         return _OPAQUE[op](x, *stored)
     return _EAGER[op](x, *stored)
@@ -42,12 +42,13 @@ def q8_one_row(
     """`q8_matmul` of x [1, in], as plain tensor operations for a compiled step: each block
     column's 32 products summed, scaled, then the columns summed. Inductor makes of it a
     loop over the int8 weight at the memory's rate (the eager form widens each column to
-    float32: 113 MB written a step for the default model's head, ~6-16 ms). The sums' order
-    is the kernel's, so its bits may differ from the eager product's (as the compiled
-    float32 step's do); it is the same in a compiled offloaded step, whose weights are
-    inputs of the same loop (tests/engine/test_cpu_step.py). x is put in a buffer first:
-    else inductor computes it where the loop reads it, the model's last norm again for
-    every block of outputs (the default model's head 2.65 -> 0.92 ms, the same bits)."""
+    float32: 113 MB written a step for the default model's head; docs/benchmarks.md). The
+    sums' order is the kernel's, so its bits may differ from the eager product's (as the
+    compiled float32 step's do); it is the same in a compiled offloaded step, whose weights
+    are inputs of the same loop (tests/engine/test_cpu_step.py). x is put in a buffer
+    first: else inductor computes it where the loop reads it, the model's last norm again
+    for every block of outputs (the default model's head several times slower so, for the
+    same bits; docs/benchmarks.md)."""
     from torch._inductor import inductor_prims
 
     x = inductor_prims.force_stride_order(x, (x.shape[-1], 1))
@@ -87,8 +88,10 @@ def q8_matmul(
     int8 kernel is faster for one row but rounds the activations to bfloat16, so a row's
     logits would depend on how many rows share its step (docs/design.md). Past
     `Q8_FEW_ROWS` rows, a slice of `Q8_SLICE` weight rows at a time, so that the sums stay
-    in the cache: the default model's head at 32 rows 67 -> 18 ms, at 64 147 -> 32 (each
-    output's sums are the same, so are its bits)."""
+    in the cache: the default model's head at 32 and 64 rows several times faster
+    (docs/benchmarks.md, "2026-11-28 (twenty-first session): the server's few-row steps,
+    and the default model's steps as stored (issue 28)"; each output's sums are the same,
+    so are its bits)."""
     columns = x.reshape(x.shape[0], values.shape[0], values.shape[-1]).transpose(0, 1)
     sums_in = None if offsets is None else columns.sum(-1).T  # [rows, blocks]
     slice_rows = values.shape[1] if x.shape[0] <= Q8_FEW_ROWS else Q8_SLICE

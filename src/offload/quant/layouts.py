@@ -18,7 +18,9 @@ laid-out bytes as they lie in the file).
   so, else float32) and offsets (Q5_1, Q5_K), so that one block column is one contiguous
   matrix. Q8_0 is its file's bytes split by column; the 5- and 6-bit types are widened to
   8 bits (1.5-1.8x their file's bytes, a third of float32's), since a product that unpacks
-  their bits as it reads them ran 2x slower than this one on the CPU (docs/benchmarks.md).
+  their bits as it reads them ran slower than this one on the CPU (docs/benchmarks.md,
+  "2026-11-28 (twenty-second session): the GGUF types users download, as llama.cpp makes
+  them (issue 27)").
 - anything else stays in GGUF's own blocks (`gguf_quants` de-quantizes them).
 
 What each layout's module holds, how its tensors are made and which product reads them is

@@ -167,9 +167,9 @@ def _fp8_floats(weight: torch.Tensor) -> torch.Tensor:
     """float8 E4M3 values / 256, as float32. The code's sign, exponent and mantissa moved
     into a float16's places give value * 2^-8 exactly (normal and subnormal alike: the
     exponent biases differ by 8), and float16 -> float32 is a fast vector conversion where
-    torch converts float8 element by element (5x slower on a CPU). Times a scale made 256
-    times larger, each product is the same real number rounded once: the same bits. (The
-    NaN code reads as 1.875; a checkpoint's weights hold none.)"""
+    torch converts float8 element by element (much slower on a CPU: docs/benchmarks.md).
+    Times a scale made 256 times larger, each product is the same real number rounded
+    once: the same bits. (The NaN code reads as 1.875; a checkpoint's weights hold none.)"""
     if weight.device.type == "meta":
         return weight.to(torch.float32)
     code = weight.view(torch.uint8).to(torch.int16)
