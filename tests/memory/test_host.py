@@ -182,3 +182,18 @@ def test_a_ctrl_c_during_the_trim_at_a_collection_still_stops_the_program(monkey
         for _ in range(500):  # (it comes within milliseconds, from a helper thread)
             time.sleep(0.01)
     assert dropped == []
+
+
+def test_give_back_zeroes_a_tensor_and_leaves_the_bytes_beside_it():
+    """The rows' KV cache on a CPU (`RowCache.release`): a tensor's whole pages go back to
+    the OS and read as zeros; the bytes it shares a page with at either end are written as
+    zeros; nothing outside it changes."""
+    from offload.memory.host import give_back
+
+    buffer = torch.full((5 * 2**20,), 7, dtype=torch.uint8)
+    end = 1000 + 4 * 2**20 + 124  # (starts and ends inside a page)
+    give_back(buffer[1000:end].view(torch.float32))
+    assert not buffer[1000:end].any()
+    assert (buffer[:1000] == 7).all() and (buffer[end:] == 7).all()
+    buffer[1000:1010] = 3  # (a given-back page takes writes again)
+    assert buffer[990:1010].tolist() == [7] * 10 + [3] * 10

@@ -143,12 +143,15 @@ def give_back(tensor: torch.Tensor) -> None:
     back to the OS (`madvise(MADV_DONTNEED)`: they read as zeros and take memory again only
     when written); the bytes at its ends that share a page with others written as zeros.
     Where the call is not there, all of it written as zeros."""
-    advise = _madvise()
+    advise, dont_need = _madvise(), getattr(mmap, "MADV_DONTNEED", None)
     flat = tensor.view(-1).view(torch.uint8)
     start, size, page = tensor.data_ptr(), flat.numel(), mmap.PAGESIZE
     first = -(-start // page) * page
     last = (start + size) // page * page
-    if advise is None or last <= first or advise(first, last - first, mmap.MADV_DONTNEED) != 0:
+    if advise is None or dont_need is None or last <= first:
+        flat.zero_()
+        return
+    if advise(first, last - first, dont_need) != 0:
         flat.zero_()
         return
     flat[: first - start].zero_()
