@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.engine.requests import Emit, Submitted
 from offload.engine.sampling import TokenCounts, bad_words_token_ids, make_generator
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import SequenceState
@@ -80,3 +81,21 @@ class RequestMaker:
             sequence.is_first, sequence.request, sequence.bad_ids = number == 0, index, bad_ids
             sequences.append(sequence)
         return sequences
+
+    def request(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        emit: Emit,
+        index: int = 0,
+        max_len: int | None = None,
+    ) -> Submitted:
+        """One request for an engine core: its prompt truncated as asked, checked, and its
+        sequences made (`index`: its number in a call of several; `max_len`: the positions
+        a row holds, default `max_model_len`)."""
+        prompt_ids = self.truncate(prompt_ids, params)
+        self.check(prompt_ids, params, max_len)
+        sequences = self.sequences(prompt_ids, params, index, max_len)
+        return Submitted(request_id, prompt, prompt_ids, sequences, emit)

@@ -68,14 +68,12 @@ class Generating:
             if isinstance(item, BaseException):
                 errors.append(item)
 
-        requests = []
-        for number, (text, prompt_ids, request) in enumerate(
-            zip(prompts, ids, params, strict=True)
-        ):
-            prompt_ids = self._requests.truncate(prompt_ids, request)
-            self._requests.check(prompt_ids, request)
-            sequences = self._requests.sequences(prompt_ids, request, number)
-            requests.append(Submitted(str(number), text, prompt_ids, sequences, keep_errors))
+        requests = [
+            self._requests.request(str(number), text, prompt_ids, request, keep_errors, number)
+            for number, (text, prompt_ids, request) in enumerate(
+                zip(prompts, ids, params, strict=True)
+            )
+        ]
         sequences = [sequence for request in requests for sequence in request.sequences]
         if not sequences:
             return [request.output() for request in requests]

@@ -132,10 +132,10 @@ class Serving:
     ) -> Submitted:
         """One request checked and ready for `core.submit_all` (`index`: its number in
         a call of several)."""
-        prompt_ids = self._requests.truncate(prompt_ids, params)
-        self._requests.check(prompt_ids, params, self.max_model_len)
-        sequences = self._requests.sequences(prompt_ids, params, index, self.max_model_len)
-        return Submitted(request_id or f"req-{next(_ids)}", prompt, prompt_ids, sequences, emit)
+        request_id = request_id or f"req-{next(_ids)}"
+        return self._requests.request(
+            request_id, prompt, prompt_ids, params, emit, index, self.max_model_len
+        )
 
     def stream(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams):
         """The request's outputs as they grow (each one whole so far), ending with the
