@@ -443,3 +443,27 @@ def save_random_gguf(path, arch: str, kind: str = "Q8_0", hidden: int = 256, lay
     writer.write_tensors_to_file()
     writer.close()
     return path, model
+
+
+def realign(path):
+    """Rewrite each safetensors file under `path` with the package's writer: the same
+    names, tensors and shards, but data starting at a multiple of 64 bytes (the
+    safetensors library pads its header to 8), so every tensor whose size is a multiple
+    of 64 bytes starts aligned, as the disk tier's mapping needs."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from offload.memory.safetensors import checkpoint_tensors
+    from offload.memory.safetensors_writer import SafetensorsWriter, TensorEntry
+
+    offsets = {name: stored.offset for name, stored in checkpoint_tensors(Path(path)).items()}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        tensors = load_file(file)
+        order = sorted(tensors, key=offsets.__getitem__)  # (layers stay runs of one file)
+        entries = [TensorEntry(n, tensors[n].dtype, tuple(tensors[n].shape)) for n in order]
+        file.unlink()
+        with SafetensorsWriter(file, entries) as writer:
+            for name in order:
+                writer.write(name, tensors[name].contiguous())
+    return path

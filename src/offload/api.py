@@ -17,7 +17,8 @@ from offload.memory.copy_engine import CopyEngine
 from offload.memory.device import check_device, cuda_usable
 from offload.memory.disk_layout import TensorRange
 from offload.offloader.base import BaseOffloader, NoopOffloader, set_offloader
-from offload.offloader.disk_tier import ReadHooks, checkpoint_ranges
+from offload.offloader.disk_ranges import checkpoint_ranges
+from offload.offloader.disk_tier import ReadHooks
 from offload.offloader.factory import as_config, create_offloader
 from offload.offloader.layers import find_layers, resolve_layers
 from offload.offloader.manifest import OffloadedParam, offloaded_params, set_param_data

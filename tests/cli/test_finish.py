@@ -180,6 +180,7 @@ def test_the_disk_tier_flags_stream_and_the_figures_say_so(tmp_path):
     figures = streamed.splitlines()[-1]
     assert "/forward from disk at " in figures and "I/O stall" in figures
     assert "from disk" not in resident and "mapped" not in figures
+    zoo.realign(tmp_path)  # (a mapping needs aligned weights)
     mapped = _generate(*argv, *disk, "--disk-io", "mmap").getvalue()
     assert mapped.split("\n[")[0] == resident.split("\n[")[0]
     figures = mapped.splitlines()[-1]

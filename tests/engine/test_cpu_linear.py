@@ -145,9 +145,9 @@ def _misaligned(path, by: int):
 
 @pytest.mark.parametrize("by", [8, 40])
 def test_a_batch_on_the_disk_tier_of_a_misaligned_checkpoint_gives_the_resident_bits(tmp_path, by):
-    """The disk tier computes on tensors at their file offsets modulo 64; a batch's
-    products there give the bits they give resident (the real model's shapes: MKL rounds
-    differently over an unaligned 576-wide weight)."""
+    """The disk tier reads tensors at their file offsets modulo 4 KiB, then moves each to
+    an aligned home; a batch's products there give the bits they give resident (the real
+    model's shapes: MKL rounds differently over an unaligned 576-wide weight)."""
     import transformers as tf
 
     from offload import LLM, SamplingParams
@@ -168,7 +168,7 @@ def test_a_batch_on_the_disk_tier_of_a_misaligned_checkpoint_gives_the_resident_
     resident, _ = run()
     on_disk, llm = run(cpu_memory_gb=0)
     weight = llm.model.model.layers[0].mlp.up_proj.weight
-    assert weight.data_ptr() % cpu_linear.ALIGNMENT == by  # (where the file put it)
+    assert weight.data_ptr() % 256 == 0  # (the file put it `by` past a 64-byte boundary)
     moved = llm.transfer_stats()
     assert moved.disk_read_bytes + moved.disk_mapped_bytes > 0
     assert on_disk == resident

@@ -4,6 +4,7 @@ as one error naming the file."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import re
 import threading
@@ -18,7 +19,13 @@ from hypothesis import strategies as st
 from pagecache import cached_bytes
 
 from offload.memory import disk_reader
-from offload.memory.disk_layout import ALIGN, TensorRange, aligned_empty, plan_layout
+from offload.memory.disk_layout import (
+    ALIGN,
+    HOME_ALIGN,
+    TensorRange,
+    aligned_empty,
+    plan_layout,
+)
 from offload.memory.disk_reader import DiskReader, DiskReadError, FileStamp
 
 
@@ -32,7 +39,7 @@ def _file(path: Path, num_bytes: int, seed: int = 0) -> bytes:
 def _read(reader: DiskReader, ranges: list[TensorRange]) -> list[bytes]:
     layout = plan_layout(ranges)
     buffer = aligned_empty(layout.num_bytes)
-    reader.wait(reader.read(buffer, layout.extents))
+    reader.wait(reader.read(buffer, layout.extents, moves=layout.moves))
     raw = bytes(buffer.numpy())
     return [raw[o : o + r.num_bytes] for o, r in zip(layout.tensor_offsets, ranges, strict=True)]
 
@@ -45,7 +52,10 @@ def _read(reader: DiskReader, ranges: list[TensorRange]) -> list[bytes]:
         max_size=8,
     )
 )
-def test_layout_is_aligned_and_places_each_range_at_its_offset_modulo_align(pieces):
+def test_layout_reads_aligned_blocks_and_moves_each_range_to_an_aligned_home(pieces):
+    """The reads are whole aligned blocks that do not overlap in the buffer; once they
+    have landed, the moves (in order, memmove's semantics) leave every range's bytes at
+    its home, a multiple of HOME_ALIGN, homes not overlapping (ranges may overlap)."""
     ranges = [TensorRange(Path(f"f{f}"), offset, size) for f, offset, size in pieces]
     layout = plan_layout(ranges)
     ends = []
@@ -54,20 +64,23 @@ def test_layout_is_aligned_and_places_each_range_at_its_offset_modulo_align(piec
         assert extent.buffer_offset % ALIGN == 0
         ends.append((extent.buffer_offset, extent.buffer_offset + extent.num_bytes))
     assert all(a[1] <= b[0] for a, b in zip(sorted(ends), sorted(ends)[1:], strict=False))
-    assert layout.num_bytes == sum(e.num_bytes for e in layout.extents)
-    for piece, offset in zip(ranges, layout.tensor_offsets, strict=True):
-        assert offset % ALIGN == piece.offset % ALIGN
-        covering = [
-            e
-            for e in layout.extents
-            if e.path == piece.path
-            and e.file_offset <= piece.offset
-            and piece.offset + piece.num_bytes <= e.file_offset + e.num_bytes
-        ]
-        assert (
-            covering
-            and offset == covering[0].buffer_offset + piece.offset - covering[0].file_offset
-        )
+    read_end = sum(e.num_bytes for e in layout.extents)
+    assert read_end <= layout.num_bytes <= read_end + sum(r.num_bytes + HOME_ALIGN for r in ranges)
+    files = {f"f{f}": bytes((7 * i + 13 * f) % 251 for i in range(45_000)) for f in (0, 1)}
+    buffer = bytearray(layout.num_bytes)
+    for extent in layout.extents:
+        data = files[str(extent.path)][extent.file_offset : extent.file_offset + extent.num_bytes]
+        buffer[extent.buffer_offset : extent.buffer_offset + len(data)] = data
+    for move in layout.moves:
+        chunk = bytes(buffer[move.source : move.source + move.num_bytes])
+        buffer[move.target : move.target + move.num_bytes] = chunk
+    homes = sorted(zip(layout.tensor_offsets, ranges, strict=True), key=lambda h: h[0])
+    for home, piece in homes:
+        assert home % HOME_ALIGN == 0
+        want = files[str(piece.path)][piece.offset : piece.offset + piece.num_bytes]
+        assert bytes(buffer[home : home + piece.num_bytes]) == want
+    spans = [(home, home + piece.num_bytes) for home, piece in homes if piece.num_bytes]
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
 
 
 @pytest.mark.parametrize("io", ["direct", "page-cache"])

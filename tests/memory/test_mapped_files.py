@@ -127,7 +127,8 @@ CPU, GPU = torch.device("cpu"), torch.device("cuda")
         ("auto", CPU, 0.95, True, False, "mmap"),
         ("auto", CPU, 0.5, True, False, "direct"),  # cold, larger than the cache can hold
         ("auto", CPU, 0.0, True, True, "mmap"),  # cold, but the page cache will hold it
-        ("auto", CPU, 1.0, False, True, "direct"),  # no leases here
+        ("auto", CPU, 1.0, False, True, "page-cache"),  # no leases, or misaligned weights
+        ("auto", CPU, 0.5, False, False, "direct"),
         ("auto", GPU, 1.0, True, True, "direct"),  # a GPU reads into pinned staging
         ("page-cache", CPU, 1.0, True, True, "page-cache"),
         ("direct", CPU, 1.0, True, True, "direct"),

@@ -37,6 +37,20 @@ def sharded(tmp_path_factory):
     return path, model
 
 
+@pytest.fixture(scope="module")
+def aligned(sharded, tmp_path_factory):
+    """The same shards rewritten with every tensor 64-byte aligned in its file, as a
+    mapping needs (`sharded` is as the safetensors library writes: 8-byte aligned, so the
+    disk tier's reads move each weight to an aligned home)."""
+    source, model = sharded
+    return zoo.realign(_copy_of(source, tmp_path_factory.mktemp("aligned"))), model
+
+
+def _of(io, sharded, aligned):
+    """The checkpoint a test of `io` runs on: a mapping needs aligned files."""
+    return aligned if io in ("mmap", "auto") else sharded
+
+
 def _layer_bytes(model) -> int:
     return zoo.layer_param_bytes(model) // NUM_LAYERS
 
@@ -53,8 +67,10 @@ def _budgets(model) -> dict[str, float]:
 @pytest.mark.parametrize("budget", ["none", "half", "all but one"])
 @pytest.mark.parametrize("read_ahead", [1, 3])
 @pytest.mark.parametrize("io", ["direct", "page-cache", "mmap"])
-def test_streamed_layers_give_the_resident_logits_and_tokens(sharded, budget, read_ahead, io):
-    path, resident = sharded
+def test_streamed_layers_give_the_resident_logits_and_tokens(
+    sharded, aligned, budget, read_ahead, io
+):
+    path, resident = _of(io, sharded, aligned)
     ids = zoo.inputs()  # a batch of two
     config = {
         **EVERY_LAYER,
@@ -79,9 +95,9 @@ def test_streamed_layers_give_the_resident_logits_and_tokens(sharded, budget, re
 
 
 @pytest.mark.parametrize("io", ["auto", "direct"])
-def test_apply_streams_a_from_pretrained_model_from_its_own_files(sharded, io):
+def test_apply_streams_a_from_pretrained_model_from_its_own_files(sharded, aligned, io):
     """By default ("auto"), a checkpoint in the page cache (just loaded) is mapped."""
-    path, resident = sharded
+    path, resident = _of(io, sharded, aligned)
     model = zoo.load_on_cpu(path)
     offloader = offload.apply(model, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     ids = zoo.inputs()
@@ -111,8 +127,8 @@ def test_delayed_reads_still_give_the_resident_logits(sharded, staged):
 
 
 @pytest.mark.parametrize("io", ["direct", "mmap"])
-def test_through_torch_compile(sharded, io):
-    path, resident = sharded
+def test_through_torch_compile(sharded, aligned, io):
+    path, resident = _of(io, sharded, aligned)
     model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     compiled = torch.compile(model, backend="eager")
     ids = zoo.inputs()
@@ -123,8 +139,8 @@ def test_through_torch_compile(sharded, io):
 
 
 @pytest.mark.parametrize("io", ["direct", "mmap"])
-def test_state_dict_reads_streamed_weights_from_the_checkpoint(sharded, io):
-    path, resident = sharded
+def test_state_dict_reads_streamed_weights_from_the_checkpoint(sharded, aligned, io):
+    path, resident = _of(io, sharded, aligned)
     model, offloader = load_model(path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     expected = resident.state_dict()
     for name, value in model.state_dict().items():
@@ -157,9 +173,9 @@ def _copy_of(source, tmp_path):
 @pytest.mark.parametrize("io", ["direct", "mmap"])
 @pytest.mark.parametrize("fault", sorted(_faults()))
 def test_a_checkpoint_changed_while_running_is_one_error_naming_the_file(
-    sharded, tmp_path, fault, io
+    sharded, aligned, tmp_path, fault, io
 ):
-    source, resident = sharded
+    source, resident = _of(io, sharded, aligned)
     _copy_of(source, tmp_path)
     model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": io})
     ids = zoo.inputs()
@@ -250,10 +266,13 @@ def test_after_a_read_error_the_next_forward_reads_again_and_is_exact(sharded, m
 @pytest.mark.parametrize(
     ("budget", "io"), [("none", "direct"), ("half", "direct"), ("half", "mmap")]
 )
-def test_an_interrupted_streamed_forward_leaves_the_model_usable(sharded, monkeypatch, budget, io):
+def test_an_interrupted_streamed_forward_leaves_the_model_usable(
+    sharded, aligned, monkeypatch, budget, io
+):
     """A Ctrl-C while compute waits for a read leaves that read in flight; it must land
-    before anything else is loaded into its slot (a unit from host memory, with a budget)."""
-    path, resident = sharded
+    (its moves to aligned homes done) before anything else is loaded into its slot (a
+    unit from host memory, with a budget)."""
+    path, resident = _of(io, sharded, aligned)
     gib = _budgets(resident)[budget]
     config = {**EVERY_LAYER, "cpu_memory_gb": gib, "read_ahead": 2, "disk_io": io}
     model, offloader = load_model(path, config, read_hooks=ReadHooks(delay_s=0.03))  # in flight
@@ -358,6 +377,7 @@ def test_llm_streams_from_disk_and_reports_it(tmp_path):
     assert streamed == resident
     assert moved.disk_read_bytes > 0 and moved.weight_copied_bytes == 0
     assert "from disk" in repr(moved)
+    zoo.realign(path)  # (a mapping needs aligned weights; reads move them to aligned homes)
     mapped, moved = run(cpu_memory_gb=0, disk_io="mmap")
     assert mapped == resident
     assert moved.disk_mapped_bytes > 0 and moved.disk_read_bytes == 0
@@ -389,10 +409,10 @@ def test_direct_io_leaves_the_checkpoint_out_of_the_page_cache(sharded, tmp_path
     assert cached_after("page-cache") > sum(path.stat().st_size for path in files) // 2
 
 
-def test_a_file_truncated_during_a_mapped_forward_is_held_then_an_error(sharded, tmp_path):
+def test_a_file_truncated_during_a_mapped_forward_is_held_then_an_error(aligned, tmp_path):
     """The writer waits while the forward reads the mapping (no SIGBUS, no wrong bytes);
     the forward fails at its next mapped layer, naming the file, and the writer goes on."""
-    source, _ = sharded
+    source, _ = aligned
     _copy_of(source, tmp_path)
     model, offloader = load_model(tmp_path, {**EVERY_LAYER, "cpu_memory_gb": 0, "disk_io": "mmap"})
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -416,10 +436,10 @@ def test_a_file_truncated_during_a_mapped_forward_is_held_then_an_error(sharded,
     offloader.close()
 
 
-def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(sharded, tmp_path, monkeypatch):
+def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(aligned, tmp_path, monkeypatch):
     """(A cold one larger than half the RAM available: one that fits is mapped too,
     `test_stack_budget.py`.)"""
-    source, resident = sharded
+    source, resident = aligned
     monkeypatch.setattr(disk_tier, "available_ram_bytes", lambda: 0)
     files = sorted(_copy_of(source, tmp_path).glob("*.safetensors"))
     config = {**EVERY_LAYER, "cpu_memory_gb": 0}
@@ -437,10 +457,10 @@ def test_auto_maps_a_cached_checkpoint_and_reads_a_cold_one(sharded, tmp_path, m
     offloader.close()
 
 
-def test_files_that_cannot_be_leased_are_read_or_refused(sharded, tmp_path):
+def test_files_that_cannot_be_leased_are_read_or_refused(aligned, tmp_path):
     """A file held open for writing cannot be leased: "auto" reads it through the page
     cache (same logits); an explicit "mmap" is one error saying why."""
-    source, resident = sharded
+    source, resident = aligned
     files = sorted(_copy_of(source, tmp_path).glob("*.safetensors"))
     writer = os.open(files[-1], os.O_WRONLY)
     try:
@@ -465,6 +485,7 @@ def test_a_failure_halfway_through_gives_back_the_layers_on_disk_too(tmp_path, m
 
     model = zoo.build("llama", num_layers=4)
     model.save_pretrained(tmp_path)
+    zoo.realign(tmp_path)  # (mapped too)
     expected = zoo.logits(model, zoo.inputs())
     real, made = host.HostSlab, []
 

@@ -3,15 +3,21 @@ aligned reads that put them there.
 
 `plan_layout` places the runs of bytes so that every read can bypass the page cache
 (`O_DIRECT` needs the buffer address, the file offset and the length aligned to the
-block size): a tensor sits in the buffer at the same offset modulo `ALIGN` as in its
-file, so a safetensors file whose tensors are aligned to their dtype gives aligned views.
+block size): a tensor lands in the buffer at the same offset modulo `ALIGN` as in its
+file. Files written by the safetensors library put tensors 8 bytes apart at best, and a
+matrix product's sums depend on where its weight starts (MKL's on the CPU, cuBLAS's
+choice of kernel on a GPU), so the layout also gives each tensor a home at a multiple of
+`HOME_ALIGN`, as a slab in host memory does, and the moves that bring it there once its
+bytes have landed: the same bits as the model computed without offloading.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +25,10 @@ from pathlib import Path
 import torch
 
 ALIGN = 4096  # O_DIRECT alignment that every Linux block device accepts
+HOME_ALIGN = 256  # a tensor's first byte in its buffer (a host slab's: ALIGN_BYTES)
+# Where a weight computed on in place (a mapping) must start for the CPU's products to
+# sum as on the model's own tensors: the CPU allocator's alignment.
+MAP_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -43,21 +53,35 @@ class Extent:
 
 
 @dataclass(frozen=True)
+class Move:
+    """`num_bytes` in a buffer from `source` to `target` (the ranges may overlap)."""
+
+    source: int
+    target: int
+    num_bytes: int
+
+
+@dataclass(frozen=True)
 class DiskLayout:
-    """Where a layer's tensors land in its buffer, and the reads that put them there."""
+    """Where a layer's tensors land in its buffer, the reads that put them there, and the
+    moves, in order, that bring each tensor to its aligned home after the reads."""
 
     extents: tuple[Extent, ...]
-    tensor_offsets: tuple[int, ...]  # per input range, its first byte in the buffer
+    tensor_offsets: tuple[int, ...]  # per input range, its home in the buffer
     num_bytes: int  # the buffer size the layout needs
+    moves: tuple[Move, ...] = ()
 
     @property
     def read_bytes(self) -> int:
         return sum(extent.num_bytes for extent in self.extents)
 
 
-def plan_layout(ranges: Sequence[TensorRange], align: int = ALIGN) -> DiskLayout:
+def plan_layout(
+    ranges: Sequence[TensorRange], align: int = ALIGN, home_align: int = HOME_ALIGN
+) -> DiskLayout:
     """Aligned reads covering `ranges`: ranges of one file whose aligned covers touch are
-    read as one run; runs follow each other in the buffer, each at an aligned offset."""
+    read as one run; runs follow each other in the buffer, each at an aligned offset.
+    Each range then has a home at a multiple of `home_align` (`_homes`)."""
     order = sorted(range(len(ranges)), key=lambda i: (str(ranges[i].path), ranges[i].offset))
     runs: list[list[int]] = []  # [first aligned byte, end aligned byte] per run
     run_paths: list[Path] = []
@@ -76,11 +100,60 @@ def plan_layout(ranges: Sequence[TensorRange], align: int = ALIGN) -> DiskLayout
     for (start, end), path in zip(runs, run_paths, strict=True):
         extents.append(Extent(path, start, end - start, placed))
         placed += end - start
-    offsets = tuple(
+    landed = [
         extents[run_of[i]].buffer_offset + ranges[i].offset - extents[run_of[i]].file_offset
         for i in range(len(ranges))
-    )
-    return DiskLayout(tuple(extents), offsets, placed)
+    ]
+    homes, moves, num_bytes = _homes(landed, [r.num_bytes for r in ranges], placed, home_align)
+    return DiskLayout(tuple(extents), homes, num_bytes, moves)
+
+
+def _homes(
+    landed: Sequence[int], sizes: Sequence[int], end: int, home_align: int
+) -> tuple[tuple[int, ...], tuple[Move, ...], int]:
+    """Per tensor (its bytes landed at `landed`, of `sizes`, in a buffer read up to
+    `end`), a home at a multiple of `home_align`, the moves that take it there, and the
+    buffer size. In buffer order, a tensor goes back to its landing offset rounded down
+    where that is clear of the homes before it, else to a home past `end`. The moves past
+    `end` run first; then a sweep of moves to lower offsets, in buffer order, never writes
+    over bytes still to move (a range overlapping the one before it went past `end`).
+    Files whose tensors' sizes are multiples of `home_align` (nearly every weight's) need
+    no home past `end`."""
+    homes = list(landed)
+    tail, early, late = -(-end // home_align) * home_align, [], []
+    clear_from = 0  # the end of the homes placed so far below `end`
+    for i in sorted(range(len(landed)), key=lambda i: (landed[i], sizes[i])):
+        start, size = landed[i], sizes[i]
+        down = start // home_align * home_align
+        if down >= clear_from:
+            homes[i], clear_from = down, down + size
+            if down != start:
+                late.append(Move(start, down, size))
+        else:
+            homes[i] = tail
+            early.append(Move(start, tail, size))
+            tail = -(-(tail + size) // home_align) * home_align
+    num_bytes = max(end, max((m.target + m.num_bytes for m in early), default=0))
+    return tuple(homes), tuple(early + late), num_bytes
+
+
+class PendingMoves:
+    """A read's moves, run by the thread whose part of the read lands last (a part skipped
+    or failed never counts down: the buffer is another read's, or the read raises)."""
+
+    def __init__(self, base: int, moves: tuple[Move, ...], num_parts: int):
+        self._base = base  # the buffer's address
+        self._moves = moves
+        self._left = num_parts
+        self._lock = threading.Lock()
+
+    def landed(self) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        for move in self._moves:  # memmove: the ranges overlap; ctypes lets the GIL go
+            ctypes.memmove(self._base + move.target, self._base + move.source, move.num_bytes)
 
 
 def aligned_empty(num_bytes: int, align: int = ALIGN) -> torch.Tensor:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from offload.errors import ModelError
-from offload.memory.disk_layout import ALIGN, Extent
+from offload.memory.disk_layout import ALIGN, Extent, Move, PendingMoves
 from offload.memory.file_stamp import DiskReadError, FileStamp
 from offload.memory.placement import READ_MODES, DiskIO
 
@@ -119,22 +119,29 @@ class DiskReader:
         buffer: torch.Tensor,
         extents: Sequence[Extent],
         after: Callable[[], None] | None = None,
+        moves: Sequence[Move] = (),
     ) -> ReadTicket:
         """Start reading `extents` into `buffer` (contiguous uint8 host memory); `after`
-        runs on the I/O thread before each read (e.g. waits until the buffer is free)."""
+        runs on the I/O thread before each read (e.g. waits until the buffer is free);
+        `moves` run in order, on the I/O thread of the last read to land."""
         self._raise_fault()
-        if any(e.buffer_offset + e.num_bytes > buffer.numel() for e in extents):
-            raise ValueError(f"extents run past their {buffer.numel()}-byte buffer")
+        ends = [e.buffer_offset + e.num_bytes for e in extents]
+        ends += [max(m.source, m.target) + m.num_bytes for m in moves]
+        if any(end > buffer.numel() for end in ends):
+            raise ValueError(f"extents or moves run past their {buffer.numel()}-byte buffer")
         key = buffer.untyped_storage().data_ptr()
         with self._buffers:
             generation = self._generation[key] = self._generation.get(key, 0) + 1
         ticket = ReadTicket([])
         chunk_bytes = self._request_bytes(extents)
+        num_chunks = sum(-(-e.num_bytes // chunk_bytes) for e in extents)
+        last = PendingMoves(buffer.data_ptr(), tuple(moves), num_chunks) if moves else None
         for extent in extents:
             for done in range(0, extent.num_bytes, chunk_bytes):
                 size = min(chunk_bytes, extent.num_bytes - done)
                 target = buffer[extent.buffer_offset + done : extent.buffer_offset + done + size]
-                job = (extent.path, extent.file_offset + done, target, (key, generation), after)
+                owner = (key, generation)
+                job = (extent.path, extent.file_offset + done, target, owner, after, last)
                 try:
                     ticket.futures.append(self._pool.submit(self._read_chunk, *job))
                 except RuntimeError:  # an earlier chunk failed and ended the threads
@@ -221,6 +228,7 @@ class DiskReader:
         target: torch.Tensor,
         owner: tuple[int, int],
         after: Callable[[], None] | None,
+        moves: PendingMoves | None = None,
     ) -> None:
         try:
             if self._fault is not None:
@@ -234,6 +242,8 @@ class DiskReader:
             self._begin()
             try:
                 self._pread(path, offset, target)
+                if moves is not None:
+                    moves.landed()  # (the last read's thread moves, before it stops writing)
             finally:
                 self._end(target.numel())
                 self._stop_writing(*owner)

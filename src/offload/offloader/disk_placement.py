@@ -100,7 +100,8 @@ def choose_io(
     computed from in place (no copy, and no memory the cache does not hold anyway);
     otherwise direct reads, which keep the page cache out of a model larger than it can
     hold. A GPU always reads (into pinned staging). `can_map`: this system can guard a
-    mapping (file leases)."""
+    mapping (file leases) and the weights start where compute needs them in the files
+    (else a checkpoint the cache holds or will hold is read through it)."""
     if requested not in IO_CHOICES:
         raise ModelError(f"disk io must be one of {', '.join(IO_CHOICES)}, got {requested!r}")
     requested = DiskIO(requested)
@@ -111,8 +112,8 @@ def choose_io(
         )
     if requested != DiskIO.AUTO:
         return requested
-    if device.type == "cpu" and can_map and (cached_fraction >= AUTO_MAP_CACHED or fits_page_cache):
-        return DiskIO.MMAP
+    if device.type == "cpu" and (cached_fraction >= AUTO_MAP_CACHED or fits_page_cache):
+        return DiskIO.MMAP if can_map else DiskIO.PAGE_CACHE
     return DiskIO.DIRECT
 
 

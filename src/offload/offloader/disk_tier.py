@@ -22,23 +22,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from offload.errors import ModelError
 from offload.memory.copy_engine import CopyEngine
-from offload.memory.disk_layout import DiskLayout, TensorRange, aligned_empty, plan_layout
+from offload.memory.disk_layout import (
+    MAP_ALIGN,
+    DiskLayout,
+    TensorRange,
+    aligned_empty,
+    plan_layout,
+)
 from offload.memory.disk_reader import DiskReader, FileStamp
 from offload.memory.host import HostSlab, TensorSpec, available_ram_bytes, should_pin_memory
 from offload.memory.mapped_files import MappedFiles, MappingRefused, leases_supported
 from offload.memory.page_cache import cached_fraction
 from offload.memory.placement import READ_MODES, DiskIO
-from offload.memory.safetensors import checkpoint_tensors
 from offload.offloader.disk_placement import (
     AUTO_CACHE_SHARE,
     choose_io,
     fit_stack,
     place_on_disk,
 )
+from offload.offloader.disk_ranges import disk_layout
 from offload.offloader.sources import DirectRead, DiskSource, MappedRead, StagedRead, Unopened
 from offload.offloader.stats import DiskStats
 
@@ -66,57 +71,6 @@ class DiskSettings:
     whole_stack: bool = False
 
 
-def checkpoint_ranges(
-    model: nn.Module, checkpoint: str | Path | Mapping[str, TensorRange] | None
-) -> Mapping[str, TensorRange]:
-    """Each of `model`'s parameters' bytes in its safetensors files: `checkpoint` as
-    given, or read from the headers in its folder (default: where `from_pretrained`
-    loaded `model` from). A key is matched to the model's name as it is, or with the
-    base model's prefix (a checkpoint of the base model alone)."""
-    if isinstance(checkpoint, Mapping):
-        return checkpoint
-    folder = Path(checkpoint) if checkpoint is not None else _own_folder(model)
-    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    prefix = getattr(model, "base_model_prefix", "")
-    ranges = {}
-    for key, stored in checkpoint_tensors(folder).items():
-        name = key if key in names or not prefix else f"{prefix}.{key}"
-        ranges[name] = TensorRange(stored.path, stored.offset, stored.num_bytes, stored.dtype)
-    return ranges
-
-
-def _own_folder(model: nn.Module) -> Path:
-    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    if source and Path(source).is_dir():
-        return Path(source)
-    raise ModelError(
-        "cpu_memory_gb (the disk tier) streams layers from the model's safetensors files, "
-        f"and the model does not say where they are (its name_or_path is {source!r}): "
-        "pass the folder as offload.apply(..., checkpoint=)"
-    )
-
-
-def disk_layout(
-    ranges: Mapping[str, TensorRange], params: Sequence[tuple[str, nn.Parameter]]
-) -> DiskLayout | None:
-    """The reads that bring a unit's parameters (qualified names) from the checkpoint, or
-    None when one of them cannot be read as it is: not in the checkpoint, stored in
-    another dtype or size, non-contiguous, or at an offset its dtype cannot view."""
-    found = []
-    for name, param in params:
-        stored = ranges.get(name)
-        if stored is None or not (param.is_meta or param.is_contiguous()):
-            return None
-        if stored.dtype not in (None, param.dtype):
-            return None
-        if stored.num_bytes != param.numel() * param.element_size():
-            return None
-        if stored.offset % param.element_size():
-            return None
-        found.append(stored)
-    return plan_layout(found)
-
-
 class DiskTier:
     """Places units on disk and opens the source they are brought in from (see the module
     docstring): a read into the slot, a staged read, or a mapping, chosen once."""
@@ -135,6 +89,7 @@ class DiskTier:
         self.num_units = 0  # units placed on disk
         self.io = DiskIO(settings.io)  # AUTO resolved by `place`
         self.ram_bytes = 0  # (whole_stack) the most RAM the stack's placement takes
+        self._misaligned = 0  # streamable matrices not at a multiple of MAP_ALIGN in a file
 
     def place(self, units: Sequence[Any], device: torch.device, num_slots: int = 2) -> bool:
         """Give the units that do not fit the host budget a disk layout (`unit.disk`), of
@@ -144,6 +99,12 @@ class DiskTier:
         qualified = [[(f"{u.name}.{n}", p) for n, p in u.params] for u in units]
         layouts = [disk_layout(self.settings.ranges, named) for named in qualified]
         movable = [i for i, layout in enumerate(layouts) if layout is not None]
+        self._misaligned = sum(  # (a product sums over a matrix; 1-D weights are exact)
+            self.settings.ranges[name].offset % MAP_ALIGN != 0
+            for i in movable
+            for name, param in qualified[i]
+            if param.dim() >= 2
+        )
         if self.settings.whole_stack:
             in_ram = self._fit(units, layouts, movable, device, num_slots)
         else:
@@ -215,7 +176,15 @@ class DiskTier:
             cached = cached_fraction([(e.path, e.file_offset, e.num_bytes) for e in extents])
             streamed_bytes = sum(e.num_bytes for e in extents)
             fits = streamed_bytes <= AUTO_CACHE_SHARE * available_ram_bytes()
-        return choose_io(requested, device, cached, leases_supported(), fits)
+        if requested == DiskIO.MMAP and self._misaligned:
+            raise ModelError(
+                f"disk_io='mmap' computes on weights where they lie in the checkpoint, where "
+                f"{self._misaligned} matrices do not start at a multiple of {MAP_ALIGN} bytes "
+                "in their files (a product's sums depend on where its weight starts): use "
+                "'direct' or 'page-cache', which move each weight to an aligned home"
+            )
+        can_map = leases_supported() and not self._misaligned
+        return choose_io(requested, device, cached, can_map, fits)
 
     def map_files(self, units: Sequence[Any]) -> None:
         """With DiskIO.MMAP: map the files the streamed units live in (before the slots are
@@ -309,7 +278,7 @@ class DiskTier:
                 self._single = DiskReader(self._stamps, num_threads=1, io=io)
             reader = self._single
         try:
-            reader.wait(reader.read(buffer, layout.extents))
+            reader.wait(reader.read(buffer, layout.extents, moves=layout.moves))
         except BaseException:
             self._drop_single(reader)  # a fault ends a reader: the next read opens another
             raise

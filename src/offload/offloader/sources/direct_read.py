@@ -19,7 +19,7 @@ class DirectRead(DiskSource):
 
     def load(self, unit: Unit, slot_index: int, slot: torch.Tensor) -> ReadTicket:
         layout = unit.disk
-        return self._reader.read(slot[: layout.num_bytes], layout.extents)
+        return self._reader.read(slot[: layout.num_bytes], layout.extents, moves=layout.moves)
 
     def wait(self, ticket: ReadTicket) -> None:
         self._reader.wait(ticket)

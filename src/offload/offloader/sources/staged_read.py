@@ -38,7 +38,7 @@ class StagedRead(DiskSource):
         previous = self._staged[slot_index]
         released = self._engine.mark_released()  # the slot's last reader, on the compute side
         after = _after_copy_out(self._engine, previous)
-        read = self._reader.read(staging, layout.extents, after=after)
+        read = self._reader.read(staging, layout.extents, after=after, moves=layout.moves)
         copy = self._issuer.submit(self._copy_in, read, slot[: layout.num_bytes], staging, released)
         self._staged[slot_index] = copy
         return copy
