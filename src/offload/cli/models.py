@@ -50,6 +50,7 @@ def spec_of(
         quantization=args.quantization,
         quantization_name="--quantization",
         offload_folder=config.disk.offload_folder,
+        disk=config.disk,
         trust_remote_code=args.trust_remote_code,
         shapes=shapes,
     )

@@ -79,6 +79,7 @@ class EngineArgs:
             dtype=self.dtype,
             quantization=self.quantization,
             offload_folder=self.config.disk.offload_folder,
+            disk=self.config.disk,
             trust_remote_code=self.trust_remote_code,
             shapes=self.load_format == "dummy",
         )

@@ -36,14 +36,19 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from offload.config.parts import DiskOffloadConfig
 from offload.errors import ModelError
 from offload.memory.cache_digest import sign_entry
 from offload.memory.cache_trust import cache_folder, cache_key, trusted_folder
-from offload.memory.placement import AUTO
+from offload.memory.host import available_ram_bytes
+from offload.memory.placement import AUTO, DiskIO
+from offload.memory.safetensors import checkpoint_tensors
+from offload.model.aligned_copy import misaligned_matrices, write_aligned
 from offload.model.bin_checkpoints import from_bin as _from_bin
 from offload.model.cache_folder import cache_dir, entry_not_usable
 from offload.model.default import default_model_path, gguf_path
 from offload.model.gguf_float import conversion_failure
+from offload.offloader.disk_placement import AUTO_CACHE_SHARE
 from offload.quant.choice import LayoutChoice, LayoutChoosers
 from offload.quant.layouts import int4_cpu_layout, int4_cuda_layout, packing_of
 from offload.quant.packed_modules import ALIASES
@@ -68,6 +73,7 @@ def resolve_model(
     device: torch.device | None = None,
     kernels: str | None = None,
     layout_chooser: LayoutChoosers | None = None,
+    mapped: DiskOffloadConfig | None = None,
 ) -> Path:
     """The local folder `model` names (see the module's docstring); conversions go into
     `offload_folder` when given, else into the offload cache. `quantization="gguf"` keeps
@@ -75,7 +81,8 @@ def resolve_model(
     laid out for `kernels` ("cpu", "cuda" or "gguf"; by default the kernels of `device`
     where torch has an int4 kernel there: `kernels_for`), each weight's layout chosen by
     `layout_chooser(kernels)` (`probes/layout_choice.LayoutChooser`: the CPU's and the
-    GPU's kernels need one; GGUF's blocks have one layout and need none)."""
+    GPU's kernels need one; GGUF's blocks have one layout and need none). `mapped`: the
+    disk tier of a CPU, which maps files whose matrices are aligned (`aligned_copy.py`)."""
     if model is None and quantization is None:
         return default_model_path()
     into = Path(offload_folder).expanduser() if offload_folder else cache_dir() / _CONVERTED
@@ -97,11 +104,11 @@ def resolve_model(
     if quantization is not None:
         _check_quantized_as(path, quantization)
     if path.is_dir():
-        return _local_folder(path, into)
+        return _local_folder(path, into, mapped)
     if path.exists():
         raise ModelError(f"{path} is not a model: give {ACCEPTED}")
     if _HUB_ID.match(str(model)) and not str(model).startswith("."):
-        return _local_folder(_hub_snapshot(str(model)), into)
+        return _local_folder(_hub_snapshot(str(model)), into, mapped)
     return path  # the loader says what is missing
 
 
@@ -136,14 +143,34 @@ def _not_read_as_stored(path: Path) -> str | None:
         return None
 
 
-def _local_folder(path: Path, into: Path) -> Path:
+def _local_folder(path: Path, into: Path, mapped: DiskOffloadConfig | None = None) -> Path:
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-        return path
+        if mapped is None or not _copy_to_map(path, mapped):
+            return path
+        sources = sorted(p for p in path.iterdir() if p.is_file())
+        name = f"{path.name}.aligned"
+        return _converted(into, name, sources, lambda out: write_aligned(path, out))
     bins = sorted(path.glob("pytorch_model*.bin"))
     if bins:
         sources = bins + sorted(p for p in path.iterdir() if p.is_file() and p not in bins)
         return _converted(into, path.name, sources, lambda out: _from_bin(path, bins, out))
     return path  # config only (dummy weights, inspect), or the loader's error
+
+
+def _copy_to_map(path: Path, disk: DiskOffloadConfig) -> bool:
+    """Whether the disk tier `disk` on a CPU would map the checkpoint in `path` (asked to,
+    or "auto" where part of it streams and it fits the page cache's share), and can only
+    once its matrices are aligned in files of its own."""
+    if disk.disk_io not in (DiskIO.AUTO, DiskIO.MMAP):
+        return False
+    stored = checkpoint_tensors(path)
+    if any(t.path.suffix != ".safetensors" for t in stored.values()):
+        return False  # (references into a .gguf: they stay where they are)
+    weights = sum(t.num_bytes for t in stored.values())
+    streams = disk.cpu_memory_gb * 2**30 < weights <= AUTO_CACHE_SHARE * available_ram_bytes()
+    if disk.disk_io == DiskIO.AUTO and not streams:
+        return False
+    return misaligned_matrices(path) > 0
 
 
 # -- the Hugging Face cache ------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from offload.config.parts import DiskOffloadConfig
 from offload.memory.device import check_device
 from offload.memory.placement import AUTO
 from offload.model.build import build_empty
@@ -48,12 +49,14 @@ def make_model_spec(
     shapes: bool = False,
     as_stored: bool = True,
     layout_chooser: LayoutChoosers | None = None,
+    disk: DiskOffloadConfig | None = None,
 ) -> ModelSpec:
     """Check the device, then the quantization (`quantization_name` says where it was
     given), choose the form a .gguf runs in (`as_stored`: as stored unless a dtype is
     asked), resolve `model` to its folder (`shapes`: a shipped shape's name, such as
     "llama-3-8b", names its config; conversions go into `offload_folder`) and build it on
-    the meta device."""
+    the meta device. `disk`: the disk tier it will run with (a checkpoint it would map gets
+    a copy with its matrices aligned, `sources.py`)."""
     checked = check_device(device)
     quantization = check_quantization(quantization, quantization_name)
     if shapes and model:
@@ -66,6 +69,7 @@ def make_model_spec(
         quantization=quantization,
         device=checked,
         layout_chooser=layout_chooser,
+        mapped=disk if disk is not None and disk.is_active and checked.type == "cpu" else None,
     )
     empty = build_empty(path, dtype, trust_remote_code)
     return ModelSpec(path, checked, dtype, quantization, empty, trust_remote_code)
