@@ -83,7 +83,7 @@ def test_apply_reads_a_misaligned_checkpoint_and_refuses_to_map_it(misaligned):
     page cache rather than map them, and an explicit "mmap" is one error saying why."""
     path, _ = misaligned
     config = {"cpu_memory_gb": 0, "offload_group_size": 1}
-    model, offloader = load_model(path, config)  # (just written: in the page cache)
+    _, offloader = load_model(path, config)  # (just written: in the page cache)
     assert offloader.stats().disk.io == "page-cache"
     offloader.close()
     with pytest.raises(ModelError, match=r"disk_io='mmap' .* do not start at a multiple of 64"):
