@@ -219,3 +219,42 @@ def test_a_port_already_taken_is_one_line_and_exit_2(tmp_path):
         f"offload: error: offload serve could not listen on 127.0.0.1:{port}"
     )
     assert "Traceback" not in done.stderr
+
+
+def _post(server, path: str, body: dict) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, text = http(server.url + path, json.dumps(body).encode(), headers)
+    return status, json.loads(text)
+
+
+def test_tokenize_and_detokenize_as_vllm_answers_them(server):
+    """The ids /tokenize gives are those the server generates from: completing them gives
+    the text prompt's answer, and the chat form counts the chat's prompt tokens."""
+    client = server.client()
+    status, answer = _post(server, "/tokenize", {"model": "tiny", "prompt": "t3 t4 t5"})
+    assert status == 200 and answer["count"] == len(answer["tokens"]) == 3
+    assert answer["token_strs"] is None
+    card = client.models.list().data[0]
+    assert answer["max_model_len"] == card.model_extra["max_model_len"]
+    by_text, by_ids = _completion(client, "t3 t4 t5"), _completion(client, answer["tokens"])
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    status, back = _post(server, "/detokenize", {"tokens": answer["tokens"]})
+    assert status == 200 and back == {"prompt": "t3 t4 t5"}
+    _, strings = _post(server, "/tokenize", {"prompt": "t3 t4", "return_token_strs": True})
+    assert len(strings["token_strs"]) == strings["count"] == 2
+    messages = [{"role": "user", "content": "t3 t4"}]
+    _, chat = _post(server, "/tokenize", {"model": "tiny", "messages": messages})
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens >= 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [("/tokenize", {}, 400, "prompt"), ("/tokenize", {"prompt": 3}, 400, "prompt"),
+     ("/tokenize", {"prompt": "t3", "model": "other"}, 404, "model"),
+     ("/detokenize", {"tokens": "t3"}, 400, "tokens"),
+     ("/detokenize", {"tokens": [10**9]}, 400, "tokens")],
+)  # fmt: skip
+def test_bad_tokenize_requests_name_what_was_wrong(server, path, body, status, param):
+    got, answer = _post(server, path, body)
+    assert got == status and answer["error"]["param"] == param

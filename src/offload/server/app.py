@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from offload.config.limits import DEFAULT_MAX_REQUEST_BYTES
 from offload.errors import ConfigError, OffloadError
 from offload.server import protocol
-from offload.server.inputs import chat_ids, json_body, prompt_ids
+from offload.server.inputs import chat_ids, detokenized, json_body, prompt_ids, tokenized
 from offload.server.metrics import ServerMetrics
 from offload.server.protocol import APIError
 from offload.server.responses import Call, Shape, sse, stream, whole
@@ -87,12 +87,15 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         }
         return {"object": "list", "data": [card]}
 
-    def check(request: protocol.Request, count: int) -> None:
-        if request.model is not None and request.model != settings.model_name:
+    def check_model(model: object) -> None:
+        if model is not None and model != settings.model_name:
             raise APIError(
-                404, f"the model {request.model!r} does not exist; this server serves "
+                404, f"the model {model!r} does not exist; this server serves "
                 f"{settings.model_name!r}", "model", kind="model_not_found",
             )  # fmt: skip
+
+    def check(request: protocol.Request, count: int) -> None:
+        check_model(request.model)
         if engine.num_waiting + count > settings.max_waiting:
             raise APIError(
                 503, f"the server is busy ({engine.num_waiting} requests waiting); try again later"
@@ -164,6 +167,20 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         submit(call, text, ids, parsed.params, 0)
         shape = Shape("chat.completion", protocol.new_id("chatcmpl"), settings.model_name, parsed)
         return await answer(request, call, shape)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        body = await json_body(request, settings.max_request_bytes)
+        check_model(body.get("model"))
+        trusted = settings.trust_request_chat_template
+        answer = await asyncio.to_thread(tokenized, llm, body, trusted)
+        return {**answer, "max_model_len": serving.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, str]:
+        body = await json_body(request, settings.max_request_bytes)
+        check_model(body.get("model"))
+        return {"prompt": await asyncio.to_thread(detokenized, llm, body)}
 
     return app
 

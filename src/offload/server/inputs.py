@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 from offload.errors import ConfigError
 from offload.llm.chat import chat_token_ids
 from offload.llm.checks import check_token_ids, vocab_limit
+from offload.server import protocol
 from offload.server.protocol import APIError
 
 MAX_RENDER_S = 2.0  # a chat template's rendering at most (a request's own, or the model's)
@@ -129,6 +130,41 @@ def chat_ids(llm, body: dict[str, Any], messages, trusted: bool) -> tuple[str, l
         why = "recursed too deeply" if isinstance(error, RecursionError) else "ran out of memory"
         raise APIError(400, f"the chat template {why}", "chat_template") from None
     return texts[0], ids[0]
+
+
+def tokenized(llm, body: dict[str, Any], trusted: bool) -> dict[str, Any]:
+    """`/tokenize` (vLLM's): a `prompt`, or chat `messages` through the template; the token
+    ids, their count, and with `return_token_strs` each token's string (a worker thread's
+    work)."""
+    if "messages" in body:
+        messages = protocol.messages_of(body)
+        text, ids = chat_ids(llm, body, messages, trusted)
+        if body.get("add_special_tokens", False):  # (else the template's own specials only)
+            ids = llm.tokenizer(text, add_special_tokens=True).input_ids
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise APIError(400, "'prompt' (a string) or 'messages' is required", "prompt")
+        special = body.get("add_special_tokens", True)
+        if not isinstance(special, bool):
+            raise APIError(400, "'add_special_tokens' must be true or false", "add_special_tokens")
+        ids = llm.tokenizer(prompt, add_special_tokens=special).input_ids
+    strings = llm.tokenizer.convert_ids_to_tokens(ids) if body.get("return_token_strs") else None
+    return {"count": len(ids), "tokens": ids, "token_strs": strings}
+
+
+def detokenized(llm, body: dict[str, Any]) -> str:
+    """`/detokenize` (vLLM's): the text of `tokens`, ids of this model's vocabulary."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in tokens
+    ):
+        raise APIError(400, "'tokens' must be a list of token ids (integers)", "tokens")
+    try:
+        check_token_ids([tokens], vocab_limit(llm.model), [False])
+    except ConfigError as error:
+        raise APIError(400, str(error), "tokens") from None
+    return llm.tokenizer.decode(tokens)
 
 
 class _TooSlow(ValueError):
