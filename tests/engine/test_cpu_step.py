@@ -76,7 +76,7 @@ def test_the_step_graph_takes_its_products_for_a_few_float_rows(rows, dtype, rew
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return zoo.save_attentive_llm(tmp_path_factory.mktemp("tiny"), num_layers=4)
+    return zoo.save_attentive_llm(tmp_path_factory.mktemp("tiny"), num_layers=3)
 
 
 @pytest.fixture
