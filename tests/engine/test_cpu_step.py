@@ -166,13 +166,18 @@ def test_a_call_whose_kv_offloader_gets_another_id_runs_a_step_that_names_it(
     llm = LLM(checkpoint, device="cpu", dtype="float32", **OFFLOADS["kv-cache"])
     assert _run(llm) == resident_compiled[0]
     [(*_, first)] = llm._cpu_step._steps
-    ops.unregister(held)  # the next core's KV offloader takes it
-    longer = SamplingParams(temperature=0, max_tokens=130, logprobs=5, ignore_eos=True)
-    [out] = llm.generate(PROMPT, longer, use_tqdm=False)  # (256 positions: a new core)
+    ops.unregister(held)  # the next core's KV offloader takes it (or a lower id freed since)
+    given, register = [], ops.register
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ops, "register", lambda owner: (given.append(register(owner)), given[-1])[1])
+        longer = SamplingParams(temperature=0, max_tokens=130, logprobs=5, ignore_eos=True)
+        [out] = llm.generate(PROMPT, longer, use_tqdm=False)  # (256 positions: a new core)
     tokens, logprobs = resident_compiled[0]
     assert out.outputs[0].token_ids[: len(tokens)] == tokens
     assert out.outputs[0].logprobs[: len(tokens)] == logprobs
-    assert first != held and {key[-1] for key in llm._cpu_step._steps} == {first, held}
+    [second] = given  # (the new core's KV offloader's)
+    assert second != first and second <= held
+    assert {key[-1] for key in llm._cpu_step._steps} == {first, second}
 
 
 def test_the_compiled_step_computes_the_eager_steps_function(resident_compiled):
