@@ -258,3 +258,43 @@ def test_tokenize_and_detokenize_as_vllm_answers_them(server):
 def test_bad_tokenize_requests_name_what_was_wrong(server, path, body, status, param):
     got, answer = _post(server, path, body)
     assert got == status and answer["error"]["param"] == param
+
+
+def test_echo_puts_the_prompt_and_its_logprobs_first(server):
+    client = server.client()
+    plain = _completion(client, "t3 t4 t5", logprobs=2).choices[0]
+    echoed = _completion(client, "t3 t4 t5", logprobs=2, echo=True).choices[0]
+    assert echoed.text == "t3 t4 t5" + plain.text
+    logprobs = echoed.logprobs
+    assert len(logprobs.tokens) == 3 + 8 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs[0] is None and None not in logprobs.token_logprobs[1:]
+    assert logprobs.token_logprobs[3:] == plain.logprobs.token_logprobs
+    offsets = logprobs.text_offset
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    streamed = _completion(client, [3, 4, 5], echo=True, stream=True)
+    text = "".join(chunk.choices[0].text for chunk in streamed)
+    ids_echoed = _completion(client, [3, 4, 5], echo=True).choices[0].text
+    assert text == ids_echoed and ids_echoed.endswith(
+        _completion(client, [3, 4, 5]).choices[0].text
+    )
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "t3"}], extra_body={"echo": True}
+        )
+
+
+def test_prompt_logprobs_are_the_engines_own(server, checkpoint):
+    from offload import LLM, SamplingParams
+
+    client = server.client()
+    choice = _completion(client, "t3 t4 t5", extra_body={"prompt_logprobs": 1}).choices[0]
+    served = choice.model_extra["prompt_logprobs"]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    with LLM(checkpoint, device="cpu") as llm:
+        [output] = llm.generate("t3 t4 t5", params, use_tqdm=False)
+    expected = [
+        None if e is None else {str(t): lp.logprob for t, lp in e.items()}
+        for e in output.prompt_logprobs
+    ]
+    got = [None if e is None else {t: v["logprob"] for t, v in e.items()} for e in served]
+    assert got == expected and got[0] is None and len(got) == 3

@@ -151,7 +151,10 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         for index, (prompt, tokens) in enumerate(zip(prompts, ids, strict=True)):
             text = prompt if isinstance(prompt, str) else None
             submit(call, text, tokens, parsed.params, index)
-        shape = Shape("text_completion", protocol.new_id("cmpl"), settings.model_name, parsed)
+        name = settings.model_name
+        shape = Shape(
+            "text_completion", protocol.new_id("cmpl"), name, parsed, decode=llm.tokenizer.decode
+        )
         return await answer(request, call, shape)
 
     @app.post("/v1/chat/completions")

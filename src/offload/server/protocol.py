@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +23,8 @@ _SAME_NAME = (
 )  # fmt: skip
 MAX_LOGIT_BIAS = 100  # OpenAI's range for a logit bias: [-100, 100]
 _REFUSED = {
-    "echo": "echo is not supported",
     "suffix": "suffix is not supported",
     "best_of": "best_of is not supported (vLLM's V1 engine refuses it too); use n",
-    "prompt_logprobs": "prompt_logprobs is not served yet",
 }
 
 
@@ -87,6 +85,7 @@ class Request:
     params: SamplingParams
     stream: bool
     include_usage: bool
+    echo: bool = False  # (completions) the prompt before the completion, logprobs too
 
 
 def sampling_params(body: Mapping[str, Any], *, chat: bool) -> Request:
@@ -102,6 +101,14 @@ def sampling_params(body: Mapping[str, Any], *, chat: bool) -> Request:
     kwargs = {name: body[name] for name in _SAME_NAME if body.get(name) is not None}
     kwargs["max_tokens"] = _max_tokens(body, chat)
     kwargs["logprobs"] = _logprobs(body, chat)
+    echo = not chat and bool(_field(body, "echo", (bool,), False))  # (chat: refused below)
+    if chat and body.get("echo") not in (None, False):
+        raise APIError(400, "echo is a completions parameter", "echo")
+    prompt_logprobs = _field(body, "prompt_logprobs", (int,))
+    if echo and kwargs["logprobs"] is not None:  # (vLLM: the prompt's tokens get logprobs too)
+        prompt_logprobs = max(prompt_logprobs or 0, kwargs["logprobs"])
+    if prompt_logprobs is not None:
+        kwargs["prompt_logprobs"] = prompt_logprobs
     bias = _logit_bias(body)
     if bias:
         kwargs["logit_bias"] = bias
@@ -109,7 +116,7 @@ def sampling_params(body: Mapping[str, Any], *, chat: bool) -> Request:
         params = SamplingParams(**kwargs)
     except (ConfigError, ValueError, TypeError) as error:
         raise bad_request(error) from None
-    return Request(model, params, stream, include_usage)
+    return Request(model, params, stream, include_usage, echo)
 
 
 def _include_usage(body: Mapping[str, Any], stream: bool) -> bool:
@@ -248,18 +255,41 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_logprobs(
-    entries: list[dict[int, Logprob]], tokens: list[int], offset: int
+    entries: list[dict[int, Logprob] | None],
+    tokens: list[int],
+    offset: int,
+    decoded: Callable[[int], str] = str,
 ) -> dict[str, list]:
-    """The completions API's logprobs of `tokens` (text offsets from `offset`)."""
+    """The completions API's logprobs of `tokens` (text offsets from `offset`); an entry
+    None (an echoed prompt's first token) has no logprob, its text `decoded(token)`."""
     texts, chosen, tops, offsets = [], [], [], []
     for entry, token in zip(entries, tokens, strict=False):
-        text = entry[token].decoded_token or ""
+        if entry is None:  # (a prompt's first token: nothing before it)
+            text = decoded(token)
+            chosen.append(None)
+            tops.append(None)
+        else:
+            text = entry[token].decoded_token or ""
+            chosen.append(entry[token].logprob)
+            tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
         texts.append(text)
-        chosen.append(entry[token].logprob)
-        tops.append({(lp.decoded_token or ""): lp.logprob for lp in entry.values()})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": texts, "token_logprobs": chosen, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_of(entries: list[dict[int, Logprob] | None]) -> list | None:
+    """vLLM's `prompt_logprobs` field: per prompt token (the first has none), token ids to
+    their logprob, rank and text."""
+    return [
+        None
+        if entry is None
+        else {
+            str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for token, lp in entry.items()
+        }
+        for entry in entries
+    ]
 
 
 def chat_logprobs(entries: list[dict[int, Logprob]], tokens: list[int], top: int) -> dict:

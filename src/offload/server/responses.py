@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +42,7 @@ class Shape:
     model: str
     request: protocol.Request
     created: int = field(default_factory=protocol.now)
+    decode: Callable[[list[int]], str] = str  # token ids to text (an echoed prompt of ids)
 
     @property
     def is_chat(self) -> bool:
@@ -104,25 +105,43 @@ async def _watching(request: Request | None, call: Call, cancel):
             watcher.cancel()
 
 
-def _choice(shape: Shape, index: int, completion, text: str, new_tokens, reason) -> dict:
+def _choice(
+    shape: Shape, index: int, completion, text: str, new_tokens, reason, output=None
+) -> dict:
+    """One choice of `completion`: `text` and `new_tokens` (what is sent now); `output`
+    (its request's) where the prompt comes first: echoed, its prompt logprobs given."""
     params = shape.request.params
+    echoed = output is not None and shape.request.echo
     logprobs = None
     if params.logprobs is not None:
         start = len(completion.token_ids) - len(new_tokens)
-        entries = completion.logprobs[start:]
+        entries, tokens = completion.logprobs[start:], list(new_tokens)
         if shape.is_chat:
-            logprobs = protocol.chat_logprobs(entries, new_tokens, params.logprobs)
+            logprobs = protocol.chat_logprobs(entries, tokens, params.logprobs)
         else:
-            logprobs = protocol.completion_logprobs(entries, new_tokens, 0)
+            if echoed:
+                entries = [*output.prompt_logprobs, *entries]
+                tokens = [*output.prompt_token_ids, *tokens]
+            decoded = lambda token: shape.decode([token])  # noqa: E731
+            logprobs = protocol.completion_logprobs(entries, tokens, 0, decoded)
+    if echoed:
+        text = _prompt_text(shape, output) + text
     if shape.is_chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-    return {
+    choice = {
         "index": index,
         "text": text,
         "logprobs": logprobs,
         "finish_reason": reason,
         "stop_reason": completion.stop_reason if reason else None,
     }
+    if output is not None and params.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = protocol.prompt_logprobs_of(output.prompt_logprobs)
+    return choice
+
+
+def _prompt_text(shape: Shape, output: RequestOutput) -> str:
+    return output.prompt if output.prompt is not None else shape.decode(output.prompt_token_ids)
 
 
 async def whole(call: Call, shape: Shape, request: Request, metrics, cancel) -> dict:
@@ -151,18 +170,17 @@ async def whole(call: Call, shape: Shape, request: Request, metrics, cancel) -> 
             completion_tokens += len(completion.token_ids)
             choice = _choice(
                 shape, index * n + number, completion, completion.text,
-                completion.token_ids, completion.finish_reason,
+                completion.token_ids, completion.finish_reason, output,
             )  # fmt: skip
             if shape.is_chat:
                 text = choice.pop("text")
                 choice["message"] = {"role": "assistant", "content": text}
             choices.append(choice)
     _finished(metrics, call, prompt_tokens, completion_tokens, len(finals))
-    return {
-        **shape.envelope(),
-        "choices": choices,
-        "usage": protocol.usage(prompt_tokens, completion_tokens),
-    }
+    body = {**shape.envelope(), "choices": choices}
+    if shape.is_chat and shape.request.params.prompt_logprobs is not None:  # (vLLM's place)
+        body["prompt_logprobs"] = protocol.prompt_logprobs_of(finals[0].prompt_logprobs)
+    return {**body, "usage": protocol.usage(prompt_tokens, completion_tokens)}
 
 
 def _finished(metrics, call: Call, prompt_tokens: int, completion_tokens: int, count: int):
@@ -194,7 +212,8 @@ async def stream(
                 index, output = await _next(call)
                 progress.saw(index, output)
                 for number, completion in enumerate(output.outputs):
-                    event = _delta(shape, index * n + number, completion, sent_text, sent_tokens)
+                    choice = index * n + number
+                    event = _delta(shape, choice, completion, sent_text, sent_tokens, output)
                     if event is not None:
                         yield event
                 if output.finished:
@@ -217,9 +236,10 @@ async def stream(
     yield "data: [DONE]\n\n"
 
 
-def _delta(shape: Shape, choice: int, completion, sent_text: dict, sent_tokens: dict):
+def _delta(shape: Shape, choice: int, completion, sent_text: dict, sent_tokens: dict, output):
     """The event of what `completion` (choice number `choice`) has that was not sent yet
-    (text settled past any stop string), or None."""
+    (text settled past any stop string), or None; a choice's first event carries its
+    echoed prompt and its prompt logprobs (`output`: its request's)."""
     params = shape.request.params
     before = sent_text.get(choice, "")
     if before is None:
@@ -230,9 +250,10 @@ def _delta(shape: Shape, choice: int, completion, sent_text: dict, sent_tokens: 
     new_tokens = completion.token_ids[sent_tokens.get(choice, 0) :]
     if not (delta or new_tokens) and reason is None:
         return None
+    first = choice not in sent_tokens
     sent_text[choice] = None if reason else text
     sent_tokens[choice] = len(completion.token_ids)
-    body = _choice(shape, choice, completion, delta, new_tokens, reason)
+    body = _choice(shape, choice, completion, delta, new_tokens, reason, output if first else None)
     if shape.is_chat:
         body["delta"] = {"content": body.pop("text")} if delta or not reason else {}
     return _event({**shape.envelope(chunk=True), "choices": [body]})
