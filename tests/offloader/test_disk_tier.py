@@ -115,7 +115,7 @@ def test_delayed_reads_still_give_the_resident_logits(sharded, staged):
     staging thread queues the copy into the slot."""
     path, resident = sharded
     config = {**EVERY_LAYER, "cpu_memory_gb": 0, "read_ahead": 2, "disk_io": "direct"}
-    hooks = ReadHooks(delay_s=0.002, force_staging=staged)
+    hooks = ReadHooks(delay_s=0.02, force_staging=staged)  # (slow enough to stall a loaded CPU)
     model, offloader = load_model(path, config, read_hooks=hooks)
     ids = zoo.inputs()
     assert torch.equal(zoo.logits(model, ids), zoo.logits(resident, ids))
