@@ -31,6 +31,13 @@ HOME_ALIGN = 256  # a tensor's first byte in its buffer (a host slab's: ALIGN_BY
 MAP_ALIGN = 64
 
 
+def maps_exactly(offset: int, ndim: int) -> bool:
+    """Whether a tensor of `ndim` dimensions at byte `offset` of its file can be computed
+    on in place: a product sums over a matrix, so a matrix must start at a multiple of
+    `MAP_ALIGN`; a 1-D weight is read element by element, exact anywhere."""
+    return ndim < 2 or offset % MAP_ALIGN == 0
+
+
 @dataclass(frozen=True)
 class TensorRange:
     """One tensor's bytes in a file (and its dtype, where known)."""

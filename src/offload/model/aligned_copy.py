@@ -11,28 +11,27 @@ from __future__ import annotations
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
-from offload.memory.disk_layout import MAP_ALIGN
-from offload.memory.safetensors import checkpoint_tensors
+from offload.memory.disk_layout import MAP_ALIGN, maps_exactly
+from offload.memory.safetensors import StoredTensor
 from offload.memory.safetensors_writer import SafetensorsWriter, TensorEntry
 from offload.sizes import format_bytes
 
 
-def misaligned_matrices(folder: Path) -> int:
-    """How many matrices of the checkpoint in `folder` start off a `MAP_ALIGN` boundary."""
-    return sum(
-        len(t.shape) >= 2 and t.offset % MAP_ALIGN != 0 for t in checkpoint_tensors(folder).values()
-    )
+def misaligned_matrices(stored: Mapping[str, StoredTensor]) -> int:
+    """How many of a checkpoint's tensors (`checkpoint_tensors`) cannot be mapped exactly."""
+    return sum(not maps_exactly(t.offset, len(t.shape)) for t in stored.values())
 
 
-def write_aligned(folder: Path, out: Path) -> None:
-    """Each safetensors file of `folder` into `out` under its own name, its tensors in their
-    order save that those whose size is not a multiple of `MAP_ALIGN` go last (the format
-    allows no gaps), read and written one at a time; the other files copied."""
+def write_aligned(folder: Path, stored: Mapping[str, StoredTensor], out: Path) -> None:
+    """Each safetensors file of the checkpoint in `folder` (its tensors `stored`) into
+    `out` under its own name, its tensors in their order save that those whose size is not
+    a multiple of `MAP_ALIGN` go last (the format allows no gaps), read and written one at
+    a time; the other files copied."""
     from safetensors import safe_open
 
-    stored = checkpoint_tensors(folder)
     files = sorted({t.path for t in stored.values()})
     what = f"offload: an aligned copy of {folder.name} for mapping"
     total = format_bytes(sum(path.stat().st_size for path in files))

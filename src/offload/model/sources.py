@@ -30,7 +30,7 @@ import re
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from offload.memory.cache_digest import sign_entry
 from offload.memory.cache_trust import cache_folder, cache_key, trusted_folder
 from offload.memory.host import available_ram_bytes
 from offload.memory.placement import AUTO, DiskIO
-from offload.memory.safetensors import checkpoint_tensors
+from offload.memory.safetensors import StoredTensor, checkpoint_tensors
 from offload.model.aligned_copy import misaligned_matrices, write_aligned
 from offload.model.bin_checkpoints import from_bin as _from_bin
 from offload.model.cache_folder import cache_dir, entry_not_usable
@@ -145,11 +145,12 @@ def _not_read_as_stored(path: Path) -> str | None:
 
 def _local_folder(path: Path, into: Path, mapped: DiskOffloadConfig | None = None) -> Path:
     if (path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file():
-        if mapped is None or not _copy_to_map(path, mapped):
+        stored = checkpoint_tensors(path) if mapped is not None else {}
+        if not stored or not _copy_to_map(stored, mapped):
             return path
         sources = sorted(p for p in path.iterdir() if p.is_file())
         name = f"{path.name}.aligned"
-        return _converted(into, name, sources, lambda out: write_aligned(path, out))
+        return _converted(into, name, sources, lambda out: write_aligned(path, stored, out))
     bins = sorted(path.glob("pytorch_model*.bin"))
     if bins:
         sources = bins + sorted(p for p in path.iterdir() if p.is_file() and p not in bins)
@@ -157,20 +158,19 @@ def _local_folder(path: Path, into: Path, mapped: DiskOffloadConfig | None = Non
     return path  # config only (dummy weights, inspect), or the loader's error
 
 
-def _copy_to_map(path: Path, disk: DiskOffloadConfig) -> bool:
-    """Whether the disk tier `disk` on a CPU would map the checkpoint in `path` (asked to,
-    or "auto" where part of it streams and it fits the page cache's share), and can only
-    once its matrices are aligned in files of its own."""
+def _copy_to_map(stored: Mapping[str, StoredTensor], disk: DiskOffloadConfig) -> bool:
+    """Whether the disk tier `disk` on a CPU would map a checkpoint of tensors `stored`
+    (asked to, or "auto" where part of it streams and it fits the page cache's share), and
+    can only once its matrices are aligned in files of its own."""
     if disk.disk_io not in (DiskIO.AUTO, DiskIO.MMAP):
         return False
-    stored = checkpoint_tensors(path)
     if any(t.path.suffix != ".safetensors" for t in stored.values()):
         return False  # (references into a .gguf: they stay where they are)
     weights = sum(t.num_bytes for t in stored.values())
     streams = disk.cpu_memory_gb * 2**30 < weights <= AUTO_CACHE_SHARE * available_ram_bytes()
     if disk.disk_io == DiskIO.AUTO and not streams:
         return False
-    return misaligned_matrices(path) > 0
+    return misaligned_matrices(stored) > 0
 
 
 # -- the Hugging Face cache ------------------------------------------------------

@@ -30,6 +30,7 @@ from offload.memory.disk_layout import (
     DiskLayout,
     TensorRange,
     aligned_empty,
+    maps_exactly,
     plan_layout,
 )
 from offload.memory.disk_reader import DiskReader, FileStamp
@@ -99,11 +100,10 @@ class DiskTier:
         qualified = [[(f"{u.name}.{n}", p) for n, p in u.params] for u in units]
         layouts = [disk_layout(self.settings.ranges, named) for named in qualified]
         movable = [i for i, layout in enumerate(layouts) if layout is not None]
-        self._misaligned = sum(  # (a product sums over a matrix; 1-D weights are exact)
-            self.settings.ranges[name].offset % MAP_ALIGN != 0
+        self._misaligned = sum(
+            not maps_exactly(self.settings.ranges[name].offset, param.dim())
             for i in movable
             for name, param in qualified[i]
-            if param.dim() >= 2
         )
         if self.settings.whole_stack:
             in_ram = self._fit(units, layouts, movable, device, num_slots)
