@@ -206,15 +206,6 @@ def test_any_update_order_sees_its_own_rows(num_layers, num_slots, order):
     kv.close()
 
 
-def test_graph_buckets_cover_the_written_rows():
-    from offload.engine.graphs import kv_bucket
-
-    assert [kv_bucket(n, 1000) for n in (1, 64, 65, 128, 129, 600, 999)] == [
-        64, 64, 128, 128, 256, 1000, 1000,
-    ]  # fmt: skip
-    assert kv_bucket(70, 80) == 80  # never past the cache
-
-
 def test_the_seen_length_is_a_device_counter_as_in_the_resident_cache():
     """The mask reads the query's offset from the cache's length. In a CUDA graph a
     Python int would be frozen at capture (every replay masked as the captured step;

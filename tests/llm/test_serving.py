@@ -9,6 +9,7 @@ import torch
 import zoo
 
 from offload import ConfigError, SamplingParams
+from offload.llm import cores
 from offload.llm.llm import LLM
 
 PROMPTS = ["t3 t4", "t5 t6 t7 t8 t9", "t10", "t11 t12 t13", "t7 t7 t7 t7", "t20 t21"]
@@ -378,7 +379,7 @@ def test_an_answer_begun_eagerly_while_its_step_compiles_ends_eagerly(checkpoint
     starts once it is alone-free of eager rows runs compiled."""
     with LLM(checkpoint) as llm:
         fake = _CompilingStep(ready_after=1)
-        monkeypatch.setattr(llm, "_compiled_step", lambda rows: fake)
+        monkeypatch.setattr(cores, "compiled_step", lambda llm: fake)
         serving = llm.serving(2)
         serving.core.runner.keep_form = True  # (as `generate`'s static batch has it)
         first = _together(llm, ["t3 t4"], GREEDY, max_num_seqs=2)[0]
@@ -395,6 +396,6 @@ def test_a_server_switches_to_its_compiled_step_as_soon_as_it_is_ready(checkpoin
     would keep every row eager)."""
     with LLM(checkpoint) as llm:
         fake = _CompilingStep(ready_after=1)
-        monkeypatch.setattr(llm, "_compiled_step", lambda rows: fake)
+        monkeypatch.setattr(cores, "compiled_step", lambda llm: fake)
         first = _together(llm, ["t3 t4"], GREEDY, max_num_seqs=2)[0]
     assert len(fake.compiled_rows) == len(first.outputs[0].token_ids) - 2  # (all but 1 step)

@@ -41,11 +41,13 @@ class EngineCore:
         own_thread: bool = True,
         invariant: bool = False,
         host_pool=None,
+        graphs=None,
     ):
         self._model = model
         self.scheduler = Scheduler(max_rows, max_num_batched_tokens)
         # (`host_pool`: the KV cache in host memory, streamed per layer: KV offload)
-        self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant, host_pool)
+        # (`graphs`: a `RowGraphs` maker, the decode steps as CUDA graphs: `StepRunner`)
+        self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant, host_pool, graphs)
         self.max_rows, self.max_len = max_rows, max_len
         self.invariant = invariant
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)

@@ -1,37 +1,13 @@
-"""The decode step as CUDA graphs: captured once per KV-copy length, then replayed for
-every token, with the weight and KV offloaders' copies inside the graph.
-
-A graph replays fixed work: the same kernels on the same addresses, copies of the same
-sizes. The static KV cache and the offloaders' slots give the fixed addresses; the step's
-inputs go through static buffers. What still varies is how many KV positions must be
-brought in for each layer; so a graph is captured per power-of-two bucket of positions
-and a step replays the smallest one that covers what has been written.
-"""
+"""A decode step over a static KV cache (`DecodeStep`: what the probes time and the
+compiled CPU step's tests run), and the one-token forward every decode step runs
+(`last_logits`). The engine core's steps and their CUDA graphs: `rows.py`,
+`row_graphs.py`."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from dataclasses import replace
-
 import torch
 
-from offload.engine.kv_cache import KVOffloader
-from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import cache_argument
-from offload.errors import OffloadError
-from offload.offloader.base import BaseOffloader
-
-_MIN_BUCKET = 64
-
-
-def kv_bucket(num_positions: int, max_positions: int) -> int:
-    """The KV rows a graph copies for a step that reads `num_positions`: the next power
-    of two (at least 64), never past the cache."""
-    bucket = _MIN_BUCKET
-    while bucket < num_positions:
-        bucket *= 2
-    return min(bucket, max_positions)
 
 
 class DecodeStep:
@@ -79,76 +55,3 @@ def last_logits(step, mask=None) -> torch.Tensor:
         logits_to_keep=1,
     )
     return out.logits[:, -1, :]
-
-
-class DecodeGraphs:
-    """Capture-on-first-use CUDA graphs of `step`, a function of static buffers that runs
-    one decode forward and returns its (static) logits.
-
-    Bytes the offloaders move inside a graph are counted once, at capture, by their
-    own counters; `replayed` adds what the replays moved, so figures stay true.
-    """
-
-    def __init__(
-        self,
-        step: Callable[[], torch.Tensor],
-        offloader: BaseOffloader,
-        kv: KVOffloader | None,
-    ):
-        self._step = step
-        self._offloader = offloader
-        self._kv = kv
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, TransferStats]] = {}
-        self._pool = None
-        self.replayed = TransferStats()  # what the replays moved, and how many there were
-
-    def run(self, num_positions: int) -> torch.Tensor:
-        """One decode step reading `num_positions` cache positions: replay (capturing
-        first if needed) the graph of its bucket."""
-        rows = kv_bucket(num_positions, self._kv.shape.max_cache_len) if self._kv else 0
-        captured = rows not in self._graphs
-        if captured:
-            self._graphs[rows] = self._capture(rows)
-        graph, logits, moved = self._graphs[rows]
-        with self._around():
-            graph.replay()
-        self.replayed += moved
-        if self._kv is not None and not captured:
-            # The capture ran the step's Python (which counted its positions); a replay
-            # runs none, so its position is counted here.
-            self._kv.count_replayed_step()
-        return logits
-
-    @contextlib.contextmanager
-    def _around(self):
-        # Compute first waits for copies issued before (by eager steps). The graph's own
-        # KV copies were joined into it at capture, so nothing is left to join after.
-        if self._kv is not None:
-            self._kv.synchronize()
-        with self._offloader.graph_capture():
-            yield
-
-    def _capture(self, rows: int):
-        graph = torch.cuda.CUDAGraph()
-        before = self._counters()
-        if self._kv is not None:
-            self._kv.capture_rows = rows
-            self._kv.synchronize()
-        try:
-            with self._offloader.graph_capture(graph, pool=self._pool):
-                logits = self._step()
-                if self._kv is not None:
-                    self._kv.synchronize()  # joins the KV copy stream into the capture
-        except RuntimeError as error:
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            raise OffloadError(
-                f"capturing the decode step as a CUDA graph failed ({first_line}); "
-                "pass enforce_eager=True (--enforce-eager) to decode without graphs"
-            ) from error
-        self._pool = graph.pool()
-        moved = replace(self._counters() - before, num_graph_replays=1)
-        return graph, logits, moved
-
-    def _counters(self) -> TransferStats:
-        kv = self._kv.stats() if self._kv is not None else None
-        return TransferStats.of(self._offloader.stats(), kv)

@@ -129,7 +129,7 @@ class Scheduler:
     def _admit(self) -> Group | None:
         """The first waiting request into the free rows, its prompt at column 0, to be
         prefilled alone: prompts prefilled together are padded to one width, which moves
-        a prompt's logits (`row_prefill`). (`check_fits` saw that it fits a row.)"""
+        a prompt's logits. (`check_fits` saw that it fits a row.)"""
         if not self.waiting:
             return None
         if len(self.waiting[0].sequences) > self.max_rows - len(self.running):

@@ -4,11 +4,14 @@ running row (compiled where the model has a compiled step, else eager)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from offload.engine import cpu_linear, invariant
 from offload.engine.cpu_linear import kernels_for
 from offload.engine.requests import EngineModel, Group, Row
+from offload.engine.row_graphs import RowGraphs
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
 from offload.engine.transformers_cache import cache_argument
 from offload.sizes import compute_dtype
@@ -18,7 +21,8 @@ class StepRunner:
     """Runs `model`'s forwards over a cache of `max_rows` rows of `max_len` positions.
     `invariant`: batch invariance (`invariant.py`): every step runs the eager products the
     model's linears were padded for (no kernel chosen by row count, no compiled step),
-    reading every column."""
+    reading every column. `graphs(held_rows)`: the `RowGraphs` its decode steps replay
+    (CUDA graphs; not with KV offload, whose copies follow each step's columns)."""
 
     def __init__(
         self,
@@ -28,6 +32,7 @@ class StepRunner:
         kv_dims=None,
         invariant=False,
         host_pool=None,
+        graphs: Callable[[int], RowGraphs] | None = None,
     ):
         self.model = model
         dtype = compute_dtype(model.model)
@@ -38,6 +43,9 @@ class StepRunner:
         self.invariant = invariant
         self.keep_form = False  # (see `decode`: each answer eager or compiled throughout)
         self._last: RowStep | None = None  # the last decode step, refilled where it can be
+        self.graphs = None
+        if graphs is not None and host_pool is None and not invariant:
+            self.graphs = graphs(self.cache.held)
 
     def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
         for source, target, num_columns in moves:
@@ -87,6 +95,19 @@ class StepRunner:
     def decode(self, rows: list[Row]) -> torch.Tensor:
         """One decode step of `rows` (rows [0, len) of the cache): logits [rows, vocab].
         Each row's column then moves on if it is live."""
+        if self.graphs is not None:  # (CUDA graphs: the rows padded to the graph's)
+            step = self.row_step(rows, pad_to=self.graphs.rows_for(len(rows)))
+            logits, counted = self.graphs.run(step, self._eager), False
+        else:
+            logits, counted = self._step(rows)
+        self.model.on_forward(counted)
+        for row in rows:
+            row.column += row.is_live
+        return logits[: len(rows)]  # (less the padding rows)
+
+    def _step(self, rows: list[Row]) -> tuple[torch.Tensor, bool]:
+        """A decode step of `rows` compiled (where it can be) or eager; its logits, and
+        whether the compiled step ran it."""
         # (its inputs made in inference mode, as the warm-up's: a compiled step's guards
         # check each input's dispatch keys, and a step made outside it missed the graph)
         step = self.row_step(rows)
@@ -115,10 +136,11 @@ class StepRunner:
         if logits is None:
             with invariant.decoding(len(rows)) if self.invariant else self._kernels():
                 logits = step()
-        self.model.on_forward(counted)
-        for row in rows:
-            row.column += row.is_live
-        return logits[: len(rows)]  # (less the padding rows)
+        return logits, counted
+
+    def _eager(self, step: RowStep) -> torch.Tensor:
+        with self._kernels():
+            return step()
 
     def forget_step(self) -> None:
         """The next decode step is made anew (its guards checked again, if compiled)."""

@@ -7,12 +7,20 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from offload.engine import cpu_linear, cpu_step
+from offload.engine.compiled_step import CompiledCpuStep
 from offload.engine.core import EngineCore
 from offload.engine.requests import EngineModel
+from offload.engine.row_graphs import CudaGraphMaker, RowGraphs
 from offload.engine.rows import MIN_ROWS, bytes_per_row
+from offload.engine.transfer_stats import TransferStats
+from offload.engine.transformers_cache import probe_kv_dims
+from offload.errors import ModelError
 from offload.llm.generating import Generating
 from offload.llm.serving import kv_cache_room
 from offload.memory.kv_shape import check_host_kv, kv_shape_of
+from offload.offloader.hooks import attach_boundaries
+from offload.offloader.layers import find_layers
 from offload.sizes import compute_dtype
 
 
@@ -31,29 +39,64 @@ def engine_core(
         llm.tokenizer.pad_token_id or 0,
         contextlib.nullcontext() if generate else llm._lock,
         on_forward=llm._count_forward,
-        # (one graph for every batch of 2 to 64 rows: `rows.RowStep`)
-        compiled=llm._compiled_step(MIN_ROWS) if compiles else None,
+        # (one graph for every batch of 2 to 64 rows, one for a lone row: `rows.RowStep`)
+        compiled=compiled_step(llm) if compiles else None,
         weights_in_place=llm.offloader.weights_in_place,
     )
     pool = llm._kv_pool if generate else llm._serving_kv_pool
+    graphs = None
+    if llm._use_graphs:  # (CUDA graphs of the decode steps, each shape's on first use)
+        maker, offloader = CudaGraphMaker(llm.offloader), llm.offloader
+
+        def graphs(held_rows: int) -> RowGraphs:
+            return RowGraphs(maker, held_rows, lambda: TransferStats.of(offloader.stats()))
+
     core = EngineCore(
         model,
         rows,
         length,
         llm.max_num_batched_tokens,
-        kv_dims=llm._probed_kv_dims() if llm.kv_offload else None,
+        kv_dims=probed_kv_dims(llm) if llm.kv_offload else None,
         own_thread=own_thread,
         invariant=llm.batch_invariant,
         host_pool=pool if llm.kv_offload else None,
+        graphs=graphs,
     )
     core.runner.keep_form = generate
     return core
 
 
+def compiled_step(llm: Any) -> CompiledCpuStep | None:
+    """`llm`'s compiled CPU decode step where it pays (`cpu_step.pays`; not with
+    enforce_eager), made on first use. Weights kept as stored keep their own products, the
+    rest of the step fuses: the default model as stored, whose server steps of 2-32 rows
+    run faster compiled than eager (docs/benchmarks.md, "2026-11-28 (twenty-first
+    session): the server's few-row steps, and the default model's steps as stored (issue
+    28)")."""
+    if not llm._compile_cpu or not cpu_step.enabled() or not cpu_step.pays(llm.model):
+        return None
+    if cpu_linear.MAX_ROWS < MIN_ROWS:  # (its batches' graph writes no product)
+        return None
+    if llm._cpu_step is None:
+        llm._cpu_step = CompiledCpuStep()
+        with contextlib.suppress(ModelError):  # (no layer stack: nothing offloads either)
+            attach_boundaries(find_layers(llm.model))
+    return llm._cpu_step
+
+
+def probed_kv_dims(llm: Any):
+    """What `llm`'s attention layers really cache (heads, key and value dims), measured
+    by a forward on first use."""
+    if llm._kv_dims is None:
+        llm._kv_dims = (probe_kv_dims(llm.model),)
+        llm._forwards += 1  # the probe is a forward of the whole model too
+    return llm._kv_dims[0]
+
+
 def generator_of(llm: Any) -> Generating:
     """`generate`'s core maker, sized per call within the KV room (`kv_cache_room`)."""
     config, dtype = llm.model.config, compute_dtype(llm.model)
-    dims = llm._probed_kv_dims() if llm.kv_offload else None
+    dims = probed_kv_dims(llm) if llm.kv_offload else None
 
     def too_big(rows: int, length: int) -> None:
         if llm.kv_offload:  # (said as a host cache too large for swap_space)

@@ -49,7 +49,7 @@ class Generating:
         self._max_num_seqs = max_num_seqs
         self._too_big = too_big
         self.core: EngineCore | None = None
-        self._moved = TransferStats()  # what the KV offload of cores closed moved
+        self._moved = TransferStats()  # what cores closed moved (`core_moved`)
 
     def run(
         self,
@@ -134,20 +134,22 @@ class Generating:
         return self.core
 
     def moved(self) -> TransferStats:
-        """What the cores' KV offload moved so far (none without it)."""
-        return self._moved + (kv_moved(self.core) if self.core is not None else TransferStats())
+        """What the cores' KV offload and graph replays moved so far."""
+        return self._moved + (core_moved(self.core) if self.core is not None else TransferStats())
 
     def close(self) -> None:
         if self.core is not None:
             self.core.close()
-            self._moved += kv_moved(self.core)
+            self._moved += core_moved(self.core)
             self.core = None
 
 
-def kv_moved(core: EngineCore) -> TransferStats:
-    """What `core`'s KV offload moved so far (none without it)."""
-    kv = core.runner.cache.kv_offloader
-    return TransferStats() if kv is None else TransferStats.of(kv=kv.stats())
+def core_moved(core: EngineCore) -> TransferStats:
+    """What `core`'s KV offload and its CUDA graphs' replays moved so far (the weights'
+    eager copies are the offloader's to count)."""
+    kv, graphs = core.runner.cache.kv_offloader, core.runner.graphs
+    moved = TransferStats() if kv is None else TransferStats.of(kv=kv.stats())
+    return moved if graphs is None else moved + graphs.replayed
 
 
 def _power_of_two(count: int) -> int:

@@ -15,7 +15,6 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
-from offload.engine.decode_loop import DecodeLoop
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState, per_prompt
 from offload.engine.tokens import TokenSteps
@@ -31,7 +30,7 @@ from offload.llm.checks import (
 )
 from offload.llm.cores import engine_core, generator_of
 from offload.llm.engine_args import EngineArgs
-from offload.llm.generating import kv_moved
+from offload.llm.generating import Generating, core_moved
 from offload.llm.serving import Serving, row_plan
 from offload.llm.spec import ModelSpec
 from offload.llm.start import start_llm
@@ -40,7 +39,7 @@ from offload.memory.placement import AUTO
 from offload.memory.threads import check_not_forked
 
 
-class LLM(DecodeLoop):
+class LLM:
     """Load a model with offloading in place and generate text, as vLLM's `LLM` does.
 
     `model` is a Hugging Face model directory with safetensors weights (default: the
@@ -73,6 +72,20 @@ class LLM(DecodeLoop):
     As in vLLM, the checkpoint's own Python code (an `auto_map` in its config.json or
     tokenizer_config.json) runs only with `trust_remote_code=True`.
     """
+
+    # What `start_llm` sets up (llm/loading.py), besides the arguments' limits.
+    model: torch.nn.Module
+    offloader: Any  # its `BaseOffloader`
+    tokenizer: Any
+    max_model_len: int
+    _tokens: TokenSteps
+    _requests: Any  # the one check of a prompt and its limits (`RequestMaker`)
+    _generator: Generating | None  # generate's and chat's engine core, made on first use
+    _use_graphs: bool  # CUDA graphs of the decode steps (a GPU, not enforce_eager)
+    _compile_cpu: bool  # a compiled decode step on a CPU where it pays (not enforce_eager)
+    _cpu_step: Any  # its `CompiledCpuStep`, made on first use (`cores.compiled_step`)
+    _forwards: int
+    _compiled_steps: int
 
     def __init__(
         self,
@@ -217,9 +230,9 @@ class LLM(DecodeLoop):
         model forwards (prefill chunks and decode steps) that moved them."""
         weights = self.offloader.stats()
         now = TransferStats.of(weights)
-        moved = self._moved + (self._generator.moved() if self._generator else TransferStats())
+        moved = self._generator.moved() if self._generator else TransferStats()
         if self._served is not None:
-            moved += kv_moved(self._served.core)
+            moved += core_moved(self._served.core)
         return moved + replace(
             now,
             stall_s=weights.copies.stall_s,
@@ -229,10 +242,8 @@ class LLM(DecodeLoop):
         )
 
     def _generate(self, prompts, ids, sampling_params, use_tqdm=False) -> list[RequestOutput]:
-        if self._use_graphs:  # (CUDA graphs of the core's row steps: not yet)
-            return super()._generate(prompts, ids, sampling_params, use_tqdm)
-        # Every request on an engine core run here (the caller holds the model): each
-        # prefills alone and decodes beside the others, as under serve.
+        """Every request on an engine core run here (the caller holds the model): each
+        prefills alone and decodes beside the others, as under serve."""
         if self._generator is None:
             self._generator = generator_of(self)
         params = per_prompt(sampling_params, len(prompts))
@@ -267,7 +278,7 @@ class LLM(DecodeLoop):
             if self._generator is not None:  # (its rows' KV cache)
                 self._generator.close()
             self.offloader.close()
-            del self.model, self.offloader, self._kv_pool, self._prefill_kv_pool
+            del self.model, self.offloader, self._kv_pool
             del self._serving_kv_pool
         trim_freed_memory()
 

@@ -18,9 +18,7 @@ from offload.engine import cpu_step, invariant
 from offload.engine.kv_cache import KVHostPool
 from offload.engine.request_maker import RequestMaker
 from offload.engine.tokens import TokenSteps
-from offload.engine.transfer_stats import TransferStats
 from offload.llm.args import tokenizer_of
-from offload.llm.budget import kv_room_after
 from offload.llm.fit import MemoryPlan
 from offload.model.finite_checks import non_finite_tensor
 from offload.model.loader import load_model
@@ -65,15 +63,13 @@ def load_into(
         )
     except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
         raise budget.refused(error) from error  # (LLM may fit a shorter context)
-    llm._kv_room_bytes = kv_room_after(budget, llm.offloader)  # (generate's batches)
-    llm._moved = TransferStats()  # KV and graph-replay bytes, summed over calls
     llm._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
     llm._compiled_steps = 0  # of which compiled CPU decode steps
     # Host memory of the offloaded KV cache, kept between calls (pinned once).
     llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
-    # (generate's batch cache, a prompt's own cache, and the engine core's rows: `serving`)
-    llm._kv_pool, llm._prefill_kv_pool, llm._serving_kv_pool = (
-        KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory) for _ in range(3)
+    # (generate's engine core's rows, and serve's: `serving`)
+    llm._kv_pool, llm._serving_kv_pool = (
+        KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory) for _ in range(2)
     )
 
 
