@@ -35,14 +35,16 @@ def _rows_run(llm, rows: int) -> list:
     return [_run(llm)] if rows == 1 else _run_batch(llm)
 
 
-def _compiled_runs(llm, batches: tuple[int, ...]) -> tuple[list, object]:
-    """`_rows_run` of each row count in `batches`, each compiled, each compile's products
-    written out (counted); and what the runs moved."""
+def _compiled_runs(llm, batches: tuple[int, ...], count=False) -> tuple[list, object]:
+    """`_rows_run` of each row count in `batches`, each compiled (`count`: each compile's
+    products written out, counted: only where inductor's caches are off, else a compile
+    may be a cache hit, which runs no pass); and what the runs moved."""
     results = []
     for rows in batches:
         before = counters["offload"]["products_rewritten"]
         results.append(_rows_run(llm, rows))
-        assert counters["offload"]["products_rewritten"] - before == PRODUCTS
+        if count:
+            assert counters["offload"]["products_rewritten"] - before == PRODUCTS
     moved = llm.transfer_stats()
     assert moved.num_compiled_steps == len(batches) * (GREEDY.max_tokens - 1)
     return results, moved
@@ -59,7 +61,8 @@ def test_a_halves_model_compiles_and_offloaded_gives_the_resident_bits(halves, m
     resident = LLM(halves, device="cpu")
     settings = SETTINGS[resident.model.get_input_embeddings().weight.dtype]
     batches = tuple(sorted({rows for each in settings.values() for rows in each}))
-    expected, _ = _compiled_runs(resident, batches)
+    with torch._inductor.config.patch(force_disable_caches=True):
+        expected, _ = _compiled_runs(resident, batches, count=True)
     # The eager step's function: the same tokens, logprobs to the dtype's roundings.
     eager = LLM(halves, device="cpu", enforce_eager=True)
     for result, rows in zip(expected, batches, strict=True):
