@@ -116,7 +116,7 @@ def _guard_checks(llm) -> int:
 
 @pytest.fixture(scope="module")
 def resident_compiled(checkpoint):
-    return _resident_runs(checkpoint, _run, ("row", 2, 128))  # (a lone row, of 2 held)
+    return _resident_runs(checkpoint, _run, ("row",))  # (a lone row)
 
 
 @pytest.mark.parametrize("setting", list(OFFLOADS))
@@ -129,7 +129,7 @@ def test_compiled_offloaded_equals_compiled_resident_bitwise(
     # (KV offload's graph names its offloader's id, a constant: part of the key)
     assert llm._cpu_step is not None and len(llm._cpu_step._steps) == 1
     [key] = llm._cpu_step._steps
-    assert key[:3] == ("row", 2, 128) and ("kv" in key) == (setting == "kv-cache")
+    assert key[0] == "row" and ("kv" in key) == (setting == "kv-cache")
     # Kept on disk (prefetch hooks and KV offload's layers name their offloader by id),
     # in one graph (KV offload's cache update is one op).
     assert {path.suffix for path in step_cache.folder().glob("*")} == {".pt2", ".digest"}
@@ -270,8 +270,15 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step(checkpoint, compiles):
     for length in (3, 12, 40):
         llm.generate({"prompt_token_ids": list(range(5, 5 + length))}, GREEDY, use_tqdm=False)
     assert counters["stats"]["unique_graphs"] == graphs
-    assert set(llm._cpu_step._steps) == {("row", 2, 128)}
+    assert set(llm._cpu_step._steps) == {("row",)}
     assert llm.transfer_stats().num_compiled_steps == 4 * (GREEDY.max_tokens - 1)
+    # A call of more positions than the first call's cache held (a core of 256 columns
+    # made anew): the same graph, its cache's size dynamic.
+    longer = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
+    llm.generate(PROMPT, longer, use_tqdm=False)
+    assert llm._generator.core.max_len == 256
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert llm.transfer_stats().num_compiled_steps == 4 * (GREEDY.max_tokens - 1) + 129
 
 
 def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(checkpoint, compiles):
@@ -479,6 +486,30 @@ def _serve(llm, max_num_seqs=2):
     return results
 
 
+def test_cores_of_every_size_run_the_same_two_graphs(checkpoint, compiles):
+    """`generate`'s cores (rows and length rounded per call) and a server's hold caches of
+    other sizes: the cache's size is dynamic in the graphs, so after a lone row's and a
+    batch's graph nothing compiles again. (A kept step is named after the sizes it was
+    compiled at: a second LLM loads it where its first call has them.)"""
+    from torch._dynamo.utils import counters
+
+    prompts = [{"prompt_token_ids": [5 + i, 9, 14, 3 + i]} for i in range(5)]
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(llm)  # a lone row, a core of 2 rows
+    llm.generate(prompts[:3], GREEDY, use_tqdm=False)  # a batch, a core of 4 rows
+    graphs, made = counters["stats"]["unique_graphs"], llm.transfer_stats().num_compiled_steps
+    assert sorted(key[0] for key in llm._cpu_step._steps) == ["row", "rows"]
+    llm.generate(prompts, GREEDY, use_tqdm=False)  # 8 rows: every step compiled
+    assert llm.transfer_stats().num_compiled_steps == made + GREEDY.max_tokens - 1
+    _serve(llm, max_num_seqs=4)  # the server's core
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert llm.transfer_stats().num_compiled_steps > made + GREEDY.max_tokens - 1
+    second = LLM(checkpoint, device="cpu", dtype="float32")
+    second.generate(prompts[:3], GREEDY, use_tqdm=False)
+    second.generate(prompts, GREEDY, use_tqdm=False)
+    assert second._cpu_step.loaded == 1 and counters["stats"]["unique_graphs"] == graphs
+
+
 def _served_params(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=3, ignore_eos=True)
 
@@ -555,7 +586,7 @@ def test_served_compiled_steps_with_the_kv_cache_in_host_memory_give_its_device_
     llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4, kv_offload=True)
     assert _serve(llm) == served[0]
     assert llm.transfer_stats().num_compiled_steps == served[3]
-    assert {(key[0], key[3]) for key in llm._cpu_step._steps} == {
+    assert {(key[0], key[1]) for key in llm._cpu_step._steps} == {
         ("rows", "kv offload"),
         ("row", "kv offload"),
     }

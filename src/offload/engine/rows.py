@@ -224,12 +224,11 @@ class RowStep:
 
     @property
     def compile_key(self) -> tuple:
-        """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so), and
-        the cache's size, which the graph is specialised to (`generate`'s core and a
-        server's may hold different rows); a cache in host memory (KV offload) has graphs
-        of its own."""
-        key = "rows" if self.columns.shape[0] >= MIN_ROWS else "row"
-        key = (key, self._rows.held, self._rows.max_len)
+        """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so); a
+        cache in host memory (KV offload) has graphs of its own. Not the cache's size: its
+        rows held and columns are dynamic in the graph (`mark_dynamic`), so `generate`'s
+        cores of every size and a server's run the same two graphs, compiled once."""
+        key = ("rows" if self.columns.shape[0] >= MIN_ROWS else "row",)
         return key if self._rows.kv_offloader is None else (*key, "kv offload")
 
     @property
@@ -237,12 +236,23 @@ class RowStep:
         """What changes from one step to the next (`StepRunner.row_step` refills them)."""
         return self.input_ids, self.mask, self.position_ids, self.columns
 
+    def dynamic_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """Each tensor of the step with the dims a compiled graph takes as dynamic: the
+        rows of a batch, the width, and the cache's rows held and columns. Specialised to
+        its cache's size, each call of `generate` whose rows or length rounded otherwise
+        compiled its steps again (~40-70 s each for the default model; docs/benchmarks.md)."""
+        batch = self.columns.shape[0] >= MIN_ROWS
+        dims = [(t, (0,)) for t in (self.input_ids, self.position_ids, self.columns) if batch]
+        dims.append((self.mask, (0, 1) if batch else (1,)))
+        for layer in self._rows.cache.layers:  # (rows held, columns)
+            dims += [(layer.all_keys, (0, 2)), (layer.all_values, (0, 2))]
+        return dims
+
     def mark_dynamic(self) -> None:
-        """Mark the width, and the rows of a batch, as dynamic (for a call that compiles)."""
-        if self.columns.shape[0] >= MIN_ROWS:
-            for tensor in (self.input_ids, self.mask, self.position_ids, self.columns):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-        torch._dynamo.maybe_mark_dynamic(self.mask, 1)
+        """Mark `dynamic_dims` as dynamic (for a call that compiles)."""
+        for tensor, dims in self.dynamic_dims():
+            for dim in dims:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
     @property
     def compile_what(self) -> str:
