@@ -147,6 +147,11 @@ def test_vllms_fields_and_the_completions_endpoint(client):
     )
     for choice in completion.choices:
         assert isinstance(json.loads(choice.text), dict) and choice.finish_reason == "stop"
+    schema_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMAS[0]}}
+    stream = _chat(client, response_format=schema_format, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    whole = _chat(client, response_format=schema_format).choices[0].message.content
+    assert streamed == whole and json.loads(whole)
     plain = _chat(client, response_format={"type": "text"}, max_tokens=4)
     assert plain.choices[0].finish_reason == "length"
 
