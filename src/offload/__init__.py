@@ -17,6 +17,8 @@ _HOMES = {
     "UVAOffloadConfig": "offload.config",
     "Logprob": "offload.engine.logprobs",
     "SamplingParams": "offload.engine.sampling_params",
+    "StructuredOutputsParams": "offload.engine.structured",
+    "GuidedDecodingParams": "offload.engine.structured",
     "ConfigError": "offload.errors",
     "ModelError": "offload.errors",
     "OffloadError": "offload.errors",
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from offload.config import OffloadConfig, PrefetchOffloadConfig, UVAOffloadConfig
     from offload.engine.logprobs import Logprob
     from offload.engine.sampling_params import SamplingParams
+    from offload.engine.structured import GuidedDecodingParams, StructuredOutputsParams
     from offload.errors import ConfigError, ModelError, OffloadError
     from offload.llm import LLM, CompletionOutput, RequestOutput
     from offload.offloader import (
@@ -70,6 +73,7 @@ __all__ = [
     "BaseOffloader",
     "CompletionOutput",
     "ConfigError",
+    "GuidedDecodingParams",
     "Logprob",
     "ModelError",
     "NoopOffloader",
@@ -80,6 +84,7 @@ __all__ = [
     "PrefetchOffloader",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "UVAOffloadConfig",
     "UVAOffloader",
     "apply",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.engine.grammars import Grammars, GrammarState
 from offload.engine.requests import Emit, Submitted
 from offload.engine.sampling import TokenCounts, bad_words_token_ids, make_generator
 from offload.engine.sampling_params import SamplingParams
@@ -26,6 +27,7 @@ class RequestMaker:
     max_logprobs: int
     device: torch.device
     encode: Callable[[str], list[int]]  # (a bad word's tokens)
+    grammars: Grammars | None = None  # (structured outputs' compiler)
 
     def truncate(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last `truncate_prompt_tokens` tokens (-1: room for one new token)."""
@@ -70,6 +72,7 @@ class RequestMaker:
         limit = room if params.max_tokens is None else min(params.max_tokens, room)
         generator = make_generator(params, self.device)
         bad_ids = bad_words_token_ids(params.bad_words or [], self.encode)
+        compiled = self._compiled(params)
         sequences = []
         for number in range(params.n):
             counts = (
@@ -79,8 +82,18 @@ class RequestMaker:
             )
             sequence = SequenceState(prompt_ids, params, generator, limit, counts)
             sequence.is_first, sequence.request, sequence.bad_ids = number == 0, index, bad_ids
+            if compiled is not None:  # (each of the n its own place in the grammar)
+                sequence.grammar = GrammarState(compiled)
             sequences.append(sequence)
         return sequences
+
+    def _compiled(self, params: SamplingParams):
+        """The request's compiled grammar (None: it asks for none)."""
+        if params.structured_outputs is None:
+            return None
+        if self.grammars is None:
+            raise ConfigError("structured outputs are not available here: no tokenizer")
+        return self.grammars.compile(params.structured_outputs)
 
     def request(
         self,

@@ -187,6 +187,7 @@ def _why_unusable(
         rules = [
             name
             for name, value in (
+                ("structured_outputs", request.structured_outputs),
                 ("allowed_token_ids", request.allowed_token_ids),
                 ("bad_words", request.bad_words),
                 ("min_tokens (bans the end and stop tokens)", request.min_tokens),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from offload.config.limits import SEED_RANGE
 from offload.config.validate import flag, integer, real, refusal
+from offload.engine.structured import StructuredOutputsParams
 from offload.errors import ConfigError, did_you_mean, shown
 
 GREEDY_EPS = 1e-5  # vLLM's: a temperature below this is greedy decoding
@@ -72,6 +73,10 @@ class SamplingParams:
     `logprobs=k` returns, for each generated token, its log-probability and those of
     the k most likely tokens (-1: all), from the model's raw logits; `prompt_logprobs`
     the same for each prompt token after the first.
+    `structured_outputs` (a `StructuredOutputsParams`: a JSON schema, regex, choice or
+    grammar) allows only the tokens that keep the output in its language, and ends the
+    output when the language does; then logprobs are those of the masked logits, as
+    vLLM's. (`guided_decoding`: vLLM's older name for it.)
     """
 
     n: int = 1
@@ -97,6 +102,8 @@ class SamplingParams:
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None  # vLLM's V0 name, refused as its V1 engine refuses it
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # (vLLM's older name)
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -144,6 +151,7 @@ class SamplingParams:
             or not all(isinstance(w, str) and w.strip() for w in words)
         ):
             raise ConfigError(f"bad_words must be a list of non-blank strings, got {shown(words)}")
+        self._check_structured_outputs()
         if self.is_greedy:  # as vLLM: the filters mean nothing for greedy decoding
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -191,6 +199,28 @@ class SamplingParams:
                     f"allowed_token_ids must be a non-empty list of token ids, got {shown(ids)}"
                 )
             self.allowed_token_ids = [integer("allowed_token_ids[]", i, 0) for i in ids]
+
+    def _check_structured_outputs(self) -> None:
+        """One `StructuredOutputsParams` (a dict of its fields is made into one), from
+        either name."""
+        if self.guided_decoding is not None:
+            if self.structured_outputs is not None:
+                raise ConfigError("give structured_outputs or guided_decoding, not both")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        value = self.structured_outputs
+        if isinstance(value, Mapping):
+            try:
+                value = StructuredOutputsParams(**value)
+            except TypeError:
+                raise ConfigError(
+                    f"structured_outputs takes {', '.join(StructuredOutputsParams.FIELDS)}, "
+                    f"got {shown(sorted(map(str, value)))}"
+                ) from None
+        if value is not None and not isinstance(value, StructuredOutputsParams):
+            raise ConfigError(
+                f"structured_outputs must be a StructuredOutputsParams, got {shown(value)}"
+            )
+        self.structured_outputs = value
 
     @property
     def is_greedy(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from offload.engine.logprobs import Logprob
 from offload.engine.sampling import TokenCounts
 from offload.engine.sampling_params import SamplingParams
 from offload.errors import ConfigError
+
+if TYPE_CHECKING:
+    from offload.engine.grammars import GrammarState
 
 
 @dataclass
@@ -82,6 +86,7 @@ class SequenceState:
     is_first: bool = True  # the first of its request's n: it carries the prompt logprobs
     request: int = 0  # which prompt of the call it answers
     bad_ids: list[list[int]] = field(default_factory=list)  # bad words' token sequences
+    grammar: GrammarState | None = None  # with structured outputs: its own matcher
     tokens: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None

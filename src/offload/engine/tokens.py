@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from offload.engine.grammars import mask_logits
 from offload.engine.logprobs import log_softmax, prompt_logprobs, token_logprobs
 from offload.engine.sampling import banned_tokens, find_stop, sample
 from offload.engine.sequences import SequenceState
@@ -29,7 +30,11 @@ class TokenSteps:
     def pick(self, logits: torch.Tensor, sequences: list[SequenceState]) -> torch.Tensor:
         """Each row's next token from logits [batch, vocab] (changed in place by the bans);
         the unfinished sequences take theirs. Returns the tokens [batch]."""
-        raw = self._raw_logprobs(logits, sequences)  # before anything changes the logits
+        # Grammars first, and the logprobs after them, as vLLM: its runner masks the
+        # logits before its sampler takes their logprobs (its default logprobs_mode,
+        # "raw_logprobs": before penalties, bans and temperature, after the grammar).
+        mask_logits(logits, [s.grammar if s.finish_reason is None else None for s in sequences])
+        raw = self._raw_logprobs(logits, sequences)  # before the rest changes the logits
         self._ban(logits, sequences)
         try:
             tokens = sample(
@@ -51,7 +56,11 @@ class TokenSteps:
                     sequence.logprobs.append(token_logprobs(raw[row], token, num, self._text))
                 if sequence.counts is not None:
                     sequence.counts.add(token)
+                self._advance(sequence, token)
                 self._append(sequence, token)
+                grammar = sequence.grammar
+                if grammar is not None and grammar.is_terminated and not sequence.finish_reason:
+                    sequence.finish_reason = "stop"  # (its stop token taken with ignore_eos)
         return tokens
 
     def prompt_logprobs(
@@ -74,6 +83,12 @@ class TokenSteps:
             for row, s in enumerate(sequences)
             if s.params.logprobs is not None and s.finish_reason is None
         }
+
+    @staticmethod
+    def _advance(sequence: SequenceState, token: int) -> None:
+        """The sequence's grammar past `token` (which its mask allowed)."""
+        if sequence.grammar is not None and not sequence.grammar.accept(token):
+            raise RuntimeError(f"the grammar refused token {token}, which its mask allowed")
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])

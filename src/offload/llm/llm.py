@@ -15,6 +15,7 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
+from offload.engine.grammars import Grammars
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState, per_prompt
 from offload.engine.tokens import TokenSteps
@@ -301,7 +302,8 @@ class LLM:
         self.tokenizer = tokenizer
         damage, self._tokens = self._tokens.damage, TokenSteps(tokenizer, self._tokens.eos_ids)
         self._tokens.damage = damage  # (which tensor a non-finite logit came from)
-        self._requests = replace(self._requests, encode=self._tokens.encode)
+        grammars = Grammars(tokenizer, self._requests.vocab_size, self._tokens.eos_ids)
+        self._requests = replace(self._requests, encode=self._tokens.encode, grammars=grammars)
 
     def __enter__(self) -> LLM:
         return self

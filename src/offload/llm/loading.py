@@ -15,6 +15,7 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.engine import cpu_step, invariant
+from offload.engine.grammars import Grammars
 from offload.engine.kv_cache import KVHostPool
 from offload.engine.request_maker import RequestMaker
 from offload.engine.tokens import TokenSteps
@@ -90,12 +91,14 @@ def prepare_steps(llm: Any, config: OffloadConfig, enforce_eager: bool) -> None:
     """Once the model is loaded (its context final): the one check of each request
     (`RequestMaker`), and how `llm`'s decode steps run — CUDA graphs, a compiled CPU
     step, or the eager products batch invariance needs."""
+    vocab_size = llm.model.config.vocab_size
     llm._requests = RequestMaker(
         llm.max_model_len,
-        llm.model.config.vocab_size,
+        vocab_size,
         llm.max_logprobs,
         llm.device,
         llm._tokens.encode,
+        Grammars(llm.tokenizer, vocab_size, llm._tokens.eos_ids),  # (compiles on first use)
     )
     # CUDA graphs for decode unless enforce_eager, as vLLM; copies from unpinned memory,
     # per-forward copies or disk reads (queued by a staging thread) cannot be captured.

@@ -13,6 +13,7 @@ from typing import Any
 from offload.engine.logprobs import Logprob
 from offload.engine.sampling_params import SamplingParams
 from offload.errors import ConfigError, shown
+from offload.server.structured import FieldError, structured_outputs_of
 
 # Request fields that go to SamplingParams under the same name (vLLM's extras included).
 _SAME_NAME = (
@@ -112,6 +113,10 @@ def sampling_params(body: Mapping[str, Any], *, chat: bool) -> Request:
     bias = _logit_bias(body)
     if bias:
         kwargs["logit_bias"] = bias
+    try:
+        kwargs["structured_outputs"] = structured_outputs_of(body)
+    except FieldError as error:
+        raise APIError(400, str(error), error.param) from None
     try:
         params = SamplingParams(**kwargs)
     except (ConfigError, ValueError, TypeError) as error:
