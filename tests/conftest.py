@@ -108,6 +108,8 @@ _SLOW = (
     "model/test_gguf_convert.py", "model/test_gguf_archs.py", "llm/test_prefill_alone.py",
     "bench/test_cli_bench.py", "probes/test_measure.py", "cli/test_plan.py",
     "model/test_sources.py", "server/test_hostile_requests.py",
+    # (2026-11-29: structured outputs' schemas over the default model)
+    "server/test_structured_outputs.py", "llm/test_structured_outputs.py",
 )  # fmt: skip
 
 
