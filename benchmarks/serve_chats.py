@@ -12,9 +12,11 @@ ratio beside issue 50's targets (8 at once in <= 1/3 of the time one after anoth
 once >= 5x faster). Answers are compared: each prompt's text at once against one after
 another, and across rounds.
 
---turns adds a multi-turn workload: 4 conversations sharing one ~400-token system prompt,
-two turns each, streamed; each turn's time to first token (the second turn's prompt holds
-the first turn's whole text). Where the server reports vLLM's prefix-cache counters in
+--turns adds a multi-turn workload: 4 conversations, each with its own ~400-token system
+prompt (the same rules after a first line of its own, so that no first turn finds another's
+prompt cached), two turns each, streamed; each turn's time to first token (the second
+turn's prompt holds the first turn's whole text) and their ratio beside issue 50's target
+(turn 2 in <= 1/4 of turn 1's time). Where the server reports vLLM's prefix-cache counters in
 /metrics, their deltas are recorded (the hit rate).
 
 The clients run on the server's machine; the load average before and after is recorded.
@@ -151,9 +153,9 @@ def stream_ttft(url: str, messages: list[dict]) -> tuple[float, str]:
 def bench_turns(url: str) -> dict:
     before = scrape(url) or {}
     turns = []
-    for first_question, second_question in QUESTIONS:
+    for number, (first_question, second_question) in enumerate(QUESTIONS):
         messages = [
-            {"role": "system", "content": SYSTEM},
+            {"role": "system", "content": f"You work at agency number {number}. {SYSTEM}"},
             {"role": "user", "content": first_question},
         ]
         ttft_1, answer = stream_ttft(url, messages)
@@ -162,7 +164,7 @@ def bench_turns(url: str) -> dict:
             {"role": "user", "content": second_question},
         ]
         ttft_2, _ = stream_ttft(url, messages)
-        turns.append({"ttft_turn_1_s": ttft_1, "ttft_turn_2_s": ttft_2})
+        turns.append({"ttft_turn_1_s": ttft_1, "ttft_turn_2_s": ttft_2, "ratio": ttft_2 / ttft_1})
     after = scrape(url) or {}
     counters = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in PREFIX_COUNTERS}
     queries, hits = (counters[name] for name in PREFIX_COUNTERS)
@@ -171,6 +173,8 @@ def bench_turns(url: str) -> dict:
         "turns": turns,
         "median_ttft_turn_1_s": statistics.median(t["ttft_turn_1_s"] for t in turns),
         "median_ttft_turn_2_s": statistics.median(t["ttft_turn_2_s"] for t in turns),
+        "median_ratio": statistics.median(t["ratio"] for t in turns),
+        "target_ratio": "<= 0.25",
         "prefix_cache": counters if queries else None,
         "prefix_hit_rate": hits / queries if queries else None,
     }
@@ -222,7 +226,8 @@ def main() -> None:
             payload["turns"] = turns
             print(
                 f"turns: TTFT turn 1 {turns['median_ttft_turn_1_s']:.2f} s, turn 2 "
-                f"{turns['median_ttft_turn_2_s']:.2f} s, prefix hit rate "
+                f"{turns['median_ttft_turn_2_s']:.2f} s (median ratio "
+                f"{turns['median_ratio']:.2f}, target <= 0.25), prefix hit rate "
                 f"{turns['prefix_hit_rate']}"
             )
     payload["server_exit"] = server.exit

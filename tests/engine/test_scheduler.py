@@ -103,3 +103,142 @@ def test_every_running_row_holds_its_own_sequence_and_every_request_ends(
     for _, request in requests:  # (one cancelled while it waited is just dropped)
         ends = {s.finish_reason for s in request.sequences}
         assert ends == {"length"} or request.cancelled
+
+
+class _Columns:
+    """What each of the cache's columns holds, row by row: the token whose keys and values
+    were written there (moves copy them)."""
+
+    def __init__(self, max_rows: int):
+        self.rows: list[list[int | None]] = [[] for _ in range(max_rows)]
+
+    def move(self, moves) -> None:
+        for source, target, num_columns in moves:
+            assert len(self.rows[source]) >= num_columns
+            self.rows[target] = self.rows[source][:num_columns] + self.rows[target][num_columns:]
+
+    def write(self, row: int, column: int, token: int) -> None:
+        held = self.rows[row]
+        held.extend([None] * (column + 1 - len(held)))
+        held[column] = token
+
+
+def _turn_over_columns(scheduler: Scheduler, cache: _Columns, next_token) -> int:
+    """One turn, as `_turn`, over a cache of tokens: the tokens prefilled."""
+    scheduler.begin_turn()
+    prefilled = 0
+    while True:
+        group, moves = scheduler.next_group()
+        cache.move(moves)
+        if group is None:
+            break
+        start, end = scheduler.next_chunk(group)
+        prompt = group.rows[0].sequence.prompt_ids
+        # (what the prefix cache gave: the prompt's columns before the first chunk)
+        assert cache.rows[group.first][:start] == prompt[:start]
+        for column in range(start, end):
+            cache.write(group.first, column, prompt[column])
+        prefilled += end - start
+        if not scheduler.prefilled(group, end):
+            break
+        for index in range(1, len(group.rows)):
+            cache.move([(group.first, group.first + index, group.width)])
+        for row in group.rows:
+            row.sequence.tokens.append(next_token())
+    for index, row in enumerate(scheduler.decoding()):
+        if row.is_live:
+            cache.write(index, row.column, row.sequence.tokens[-1])
+            row.column += 1
+            if len(row.sequence.tokens) >= row.sequence.limit:
+                row.sequence.finish_reason = "length"
+            else:
+                row.sequence.tokens.append(next_token())
+    return prefilled
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    max_rows=st.integers(1, 6),
+    chunk=st.one_of(st.none(), st.integers(8, 40)),
+    arrivals=st.lists(
+        st.tuples(
+            st.integers(0, 8),  # the turn it arrives at
+            st.integers(0, 3),  # which of the shared beginnings its prompt has
+            st.integers(0, 70),  # how much of it
+            st.lists(st.integers(0, 3), max_size=20),  # then its own tokens
+            st.integers(1, 2),  # n
+            st.integers(1, 20),  # max tokens
+        ),
+        min_size=1,
+        max_size=14,
+    ),
+    cancels=st.lists(st.integers(0, 20), max_size=3),
+)
+def test_with_prefix_caching_every_row_holds_its_tokens_and_reuse_happens(
+    max_rows, chunk, arrivals, cancels
+):
+    """With prefix caching, requests whose prompts share beginnings arrive at random turns
+    (some cancelled): the columns a prompt starts from are its own tokens, every running row holds its own
+    sequence's tokens before its column, packing and admission's moves included, and
+    every request runs to its end."""
+    import itertools
+
+    beginnings = [[b * 10 + i % 7 for i in range(70)] for b in range(4)]
+    scheduler, cache = Scheduler(max_rows, chunk, prefix_caching=True), _Columns(max_rows)
+    counter = itertools.count()
+    requests = []
+    for i, (turn, which, length, own, n, limit) in enumerate(arrivals):
+        prompt = beginnings[which][:length] + own or [1]
+        params = SamplingParams(n=min(n, max_rows), max_tokens=limit)
+        sequences = [SequenceState(prompt, params, None, limit) for _ in range(params.n)]
+        requests.append((turn, Submitted(str(i), None, prompt, sequences, lambda item: None)))
+    for turn in range(400):
+        scheduler.add(r for at, r in requests if at == turn)
+        for index in cancels:
+            if index < len(requests) and requests[index][0] + 1 == turn:
+                requests[index][1].cancelled = True
+        prefilled = _turn_over_columns(scheduler, cache, lambda: next(counter) % 3)
+        assert chunk is None or prefilled <= max(chunk, 1)
+        for index, row in enumerate(scheduler.running):
+            written = (row.sequence.prompt_ids + row.sequence.tokens)[: row.column]
+            assert cache.rows[index][: row.column] == written
+        if turn > max(at for at, _ in requests) and not scheduler.has_work:
+            break
+    assert not scheduler.has_work
+    for _, request in requests:
+        ends = {s.finish_reason for s in request.sequences}
+        assert ends == {"length"} or request.cancelled
+    prefixes = scheduler.prefixes
+    assert 0 <= prefixes.hits <= prefixes.queries
+
+
+def test_prefix_caching_reuses_a_finished_prompt_and_keeps_it_through_packing():
+    """Three rows: A runs and finishes, B (another beginning) runs on; packing moves B
+    into A's row, so A's content is first moved to a free row; then C, which begins as A
+    did, starts from A's columns (two whole blocks of its 40 tokens)."""
+    scheduler, cache = Scheduler(3, None, prefix_caching=True), _Columns(3)
+    a = [5] * 20 + list(range(100, 120))
+    b = list(range(200, 240))
+    tokens = iter(range(1000, 2000))
+    for prompt, limit in ((a, 1), (b, 6)):
+        params = SamplingParams(max_tokens=limit)
+        scheduler.add(
+            [Submitted("x", None, prompt, [SequenceState(prompt, params, None, limit)], print)]
+        )
+    _turn_over_columns(scheduler, cache, lambda: next(tokens))  # (A and B admitted; A ends)
+    assert [row.is_live for row in scheduler.running] == [False, True]
+    scheduler.begin_turn()
+    group, moves = scheduler.next_group()  # (packing only: nothing waits)
+    assert group is None
+    assert moves == [(0, 2, 40), (1, 0, 41)]  # (A's prompt moved out before B moves in)
+    cache.move(moves)
+    c = [*a[:35], 7, 7, 7]
+    params = SamplingParams(max_tokens=2)
+    scheduler.add([Submitted("c", None, c, [SequenceState(c, params, None, 2)], print)])
+    scheduler.begin_turn()
+    group, moves = scheduler.next_group()
+    assert group.done_columns == 32  # (two blocks of 16; the third differs)
+    assert moves == [(2, 1, 32)]
+    cache.move(moves)
+    assert cache.rows[group.first][:32] == c[:32]
+    assert scheduler.prefixes.hits == 32

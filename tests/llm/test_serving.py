@@ -222,11 +222,11 @@ def test_a_fault_of_the_engine_itself_fails_the_requests_and_it_goes_on(checkpoi
         scheduler = llm.serving().core.scheduler
         real, calls = scheduler._admit, {"n": 0}
 
-        def failing_once():
+        def failing_once(*args):
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("injected engine fault")
-            return real()
+            return real(*args)
 
         scheduler._admit = failing_once
         with pytest.raises(RuntimeError, match="injected"):

@@ -86,7 +86,6 @@ def test_vllm_arguments_that_change_nothing_are_accepted(tiny, llm):
         ("enable_lora", True),
         ("pipeline_parallel_size", 2),
         ("revision", "v2"),
-        ("enable_prefix_caching", "yes"),
         ("block_size", 0),
         ("hf_overrides", {"num_hidden_layers": 1}),
     ],

@@ -143,6 +143,21 @@ def test_concurrent_greedy_requests_get_their_answers_alone(server):
     assert together == alone
 
 
+def test_a_shared_prompt_prefix_is_a_hit_in_metrics(server):
+    """vLLM's prefix-cache counters: a prompt that begins as an earlier one (here 40
+    words, two whole blocks of 16 tokens) is found held, and `/metrics` counts it."""
+    client = server.client()
+    before = (_gauge(server, "vllm:prefix_cache_queries_total"),
+              _gauge(server, "vllm:prefix_cache_hits_total"))  # fmt: skip
+    shared = " ".join(f"t{3 + i % 20}" for i in range(40))
+    _completion(client, shared + " t5", max_tokens=2)
+    _completion(client, shared + " t7 t9", max_tokens=2)
+    queries = _gauge(server, "vllm:prefix_cache_queries_total") - before[0]
+    hits = _gauge(server, "vllm:prefix_cache_hits_total") - before[1]
+    assert queries >= 83 and hits >= 32
+    assert 0 < _gauge(server, "vllm:gpu_prefix_cache_hit_rate") <= 1
+
+
 def _gauge(server, name: str) -> float:
     for line in http(server.url + "/metrics")[1].splitlines():
         if line.startswith(name + "{"):

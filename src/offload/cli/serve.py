@@ -56,6 +56,9 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--batch-invariant", action="store_true",
                        help="each answer the same whoever else is served (as "
                        "VLLM_BATCH_INVARIANT=1): eager steps, each prompt prefilled alone")  # fmt: skip
+    serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=None, help="start a prompt from the longest prefix the KV "
+                       "cache holds (vLLM's flag; default: on, off with --batch-invariant)")  # fmt: skip
     serve.add_argument("--no-progress", action="store_true", help="no loading progress bar")
 
 
@@ -202,6 +205,7 @@ def serve_llm(args: argparse.Namespace, model, config: OffloadConfig, progress: 
         progress=progress,
         enforce_eager=args.enforce_eager,
         batch_invariant=args.batch_invariant or None,  # (unset: VLLM_BATCH_INVARIANT decides)
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

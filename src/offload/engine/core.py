@@ -42,9 +42,11 @@ class EngineCore:
         invariant: bool = False,
         host_pool=None,
         graphs=None,
+        prefix_caching: bool = False,
     ):
         self._model = model
-        self.scheduler = Scheduler(max_rows, max_num_batched_tokens)
+        # (`prefix_caching`: prompts start from the longest prefix a row holds: `prefixes`)
+        self.scheduler = Scheduler(max_rows, max_num_batched_tokens, prefix_caching)
         # (`host_pool`: the KV cache in host memory, streamed per layer: KV offload)
         # (`graphs`: a `RowGraphs` maker, the decode steps as CUDA graphs: `StepRunner`)
         self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant, host_pool, graphs)

@@ -9,6 +9,10 @@ is admitted into the free rows after them, its prompt at column 0 of each of its
 (prefilled in the first, copied to the others);
 then every running row decodes one token. Requests admitted in one turn decode together
 from the next step.
+
+With prefix caching (`prefixes.PrefixRows`), an admitted request whose prompt begins as
+some row holds has those columns copied into its row and prefills only the rest; packing
+and admission first move content worth keeping out of the rows they overwrite.
 """
 
 from __future__ import annotations
@@ -16,15 +20,21 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from offload.engine.prefixes import PrefixRows
 from offload.engine.requests import Group, Row, Submitted
+
+Moves = list[tuple[int, int, int]]  # (source row, target row, columns) copied in order
 
 
 class Scheduler:
     """Waiting requests, running rows [0, len(running)) and the group being prefilled,
     for a cache of `max_rows` rows."""
 
-    def __init__(self, max_rows: int, max_num_batched_tokens: int | None = None):
+    def __init__(
+        self, max_rows: int, max_num_batched_tokens: int | None = None, prefix_caching=False
+    ):
         self.max_rows = max_rows
+        self.prefixes = PrefixRows(max_rows) if prefix_caching else None
         self.chunk_tokens = max_num_batched_tokens
         self.waiting: deque[Submitted] = deque()
         self.running: list[Row] = []  # rows [0, len)
@@ -58,7 +68,7 @@ class Scheduler:
     def group_rows(self) -> list[Row]:
         return self.group.rows if self.group is not None else []
 
-    def next_group(self) -> tuple[Group | None, list[tuple[int, int, int]]]:
+    def next_group(self) -> tuple[Group | None, Moves]:
         """The group to prefill next this turn, or None (the budget is spent, or nothing
         waits that fits): the one being prefilled, else the first waiting request admitted
         after packing the running rows; and the packing's row moves (source, target,
@@ -68,7 +78,7 @@ class Scheduler:
         moves = []
         if self.group is None:
             moves = self._pack()
-            self.group = self._admit()
+            self.group = self._admit(moves)
         group, budget = self.group, self.turn_tokens
         if group is None or budget is None:
             return group, moves
@@ -94,6 +104,9 @@ class Scheduler:
         if end < group.width:
             return False
         self.group = None
+        if self.prefixes is not None:  # (the others copy the first row's prompt)
+            for index, row in enumerate(group.rows):
+                self.prefixes.hold(group.first + index, row.sequence.prompt_ids)
         self.running.extend(group.rows)
         return True
 
@@ -114,27 +127,90 @@ class Scheduler:
     def clear(self) -> None:
         self.waiting.clear()
         self.running, self.group = [], None
+        self.forget_prefixes()
 
-    def _pack(self) -> list[tuple[int, int, int]]:
-        """Running rows move into the rows of finished ones: they stay at the front."""
+    def forget_prefixes(self) -> None:
+        """No row holds anything any more (their memory was given back)."""
+        if self.prefixes is not None:
+            self.prefixes.clear_all()
+
+    def _pack(self) -> Moves:
+        """Running rows move into the rows of finished ones: they stay at the front. With
+        prefix caching, a finished row about to be overwritten first moves to a free row."""
         keep = [row for row in self.running if row.is_live]
-        moves = []
+        moves: Moves = []
+        prefixes = self.prefixes
+        if prefixes is not None:
+            taken: set[int] = set()
+            free = range(len(self.running), self.max_rows)
+            for index, row in enumerate(self.running):
+                if row.is_live:
+                    continue
+                prefixes.hold(index, _written(row))
+                if index < len(keep) and not prefixes.is_spare(index):
+                    target = prefixes.victim(free, taken)
+                    if target is not None and prefixes.worth_moving(index, target):
+                        moves.append((index, target, len(prefixes.tokens[index])))
+                        prefixes.copy(index, target, len(prefixes.tokens[index]))
+                        taken.add(target)
         for target, row in enumerate(keep):
             source = self.running.index(row)
             if source != target:
                 moves.append((source, target, row.column))
+                if prefixes is not None:  # (the source row keeps a copy)
+                    prefixes.hold(source, _written(row))
+                    prefixes.copy(source, target, row.column)
         self.running = keep
         return moves
 
-    def _admit(self) -> Group | None:
+    def _admit(self, moves: Moves) -> Group | None:
         """The first waiting request into the free rows, its prompt at column 0, to be
         prefilled alone: prompts prefilled together are padded to one width, which moves
-        a prompt's logits. (`check_fits` saw that it fits a row.)"""
+        a prompt's logits. (`check_fits` saw that it fits a row.) With prefix caching, the
+        longest prefix of its prompt some row holds is copied into its first row first
+        (added to `moves`), and only the rest is prefilled."""
         if not self.waiting:
             return None
         if len(self.waiting[0].sequences) > self.max_rows - len(self.running):
             return None
         request = self.waiting.popleft()
-        width = len(request.prompt_ids)
+        width, first = len(request.prompt_ids), len(self.running)
         rows = [Row(request, sequence, 0, width) for sequence in request.sequences]
-        return Group(len(self.running), rows, width)
+        held = 0
+        if self.prefixes is not None:
+            held = self._reuse(request, first, len(rows), moves)
+        return Group(first, rows, width, done_columns=held)
+
+    def _reuse(self, request: Submitted, first: int, num_rows: int, moves: Moves) -> int:
+        """Copy the longest held prefix of `request`'s prompt into row `first` (after
+        moving that row's own content out, where it is worth keeping); the columns held.
+        Not for a request that asks its prompt's logprobs: they need every position's
+        logits."""
+        prefixes, prompt = self.prefixes, request.prompt_ids
+        assert prefixes is not None
+        wants_logprobs = any(s.params.prompt_logprobs is not None for s in request.sequences)
+        source, held = (None, 0) if wants_logprobs else prefixes.lookup(prompt)
+        if source != first and not prefixes.is_spare(first):
+            free = range(first + num_rows, self.max_rows)
+            target = prefixes.victim(free, {source} if source is not None else set())
+            if target is not None and prefixes.worth_moving(first, target):
+                moves.append((first, target, len(prefixes.tokens[first])))
+                prefixes.copy(first, target, len(prefixes.tokens[first]))
+        if source is not None and source != first:
+            moves.append((source, first, held))
+        prefixes.hold(first, prompt[:held])
+        for row in range(first + 1, first + num_rows):
+            prefixes.clear(row)
+        return held
+
+
+def _written(row: Row) -> list[int]:
+    """The tokens of row `row` that prefix caching may reuse: its prompt's, which a
+    prefill computed. Not its decoded tokens: a decode step computes a token's keys and
+    values among other rows, which rounds otherwise than the prefill that computes them
+    without the cache (measured on the default model: one of four second chat turns then
+    changed its answer from its 17th token on). Nothing where its request failed: a
+    forward that failed may have written part of a column."""
+    if row.request.failed:
+        return []
+    return row.sequence.prompt_ids[: row.column]

@@ -231,6 +231,20 @@ def serialized(method: Callable) -> Callable:
     return call
 
 
+def prefix_caching_of(value: object, invariant: bool) -> bool:
+    """`enable_prefix_caching` checked; None: on, as in vLLM's V1 engine, except in
+    batch-invariant mode (a held prefix was computed in another forward than the one the
+    request alone would run, so its numbers could differ)."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"enable_prefix_caching must be True or False, got {value!r}")
+    if value and invariant:
+        raise ConfigError(
+            "enable_prefix_caching=True with batch_invariant: a reused prefix was computed "
+            "beside other tokens, so a request's numbers would depend on earlier ones"
+        )
+    return not invariant if value is None else value
+
+
 def batch_invariant_of(value: object, kv_offload: bool) -> bool:
     """`batch_invariant` checked; None: vLLM's VLLM_BATCH_INVARIANT=1 decides, as there."""
     if value is not None and not isinstance(value, bool):

@@ -61,6 +61,7 @@ def engine_core(
         invariant=llm.batch_invariant,
         host_pool=pool if llm.kv_offload else None,
         graphs=graphs,
+        prefix_caching=llm.prefix_caching,
     )
     core.runner.keep_form = generate
     return core

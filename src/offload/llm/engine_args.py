@@ -14,7 +14,12 @@ import torch
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
 from offload.llm.args import offload_config_of
-from offload.llm.checks import EngineLimits, batch_invariant_of, check_llm_args
+from offload.llm.checks import (
+    EngineLimits,
+    batch_invariant_of,
+    check_llm_args,
+    prefix_caching_of,
+)
 from offload.llm.spec import ModelSpec, model_spec
 from offload.memory.placement import AUTO
 
@@ -44,6 +49,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     batch_invariant: bool | None = None
+    enable_prefix_caching: bool | None = None
     tokenizer: str | Path | None = None
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -53,6 +59,7 @@ class EngineArgs:
     limits: EngineLimits = field(init=False)
     config: OffloadConfig = field(init=False)  # the offload settings
     is_batch_invariant: bool = field(init=False)  # (VLLM_BATCH_INVARIANT where None)
+    prefix_caching: bool = field(init=False)  # (on where None, unless batch-invariant)
 
     def __post_init__(self) -> None:
         limits = check_llm_args(
@@ -66,6 +73,8 @@ class EngineArgs:
         object.__setattr__(self, "limits", limits)
         object.__setattr__(self, "config", config)
         object.__setattr__(self, "is_batch_invariant", invariant)
+        caching = prefix_caching_of(self.enable_prefix_caching, invariant)
+        object.__setattr__(self, "prefix_caching", caching)
 
     def model_spec(self) -> ModelSpec:
         """The model these arguments name, resolved (a `ModelSpec` given is used as it

@@ -96,6 +96,7 @@ class Generating:
             core.on_step = None
             progress.close()
             core.runner.cache.release()  # (no row runs: what they wrote goes back)
+            core.scheduler.forget_prefixes()  # (and so what they held)
             core.runner.forget_step()  # (a kept step's guards checked once a call, at least)
         if errors:
             raise errors[0]

@@ -109,6 +109,7 @@ class LLM:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int | None = None,
         batch_invariant: bool | None = None,
+        enable_prefix_caching: bool | None = None,
         tokenizer: str | Path | None = None,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
@@ -130,6 +131,7 @@ class LLM:
         self.max_logprobs, self.max_num_seqs, self.max_num_batched_tokens = limits[:3]
         self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:6]
         self.batch_invariant = args.is_batch_invariant
+        self.prefix_caching = args.prefix_caching
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         spec = args.model_spec()
         self.device = spec.device

@@ -31,7 +31,6 @@ def _empty(value: object) -> bool:
 # name -> (accepts(value), what the accepted values mean / why others are refused).
 _SPEED_ONLY = "tunes vLLM's scheduler or memory only; ignored"
 IGNORED: dict[str, tuple[Callable[[object], bool], str]] = {
-    "enable_prefix_caching": (_one_of(True, False, None), _SPEED_ONLY),
     "enable_chunked_prefill": (_one_of(True, False, None), _SPEED_ONLY),
     "block_size": (lambda v: v is None or is_integer(v, 1), _SPEED_ONLY),
     "max_seq_len_to_capture": (lambda v: v is None or is_integer(v, 1), _SPEED_ONLY),

@@ -51,6 +51,24 @@ class ServerMetrics:
                 ),
             )
         )  # fmt: skip
+        # Prefix caching, in prompt tokens (vLLM V1's counters, and V0's hit-rate gauge).
+        registry.register(
+            _Totals(
+                labels,
+                lambda: engine.scheduler.prefixes,
+                (
+                    ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix "
+                     "cache.", lambda held: held.queries if held is not None else 0),
+                    ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     lambda held: held.hits if held is not None else 0),
+                ),
+            )
+        )  # fmt: skip
+        gauge(
+            "vllm:gpu_prefix_cache_hit_rate",
+            "Prompt tokens found in the prefix cache, of those looked up.",
+            lambda: _hit_rate(engine.scheduler.prefixes),
+        )
 
         def histogram(name: str, text: str):
             return Histogram(
@@ -79,9 +97,13 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+def _hit_rate(held) -> float:
+    return held.hits / held.queries if held is not None and held.queries else 0.0
+
+
 class _Totals(Collector):
-    """Counters whose values the LLM keeps: (name, help, read(stats)) each, one read of
-    the stats a scrape."""
+    """Counters whose values the LLM or the engine keeps: (name, help, read(stats)) each,
+    one read of the stats a scrape."""
 
     def __init__(self, labels: dict[str, str], stats: Callable[[], object], totals: tuple):
         self._labels, self._stats, self._totals = labels, stats, totals

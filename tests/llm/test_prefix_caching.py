@@ -1,0 +1,108 @@
+"""Automatic prefix caching (`enable_prefix_caching`, on by default as in vLLM's V1
+engine): a prompt that begins as one the rows hold starts from those columns. Its tokens
+are those of the engine without the cache; offloaded, its bits are the resident engine's
+with the cache; and the held prefix is really used (fewer tokens computed)."""
+
+import queue
+
+import pytest
+import zoo
+
+from offload import ConfigError, SamplingParams
+from offload.llm.llm import LLM
+
+SHARED = " ".join(f"t{3 + (i * 7) % 40}" for i in range(70))  # (4 whole blocks and more)
+TURNS = [SHARED + " t5 t6", SHARED + " t5 t6 t9 t11 t2", SHARED + " t30", "t4 " + SHARED]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+OFFLOADED = {
+    "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
+    "disk": {"cpu_memory_gb": 0, "disk_io": "direct"},
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return zoo.save_attentive_llm(tmp_path_factory.mktemp("tiny"))
+
+
+def _served(llm, prompts):
+    """The first two prompts submitted together (the second starts from the first's row
+    while it runs), then each other one after the last finished (from a row whose
+    request is done): their outputs, and the engine's prefix counters (queries, hits)."""
+    serving = llm.serving(4)
+    tokenizer = llm.get_tokenizer()
+    outputs = []
+    for batch in (prompts[:2], *([p] for p in prompts[2:])):
+        queues = [queue.Queue() for _ in batch]
+        requests = [
+            serving.prepare(p, tokenizer(p).input_ids, GREEDY, q.put)
+            for p, q in zip(batch, queues, strict=True)
+        ]
+        serving.core.submit_all(requests)
+        outputs += [_last(q) for q in queues]
+    held = serving.core.scheduler.prefixes
+    return outputs, (held.queries, held.hits) if held is not None else None
+
+
+def _last(outputs: queue.Queue):
+    while True:
+        item = outputs.get(timeout=120)
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            return item.outputs[0]
+
+
+def _logprobs(output):
+    return [{t: lp.logprob for t, lp in entry.items()} for entry in output.logprobs]
+
+
+@pytest.fixture(scope="module")
+def cached(checkpoint):
+    with LLM(checkpoint) as llm:
+        assert llm.prefix_caching  # (the default)
+        return _served(llm, TURNS)
+
+
+def test_a_held_prefix_is_used_and_gives_the_tokens_of_no_cache(checkpoint, cached):
+    outputs, (queries, hits) = cached
+    tokenizer_lengths = [len(ids) for ids in _lengths(checkpoint)]
+    assert queries == sum(tokenizer_lengths)
+    # The 2nd and 3rd prompts begin with the 1st's 70 shared tokens: 4 blocks of 16 each;
+    # the 4th begins otherwise and finds nothing.
+    assert hits == 2 * 64
+    with LLM(checkpoint, enable_prefix_caching=False) as llm:
+        plain, counters = _served(llm, TURNS)
+    assert counters is None
+    for got, expected in zip(outputs, plain, strict=True):
+        assert got.token_ids == expected.token_ids
+        for mine, theirs in zip(_logprobs(got), _logprobs(expected), strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+
+
+def _lengths(checkpoint):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return [tokenizer(prompt).input_ids for prompt in TURNS]
+
+
+@pytest.mark.parametrize("setting", list(OFFLOADED))
+def test_offloaded_with_the_cache_is_bitwise_the_resident_with_it(checkpoint, cached, setting):
+    outputs, counters = cached
+    with LLM(checkpoint, **OFFLOADED[setting]) as llm:
+        got, got_counters = _served(llm, TURNS)
+        moved = llm.transfer_stats()
+    assert got_counters == counters
+    assert moved.weight_copied_bytes + moved.disk_read_bytes > 0
+    for mine, theirs in zip(got, outputs, strict=True):
+        assert mine.token_ids == theirs.token_ids
+        assert _logprobs(mine) == _logprobs(theirs)
+
+
+def test_enable_prefix_caching_is_checked(checkpoint):
+    with pytest.raises(ConfigError, match=r"^enable_prefix_caching must be True or False"):
+        LLM(checkpoint, enable_prefix_caching="yes")
+    with pytest.raises(ConfigError, match=r"^enable_prefix_caching=True with batch_invariant"):
+        LLM(checkpoint, enable_prefix_caching=True, batch_invariant=True)
