@@ -9,9 +9,11 @@ Which free row gives way is chosen least recently used, rows holding nothing fir
 rows holding a copy of what another row holds. The rows' memory is already within the KV
 room, so caching costs no memory; it costs a copy of the columns moved.
 
-Matches are counted in blocks of `BLOCK` tokens, as vLLM's (16), each named by a hash of
-the whole prefix it ends (so one dict lookup per block finds the longest held prefix);
-a match is then checked token for token, so a hash collision can never reuse other keys.
+Rows are found by blocks of `BLOCK` tokens, as vLLM's (16), each named by a hash of the
+whole prefix it ends (so one dict lookup per block finds the longest held prefix); the
+match is then checked token for token (a hash collision can never reuse other keys) and
+carried on token by token past the last whole block: a row is not made of blocks, so a
+chat's next turn reuses all of the last turn's prompt, not all but its last partial block.
 A request keeps at least its last prompt token to compute (its logits come from it).
 
 Plain Python, no tensors: the scheduler turns its answers into row moves.
@@ -64,8 +66,8 @@ class PrefixRows:
         self.hold(target, self.tokens[source][:num_columns])
 
     def lookup(self, prompt: list[int]) -> tuple[int | None, int]:
-        """The row holding the longest prefix of `prompt` in whole blocks, at most all but
-        its last token, and that prefix's length (0 and None: none), counted."""
+        """A row holding the longest prefix of `prompt` of a whole block or more, at most
+        all but its last token, and that prefix's length (0 and None: none), counted."""
         self.queries += len(prompt)
         rows, length = None, 0
         for blocks, value in enumerate(_block_hashes(prompt[: len(prompt) - 1]), start=1):
@@ -81,6 +83,10 @@ class PrefixRows:
             length = same // BLOCK * BLOCK
             if not length:
                 return None, 0
+        else:  # (on past the whole blocks, token by token)
+            limit = min(len(held), len(prompt) - 1)
+            while length < limit and held[length] == prompt[length]:
+                length += 1
         self.hits += length
         self._used[row] = next(self._clock)
         return row, length
