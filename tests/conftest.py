@@ -110,6 +110,7 @@ _SLOW = (
     "model/test_sources.py", "server/test_hostile_requests.py",
     # (2026-11-29: structured outputs' schemas over the default model)
     "server/test_structured_outputs.py", "llm/test_structured_outputs.py",
+    "server/test_tools.py",  # (2026-11-29: tool calls over the default model, ~1 min)
 )  # fmt: skip
 
 

@@ -42,6 +42,16 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let a request's own chat_template render (vLLM's flag; "
                        "off: such a request is answered 400)")  # fmt: skip
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": the model\'s text read back into tool calls '
+                       "by --tool-call-parser (vLLM's flag; off: such a request is answered "
+                       "400)")  # fmt: skip
+    serve.add_argument("--tool-call-parser", metavar="NAME",
+                       help="the format of the model's tool calls: hermes (Qwen2.5, Qwen3, "
+                       "Hermes) or llama3_json (Llama 3.1, 3.2)")  # fmt: skip
+    serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help='tool_choice "none": the chat template gets no tools (default: '
+                       "it gets them, and the answer is text)")  # fmt: skip
     serve.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help="a request body at most this many bytes; a larger one is "
                        "answered 413")  # fmt: skip
@@ -72,6 +82,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _checked_and_served(args: argparse.Namespace) -> int:
+    from offload.server.tools import server_tools
+
+    server_tools(args.enable_auto_tool_choice, args.tool_call_parser)  # (before the load)
     from offload.cli.models import spec_of
 
     integer("--port", args.port, 0, 65535, what="in [0, 65535]")
@@ -136,6 +149,9 @@ def _serve(args, sock, spec, config, name, waiting) -> int:
         version=package_version(),
         trust_request_chat_template=args.trust_request_chat_template,
         max_request_bytes=args.max_request_bytes,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
     # The engine's loop runs on this (the main) thread and HTTP on another: on a CPU,
     # torch's OpenMP teams are only fast while one thread leads them (a 16-sequence step

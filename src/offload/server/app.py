@@ -16,7 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from offload.config.limits import DEFAULT_MAX_REQUEST_BYTES
 from offload.errors import ConfigError, OffloadError
-from offload.server import protocol
+from offload.server import protocol, tools
 from offload.server.inputs import chat_ids, detokenized, json_body, prompt_ids, tokenized
 from offload.server.metrics import ServerMetrics
 from offload.server.protocol import APIError
@@ -33,10 +33,17 @@ class ServeSettings:
     version: str = "unknown"
     trust_request_chat_template: bool = False  # else a request's own template is refused
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # a larger body is answered 413
+    enable_auto_tool_choice: bool = False  # tool_choice "auto" (needs tool_call_parser)
+    tool_call_parser: str | None = None  # "hermes" or "llama3_json" (vLLM's names)
+    exclude_tools_when_tool_choice_none: bool = False  # "none": the template sees no tools
 
 
 def make_app(llm, settings: ServeSettings) -> FastAPI:
     """The server of `llm` (its continuous-batching engine made now)."""
+    server_tools = tools.server_tools(
+        settings.enable_auto_tool_choice, settings.tool_call_parser,
+        settings.exclude_tools_when_tool_choice_none,
+    )  # fmt: skip
     serving = llm.serving()
     engine = serving.core
     metrics = ServerMetrics(settings.model_name, engine, llm.transfer_stats)
@@ -162,13 +169,20 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         body = await json_body(request, settings.max_request_bytes)
         parsed = protocol.sampling_params(body, chat=True)
         messages = protocol.messages_of(body)
+        plan = tools.plan_of(body, server_tools)
+        if plan is not None:
+            plan.adjust(parsed.params)
         check(parsed, 1)
         trusted = settings.trust_request_chat_template
-        text, ids = await asyncio.to_thread(chat_ids, llm, body, messages, trusted)
+        given = plan.template_tools if plan is not None else None
+        text, ids = await asyncio.to_thread(chat_ids, llm, body, messages, trusted, given)
         check_room(ids, parsed.params)
         call = Call()
         submit(call, text, ids, parsed.params, 0)
-        shape = Shape("chat.completion", protocol.new_id("chatcmpl"), settings.model_name, parsed)
+        reads = plan if plan is not None and plan.reads_output else None
+        shape = Shape(
+            "chat.completion", protocol.new_id("chatcmpl"), settings.model_name, parsed, tools=reads
+        )
         return await answer(request, call, shape)
 
     @app.post("/tokenize")

@@ -20,6 +20,7 @@ from offload.llm.chat import chat_token_ids
 from offload.llm.checks import check_token_ids, vocab_limit
 from offload.server import protocol
 from offload.server.protocol import APIError
+from offload.server.tools import template_messages
 
 MAX_RENDER_S = 2.0  # a chat template's rendering at most (a request's own, or the model's)
 # Where the server refuses a request's own template (vLLM's words and flag).
@@ -107,9 +108,12 @@ def prompt_ids(llm, prompts: list[str | list[int]]) -> list[list[int]]:
     return ids
 
 
-def chat_ids(llm, body: dict[str, Any], messages, trusted: bool) -> tuple[str, list[int]]:
-    """The conversation through the chat template (the request's own only when `trusted`),
-    rendered within `MAX_RENDER_S`, and its token ids (a worker thread's work)."""
+def chat_ids(
+    llm, body: dict[str, Any], messages, trusted: bool, tools: list | None = None
+) -> tuple[str, list[int]]:
+    """The conversation through the chat template (the request's own only when `trusted`)
+    with `tools` (checked: `tools.plan_of`), rendered within `MAX_RENDER_S`, and its token
+    ids (a worker thread's work)."""
     template = body.get("chat_template")
     kwargs = body.get("chat_template_kwargs")
     own = template is not None or (isinstance(kwargs, dict) and "chat_template" in kwargs)
@@ -118,10 +122,10 @@ def chat_ids(llm, body: dict[str, Any], messages, trusted: bool) -> tuple[str, l
     try:
         with _time_limit(MAX_RENDER_S):
             texts, ids = chat_token_ids(
-                llm.tokenizer, messages, chat_template=template,
+                llm.tokenizer, template_messages(messages), chat_template=template,
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
-                tools=body.get("tools"), chat_template_kwargs=kwargs,
+                tools=tools, chat_template_kwargs=kwargs,
             )  # fmt: skip
         check_token_ids(ids, vocab_limit(llm.model), [True])
     except (ConfigError, ValueError, TypeError) as error:
@@ -138,7 +142,7 @@ def tokenized(llm, body: dict[str, Any], trusted: bool) -> dict[str, Any]:
     work)."""
     if "messages" in body:
         messages = protocol.messages_of(body)
-        text, ids = chat_ids(llm, body, messages, trusted)
+        text, ids = chat_ids(llm, body, messages, trusted, body.get("tools"))
         if body.get("add_special_tokens", False):  # (else the template's own specials only)
             ids = llm.tokenizer(text, add_special_tokens=True).input_ids
     else:

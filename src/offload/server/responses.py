@@ -21,6 +21,8 @@ from offload.llm.streaming import settled
 from offload.server import protocol
 from offload.server.metrics import ServerMetrics
 from offload.server.protocol import APIError
+from offload.server.tool_stream import ToolStream
+from offload.server.tools import ToolPlan
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Shape:
     request: protocol.Request
     created: int = field(default_factory=protocol.now)
     decode: Callable[[list[int]], str] = str  # token ids to text (an echoed prompt of ids)
+    tools: ToolPlan | None = None  # (chat) the answer's text read back into tool calls
 
     @property
     def is_chat(self) -> bool:
@@ -173,8 +176,11 @@ async def whole(call: Call, shape: Shape, request: Request, metrics, cancel) -> 
                 completion.token_ids, completion.finish_reason, output,
             )  # fmt: skip
             if shape.is_chat:
-                text = choice.pop("text")
-                choice["message"] = {"role": "assistant", "content": text}
+                text, reason = choice.pop("text"), choice["finish_reason"]
+                if shape.tools is None:
+                    choice["message"] = {"role": "assistant", "content": text}
+                else:
+                    choice["message"], choice["finish_reason"] = shape.tools.message(text, reason)
             choices.append(choice)
     _finished(metrics, call, prompt_tokens, completion_tokens, len(finals))
     body = {**shape.envelope(), "choices": choices}
@@ -200,6 +206,7 @@ async def stream(
     n = params.n
     sent_text: dict[int, str] = {}
     sent_tokens: dict[int, int] = {}
+    tool_streams: dict[int, ToolStream] = {}  # by choice (with tools)
     finals: dict[int, RequestOutput] = {}
     progress = _Progress(call, metrics)
     try:
@@ -213,7 +220,8 @@ async def stream(
                 progress.saw(index, output)
                 for number, completion in enumerate(output.outputs):
                     choice = index * n + number
-                    event = _delta(shape, choice, completion, sent_text, sent_tokens, output)
+                    sent = (sent_text, sent_tokens, tool_streams)
+                    event = _delta(shape, choice, completion, sent, output)
                     if event is not None:
                         yield event
                 if output.finished:
@@ -236,11 +244,13 @@ async def stream(
     yield "data: [DONE]\n\n"
 
 
-def _delta(shape: Shape, choice: int, completion, sent_text: dict, sent_tokens: dict, output):
+def _delta(shape: Shape, choice: int, completion, sent: tuple[dict, dict, dict], output):
     """The event of what `completion` (choice number `choice`) has that was not sent yet
     (text settled past any stop string), or None; a choice's first event carries its
-    echoed prompt and its prompt logprobs (`output`: its request's)."""
+    echoed prompt and its prompt logprobs (`output`: its request's). `sent`: by choice,
+    the text and the count of tokens sent, and (with tools) the choice's `ToolStream`."""
     params = shape.request.params
+    sent_text, sent_tokens, tool_streams = sent
     before = sent_text.get(choice, "")
     if before is None:
         return None  # finished already
@@ -254,7 +264,14 @@ def _delta(shape: Shape, choice: int, completion, sent_text: dict, sent_tokens: 
     sent_text[choice] = None if reason else text
     sent_tokens[choice] = len(completion.token_ids)
     body = _choice(shape, choice, completion, delta, new_tokens, reason, output if first else None)
-    if shape.is_chat:
+    if shape.is_chat and shape.tools is not None:
+        body.pop("text")
+        tools = tool_streams.setdefault(choice, ToolStream(shape.tools))
+        body["delta"] = tools.delta(text, finished=reason is not None)
+        body["finish_reason"] = shape.tools.reason(reason, tools.called)
+        if not body["delta"] and body["logprobs"] is None and reason is None:
+            return None  # (text held back: it may begin a call)
+    elif shape.is_chat:
         body["delta"] = {"content": body.pop("text")} if delta or not reason else {}
     return _event({**shape.envelope(chunk=True), "choices": [body]})
 
