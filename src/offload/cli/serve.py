@@ -48,7 +48,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        "400)")  # fmt: skip
     serve.add_argument("--tool-call-parser", metavar="NAME",
                        help="the format of the model's tool calls: hermes (Qwen2.5, Qwen3, "
-                       "Hermes) or llama3_json (Llama 3.1, 3.2)")  # fmt: skip
+                       "Hermes) or llama3_json (Llama 3.1, 3.2) (default: none, no tool_choice auto)")  # fmt: skip
     serve.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help='tool_choice "none": the chat template gets no tools (default: '
                        "it gets them, and the answer is text)")  # fmt: skip
