@@ -215,7 +215,8 @@ def test_with_prefix_caching_every_row_holds_its_tokens_and_reuse_happens(
 def test_prefix_caching_reuses_a_finished_prompt_and_keeps_it_through_packing():
     """Three rows: A runs and finishes, B (another beginning) runs on; packing moves B
     into A's row, so A's content is first moved to a free row; then C, which begins as A
-    did for 35 tokens, starts from A's columns."""
+    did for 35 tokens, starts from A's first two blocks; then D, which begins with all of
+    A's prompt, from all of it."""
     scheduler, cache = Scheduler(3, None, prefix_caching=True), _Columns(3)
     a = [5] * 20 + list(range(100, 120))
     b = list(range(200, 240))
@@ -237,8 +238,16 @@ def test_prefix_caching_reuses_a_finished_prompt_and_keeps_it_through_packing():
     scheduler.add([Submitted("c", None, c, [SequenceState(c, params, None, 2)], print)])
     scheduler.begin_turn()
     group, moves = scheduler.next_group()
-    assert group.done_columns == 35  # (found by two whole blocks; then token by token)
-    assert moves == [(2, 1, 35)]
+    assert group.done_columns == 32  # (two whole blocks; A's prompt is not all in C's)
+    assert moves == [(2, 1, 32)]
     cache.move(moves)
-    assert cache.rows[group.first][:35] == c[:35]
-    assert scheduler.prefixes.hits == 35
+    assert cache.rows[group.first][:32] == c[:32]
+    assert scheduler.prefixes.hits == 32
+    # D begins with all of A's prompt (a chat's next turn): all of it is reused.
+    scheduler.prefilled(group, group.width)
+    d = [*a, 9, 9]
+    scheduler.add([Submitted("d", None, d, [SequenceState(d, params, None, 2)], print)])
+    group, moves = scheduler.next_group()
+    assert group.first == 2 and group.done_columns == 40  # (A's row is D's: no copy)
+    assert moves == []
+    assert scheduler.prefixes.hits == 32 + 40
