@@ -141,6 +141,33 @@ def test_a_compile_that_ends_after_close_keeps_nothing(checkpoint, gate):
     assert not list(step_cache.folder().glob("*.pt2"))
 
 
+def test_a_compile_that_fails_after_close_does_not_mark_the_step_unkeepable(
+    checkpoint, gate, monkeypatch
+):
+    """A compile that fails because its LLM closed under it (a server stopped while its
+    steps compile) leaves no mark that the step cannot be kept: the next launch compiles
+    and keeps it (before, every later launch traced it again)."""
+
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    _run(llm)  # (its compile job held at the gate)
+    step = llm._cpu_step
+
+    class ClosedUnderTheTrace:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def aot_compile(self, *args, **kwargs):
+            step._jobs.closed.set()  # (what `close` does, here in the middle of the trace)
+            raise RuntimeError("the model was torn down under the trace")
+
+    monkeypatch.setattr(compiled_step.torch, "compile", ClosedUnderTheTrace)
+    gate.set()
+    assert step.wait(60)
+    assert not list(step_cache.folder().glob("*.traced"))
+    assert not list(step_cache.folder().glob("*.pt2"))
+    llm.close()
+
+
 def test_jobs_run_once_each_and_hand_their_result_over_once():
     jobs, ran = StepJobs(), []
     opened = threading.Event()

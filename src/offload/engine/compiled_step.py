@@ -201,7 +201,8 @@ class CompiledCpuStep:
             # (A graph break, or state its guards would keep that does not pickle: the
             # offloaders' slots and locks.) Said once, so no later process tries again.
             log.info("the decode step compiles without being kept (%s)", error)
-            step_cache.mark(unkept)
+            if not self._jobs.closed.is_set():  # (else its LLM closed under it: try again)
+                step_cache.mark(unkept)
             return None
         if not self._jobs.closed.is_set():  # (else the trace may have met a torn model)
             step_cache.save(compiled, path)

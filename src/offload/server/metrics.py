@@ -5,6 +5,7 @@ per server, so that several can live in one process."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -48,8 +49,15 @@ class ServerMetrics:
                     ("offload:stall_seconds", "Seconds compute waited for weight copies and "
                      "reads.", lambda now: now.stall_s + now.disk_stall_s),
                     ("offload:forwards", "Model forwards run.", lambda now: now.num_forwards),
+                    ("offload:compiled_steps", "Decode steps run by a compiled step.",
+                     lambda now: now.num_compiled_steps),
                 ),
             )
+        )  # fmt: skip
+        # Graphs dynamo traced in this process (a launch that loads its kept steps: none).
+        registry.register(
+            _Totals(labels, lambda: None, (("offload:dynamo_graphs_compiled", "Graphs "
+                    "torch.compile traced in this process.", lambda _: _dynamo_graphs()),))
         )  # fmt: skip
         # Prefix caching, in prompt tokens (vLLM V1's counters, and V0's hit-rate gauge).
         registry.register(
@@ -95,6 +103,12 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _dynamo_graphs() -> int:
+    """(Without importing dynamo: a process that never imported it compiled nothing.)"""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
 def _hit_rate(held) -> float:
