@@ -17,6 +17,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2
 OFFLOADED = {
     "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
     "disk": {"cpu_memory_gb": 0, "disk_io": "direct"},
+    "kv offload": {"kv_offload": True},  # (the rows, and so the held prompts, in host memory)
 }
 
 
@@ -99,7 +100,7 @@ def test_offloaded_with_the_cache_is_bitwise_the_resident_with_it(checkpoint, ca
         got, got_counters = _served(llm, TURNS)
         moved = llm.transfer_stats()
     assert got_counters == counters
-    assert moved.weight_copied_bytes + moved.disk_read_bytes > 0
+    assert moved.weight_copied_bytes + moved.disk_read_bytes + moved.kv_moved_bytes > 0
     for mine, theirs in zip(got, outputs, strict=True):
         assert mine.token_ids == theirs.token_ids
         assert _logprobs(mine) == _logprobs(theirs)
