@@ -111,3 +111,26 @@ def test_enable_prefix_caching_is_checked(checkpoint):
         LLM(checkpoint, enable_prefix_caching="yes")
     with pytest.raises(ConfigError, match=r"^enable_prefix_caching=True with batch_invariant"):
         LLM(checkpoint, enable_prefix_caching=True, batch_invariant=True)
+
+
+def test_generate_keeps_the_prompts_between_calls_and_gives_back_the_rest(checkpoint):
+    """As vLLM's `LLM`: a call whose prompt begins with an earlier call's starts from it
+    (a chat's next turn); between calls the rows keep only those prompt columns, the rest
+    of what they wrote is given back (reads as zeros)."""
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
+    with LLM(checkpoint, enable_prefix_caching=False) as plain:
+        expected = [plain.generate(p, params, use_tqdm=False)[0].outputs[0] for p in TURNS[:2]]
+    with LLM(checkpoint) as llm:
+        first = llm.generate(TURNS[0], params, use_tqdm=False)[0].outputs[0]
+        core = llm._generator.core
+        rows = core.runner.cache
+        held = core.scheduler.held_columns()
+        prompt_length = len(_ids(checkpoint)[0])
+        assert held[0] == prompt_length
+        keys = rows.cache.layers[0].all_keys  # [rows, heads, columns, dim]
+        assert keys[0, :, :prompt_length].abs().sum() > 0  # (kept)
+        assert not keys[0, :, prompt_length:].any()  # (its answer's columns given back)
+        second = llm.generate(TURNS[1], params, use_tqdm=False)[0].outputs[0]
+        assert core.scheduler.prefixes.hits == prompt_length
+    for got, want in zip((first, second), expected, strict=True):
+        assert got.token_ids == want.token_ids

@@ -105,11 +105,21 @@ class RowCache:
         self._host.append(tensor)
         return tensor
 
-    def release(self) -> None:
+    def release(self, keep: list[int] | None = None) -> None:
         """The memory the rows wrote, given back (they read as zeros again): once no row
-        runs, e.g. at the end of `LLM.generate`."""
+        runs, e.g. at the end of `LLM.generate`; all but each row's first `keep[row]`
+        columns where given (the prompts prefix caching holds)."""
         for tensor in self._host:
-            give_back(tensor)
+            if not keep or not any(keep):
+                give_back(tensor)
+                continue
+            for row in range(tensor.shape[0]):
+                held = keep[row] if row < len(keep) else 0
+                if not held:
+                    give_back(tensor[row])
+                    continue
+                for head in range(tensor.shape[1]):  # (each head's columns are contiguous)
+                    give_back(tensor[row, head, held:])
 
     def _layer(self, index: int, max_len: int):
         if self.kv_offloader is None:

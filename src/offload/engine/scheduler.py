@@ -129,6 +129,12 @@ class Scheduler:
         self.running, self.group = [], None
         self.forget_prefixes()
 
+    def held_columns(self) -> list[int] | None:
+        """The columns of each row that prefix caching holds (None: it is off)."""
+        if self.prefixes is None:
+            return None
+        return [len(tokens) for tokens in self.prefixes.tokens]
+
     def forget_prefixes(self) -> None:
         """No row holds anything any more (their memory was given back)."""
         if self.prefixes is not None:

@@ -6,7 +6,7 @@ The core's rows are sized to what a call needs (its sequences, the longest promp
 output, each rounded up to a power of two so that a few compiled steps serve every
 call), within the KV room, and kept for the next call; a call that needs more makes
 them larger. On a CPU the rows' memory is lent as they write it and given back at the
-end of each call (`RowCache.release`).
+end of each call (`RowCache.release`), but for the prompts prefix caching holds.
 """
 
 from __future__ import annotations
@@ -95,8 +95,12 @@ class Generating:
         finally:
             core.on_step = None
             progress.close()
-            core.runner.cache.release()  # (no row runs: what they wrote goes back)
-            core.scheduler.forget_prefixes()  # (and so what they held)
+            # No row runs: what they wrote goes back, but for the prompts prefix caching
+            # holds (a next call, a chat's next turn, starts from them, as vLLM's `LLM`).
+            held = core.scheduler.held_columns()
+            core.runner.cache.release(held)
+            if held is None or core.scheduler.has_work:  # (interrupted: nothing is kept)
+                core.scheduler.forget_prefixes()
             core.runner.forget_step()  # (a kept step's guards checked once a call, at least)
         if errors:
             raise errors[0]
