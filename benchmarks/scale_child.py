@@ -52,7 +52,10 @@ def run_llm(spec: dict, result: dict) -> None:
     num_tokens = spec["max_tokens"]
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     answer = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True)
-    result["load_s"], llm = timed(lambda: LLM(spec["model"], progress=False, **spec["flags"]))
+    # (the rounds repeat one prompt: without this its time to first token would time a
+    # prefix-cache hit, one token, not the prefill a new prompt pays)
+    flags = {"enable_prefix_caching": False, **spec["flags"]}
+    result["load_s"], llm = timed(lambda: LLM(spec["model"], progress=False, **flags))
     result["peak_after_load_bytes"] = memory()["VmHWM"]
     result["offloader"] = type(llm.offloader).__name__
     result["offloaded_bytes"] = int(llm.offloader.offloaded_bytes)

@@ -28,7 +28,14 @@ class Engine(Method):
         from offload.llm import LLM
 
         dtype = self.prepared.workload.dtype
-        self._llm = LLM(str(self.prepared.path), dtype=dtype, device=str(self.device))
+        # (no prefix caching: the rounds repeat their prompts, and each should time the
+        # prefill every other method pays, not a cache hit)
+        self._llm = LLM(
+            str(self.prepared.path),
+            dtype=dtype,
+            device=str(self.device),
+            enable_prefix_caching=False,
+        )
         self.model = self._llm.model
 
     def run(self, ids: torch.Tensor) -> Decoded:
