@@ -50,6 +50,9 @@ def run(form: str, invariant: bool, args) -> dict:
     if args.cpu_offload_gb:
         kwargs["cpu_offload_gb"] = args.cpu_offload_gb
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    # (no prefix caching in either mode: the calls repeat their prompts, and a hit would
+    # time and compare a one-token prefill)
+    kwargs["enable_prefix_caching"] = False
     with LLM(batch_invariant=invariant, max_model_len=512, **kwargs) as llm:
         prompts = _prompts(llm.model.config.vocab_size)
         prefill_s, _ = _timed(llm, prompts, first, args.repeats)
