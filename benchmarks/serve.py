@@ -141,6 +141,16 @@ def offload_command(model: Path, port: int, flags: list[str]) -> list[str]:
     ]  # fmt: skip
 
 
+def default_server(model: str | None, flags: list[str], name: str) -> Server:
+    """`offload serve` of `model` (None: the default model) on its defaults plus `flags`,
+    served as SERVED_NAME on a free port, its log in a folder named after `name`."""
+    port = free_port()
+    command = [sys.executable, "-m", "offload.cli", "serve", *([model] if model else [])]
+    command += ["--port", str(port), "--served-model-name", SERVED_NAME, "--no-progress"]
+    logs = Path(tempfile.mkdtemp(prefix=f"offload-{name}-"))
+    return Server([*command, *flags], port, logs / "server.log")
+
+
 def transformers_command(model: Path, port: int) -> list[str]:
     # Through Python rather than the `transformers` script, so that it is the same
     # interpreter (and packages) as ours wherever the script lives.

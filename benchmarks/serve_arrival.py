@@ -21,7 +21,6 @@ import argparse
 import itertools
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,9 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
-from serve import Server, free_port, running
+from serve import SERVED_NAME, default_server, running
 
-SERVED_NAME = "bench"
 TARGET = 3.0
 
 
@@ -107,13 +105,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="to `offload serve`")
     args = parser.parse_args()
-    port = free_port()
-    command = [sys.executable, "-m", "offload.cli", "serve"]
-    command += [args.model] if args.model else []
-    command += ["--port", str(port), "--served-model-name", SERVED_NAME, "--no-progress"]
-    command += args.flags
-    logs = Path(tempfile.mkdtemp(prefix="offload-serve-arrival-"))
-    server = Server(command, port, logs / "server.log")
+    server = default_server(args.model, args.flags, "serve-arrival")
+    command = server.command
     rounds = []
     with running(server):
         one_round(server.url, 2, 64)  # warm-up

@@ -28,7 +28,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,9 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
-from serve import PROMPTS, Server, free_port, running, scrape
+from serve import PROMPTS, SERVED_NAME, default_server, running, scrape
 
-SERVED_NAME = "bench"
 MAX_TOKENS = 24
 TARGETS = {8: ("<=", 1 / 3), 16: (">=", 5.0)}  # N: (how, ratio of wall times / speed-up)
 SYSTEM = (
@@ -192,13 +190,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    port = free_port()
-    command = [sys.executable, "-m", "offload.cli", "serve"]
-    command += [args.model] if args.model else []
-    command += ["--port", str(port), "--served-model-name", SERVED_NAME, "--no-progress"]
-    command += args.flags
-    logs = Path(tempfile.mkdtemp(prefix="offload-serve-chats-"))
-    server = Server(command, port, logs / "server.log")
+    server = default_server(args.model, args.flags, "serve-chats")
+    command = server.command
     payload: dict[str, object] = {
         "command": command[1:],
         "max_tokens": MAX_TOKENS,

@@ -3,6 +3,7 @@ prompts they send."""
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 
@@ -32,3 +33,14 @@ def random_prompts(vocab: int, lengths, seed: int = 0) -> list[dict]:
         {"prompt_token_ids": [generator.randrange(3, vocab) for _ in range(length)]}
         for length in lengths
     ]
+
+
+def last_output(outputs: queue.Queue):
+    """The finished output a request's `emit` put on `outputs` (the error it raised, if
+    one came instead)."""
+    while True:
+        item = outputs.get(timeout=120)
+        if isinstance(item, BaseException):
+            raise item
+        if item.finished:
+            return item

@@ -7,6 +7,7 @@ import queue
 
 import pytest
 import zoo
+from streams import last_output
 
 from offload import ConfigError, SamplingParams
 from offload.llm.llm import LLM
@@ -40,18 +41,9 @@ def _served(llm, prompts):
             for p, q in zip(batch, queues, strict=True)
         ]
         serving.core.submit_all(requests)
-        outputs += [_last(q) for q in queues]
+        outputs += [last_output(q).outputs[0] for q in queues]
     held = serving.core.scheduler.prefixes
     return outputs, (held.queries, held.hits) if held is not None else None
-
-
-def _last(outputs: queue.Queue):
-    while True:
-        item = outputs.get(timeout=120)
-        if isinstance(item, BaseException):
-            raise item
-        if item.finished:
-            return item.outputs[0]
 
 
 def _logprobs(output):

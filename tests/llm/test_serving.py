@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 import zoo
+from streams import last_output
 
 from offload import ConfigError, SamplingParams
 from offload.llm import cores
@@ -47,16 +48,7 @@ def _together(llm, prompts, params, max_num_seqs=8):
         for p, r, q in zip(prompts, each, queues, strict=True)
     ]
     serving.core.submit_all(requests)
-    return [_last(q) for q in queues]
-
-
-def _last(outputs: queue.Queue):
-    while True:
-        item = outputs.get(timeout=120)
-        if isinstance(item, BaseException):
-            raise item
-        if item.finished:
-            return item
+    return [last_output(q) for q in queues]
 
 
 def _logprobs(output):
@@ -266,7 +258,7 @@ def test_the_loop_runs_in_the_callers_thread_as_in_its_own(checkpoint):
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]
     assert [_logprobs(o.outputs[0]) for o in got] == [_logprobs(o.outputs[0]) for o in expected]
     with pytest.raises(Exception, match="shutting down"):
-        _last(results["late"])
+        last_output(results["late"])
 
 
 def test_a_batch_on_the_cpu_runs_the_few_rows_linear(checkpoint, monkeypatch):

@@ -99,7 +99,7 @@ class Generating:
             # holds (a next call, a chat's next turn, starts from them, as vLLM's `LLM`).
             held = core.scheduler.held_columns()
             core.runner.cache.release(held)
-            if held is None or core.scheduler.has_work:  # (interrupted: nothing is kept)
+            if held is None:  # (an interrupted call's `abandon` forgot them already)
                 core.scheduler.forget_prefixes()
             core.runner.forget_step()  # (a kept step's guards checked once a call, at least)
         if errors:
