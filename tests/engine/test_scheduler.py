@@ -5,6 +5,7 @@ holds), the way `EngineCore` drives it."""
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offload.engine.kv_room import Keep
 from offload.engine.requests import Submitted
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.scheduler import Scheduler
@@ -251,3 +252,165 @@ def test_prefix_caching_reuses_a_finished_prompt_and_keeps_it_through_packing():
     assert group.first == 2 and group.done_columns == 40  # (A's row is D's: no copy)
     assert moves == []
     assert scheduler.prefixes.hits == 32 + 40
+
+
+class _Memory(_Columns):
+    """`_Columns` and the memory each row holds: how far it was written, cut by `Keep`."""
+
+    def __init__(self, max_rows: int):
+        super().__init__(max_rows)
+        self.extent = [0] * max_rows
+
+    def move(self, moves) -> None:
+        for move in moves:
+            if isinstance(move, Keep):
+                self.rows[move.row] = self.rows[move.row][: move.columns]
+                self.extent[move.row] = min(self.extent[move.row], move.columns)
+            else:
+                _, target, columns = move
+                super().move([move])
+                self.extent[target] = max(self.extent[target], columns)
+
+    def write(self, row: int, column: int, token: int) -> None:
+        super().write(row, column, token)
+        self.extent[row] = max(self.extent[row], column + 1)
+
+    def pages(self, page: int) -> int:
+        """Columns of memory held: whole pages, one more each for where a head starts."""
+        return sum((-(-e // page) + 1) * page for e in self.extent if e)
+
+
+def _next_token(history: list[int]) -> int:
+    """The "model": a token from everything before it, so a row whose columns were fed
+    wrongly (a replay out of order, a token sampled twice) answers otherwise."""
+    return hash(tuple(history)) % 5
+
+
+def _turn_in_room(scheduler: Scheduler, cache: _Memory) -> None:
+    """One turn as `EngineCore._turn` runs it, over a cache of tokens with memory: each
+    token picked from the row's columns, none picked while a row replays."""
+    scheduler.begin_turn()
+    while True:
+        group, moves = scheduler.next_group()
+        cache.move(moves)
+        if group is None:
+            break
+        start, end = scheduler.next_chunk(group)
+        prompt = group.rows[0].sequence.prompt_ids
+        assert cache.rows[group.first][:start] == prompt[:start]
+        for column in range(start, end):
+            cache.write(group.first, column, prompt[column])
+        if not scheduler.prefilled(group, end):
+            break
+        for index in range(1, len(group.rows)):
+            cache.move([(group.first, group.first + index, group.width)])
+            cache.extent[group.first + index] = max(cache.extent[group.first + index], end)
+        if not group.resumed:
+            for index, row in enumerate(group.rows):
+                row.sequence.tokens.append(_next_token(cache.rows[group.first + index][:end]))
+    cache.move(scheduler.make_room())
+    rows = scheduler.decoding()
+    replaying = [row.replaying for row in rows]
+    for index, row in enumerate(rows):
+        cache.write(index, min(row.column, 99), row.input_token)
+        if row.is_live:
+            row.column += 1
+    for index, row in enumerate(rows):
+        if row.is_live and not replaying[index]:
+            if len(row.sequence.tokens) >= row.sequence.limit:
+                row.sequence.finish_reason = "length"
+            else:
+                row.sequence.tokens.append(_next_token(cache.rows[index][: row.column]))
+
+
+def _alone(prompt: list[int], limit: int) -> list[int]:
+    history = list(prompt)
+    for _ in range(limit):
+        history.append(_next_token(history))
+    return history[len(prompt) :]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    max_rows=st.integers(2, 8),
+    room_rows=st.integers(1, 4),
+    page=st.sampled_from([1, 4, 16]),
+    caching=st.booleans(),
+    chunk=st.one_of(st.none(), st.integers(8, 40)),
+    arrivals=st.lists(
+        st.tuples(
+            st.integers(0, 6),  # the turn it arrives at
+            st.integers(0, 2),  # which shared beginning
+            st.integers(0, 40),  # how much of it
+            st.lists(st.integers(0, 3), max_size=10),  # its own tokens
+            st.integers(1, 2),  # n
+            st.integers(1, 30),  # max tokens
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+)
+def test_within_a_kv_room_requests_are_preempted_and_answer_as_alone(
+    max_rows, room_rows, page, caching, chunk, arrivals
+):
+    """Rows that take memory as they write, more of them than the room holds at full
+    length: after every turn the memory the rows hold is within the room, each running
+    row holds its sequence's tokens, and every request ends with the tokens it has alone,
+    preempted or not (its tokens fed back in order, none picked twice)."""
+    longest = 40 + 10 + 30 + 1
+    room = room_rows * 2 * ((-(-longest // page) + 1) * page)  # (n=2 of the longest fit)
+    scheduler = Scheduler(max_rows, chunk, prefix_caching=caching, room=room, page=page)
+    cache = _Memory(max_rows)
+    beginnings = [[b * 10 + i % 7 for i in range(40)] for b in range(3)]
+    requests = []
+    for i, (turn, which, length, own, n, limit) in enumerate(arrivals):
+        prompt = beginnings[which][:length] + own or [1]
+        params = SamplingParams(n=min(n, max_rows), max_tokens=limit)
+        sequences = [SequenceState(prompt, params, None, limit) for _ in range(params.n)]
+        request = Submitted(str(i), None, prompt, sequences, lambda item: None)
+        scheduler.check_fits(request)
+        requests.append((turn, request))
+    for turn in range(2000):
+        scheduler.add(r for at, r in requests if at == turn)
+        _turn_in_room(scheduler, cache)
+        assert cache.pages(page) <= room
+        for index, row in enumerate(scheduler.running):
+            fed = row.column - len(row.sequence.prompt_ids)
+            written = row.sequence.prompt_ids + row.sequence.tokens[:fed]
+            assert cache.rows[index][: row.column] == written
+        if turn > max(at for at, _ in requests) and not scheduler.has_work:
+            break
+    assert not scheduler.has_work
+    for _, request in requests:
+        for sequence in request.sequences:
+            assert sequence.tokens == _alone(request.prompt_ids, sequence.limit)
+
+
+def test_the_youngest_request_is_preempted_and_resumes_by_replaying_its_tokens():
+    """Room for 30 columns, two requests of 8-token prompts and 12 tokens each: both
+    start, and when their rows outgrow the room, B (the younger) is preempted, its memory
+    given back; once A is done, B's prompt is prefilled again and its tokens fed back one
+    step each before it picks new ones; both end as they would alone."""
+    scheduler, cache = Scheduler(4, None, room=30, page=1), _Memory(4)
+    prompts = [list(range(10, 18)), list(range(20, 28))]
+    requests = []
+    for name, prompt in zip("ab", prompts, strict=True):
+        params = SamplingParams(max_tokens=12)
+        request = Submitted(name, None, prompt, [SequenceState(prompt, params, None, 12)], print)
+        scheduler.check_fits(request)
+        requests.append(request)
+    scheduler.add(requests)
+    seen_replay = False
+    for _ in range(100):
+        _turn_in_room(scheduler, cache)
+        assert cache.pages(1) <= 30
+        seen_replay |= any(row.replaying for row in scheduler.running)
+        if requests[1].preemptions and not requests[0].output().finished:
+            assert [row.request for row in scheduler.running] == [requests[0]]
+        if not scheduler.has_work:
+            break
+    assert requests[0].preemptions == 0 and requests[1].preemptions >= 1
+    assert scheduler.num_preemptions == requests[1].preemptions
+    assert seen_replay
+    for request in requests:
+        assert request.sequences[0].tokens == _alone(request.prompt_ids, 12)

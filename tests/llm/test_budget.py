@@ -13,6 +13,7 @@ import torch
 import zoo
 
 from offload import SamplingParams
+from offload.engine.kv_room import row_pages
 from offload.engine.step_runner import StepRunner
 from offload.errors import ConfigError, ModelError
 from offload.llm import serving
@@ -108,9 +109,9 @@ def test_layers_a_layout_leaves_resident_come_out_of_the_budget(checkpoint, expe
     assert tokens == expected
 
 
-def test_the_servers_rows_come_out_of_the_budget(checkpoint, expected, caplog):
-    """A budget that holds every layer and 2.5 rows of MAX_LEN positions beside them: two
-    rows run at once (said in a logged line), each request getting its tokens alone."""
+def test_the_servers_rows_come_out_of_the_budget(checkpoint, expected):
+    """A budget that holds every layer and 2.5 rows of MAX_LEN positions beside them: the
+    server's rows (8) share that room, each request getting its tokens alone."""
     settings = dict(max_model_len=MAX_LEN, disk_io="direct", **EVERY_LAYER)
     with LLM(checkpoint, cpu_memory_gb=1, **settings) as llm:  # all layers kept
         stack_bytes = llm.offloader.stats().disk.ram_bytes
@@ -121,17 +122,18 @@ def test_the_servers_rows_come_out_of_the_budget(checkpoint, expected, caplog):
         assert llm.offloader.stats().disk.ram_bytes == stack_bytes
         room, source = kv_cache_room(llm)
         assert source == "of cpu_memory_gb" and 2 * row_bytes <= room < 3 * row_bytes
-        with caplog.at_level(logging.WARNING, logger="offload"):
-            served = llm.serving(max_num_seqs=8)
-        assert (served.core.max_rows, served.max_model_len) == (2, MAX_LEN)
-        assert "would not fit in" in caplog.text and "(of cpu_memory_gb)" in caplog.text
+        served = llm.serving(max_num_seqs=8)
+        assert (served.core.max_rows, served.max_model_len) == (8, MAX_LEN)
+        assert served.core.scheduler.room == room * MAX_LEN // row_bytes  # (positions)
         outputs = [served.stream(None, [3, 4, 5], GREEDY) for _ in range(3)]
         assert [list(out)[-1].outputs[0].token_ids for out in outputs] == [expected] * 3
 
 
-def test_generate_runs_no_more_sequences_at_once_than_the_kv_room_holds(checkpoint, monkeypatch):
-    """Five prompts, a KV room of 2.5 rows of MAX_LEN positions: at most two run at once,
-    each sequence with the tokens it gets alone (prompt + 130 > 128: clamped)."""
+def test_generate_runs_within_the_kv_room_preempting_where_rows_outgrow_it(checkpoint, monkeypatch):
+    """Five prompts, a KV room of 2.5 rows of MAX_LEN positions: all five start, the rows
+    never hold more memory than the room (the scheduler's count of pages, before each
+    decode step), the youngest are preempted as they outgrow it, and each sequence gets
+    the tokens it gets alone (prompt + 130 > 128: clamped)."""
     params = SamplingParams(temperature=0, max_tokens=130, ignore_eos=True)
     prompts = ["t3 t4 t5", "t6", "t7 t8", "t9 t10 t11 t12", "t13"]
     settings = dict(max_model_len=MAX_LEN, disk_io="direct", **EVERY_LAYER)
@@ -142,14 +144,19 @@ def test_generate_runs_no_more_sequences_at_once_than_the_kv_room_holds(checkpoi
         row_bytes = serving.bytes_per_row(llm.model.config, MAX_LEN, torch.float32)
     budget_gb = (MARGIN_BYTES + activation_bytes + stack_bytes + 2.5 * row_bytes) / GIB
     with LLM(checkpoint, cpu_memory_gb=budget_gb, max_num_seqs=8, **settings) as llm:
-        sizes, decode = [], StepRunner.decode
-        monkeypatch.setattr(
-            StepRunner,
-            "decode",
-            lambda runner, rows: decode(runner, sizes.append(len(rows)) or rows),
-        )
+        sizes, held, decode = [], [], StepRunner.decode
+
+        def counted(runner, rows):
+            sizes.append(len(rows))
+            scheduler = llm._generator.core.scheduler
+            held.append(sum(row_pages(c, scheduler.page) for c in scheduler.committed))
+            return decode(runner, rows)
+
+        monkeypatch.setattr(StepRunner, "decode", counted)
         outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert max(sizes) == 2  # (and never more: the rows are sized to the room)
+        scheduler = llm._generator.core.scheduler
+    assert max(sizes) >= 3 and scheduler.num_preemptions > 0
+    assert max(held) <= scheduler.room < 3 * MAX_LEN
     assert [o.outputs[0].token_ids for o in outputs] == [a.token_ids for a in alone]
 
 

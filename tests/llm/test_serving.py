@@ -199,10 +199,13 @@ def test_requests_longer_than_a_row_are_refused_and_limits_clamped(checkpoint, m
 
     with LLM(checkpoint, max_num_seqs=4) as llm:
         per_position = serving.bytes_per_row(llm.model.config, 1, torch.float32)
-        monkeypatch.setattr(serving, "CPU_KV_BYTES", 4 * 100 * per_position)  # rows of 100
-        monkeypatch.setattr(serving, "_SHORTEST_ROW", 64)
+        monkeypatch.setattr(serving, "CPU_KV_BYTES", 400 * per_position)  # a room of 400
         served = llm.serving()
-        assert served.max_model_len == 100 and served.core.max_rows == 4
+        # Four rows share the room (preempting where they outgrow it), each at most as long
+        # as the room holds less the pages a row may not use (`row_pages`): 64 columns
+        # of this model's 16-wide heads to a page.
+        assert served.core.max_rows == 4 and served.core.scheduler.room == 400
+        assert served.max_model_len == (400 // 64 - 1) * 64 - 1 < llm.max_model_len
         with pytest.raises(ConfigError, match=f"max_model_len={served.max_model_len}"):
             list(llm.stream({"prompt_token_ids": [5] * served.max_model_len}, GREEDY))
         out = list(llm.stream("t3 t4", SamplingParams(temperature=0, max_tokens=None)))[-1]
@@ -242,10 +245,10 @@ def test_the_loop_runs_in_the_callers_thread_as_in_its_own(checkpoint):
             serving.core.submit_all([serving.prepare("t3", [3], GREEDY, late.put)])
             results["late"] = late
 
-        def stop_from_the_loop(rows, logits):  # runs in the loop's thread, as a handler
+        def stop_from_the_loop(rows, logits, *rest):  # runs in the loop's thread, as a handler
             if "done" in results:
                 serving.close()
-            picked(rows, logits)
+            picked(rows, logits, *rest)
 
         picked = serving.core._pick
         serving.core._pick = stop_from_the_loop

@@ -43,13 +43,21 @@ class EngineCore:
         host_pool=None,
         graphs=None,
         prefix_caching: bool = False,
+        room: int | None = None,
     ):
         self._model = model
-        # (`prefix_caching`: prompts start from the longest prefix a row holds: `prefixes`)
-        self.scheduler = Scheduler(max_rows, max_num_batched_tokens, prefix_caching)
         # (`host_pool`: the KV cache in host memory, streamed per layer: KV offload)
         # (`graphs`: a `RowGraphs` maker, the decode steps as CUDA graphs: `StepRunner`)
         self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant, host_pool, graphs)
+        # (`prefix_caching`: prompts start from the longest prefix a row holds: `prefixes`;
+        # `room`: the columns all rows may hold together, where rows take memory as they
+        # write: more rows than it holds at full length run, and requests are preempted
+        # where they outgrow it)
+        cache = self.runner.cache
+        room = room if cache.takes_as_written else None
+        self.scheduler = Scheduler(
+            max_rows, max_num_batched_tokens, prefix_caching, room, cache.page_columns
+        )
         self.max_rows, self.max_len = max_rows, max_len
         self.invariant = invariant
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
@@ -78,6 +86,7 @@ class EngineCore:
         """Queue `requests` at once: the next turn sees all of them, whatever the timing."""
         for request in requests:
             check_fits(request, self.max_rows, self.max_len)
+            self.scheduler.check_fits(request)
         with self._wake:
             if self._stop:
                 raise OffloadError("the engine is shutting down")
@@ -188,6 +197,7 @@ class EngineCore:
             elif group.done_columns < group.width:
                 break  # (its prompt's rest at the next turns)
         self._stepped()
+        self.runner.move_rows(scheduler.make_room())  # (a KV room: preempting, if need be)
         rows = scheduler.decoding()
         if rows:
             self._run_forward(rows, self._decode, rows)
@@ -205,6 +215,8 @@ class EngineCore:
         if not self.scheduler.prefilled(group, end):
             return
         self.runner.copy_prompt(group)
+        if group.resumed:  # (its tokens are known: its rows feed them back, `replaying`)
+            return
         num = len(group.rows)
         sequences = [row.sequence for row in group.rows]
         if group.every_position:
@@ -215,7 +227,8 @@ class EngineCore:
         self._pick(group.rows, logits.expand(num, -1))
 
     def _decode(self, rows: list[Row]) -> None:
-        self._pick(rows, self.runner.decode(rows))
+        replaying = [row.replaying for row in rows]  # (before the step moves their columns)
+        self._pick(rows, self.runner.decode(rows), replaying)
 
     def _run_forward(self, rows: list[Row], forward, *args) -> bool:
         """One forward and its tokens; if it fails (a disk fault, a sampling error), its
@@ -233,9 +246,12 @@ class EngineCore:
                 self._fail(request, error)
             return False
 
-    def _pick(self, rows: list[Row], logits) -> None:
-        """Each live row's next token; a row whose sampling fails fails its request."""
+    def _pick(self, rows: list[Row], logits, replaying: list[bool] | None = None) -> None:
+        """Each live row's next token (not the rows `replaying` a preempted request's
+        tokens); a row whose sampling fails fails its request."""
         live = [i for i, row in enumerate(rows) if row.is_live]
+        if replaying is not None:
+            live = [i for i in live if not replaying[i]]
         if not live:
             return
         sequences = [rows[i].sequence for i in live]

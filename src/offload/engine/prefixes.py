@@ -26,6 +26,7 @@ Plain Python, no tensors: the scheduler turns its answers into row moves.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 
 BLOCK = 16  # tokens per block (vLLM's default block_size)
 
@@ -109,7 +110,7 @@ class PrefixRows:
             return False
         return self.is_spare(target) or self._used[target] < self._used[row]
 
-    def victim(self, rows: range, keep: set[int]) -> int | None:
+    def victim(self, rows: Iterable[int], keep: set[int]) -> int | None:
         """The row of `rows` (not in `keep`) whose content is worth least: empty or held
         elsewhere first, then the least recently used."""
         candidates = [row for row in rows if row not in keep]

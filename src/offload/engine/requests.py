@@ -33,6 +33,7 @@ class Submitted:
     arrival_s: float = field(default_factory=time.monotonic)
     cancelled: bool = False
     failed: bool = False
+    preemptions: int = 0  # times its rows were taken back for room (`Scheduler.make_room`)
 
     def output(self) -> RequestOutput:
         completions = [completion_of(i, s) for i, s in enumerate(self.sequences)]
@@ -55,6 +56,27 @@ class Row:
     def is_live(self) -> bool:
         return self.sequence.finish_reason is None and not self.request.failed
 
+    @property
+    def _fed(self) -> int:
+        """How many of its tokens the row's columns hold (each is fed to the step after
+        the one that picked it)."""
+        return self.column - self.start - len(self.sequence.prompt_ids)
+
+    @property
+    def replaying(self) -> bool:
+        """Whether the next decode step feeds a token the row had before it was preempted
+        (its logits then pick nothing: the next token is known)."""
+        return self.is_live and self._fed < len(self.sequence.tokens) - 1
+
+    @property
+    def input_token(self) -> int:
+        """The token the next decode step feeds: its last one, or the next one it
+        replays."""
+        tokens = self.sequence.tokens
+        if not tokens:
+            return 0
+        return tokens[self._fed] if self.replaying else tokens[-1]
+
 
 @dataclass
 class Group:
@@ -65,11 +87,14 @@ class Group:
     rows: list[Row]
     width: int
     done_columns: int = 0
+    resumed: bool = False  # a preempted request's: its prompt's logits pick nothing
     chunks: list[torch.Tensor] = field(default_factory=list)  # logits kept for prompt logprobs
 
     @property
     def every_position(self) -> bool:
         """Whether its prefill keeps every position's logits (for prompt logprobs)."""
+        if self.resumed:
+            return False
         return any(row.sequence.params.prompt_logprobs is not None for row in self.rows)
 
 

@@ -67,6 +67,7 @@ class RowCache:
         # each row is at its own column), and its mask says which it reads (`RowMasks`).
         self.masks = RowMasks.of(hf_config)
         heads, k_dim, v_dim = dims if dims is not None else config_kv_dims(hf_config)
+        self.page_columns = page_columns(hf_config, dtype, (heads, k_dim, v_dim))
         self._host: list[torch.Tensor] = []  # (its keys and values on a CPU: `release`)
         self.window = RowWindow(offset=torch.zeros((), dtype=torch.long, device=device))
         self.max_rows, self.max_len, self.dtype, self.held = max_rows, max_len, dtype, held
@@ -120,6 +121,18 @@ class RowCache:
                     continue
                 for head in range(tensor.shape[1]):  # (each head's columns are contiguous)
                     give_back(tensor[row, head, held:])
+
+    @property
+    def takes_as_written(self) -> bool:
+        """Whether the rows take memory only as they write (on a CPU, not KV offload's
+        pinned pool): then more rows than the memory holds at full length can run."""
+        return bool(self._host)
+
+    def keep(self, row: int, num_columns: int) -> None:
+        """Row `row`'s columns past its first `num_columns` given back (see `_zeros`)."""
+        for tensor in self._host:
+            for head in range(tensor.shape[1]):  # (each head's columns are contiguous)
+                give_back(tensor[row, head, num_columns:])
 
     def _layer(self, index: int, max_len: int):
         if self.kv_offloader is None:
@@ -295,6 +308,15 @@ def bytes_per_row(hf_config, max_len: int, dtype: torch.dtype, dims=None) -> int
     heads, k_dim, v_dim = dims if dims is not None else config_kv_dims(hf_config)
     per_column = heads * (k_dim + v_dim) * dtype.itemsize
     return per_column * max_len * hf_config.num_hidden_layers
+
+
+def page_columns(hf_config, dtype: torch.dtype, dims=None) -> int:
+    """Columns of one head's keys (or values) in a page of memory: what a row's memory is
+    taken and given back in (`Scheduler`)."""
+    import mmap
+
+    _, k_dim, v_dim = dims if dims is not None else config_kv_dims(hf_config)
+    return max(1, mmap.PAGESIZE // (min(k_dim, v_dim) * dtype.itemsize))
 
 
 def _static_layers():

@@ -13,6 +13,9 @@ from the next step.
 With prefix caching (`prefixes.PrefixRows`), an admitted request whose prompt begins as
 some row holds has those columns copied into its row and prefills only the rest; packing
 and admission first move content worth keeping out of the rows they overwrite.
+
+With a KV room (`kv_room.KVRoom`), more rows run than it holds at full length, and
+the youngest request is preempted where they outgrow it.
 """
 
 from __future__ import annotations
@@ -20,21 +23,30 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 
+from offload.engine.kv_room import KVRoom, Moves, prompt_written
 from offload.engine.prefixes import PrefixRows
 from offload.engine.requests import Group, Row, Submitted
 
-Moves = list[tuple[int, int, int]]  # (source row, target row, columns) copied in order
 
-
-class Scheduler:
+class Scheduler(KVRoom):
     """Waiting requests, running rows [0, len(running)) and the group being prefilled,
     for a cache of `max_rows` rows."""
 
     def __init__(
-        self, max_rows: int, max_num_batched_tokens: int | None = None, prefix_caching=False
+        self,
+        max_rows: int,
+        max_num_batched_tokens: int | None = None,
+        prefix_caching=False,
+        room: int | None = None,
+        page: int = 1,
     ):
         self.max_rows = max_rows
         self.prefixes = PrefixRows(max_rows) if prefix_caching else None
+        # (`room`: the columns of keys and values all rows may hold together, None: each
+        # row has its whole length; memory is taken and given back `page` columns at once)
+        self.room, self.page = room, page
+        self.committed = [0] * max_rows  # columns of each row that may hold memory
+        self.num_preemptions = 0
         self.chunk_tokens = max_num_batched_tokens
         self.waiting: deque[Submitted] = deque()
         self.running: list[Row] = []  # rows [0, len)
@@ -71,14 +83,16 @@ class Scheduler:
     def next_group(self) -> tuple[Group | None, Moves]:
         """The group to prefill next this turn, or None (the budget is spent, or nothing
         waits that fits): the one being prefilled, else the first waiting request admitted
-        after packing the running rows; and the packing's row moves (source, target,
-        columns) that the cache must make first. A chunk runs whole or waits for the next
-        turn (the turn's first always runs), so that where a prompt's chunks end depends
-        on the prompt alone, not on what was prefilled before it."""
-        moves = []
+        after packing the running rows; and what the cache must do first (the packing's
+        row moves, memory given back). A chunk runs whole or waits for the next turn (the
+        turn's first always runs), so that where a prompt's chunks end depends on the
+        prompt alone, not on what was prefilled before it."""
+        moves: Moves = []
         if self.group is None:
             moves = self._pack()
+            self._trim(moves)
             self.group = self._admit(moves)
+            self._trim(moves)
         group, budget = self.group, self.turn_tokens
         if group is None or budget is None:
             return group, moves
@@ -101,10 +115,14 @@ class Scheduler:
         """Columns up to `end` of `group` are in the cache; True once its whole prompt is
         (its rows then run, and the next group may be admitted this turn)."""
         group.done_columns = end
+        self.committed[group.first] = max(self.committed[group.first], end)
         if end < group.width:
             return False
         self.group = None
-        if self.prefixes is not None:  # (the others copy the first row's prompt)
+        for index in range(1, len(group.rows)):  # (the others copy the first row's prompt)
+            row = group.first + index
+            self.committed[row] = max(self.committed[row], group.width)
+        if self.prefixes is not None:
             for index, row in enumerate(group.rows):
                 self.prefixes.hold(group.first + index, row.sequence.prompt_ids)
         self.running.extend(group.rows)
@@ -142,7 +160,8 @@ class Scheduler:
 
     def _pack(self) -> Moves:
         """Running rows move into the rows of finished ones: they stay at the front. With
-        prefix caching, a finished row about to be overwritten first moves to a free row."""
+        prefix caching, a finished row about to be overwritten first moves to a free row
+        (where the room holds it)."""
         keep = [row for row in self.running if row.is_live]
         moves: Moves = []
         prefixes = self.prefixes
@@ -152,19 +171,17 @@ class Scheduler:
             for index, row in enumerate(self.running):
                 if row.is_live:
                     continue
-                prefixes.hold(index, _written(row))
+                prefixes.hold(index, prompt_written(row))
                 if index < len(keep) and not prefixes.is_spare(index):
                     target = prefixes.victim(free, taken)
-                    if target is not None and prefixes.worth_moving(index, target):
-                        moves.append((index, target, len(prefixes.tokens[index])))
-                        prefixes.copy(index, target, len(prefixes.tokens[index]))
+                    if self._save(moves, index, target):
                         taken.add(target)
         for target, row in enumerate(keep):
             source = self.running.index(row)
             if source != target:
-                moves.append((source, target, row.column))
+                self._move(moves, source, target, row.column)
                 if prefixes is not None:  # (the source row keeps a copy)
-                    prefixes.hold(source, _written(row))
+                    prefixes.hold(source, prompt_written(row))
                     prefixes.copy(source, target, row.column)
         self.running = keep
         return moves
@@ -174,10 +191,14 @@ class Scheduler:
         prefilled alone: prompts prefilled together are padded to one width, which moves
         a prompt's logits. (`check_fits` saw that it fits a row.) With prefix caching, the
         longest prefix of its prompt some row holds is copied into its first row first
-        (added to `moves`), and only the rest is prefilled."""
+        (added to `moves`), and only the rest is prefilled. With a KV room, only where
+        its rows fit it (held prefixes given back to make room); a preempted request
+        (`resumed`) needs room for the tokens it decoded too."""
         if not self.waiting:
             return None
         if len(self.waiting[0].sequences) > self.max_rows - len(self.running):
+            return None
+        if not self._room_for(self.waiting[0], moves):
             return None
         request = self.waiting.popleft()
         width, first = len(request.prompt_ids), len(self.running)
@@ -185,38 +206,41 @@ class Scheduler:
         held = 0
         if self.prefixes is not None:
             held = self._reuse(request, first, len(rows), moves)
-        return Group(first, rows, width, done_columns=held)
+        resumed = any(sequence.tokens for sequence in request.sequences)
+        return Group(first, rows, width, done_columns=held, resumed=resumed)
 
     def _reuse(self, request: Submitted, first: int, num_rows: int, moves: Moves) -> int:
         """Copy the longest held prefix of `request`'s prompt into row `first` (after
         moving that row's own content out, where it is worth keeping); the columns held.
         Not for a request that asks its prompt's logprobs: they need every position's
-        logits."""
+        logits (unless it was preempted: it has them)."""
         prefixes, prompt = self.prefixes, request.prompt_ids
         assert prefixes is not None
-        wants_logprobs = any(s.params.prompt_logprobs is not None for s in request.sequences)
+        wants_logprobs = not any(s.tokens for s in request.sequences) and any(
+            s.params.prompt_logprobs is not None for s in request.sequences
+        )
         source, held = (None, 0) if wants_logprobs else prefixes.lookup(prompt)
         if source != first and not prefixes.is_spare(first):
             free = range(first + num_rows, self.max_rows)
             target = prefixes.victim(free, {source} if source is not None else set())
-            if target is not None and prefixes.worth_moving(first, target):
-                moves.append((first, target, len(prefixes.tokens[first])))
-                prefixes.copy(first, target, len(prefixes.tokens[first]))
+            self._save(moves, first, target)
         if source is not None and source != first:
-            moves.append((source, first, held))
+            self._move(moves, source, first, held)
         prefixes.hold(first, prompt[:held])
         for row in range(first + 1, first + num_rows):
             prefixes.clear(row)
         return held
 
-
-def _written(row: Row) -> list[int]:
-    """The tokens of row `row` that prefix caching may reuse: its prompt's, which a
-    prefill computed. Not its decoded tokens: a decode step computes a token's keys and
-    values among other rows, which rounds otherwise than the prefill that computes them
-    without the cache (measured on the default model: one of four second chat turns then
-    changed its answer from its 17th token on). Nothing where its request failed: a
-    forward that failed may have written part of a column."""
-    if row.request.failed:
-        return []
-    return row.sequence.prompt_ids[: row.column]
+    def _save(self, moves: Moves, row: int, target: int | None) -> bool:
+        """Row `row`'s held prefix moved into free row `target` before `row` is
+        overwritten, where it is worth more than what `target` holds and the room holds it."""
+        prefixes = self.prefixes
+        assert prefixes is not None
+        columns = len(prefixes.tokens[row])
+        if target is None or not prefixes.worth_moving(row, target):
+            return False
+        if not self._holds(target, columns):
+            return False
+        self._move(moves, row, target, columns)
+        prefixes.copy(row, target, columns)
+        return True

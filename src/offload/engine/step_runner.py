@@ -10,6 +10,7 @@ import torch
 
 from offload.engine import cpu_linear, invariant
 from offload.engine.cpu_linear import kernels_for
+from offload.engine.kv_room import Keep, Moves
 from offload.engine.requests import EngineModel, Group, Row
 from offload.engine.row_graphs import RowGraphs
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
@@ -47,9 +48,13 @@ class StepRunner:
         if graphs is not None and host_pool is None and not invariant:
             self.graphs = graphs(self.cache.held)
 
-    def move_rows(self, moves: list[tuple[int, int, int]]) -> None:
-        for source, target, num_columns in moves:
-            self.cache.move_row(source, target, num_columns)
+    def move_rows(self, moves: Moves) -> None:
+        """What the scheduler decided, in order: row moves, memory given back."""
+        for move in moves:
+            if isinstance(move, Keep):
+                self.cache.keep(move.row, move.columns)
+            else:
+                self.cache.move_row(*move)
 
     def copy_prompt(self, group: Group) -> None:
         """The prompt prefilled in `group`'s first row into its other rows."""
@@ -152,7 +157,7 @@ class StepRunner:
         that many (copies of the first row, or of an empty one), which write only the
         column past `max_len` (the warm-up's step is all padding)."""
         device = self.model.device
-        last = [row.sequence.tokens[-1] if row.sequence.tokens else 0 for row in rows]
+        last = [row.input_token for row in rows]
         # (a finished row still in the batch rewrites its last column: never past the end)
         at = [min(row.column, self.max_len - 1) for row in rows]
         starts = [row.start for row in rows]

@@ -12,12 +12,12 @@ from offload.engine.compiled_step import CompiledCpuStep
 from offload.engine.core import EngineCore
 from offload.engine.requests import EngineModel
 from offload.engine.row_graphs import CudaGraphMaker, RowGraphs
-from offload.engine.rows import MIN_ROWS, bytes_per_row
+from offload.engine.rows import MIN_ROWS, bytes_per_row, page_columns
 from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import probe_kv_dims
 from offload.errors import ModelError
 from offload.llm.generating import Generating
-from offload.llm.serving import kv_cache_room
+from offload.llm.serving import kv_cache_room, takes_as_written
 from offload.memory.kv_shape import check_host_kv, kv_shape_of
 from offload.offloader.hooks import attach_boundaries
 from offload.offloader.layers import find_layers
@@ -25,12 +25,20 @@ from offload.sizes import compute_dtype
 
 
 def engine_core(
-    llm: Any, rows: int, length: int, *, own_thread: bool, generate: bool, compiles: bool = True
+    llm: Any,
+    rows: int,
+    length: int,
+    *,
+    own_thread: bool,
+    generate: bool,
+    compiles: bool = True,
+    room: int | None = None,
 ) -> EngineCore:
     """A core of `rows` rows of `length` positions over `llm`'s model. `generate`: run by
     a caller that holds the model's lock already, each answer kept in one form, eager or
     compiled (`StepRunner.keep_form`), its KV in host memory from `generate`'s pool.
-    `compiles`: its decode steps compiled where that pays (else eager)."""
+    `compiles`: its decode steps compiled where that pays (else eager). `room`: the
+    positions its rows hold together (`takes_as_written`; None: each row its length)."""
     compiles = compiles and not llm.batch_invariant
     model = EngineModel(
         llm.model,
@@ -62,6 +70,7 @@ def engine_core(
         host_pool=pool if llm.kv_offload else None,
         graphs=graphs,
         prefix_caching=llm.prefix_caching,
+        room=room,
     )
     core.runner.keep_form = generate
     return core
@@ -107,11 +116,12 @@ def generator_of(llm: Any) -> Generating:
 
     return Generating(
         llm._requests,
-        lambda rows, length, rounded: engine_core(
-            llm, rows, length, own_thread=False, generate=True, compiles=rounded
+        lambda rows, length, rounded, room: engine_core(
+            llm, rows, length, own_thread=False, generate=True, compiles=rounded, room=room
         ),
         lambda: kv_cache_room(llm),
         bytes_per_row(config, 1, dtype, dims),
         llm.max_num_seqs,
         too_big,
+        page_columns(config, dtype, dims) if takes_as_written(llm) else None,
     )

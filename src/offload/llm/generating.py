@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from offload.engine.core import EngineCore
 from offload.engine.cpu_step import cache_length
+from offload.engine.kv_room import row_pages
 from offload.engine.request_maker import RequestMaker
 from offload.engine.requests import Submitted
 from offload.engine.rows import MIN_ROWS
@@ -27,21 +28,26 @@ OnStep = Callable[[list[SequenceState]], None]
 
 
 class Generating:
-    """`make_core(rows, length, rounded)` makes a core (own_thread False) of that many rows
-    of that many positions (`rounded`: a length of `cache_length`'s, for which a compiled
-    step is made; another one, where the rounded one does not fit, decodes eagerly); `room()` gives the bytes its KV cache may take and where that comes
-    from, `per_position` the bytes of one position of one row; `too_big(rows, length)`
-    raises the error for rows that do not fit (None: the plain one)."""
+    """`make_core(rows, length, rounded, room)` makes a core (own_thread False) of that
+    many rows of that many positions (`rounded`: a length of `cache_length`'s, for which a
+    compiled step is made; another one, where the rounded one does not fit, decodes
+    eagerly; `room`: the positions they hold together, or None); `room()` gives the bytes
+    its KV cache may take and where that comes from, `per_position` the bytes of one
+    position of one row; `too_big(rows, length)` raises the error for rows that do not fit
+    (None: the plain one). `page`: where rows take memory as they write, the columns of a
+    page (`page_columns`): then every row runs within the room, preempted where need be."""
 
     def __init__(
         self,
         requests: RequestMaker,
-        make_core: Callable[[int, int, bool], EngineCore],
+        make_core: Callable[[int, int, bool, int | None], EngineCore],
         room: Callable[[], tuple[int, str]],
         per_position: int,
         max_num_seqs: int,
         too_big: Callable[[int, int], None] | None = None,
+        page: int | None = None,
     ):
+        self._page = page
         self._requests = requests
         self._make_core = make_core
         self._room = room
@@ -99,6 +105,7 @@ class Generating:
             # holds (a next call, a chat's next turn, starts from them, as vLLM's `LLM`).
             held = core.scheduler.held_columns()
             core.runner.cache.release(held)
+            core.scheduler.released(held)
             if held is None:  # (an interrupted call's `abandon` forgot them already)
                 core.scheduler.forget_prefixes()
             core.runner.forget_step()  # (a kept step's guards checked once a call, at least)
@@ -120,10 +127,10 @@ class Generating:
                 return core
             rows, length = max(rows, core.max_rows), max(length, core.max_len)
         room, source = self._room()
-        fit = min(rows, room // (length * self._per_position))
+        fit = self._fit(rows, length, room, widest)
         if fit < widest and exact < length and (core is None or core.max_len <= exact):
             length = exact  # (rows as long as asked, where the rounded ones do not fit)
-            fit = min(rows, room // (length * self._per_position))
+            fit = self._fit(rows, length, room, widest)
         if fit < widest:
             if self._too_big is not None:
                 self._too_big(widest, length)
@@ -135,8 +142,18 @@ class Generating:
             )
         self.close()  # (the smaller one's memory goes before the larger one's comes)
         rounded = length == cache_length(length, self._requests.max_model_len)
-        self.core = self._make_core(int(fit), length, rounded)
+        shared = room // self._per_position if self._page is not None else None
+        self.core = self._make_core(int(fit), length, rounded, shared)
         return self.core
+
+    def _fit(self, rows: int, length: int, room: int, widest: int) -> int:
+        """How many of `rows` rows of `length` positions run within `room` bytes: as many
+        as fit at full length, or (where rows take memory as they write) all of them, if
+        the widest request fits alone (a little more than its length each: `row_pages`)."""
+        if self._page is None:
+            return min(rows, room // (length * self._per_position))
+        whole = room // (row_pages(length + 1, self._page) * self._per_position)
+        return rows if whole >= widest else whole
 
     def moved(self) -> TransferStats:
         """What the cores' KV offload and graph replays moved so far."""

@@ -207,7 +207,9 @@ class LLM:
     def _serving(self, max_num_seqs, fixed_length, engine_thread) -> Serving:
         """A `Serving` over a core of its own (`serving`)."""
         plan = row_plan(self, max_num_seqs or self.max_num_seqs, fixed_length)
-        core = engine_core(self, plan.rows, plan.length, own_thread=engine_thread, generate=False)
+        core = engine_core(
+            self, plan.rows, plan.length, own_thread=engine_thread, generate=False, room=plan.room
+        )
         return Serving(core, self._requests, plan.length, self.tokenizer.eos_token_id or 0)
 
     def _count_forward(self, compiled: bool) -> None:

@@ -17,7 +17,7 @@ import torch
 from offload.engine.core import EngineCore
 from offload.engine.request_maker import RequestMaker
 from offload.engine.requests import Submitted
-from offload.engine.rows import bytes_per_row
+from offload.engine.rows import bytes_per_row, page_columns
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import RequestOutput
 from offload.errors import ConfigError, OffloadError
@@ -39,6 +39,7 @@ _SHORTEST_ROW = 2048  # positions a row keeps before fewer rows are run instead
 class RowPlan:
     rows: int
     length: int  # positions per row: prompt plus output at most
+    room: int | None = None  # positions all rows hold together (None: each row its length)
 
 
 def plan_rows(
@@ -78,13 +79,41 @@ def kv_cache_room(llm: Any) -> tuple[int, str]:
     return min(available_ram_bytes() // 2, CPU_KV_BYTES), "of RAM"
 
 
+def takes_as_written(llm: Any) -> bool:
+    """Whether `llm`'s rows take memory only as they write (`RowCache.takes_as_written`:
+    on a CPU, not in KV offload's pinned pool): then its cores run `max_num_seqs` rows
+    within a KV room of positions, preempting where they outgrow it (`Scheduler`)."""
+    return llm.device.type == "cpu" and not llm.kv_offload
+
+
+def room_plan(
+    per_position: int, room_bytes: int, rows: int, max_model_len: int, fixed_length: bool, page: int
+) -> RowPlan:
+    """`rows` rows of `max_model_len` positions sharing a room of `room_bytes`; each as
+    long as the room holds at most, a little less than all of it (`row_pages`)."""
+    room = room_bytes // per_position
+    longest = (room // page - 1) * page - 1  # (a sequence alone always fits: `check_fits`)
+    if longest < max_model_len and (fixed_length or longest < 1):
+        raise ConfigError(
+            f"one sequence of {max_model_len} positions needs "
+            f"{max_model_len * per_position / 2**20:.0f} MiB of KV cache, more than the "
+            f"{room_bytes / 2**20:.0f} MiB there is room for; lower max_model_len"
+        )
+    return RowPlan(rows, min(longest, max_model_len), room)
+
+
 def row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
-    """How many rows of how many positions an `LLM`'s core runs (`plan_rows`), with a
-    warning where fewer or shorter than asked."""
+    """How many rows of how many positions an `LLM`'s core runs (`plan_rows`, or
+    `room_plan` where they take memory as they write), with a warning where fewer or
+    shorter than asked."""
     dtype = compute_dtype(llm.model)
     per_position = bytes_per_row(llm.model.config, 1, dtype)
     room_bytes, source = kv_cache_room(llm)
-    plan = plan_rows(per_position, room_bytes, rows, llm.max_model_len, fixed_length)
+    if takes_as_written(llm):
+        page = page_columns(llm.model.config, dtype)
+        plan = room_plan(per_position, room_bytes, rows, llm.max_model_len, fixed_length, page)
+    else:
+        plan = plan_rows(per_position, room_bytes, rows, llm.max_model_len, fixed_length)
     if plan.rows < rows or plan.length < llm.max_model_len:
         _logger.warning(
             "the KV cache of %d sequences of %d positions would not fit in %.0f MiB (%s): "

@@ -72,6 +72,17 @@ class ServerMetrics:
                 ),
             )
         )  # fmt: skip
+        # Preemption where the rows outgrow the KV room (`Scheduler.make_room`).
+        registry.register(
+            _Totals(labels, lambda: engine.scheduler, (("vllm:num_preemptions", "Requests "
+                    "preempted for KV cache room (and recomputed).",
+                    lambda scheduler: scheduler.num_preemptions),))
+        )  # fmt: skip
+        gauge(
+            "vllm:kv_cache_usage_perc",
+            "The part of the KV room the rows hold memory for (1 = full).",
+            lambda: engine.scheduler.kv_usage,
+        )
         gauge(
             "vllm:gpu_prefix_cache_hit_rate",
             "Prompt tokens found in the prefix cache, of those looked up.",
