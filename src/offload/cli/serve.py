@@ -182,10 +182,13 @@ def _serve(args, sock, spec, config, name, waiting) -> int:
             f"; peak RSS within {llm.host_budget.budget_bytes / 2**30:.2f} GiB and the fixed "
             f"overhead {llm.fixed_overhead.describe()}"
         )
+    room = serving.core.scheduler.room  # (where rows take memory as they write: shared)
+    rows = f"{serving.core.max_rows} sequences at once"
+    if room is not None:
+        rows += f" in a KV room of {room} positions"
     print(
         f"offload serve: {settings.model_name} on http://{args.host}:{port}/v1 "
-        f"({llm.offloader.__class__.__name__}, {serving.core.max_rows} sequences at once"
-        f"{budget})",
+        f"({llm.offloader.__class__.__name__}, {rows}{budget})",
         file=sys.stderr,
         flush=True,
     )

@@ -163,7 +163,8 @@ class KVRoom:
         prompt = request.prompt_ids
         own = {row for row in held if _begins(prompt, self.prefixes.tokens[row])}
         while self._projected() > limit:
-            self._evict(moves, keep=own)
+            if not self._evict(moves, keep=own):
+                return False
         return True
 
     def _held_rows(self) -> list[int]:
