@@ -16,6 +16,9 @@ from offload.engine.rows import bytes_per_row
 
 LENGTH = 128  # max_model_len (two pages of this model's rows: `Scheduler._pages`)
 GREEDY = SamplingParams(temperature=0, max_tokens=100, logprobs=1, ignore_eos=True)
+PROMPTED = SamplingParams(
+    temperature=0, max_tokens=100, logprobs=1, prompt_logprobs=1, ignore_eos=True
+)
 SEEDED = SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=90, logprobs=1, ignore_eos=True)
 
 
@@ -31,7 +34,12 @@ def _room_for(checkpoint, rows: int) -> int:
 
 
 def _answers(output) -> list[tuple]:
-    return [
+    """Each sequence's tokens and their logprobs, and the prompt's logprobs (if asked)."""
+    prompt = [
+        None if e is None else {t: lp.logprob for t, lp in e.items()}
+        for e in output.prompt_logprobs or []
+    ]
+    return [prompt] + [
         (tuple(c.token_ids), tuple(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))  # noqa: B905
         for c in output.outputs
     ]
@@ -40,14 +48,15 @@ def _answers(output) -> list[tuple]:
 @pytest.fixture(scope="module")
 def invariant(checkpoint):
     """A batch-invariant LLM with KV room for 8 rows of `LENGTH`, 32 prompts (greedy,
-    every fourth sampled: seeded, n=2) and each one's answers alone."""
+    every fourth sampled: seeded, n=2; some asking their prompt's logprobs, which a
+    preempted request does not compute again) and each one's answers alone."""
     room = _room_for(checkpoint, 8)
     with LLM(checkpoint, batch_invariant=True, max_model_len=LENGTH,
              kv_cache_memory_bytes=room) as llm:  # fmt: skip
         prompts = random_prompts(
             llm.model.config.vocab_size, [3 + (i * 7) % 18 for i in range(32)], seed=5
         )
-        params = [SEEDED if i % 4 == 3 else GREEDY for i in range(32)]
+        params = [SEEDED if i % 4 == 3 else PROMPTED if i % 8 == 1 else GREEDY for i in range(32)]
         alone = [
             _answers(llm.generate([p], s, use_tqdm=False)[0])
             for p, s in zip(prompts, params, strict=True)
@@ -121,7 +130,7 @@ def test_the_server_answers_32_requests_in_room_for_8_as_alone_and_counts_preemp
         with ThreadPoolExecutor(len(greedy)) as pool:
             together = list(pool.map(ask, greedy))
         assert together == [
-            tokenizer.decode(alone[i][0][0], skip_special_tokens=True) for i in greedy
+            tokenizer.decode(alone[i][1][0], skip_special_tokens=True) for i in greedy
         ]
         assert _metric(server, "vllm:num_preemptions_total") > before
         assert 0 <= _metric(server, "vllm:kv_cache_usage_perc") <= 1
