@@ -143,3 +143,32 @@ def _metric(server, name: str) -> float:
         if line.startswith(name + "{"):
             return float(line.split()[-1])
     raise AssertionError(f"no {name}")
+
+
+ADDRESS_LIMIT = """
+import resource, sys
+from offload import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_model_len=2048)
+size = int(open("/proc/self/status").read().split("VmSize:")[1].split()[0]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (size + 200 * 2**20, resource.RLIM_INFINITY))
+serving = llm.serving(max_num_seqs=256)
+out = list(llm.stream("t3 t4", SamplingParams(max_tokens=4)))[-1]
+print(serving.core.max_rows, serving.core.scheduler.room is not None, len(out.outputs[0].token_ids))
+"""
+
+
+def test_rows_whose_address_space_is_refused_run_fewer_in_the_same_room(checkpoint):
+    """256 rows of 2048 positions need more address space (memory only as written) than
+    a limit of 200 MiB above the loaded process leaves: fewer rows run, still sharing the
+    room, and answer."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", ADDRESS_LIMIT, str(checkpoint)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows, shared, tokens = done.stdout.split()
+    assert 1 <= int(rows) < 256 and shared == "True" and tokens == "4"
+    assert "was refused" in done.stderr

@@ -5,6 +5,7 @@ own (`LLM.serving`), and `generate`'s on the caller's (`generating.Generating`).
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 from offload.engine import cpu_linear, cpu_step
@@ -15,13 +16,15 @@ from offload.engine.row_graphs import CudaGraphMaker, RowGraphs
 from offload.engine.rows import MIN_ROWS, bytes_per_row, page_columns
 from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import probe_kv_dims
-from offload.errors import ModelError
+from offload.errors import ConfigError, ModelError
 from offload.llm.generating import Generating
 from offload.llm.serving import kv_cache_room, takes_as_written
 from offload.memory.kv_shape import check_host_kv, kv_shape_of
 from offload.offloader.hooks import attach_boundaries
 from offload.offloader.layers import find_layers
 from offload.sizes import compute_dtype
+
+_logger = logging.getLogger("offload")
 
 
 def engine_core(
@@ -59,19 +62,41 @@ def engine_core(
         def graphs(held_rows: int) -> RowGraphs:
             return RowGraphs(maker, held_rows, lambda: TransferStats.of(offloader.stats()))
 
-    core = EngineCore(
-        model,
-        rows,
-        length,
-        llm.max_num_batched_tokens,
-        kv_dims=probed_kv_dims(llm) if llm.kv_offload else None,
-        own_thread=own_thread,
-        invariant=llm.batch_invariant,
-        host_pool=pool if llm.kv_offload else None,
-        graphs=graphs,
-        prefix_caching=llm.prefix_caching,
-        room=room,
-    )
+    def make(rows: int, room: int | None) -> EngineCore:
+        return EngineCore(
+            model,
+            rows,
+            length,
+            llm.max_num_batched_tokens,
+            kv_dims=probed_kv_dims(llm) if llm.kv_offload else None,
+            own_thread=own_thread,
+            invariant=llm.batch_invariant,
+            host_pool=pool if llm.kv_offload else None,
+            graphs=graphs,
+            prefix_caching=llm.prefix_caching,
+            room=room,
+        )
+
+    # Rows take address space for their whole length (on a CPU, memory only as they
+    # write), which a strict overcommit policy or an address-space limit may refuse:
+    # then half as many rows, sharing the same room.
+    while True:
+        try:
+            core = make(rows, room)
+            break
+        except RuntimeError as error:
+            if "allocate" not in str(error):
+                raise
+            if rows == 1:
+                raise ConfigError(
+                    f"the KV cache's rows of {length} positions could not be allocated "
+                    f"({str(error).splitlines()[0]}); lower max_model_len"
+                ) from None
+            _logger.warning(
+                "the address space for %d rows of %d positions of KV cache was refused; "
+                "trying %d", rows, length, rows // 2,
+            )  # fmt: skip
+            rows //= 2
     core.runner.keep_form = generate
     return core
 
