@@ -1,6 +1,7 @@
 """Continuous batching (`LLM.serving`, `LLM.stream`): requests that join and leave one
 running batch get the tokens they would get alone, offloaded or not."""
 
+import logging
 import queue
 import threading
 
@@ -194,13 +195,17 @@ def test_a_budget_without_room_for_one_row_is_refused():
         plan_rows(46080, 2**20, 4, 8192, True)
 
 
-def test_requests_longer_than_a_row_are_refused_and_limits_clamped(checkpoint, monkeypatch):
+def test_requests_longer_than_a_row_are_refused_and_limits_clamped(
+    checkpoint, monkeypatch, caplog
+):
     from offload.llm import serving
 
     with LLM(checkpoint, max_num_seqs=4) as llm:
         per_position = serving.bytes_per_row(llm.model.config, 1, torch.float32)
         monkeypatch.setattr(serving, "CPU_KV_BYTES", 400 * per_position)  # a room of 400
-        served = llm.serving()
+        with caplog.at_level(logging.WARNING, logger="offload"):
+            served = llm.serving()
+        assert "sequences of up to 319 positions run, 4 at once sharing it" in caplog.text
         # Four rows share the room (preempting where they outgrow it), each at most as long
         # as the room holds less the pages a row may not use (`row_pages`): 64 columns
         # of this model's 16-wide heads to a page.

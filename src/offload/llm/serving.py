@@ -112,8 +112,15 @@ def row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
     if takes_as_written(llm):
         page = page_columns(llm.model.config, dtype)
         plan = room_plan(per_position, room_bytes, rows, llm.max_model_len, fixed_length, page)
-    else:
-        plan = plan_rows(per_position, room_bytes, rows, llm.max_model_len, fixed_length)
+        if plan.length < llm.max_model_len:
+            _logger.warning(
+                "a sequence of %d positions would not fit in %.0f MiB of KV cache (%s): "
+                "sequences of up to %d positions run, %d at once sharing it (set "
+                "max_model_len to choose)",
+                llm.max_model_len, room_bytes / 2**20, source, plan.length, plan.rows,
+            )  # fmt: skip
+        return plan
+    plan = plan_rows(per_position, room_bytes, rows, llm.max_model_len, fixed_length)
     if plan.rows < rows or plan.length < llm.max_model_len:
         _logger.warning(
             "the KV cache of %d sequences of %d positions would not fit in %.0f MiB (%s): "
