@@ -111,6 +111,7 @@ _SLOW = (
     # (2026-11-29: structured outputs' schemas over the default model)
     "server/test_structured_outputs.py", "llm/test_structured_outputs.py",
     "server/test_tools.py",  # (2026-11-29: tool calls over the default model, ~1 min)
+    "llm/test_preemption.py",  # (2026-11-29: 32 requests alone and preempted, ~40 s)
 )  # fmt: skip
 
 
