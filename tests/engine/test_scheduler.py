@@ -108,24 +108,44 @@ def test_every_running_row_holds_its_own_sequence_and_every_request_ends(
 
 class _Columns:
     """What each of the cache's columns holds, row by row: the token whose keys and values
-    were written there (moves copy them)."""
+    were written there (moves copy them), and the memory each row holds: how far it was
+    written, cut by `Keep`."""
 
     def __init__(self, max_rows: int):
         self.rows: list[list[int | None]] = [[] for _ in range(max_rows)]
+        self.extent = [0] * max_rows
 
     def move(self, moves) -> None:
-        for source, target, num_columns in moves:
+        for move in moves:
+            if isinstance(move, Keep):
+                self.rows[move.row] = self.rows[move.row][: move.columns]
+                self.extent[move.row] = min(self.extent[move.row], move.columns)
+                continue
+            source, target, num_columns = move
             assert len(self.rows[source]) >= num_columns
             self.rows[target] = self.rows[source][:num_columns] + self.rows[target][num_columns:]
+            self.extent[target] = max(self.extent[target], num_columns)
 
     def write(self, row: int, column: int, token: int) -> None:
         held = self.rows[row]
         held.extend([None] * (column + 1 - len(held)))
         held[column] = token
+        self.extent[row] = max(self.extent[row], column + 1)
+
+    def pages(self, page: int) -> int:
+        """Columns of memory held: whole pages, one more each for where a head starts."""
+        return sum((-(-e // page) + 1) * page for e in self.extent if e)
 
 
-def _turn_over_columns(scheduler: Scheduler, cache: _Columns, next_token) -> int:
-    """One turn, as `_turn`, over a cache of tokens: the tokens prefilled."""
+def _next_token(history: list[int]) -> int:
+    """The "model": a token from everything before it, so a row whose columns were fed
+    wrongly (a replay out of order, a token sampled twice) answers otherwise."""
+    return hash(tuple(history)) % 5
+
+
+def _turn_over_columns(scheduler: Scheduler, cache: _Columns) -> int:
+    """One turn as `EngineCore._turn` runs it, over a cache of tokens: each token picked
+    from the row's columns, none picked while a row replays; the tokens prefilled."""
     scheduler.begin_turn()
     prefilled = 0
     while True:
@@ -144,16 +164,22 @@ def _turn_over_columns(scheduler: Scheduler, cache: _Columns, next_token) -> int
             break
         for index in range(1, len(group.rows)):
             cache.move([(group.first, group.first + index, group.width)])
-        for row in group.rows:
-            row.sequence.tokens.append(next_token())
-    for index, row in enumerate(scheduler.decoding()):
+        if not group.resumed:
+            for index, row in enumerate(group.rows):
+                row.sequence.tokens.append(_next_token(cache.rows[group.first + index][:end]))
+    cache.move(scheduler.make_room())
+    rows = scheduler.decoding()
+    replaying = [row.replaying for row in rows]
+    for index, row in enumerate(rows):  # (a finished row rewrites its column)
+        cache.write(index, row.column, row.input_token)
         if row.is_live:
-            cache.write(index, row.column, row.sequence.tokens[-1])
             row.column += 1
+    for index, row in enumerate(rows):
+        if row.is_live and not replaying[index]:
             if len(row.sequence.tokens) >= row.sequence.limit:
                 row.sequence.finish_reason = "length"
             else:
-                row.sequence.tokens.append(next_token())
+                row.sequence.tokens.append(_next_token(cache.rows[index][: row.column]))
     return prefilled
 
 
@@ -182,11 +208,9 @@ def test_with_prefix_caching_every_row_holds_its_tokens_and_reuse_happens(
     (some cancelled): the columns a prompt starts from are its own tokens, every running row holds its own
     sequence's tokens before its column, packing and admission's moves included, and
     every request runs to its end."""
-    import itertools
 
     beginnings = [[b * 10 + i % 7 for i in range(70)] for b in range(4)]
     scheduler, cache = Scheduler(max_rows, chunk, prefix_caching=True), _Columns(max_rows)
-    counter = itertools.count()
     requests = []
     for i, (turn, which, length, own, n, limit) in enumerate(arrivals):
         prompt = beginnings[which][:length] + own or [1]
@@ -198,7 +222,7 @@ def test_with_prefix_caching_every_row_holds_its_tokens_and_reuse_happens(
         for index in cancels:
             if index < len(requests) and requests[index][0] + 1 == turn:
                 requests[index][1].cancelled = True
-        prefilled = _turn_over_columns(scheduler, cache, lambda: next(counter) % 3)
+        prefilled = _turn_over_columns(scheduler, cache)
         assert chunk is None or prefilled <= max(chunk, 1)
         for index, row in enumerate(scheduler.running):
             written = (row.sequence.prompt_ids + row.sequence.tokens)[: row.column]
@@ -221,13 +245,12 @@ def test_prefix_caching_reuses_a_finished_prompt_and_keeps_it_through_packing():
     scheduler, cache = Scheduler(3, None, prefix_caching=True), _Columns(3)
     a = [5] * 20 + list(range(100, 120))
     b = list(range(200, 240))
-    tokens = iter(range(1000, 2000))
     for prompt, limit in ((a, 1), (b, 6)):
         params = SamplingParams(max_tokens=limit)
         scheduler.add(
             [Submitted("x", None, prompt, [SequenceState(prompt, params, None, limit)], print)]
         )
-    _turn_over_columns(scheduler, cache, lambda: next(tokens))  # (A and B admitted; A ends)
+    _turn_over_columns(scheduler, cache)  # (A and B admitted; A ends)
     assert [row.is_live for row in scheduler.running] == [False, True]
     scheduler.begin_turn()
     group, moves = scheduler.next_group()  # (packing only: nothing waits)
@@ -252,75 +275,6 @@ def test_prefix_caching_reuses_a_finished_prompt_and_keeps_it_through_packing():
     assert group.first == 2 and group.done_columns == 40  # (A's row is D's: no copy)
     assert moves == []
     assert scheduler.prefixes.hits == 32 + 40
-
-
-class _Memory(_Columns):
-    """`_Columns` and the memory each row holds: how far it was written, cut by `Keep`."""
-
-    def __init__(self, max_rows: int):
-        super().__init__(max_rows)
-        self.extent = [0] * max_rows
-
-    def move(self, moves) -> None:
-        for move in moves:
-            if isinstance(move, Keep):
-                self.rows[move.row] = self.rows[move.row][: move.columns]
-                self.extent[move.row] = min(self.extent[move.row], move.columns)
-            else:
-                _, target, columns = move
-                super().move([move])
-                self.extent[target] = max(self.extent[target], columns)
-
-    def write(self, row: int, column: int, token: int) -> None:
-        super().write(row, column, token)
-        self.extent[row] = max(self.extent[row], column + 1)
-
-    def pages(self, page: int) -> int:
-        """Columns of memory held: whole pages, one more each for where a head starts."""
-        return sum((-(-e // page) + 1) * page for e in self.extent if e)
-
-
-def _next_token(history: list[int]) -> int:
-    """The "model": a token from everything before it, so a row whose columns were fed
-    wrongly (a replay out of order, a token sampled twice) answers otherwise."""
-    return hash(tuple(history)) % 5
-
-
-def _turn_in_room(scheduler: Scheduler, cache: _Memory) -> None:
-    """One turn as `EngineCore._turn` runs it, over a cache of tokens with memory: each
-    token picked from the row's columns, none picked while a row replays."""
-    scheduler.begin_turn()
-    while True:
-        group, moves = scheduler.next_group()
-        cache.move(moves)
-        if group is None:
-            break
-        start, end = scheduler.next_chunk(group)
-        prompt = group.rows[0].sequence.prompt_ids
-        assert cache.rows[group.first][:start] == prompt[:start]
-        for column in range(start, end):
-            cache.write(group.first, column, prompt[column])
-        if not scheduler.prefilled(group, end):
-            break
-        for index in range(1, len(group.rows)):
-            cache.move([(group.first, group.first + index, group.width)])
-            cache.extent[group.first + index] = max(cache.extent[group.first + index], end)
-        if not group.resumed:
-            for index, row in enumerate(group.rows):
-                row.sequence.tokens.append(_next_token(cache.rows[group.first + index][:end]))
-    cache.move(scheduler.make_room())
-    rows = scheduler.decoding()
-    replaying = [row.replaying for row in rows]
-    for index, row in enumerate(rows):
-        cache.write(index, min(row.column, 99), row.input_token)
-        if row.is_live:
-            row.column += 1
-    for index, row in enumerate(rows):
-        if row.is_live and not replaying[index]:
-            if len(row.sequence.tokens) >= row.sequence.limit:
-                row.sequence.finish_reason = "length"
-            else:
-                row.sequence.tokens.append(_next_token(cache.rows[index][: row.column]))
 
 
 def _alone(prompt: list[int], limit: int) -> list[int]:
@@ -360,7 +314,7 @@ def test_within_a_kv_room_requests_are_preempted_and_answer_as_alone(
     longest = 40 + 10 + 30 + 1
     room = room_rows * 2 * ((-(-longest // page) + 1) * page)  # (n=2 of the longest fit)
     scheduler = Scheduler(max_rows, chunk, prefix_caching=caching, room=room, page=page)
-    cache = _Memory(max_rows)
+    cache = _Columns(max_rows)
     beginnings = [[b * 10 + i % 7 for i in range(40)] for b in range(3)]
     requests = []
     for i, (turn, which, length, own, n, limit) in enumerate(arrivals):
@@ -372,7 +326,7 @@ def test_within_a_kv_room_requests_are_preempted_and_answer_as_alone(
         requests.append((turn, request))
     for turn in range(2000):
         scheduler.add(r for at, r in requests if at == turn)
-        _turn_in_room(scheduler, cache)
+        _turn_over_columns(scheduler, cache)
         assert cache.pages(page) <= room
         for index, row in enumerate(scheduler.running):
             fed = row.column - len(row.sequence.prompt_ids)
@@ -391,7 +345,7 @@ def test_the_youngest_request_is_preempted_and_resumes_by_replaying_its_tokens()
     start, and when their rows outgrow the room, B (the younger) is preempted, its memory
     given back; once A is done, B's prompt is prefilled again and its tokens fed back one
     step each before it picks new ones; both end as they would alone."""
-    scheduler, cache = Scheduler(4, None, room=30, page=1), _Memory(4)
+    scheduler, cache = Scheduler(4, None, room=30, page=1), _Columns(4)
     prompts = [list(range(10, 18)), list(range(20, 28))]
     requests = []
     for name, prompt in zip("ab", prompts, strict=True):
@@ -402,7 +356,7 @@ def test_the_youngest_request_is_preempted_and_resumes_by_replaying_its_tokens()
     scheduler.add(requests)
     seen_replay = False
     for _ in range(100):
-        _turn_in_room(scheduler, cache)
+        _turn_over_columns(scheduler, cache)
         assert cache.pages(1) <= 30
         seen_replay |= any(row.replaying for row in scheduler.running)
         if requests[1].preemptions and not requests[0].output().finished:
