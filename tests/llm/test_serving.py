@@ -195,9 +195,7 @@ def test_a_budget_without_room_for_one_row_is_refused():
         plan_rows(46080, 2**20, 4, 8192, True)
 
 
-def test_requests_longer_than_a_row_are_refused_and_limits_clamped(
-    checkpoint, monkeypatch, caplog
-):
+def test_requests_longer_than_a_row_are_refused_and_limits_clamped(checkpoint, monkeypatch, caplog):
     from offload.llm import serving
 
     with LLM(checkpoint, max_num_seqs=4) as llm:
