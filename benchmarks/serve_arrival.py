@@ -4,10 +4,11 @@ running streams keep their pace?
     python benchmarks/serve_arrival.py [--model PATH] [--streams 8] [--prompt-tokens 2000]
                                        [--rounds 3] [--flags ...]
 
-One `offload serve` (the default model on its default setting, plus --flags). Each round:
+One `offload serve` (the default model on its default setting, plus --flags), warmed up
+until its batched decode steps run compiled (`warm_up`). Each round:
 --streams streaming completions (greedy, `ignore_eos`, long enough to outlast the round)
 run until each has 10 tokens; then one completion of about --prompt-tokens tokens
-(`max_tokens` 1) arrives, and the round ends 1 s after it is answered. Client-side, each
+(`max_tokens` 1; its own words each round) arrives, and the round ends 1 s after it is answered. Client-side, each
 stream's inter-token gaps (between token chunks) are split into before the arrival and
 during it (from its sending to its answer). Reported per round: the median gap before, the
 median and p99 of the gaps during, the long prompt's time to answer, and p99 during over
@@ -58,7 +59,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def one_round(url: str, streams: int, prompt_tokens: int) -> dict:
+def one_round(url: str, streams: int, prompt_tokens: int, index: int) -> dict:
     stop = threading.Event()
     times: list[list[float]] = [[] for _ in range(streams)]
     threads = [
@@ -69,7 +70,8 @@ def one_round(url: str, streams: int, prompt_tokens: int) -> dict:
         thread.start()
     while min(len(t) for t in times) < 10:
         time.sleep(0.05)
-    long_prompt = " ".join(["the"] * prompt_tokens)
+    # (its own words each round: a prompt seen before would be a prefix cache hit)
+    long_prompt = f"round {index}: " + " ".join(["the"] * (prompt_tokens - 4))
     sent = time.perf_counter()
     client(url).completions.create(
         model=SERVED_NAME, prompt=long_prompt, max_tokens=1, temperature=0
@@ -97,6 +99,32 @@ def one_round(url: str, streams: int, prompt_tokens: int) -> dict:
     }
 
 
+def compiled_steps(url: str) -> float:
+    """The server's `offload:compiled_steps_total` (decode steps a compiled step ran)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    for line in text.splitlines():
+        if line.startswith("offload:compiled_steps_total"):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def warm_up(url: str, limit_s: float = 900.0) -> None:
+    """Short rounds until the batches' decode steps run compiled: a first launch compiles
+    them in the background, and meanwhile its steps run eagerly and no chunk rides in
+    them (`mixed_step`), which is not the steady state measured here."""
+    deadline = time.monotonic() + limit_s
+    index = 0
+    while True:
+        before = compiled_steps(url)
+        one_round(url, 2, 64, -1 - index)
+        index += 1
+        if compiled_steps(url) > before or time.monotonic() > deadline:
+            return
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model folder or .gguf (default: the default model)")
@@ -109,9 +137,9 @@ def main() -> None:
     command = server.command
     rounds = []
     with running(server):
-        one_round(server.url, 2, 64)  # warm-up
-        for _ in range(args.rounds):
-            row = one_round(server.url, args.streams, args.prompt_tokens)
+        warm_up(server.url)
+        for index in range(args.rounds):
+            row = one_round(server.url, args.streams, args.prompt_tokens, index)
             rounds.append(row)
             print(
                 f"gap before {row['median_gap_before_s'] * 1e3:.0f} ms, during: median "

@@ -4,6 +4,7 @@ import re
 
 import pytest
 import torch
+from forwards import record_forwards
 
 from offload import ConfigError, ModelError, SamplingParams
 from offload.engine.step_runner import StepRunner
@@ -531,20 +532,6 @@ def _decode_sizes(monkeypatch) -> list[int]:
     return sizes
 
 
-def _prefill_widths(llm):
-    """Records the number of columns of every multi-token forward (the prefill chunks)."""
-    widths = []
-    llm.model.register_forward_pre_hook(
-        lambda module, args, kwargs: (
-            widths.append(kwargs["input_ids"].shape[1])
-            if kwargs["input_ids"].shape[1] > 1
-            else None
-        ),
-        with_kwargs=True,
-    )
-    return widths
-
-
 def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(
     smollm2_path, greedy, monkeypatch
 ):
@@ -553,32 +540,28 @@ def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(
         smollm2_path, max_num_batched_tokens=9, offload_group_size=1, offload_prefetch_step=2,
         swap_space=0.5,
     )  # fmt: skip
-    widths = _prefill_widths(offloaded)
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2, logprobs=2)
     expected = chunked.generate(PROMPTS, params)
-    steps = _decode_sizes(monkeypatch)
+    events = record_forwards(monkeypatch)
     before = offloaded.transfer_stats()
     got = offloaded.generate(PROMPTS, params)
     after = offloaded.transfer_stats()
-    # Each prompt prefills alone (`row_prefill`), 9 columns a chunk.
+    # Each prompt prefills alone or rides in a decode step, 9 columns a chunk, in order.
     lengths = [len(o.prompt_token_ids) for o in got]
     chunks = [c for n in lengths for c in [9] * (n // 9) + ([n % 9] if n % 9 else [])]
-    assert widths == [c for c in chunks if c > 1]  # (a one-column chunk is not recorded)
-    # Each prefill chunk and each decode step is one forward (plus, at the first call, the
-    # one that probes the KV shapes), and each forward brings in every offloaded layer once
-    # (30 layers over 2 slots).
+    assert [e[-1] for e in events if e[0] in ("prefill", "mixed")] == chunks
+    # Once the first prompt's rows decode, the next prompts' chunks share their steps.
+    assert any(e[0] == "mixed" for e in events) and ("apart",) not in events
+    # Each forward (plus, at the first call, the one that probes the KV shapes) brings in
+    # every offloaded layer once (30 layers over 2 slots).
     forwards = after.num_forwards - before.num_forwards
-    assert forwards == 1 + len(chunks) + len(steps)
-    assert len(steps) >= max(len(o.outputs[0].token_ids) for o in got) - 1
+    assert forwards == 1 + len(events)
     copied = after.weight_copied_bytes - before.weight_copied_bytes
     assert copied == forwards * offloaded.offloader.offloaded_bytes
     for mine, theirs in zip(got, expected, strict=True):
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
         assert mine.outputs[0].logprobs == theirs.outputs[0].logprobs
         assert mine.prompt_logprobs == theirs.prompt_logprobs
-    assert offloaded.transfer_stats().kv_copied_bytes > 0
-    # Chunks change the arithmetic, not the answer.
-    assert greedy[0] == [o.outputs[0].token_ids for o in chunked.generate(PROMPTS, GREEDY)]
 
 
 def test_chunked_prefill_makes_a_long_context_fit(smollm2_path):

@@ -295,9 +295,9 @@ def test_a_batch_on_the_cpu_runs_the_few_rows_linear(checkpoint, monkeypatch):
 
 def test_a_served_request_gets_its_prompt_logprobs_whatever_runs_beside_it(checkpoint):
     """`prompt_logprobs` on the engine core (prefilled in chunks of 4 tokens, `n` 2): each
-    prompt's entries and its first token's logprobs bit for bit the same alone and beside
-    other requests (whose chunks share the turns'), its tokens the same, and `generate`'s
-    up to rounding (its cache has another width: not yet one engine)."""
+    prompt's entries and its first token's logprobs the same alone and beside other
+    requests up to rounding (beside them, its chunks ride in their decode steps:
+    `mixed_step`), and `generate`'s; its tokens the same."""
     asked = SamplingParams(
         temperature=0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=3, n=2
     )
@@ -311,22 +311,20 @@ def test_a_served_request_gets_its_prompt_logprobs_whatever_runs_beside_it(check
         assert got.prompt_logprobs[0] is None and len(got.prompt_logprobs) == len(
             want.prompt_token_ids
         )
-        assert _entries(got.prompt_logprobs[1:]) == _entries(want.prompt_logprobs[1:])
-        for mine, theirs in zip(got.outputs, want.outputs, strict=True):
-            assert mine.token_ids == theirs.token_ids
-            # (the first token's from the prefill; the decode steps' are batched)
-            assert _logprobs(mine)[0] == _logprobs(theirs)[0]
-        generated = expected[index].prompt_logprobs[1:]
-        for entry, other in zip(got.prompt_logprobs[1:], generated, strict=True):
-            assert entry.keys() == other.keys()
-            for token, logprob in entry.items():
-                assert logprob.logprob == pytest.approx(other[token].logprob, abs=1e-5)
-        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in expected[index].outputs]
+        for other in (want, expected[index]):
+            _assert_close(got.prompt_logprobs[1:], other.prompt_logprobs[1:])
+            for mine, theirs in zip(got.outputs, other.outputs, strict=True):
+                assert mine.token_ids == theirs.token_ids
+                _assert_close(mine.logprobs[:1], theirs.logprobs[:1])
     assert served[1].prompt_logprobs is None
 
 
-def _entries(prompt_logprobs):
-    return [{t: (lp.logprob, lp.rank) for t, lp in entry.items()} for entry in prompt_logprobs]
+def _assert_close(entries, others):
+    assert len(entries) == len(others)
+    for entry, other in zip(entries, others, strict=True):
+        assert entry.keys() == other.keys()
+        for token, logprob in entry.items():
+            assert logprob.logprob == pytest.approx(other[token].logprob, abs=1e-5)
 
 
 @pytest.mark.parametrize("weights", ["resident", "prefetch"])

@@ -147,7 +147,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
     generate.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        help="prefill prompts in chunks of this many tokens (default: each prompt whole)",
+        help="prefill prompts in chunks of this many tokens, each riding in the running "
+        "sequences' decode step (default: each prompt whole)",
     )
     _run_flags(generate)
     _model_run_flags(generate, "prompt plus output at most (default: the model's)")

@@ -183,13 +183,17 @@ class EngineCore:
     def _turn(self) -> None:
         """Prefills (each waiting request alone, one after another, while rows are free
         and the turn's `max_num_batched_tokens` last), then one decode step of every
-        running sequence: requests that arrive together decode together."""
+        running sequence: requests that arrive together decode together. With chunked
+        prefill while rows decode, the turn's one chunk rides in the decode step's
+        forward instead (`mixed_step`: the weights read once)."""
         scheduler = self.scheduler
         scheduler.begin_turn()
+        mixes = self.runner.mixes and scheduler.chunk_tokens is not None
+        mixes = mixes and bool(scheduler.decoding())
         while True:
             group, moves = scheduler.next_group()
             self.runner.move_rows(moves)  # (packed whether or not a request is admitted)
-            if group is None:
+            if group is None or mixes:
                 break
             start, end = scheduler.next_chunk(group)
             if not self._run_forward(group.rows, self._prefill, group, start, end):
@@ -199,7 +203,15 @@ class EngineCore:
         self._stepped()
         self.runner.move_rows(scheduler.make_room())  # (a KV room: preempting, if need be)
         rows = scheduler.decoding()
-        if rows:
+        group = scheduler.group if mixes else None  # (none if preempted to make room)
+        if group is not None and rows:
+            start, end = scheduler.next_chunk(group)
+            both = [*rows, *group.rows]
+            ran = self._run_forward(both, self._mixed, list(rows), group, start, end)
+            if not ran and scheduler.group is group:
+                scheduler.drop_group()  # (its requests failed, with the rows')
+            self._stepped()
+        elif rows:
             self._run_forward(rows, self._decode, rows)
             self._stepped()
 
@@ -209,7 +221,21 @@ class EngineCore:
         self._picked = False
 
     def _prefill(self, group: Group, start: int, end: int) -> None:
-        logits = self.runner.prefill(group, start, end)
+        self._prefilled(group, end, self.runner.prefill(group, start, end))
+
+    def _mixed(self, rows: list[Row], group: Group, start: int, end: int) -> None:
+        replaying = [row.replaying for row in rows]  # (before the step moves their columns)
+        both = self.runner.mixed(rows, group, start, end)
+        if both is None:  # (not now: the two forwards apart)
+            self._pick(rows, self.runner.decode(rows), replaying)
+            self._prefill(group, start, end)
+            return
+        self._pick(rows, both[0], replaying)
+        self._prefilled(group, end, both[1])
+
+    def _prefilled(self, group: Group, end: int, logits: torch.Tensor) -> None:
+        """The tokens of a prefill (or its chunk) up to column `end` are in; `logits` of
+        its last column, or of every column (prompt logprobs)."""
         if group.every_position:  # [1, tokens, vocab]: kept till the prompt is whole
             group.chunks.append(logits)
         if not self.scheduler.prefilled(group, end):

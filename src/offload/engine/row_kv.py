@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from offload.engine.kv_cache import KVHostPool, KVOffloader
-from offload.engine.static_layers import _row_update
+from offload.engine.static_layers import write_rows
 from offload.memory.kv_shape import KV_SLOTS, KVShape
 
 
@@ -54,12 +54,18 @@ class RowKVOffloader(KVOffloader):
     def row_update_at(self, layer: int, kv, key_states, value_states, columns, first: int):
         """`layer`'s update: its slot filled, the new tokens written at each row's
         `columns` (rows from `first`) there and in the host copy."""
+        self.rows_update_at(layer, kv, [(key_states, value_states, columns, first)])
+
+    def rows_update_at(self, layer: int, kv, parts: list[tuple]) -> None:
+        """`row_update_at` of several parts (keys, values, columns, first row) at once, as
+        a mixed forward writes them (`mixed_step`): the slot filled once."""
         self.before_update(layer)
-        _row_update(kv, key_states, value_states, columns, first)
-        _row_update(self._host_kv[layer], key_states, value_states, columns, first)
+        for key_states, value_states, columns, first in parts:
+            write_rows(kv, key_states, value_states, columns, first)
+            write_rows(self._host_kv[layer], key_states, value_states, columns, first)
+            tokens = key_states.shape[0] * key_states.shape[2]  # (rows x new columns)
+            self.bytes_written_back += tokens * self.shape.row_bytes // self.shape.batch
         self.lengths[layer] = max(self.lengths[layer], self._high)
-        tokens = key_states.shape[0] * key_states.shape[2]  # (rows x new columns)
-        self.bytes_written_back += tokens * self.shape.row_bytes // self.shape.batch
         self._last = layer
 
     def host_changed(self) -> None:

@@ -40,6 +40,7 @@ class RowWindow:
     # What the mask's causal part measures from (the first query's column, as a tensor so
     # that a CUDA graph replays it); decode passes the last column, the 2D mask does the rest.
     offset: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
+    mixed: object = None  # a `mixed_step.MixedWindow` while a mixed forward runs
 
 
 MIN_ROWS = 2  # the fewest rows of the compiled batches' graph (`RowStep`)

@@ -8,7 +8,8 @@ from the prompt's start, so the same whatever else runs), or (none being prefill
 is admitted into the free rows after them, its prompt at column 0 of each of its `n` rows
 (prefilled in the first, copied to the others);
 then every running row decodes one token. Requests admitted in one turn decode together
-from the next step.
+from the next step. With chunked prefill while rows decode, the core runs the turn's one
+chunk inside the decode step (`EngineCore._turn`, `mixed_step`).
 
 With prefix caching (`prefixes.PrefixRows`), an admitted request whose prompt begins as
 some row holds has those columns copied into its row and prefills only the rest; packing

@@ -143,8 +143,12 @@ class RowLayer(StaticLayer):
         kv = [self.all_keys, self.all_values]
         if torch.compiler.is_compiling():  # one op, in place (`ROW_UPDATE_OP`)
             ROW_UPDATE_OP(kv, key_states, value_states, window.columns, window.first)
+        elif window.mixed is not None:  # (a decode step with a prompt's chunk: `mixed_step`)
+            for part in window.mixed.parts(key_states, value_states):
+                write_rows(kv, *part)
+            return self.all_keys, self.all_values
         else:
-            _row_update(kv, key_states, value_states, window.columns, window.first)
+            write_rows(kv, key_states, value_states, window.columns, window.first)
         keys = self.all_keys[window.first : window.last, :, : window.width]
         values = self.all_values[window.first : window.last, :, : window.width]
         return keys, values
@@ -156,7 +160,7 @@ class RowLayer(StaticLayer):
         return self.window.width, 0
 
 
-def _row_update(kv, key_states, value_states, columns, first: int) -> None:
+def write_rows(kv, key_states, value_states, columns, first: int) -> None:
     """Rows [first, first + len(columns)) of a `RowLayer`'s keys and values: each row's new
     tokens written at its `columns` ([rows, tokens]; a padding row's in the column past
     max_len, which attention does not read)."""
@@ -181,7 +185,7 @@ def _no_row_update(kv, key_states, value_states, columns, first: int) -> None:
 ROW_UPDATE_OP = ops.define_op(
     "row_kv_update",
     "(Tensor(a!)[] kv, Tensor key_states, Tensor value_states, Tensor columns, SymInt first) -> ()",
-    _row_update,
+    write_rows,
     _no_row_update,
 )
 
@@ -203,6 +207,10 @@ class OffloadedRowLayer(RowLayer):
                 kv, key_states, value_states, window.columns, window.first,
                 self.offloader_id, self.position,
             )  # fmt: skip
+        elif window.mixed is not None:  # (see `RowLayer.update`)
+            parts = window.mixed.parts(key_states, value_states)
+            self.offloader.rows_update_at(self.position, kv, parts)
+            return self.all_keys, self.all_values
         else:
             self.offloader.row_update_at(
                 self.position, kv, key_states, value_states, window.columns, window.first

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 _SWITCH_S = 1e-5  # the GIL's switch interval while a job runs
 _ALL: weakref.WeakSet = weakref.WeakSet()  # every StepJobs, for `busy`
+# Held while a job runs: a trace reads the model's attention implementation, which a mixed
+# forward swaps for its own while it runs (`mixed_step.mixing`, which waits for no job).
+TRACING = threading.Lock()
 
 
 def busy() -> bool:
@@ -105,7 +108,7 @@ class StepJobs:
             try:
                 # (the inputs were made in inference mode: a step's guards check their
                 # dispatch keys, and the mode is a thread's own)
-                with torch.inference_mode():
+                with torch.inference_mode(), TRACING:
                     result = None if self.closed.is_set() else job()
             except Exception as error:  # the step stays eager; only slower
                 log.info("the decode step's compile failed (%s); it runs eagerly", error)

@@ -11,6 +11,7 @@ import torch
 from offload.engine import cpu_linear, invariant
 from offload.engine.cpu_linear import kernels_for
 from offload.engine.kv_room import Keep, Moves
+from offload.engine.mixed_step import MixedWindow, can_mix, mixing
 from offload.engine.requests import EngineModel, Group, Row
 from offload.engine.row_graphs import RowGraphs
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
@@ -47,6 +48,8 @@ class StepRunner:
         self.graphs = None
         if graphs is not None and host_pool is None and not invariant:
             self.graphs = graphs(self.cache.held)
+        # (not batch invariant: its prompts are prefilled alone, by the prefill's products)
+        self.mixes = not invariant and can_mix(model.model, self.cache)
 
     def move_rows(self, moves: Moves) -> None:
         """What the scheduler decided, in order: row moves, memory given back."""
@@ -95,6 +98,61 @@ class StepRunner:
             )
         self.model.on_forward(False)
         return out.logits if group.every_position else out.logits[:, -1, :]
+
+    def mixed(self, rows: list[Row], group: Group, start: int, end: int):
+        """One forward of `rows`' decode step (rows [0, len) of the cache) and columns
+        [start, end) of `group`'s prompt (`mixed_step`): the rows' logits [rows, vocab]
+        and the chunk's as `prefill` returns them; None where the two cannot share a
+        forward now (a compile is tracing the model: the caller runs them apart)."""
+        device, model = self.model.device, self.model.model
+        at = [min(row.column, self.max_len - 1) for row in rows]
+        width = self._read_width(max(at) + 1)
+        # (the chunk reads the columns up to its end, not all its prompt's as alone: its
+        # bits depend on the rows beside it anyway, and it runs eagerly: no shape to reuse)
+        chunk_width = end
+        every = torch.arange(max(width, chunk_width), device=device)
+        row_columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
+        starts = torch.tensor([row.start for row in rows], device=device)[:, None]
+        row_mask = (every[:width] >= starts) & (every[:width] <= row_columns)  # [rows, width]
+        first = group.rows[0]
+        columns = torch.arange(start, end, device=device)  # [tokens]
+        chunk_every = every[:chunk_width]
+        chunk_mask = (chunk_every >= first.start) & (chunk_every <= columns[:, None])
+        ids = [self.model.pad_id] * first.start + first.sequence.prompt_ids
+        input_ids = [row.input_token for row in rows] + ids[start:end]
+        positions = torch.cat(
+            [row_columns[:, 0] - starts[:, 0], (columns - first.start).clamp(min=0)]
+        )
+        window = MixedWindow(
+            len(rows), row_columns, row_mask[:, None, None, :], group.first, columns[None, :],
+            chunk_mask[None, None, :, :],
+        )  # fmt: skip
+        tokens = len(input_ids)
+        keep = [*range(len(rows)), *(range(len(rows), tokens - 1) if group.every_position else ())]
+        keep = torch.tensor([*keep, tokens - 1], device=device)
+        with mixing(model, window) as mixes:
+            if not mixes:
+                return None
+            self.cache.forward_writes(max(max(at) + 1, end))
+            self.cache.window.mixed = window
+            try:
+                with self._kernels():
+                    out = model(
+                        input_ids=torch.tensor([input_ids], device=device),
+                        position_ids=positions[None, :],
+                        **cache_argument(model, self.cache.cache),
+                        cache_position=torch.arange(tokens, device=device),
+                        use_cache=True,
+                        logits_to_keep=keep,
+                    )
+            finally:
+                self.cache.window.mixed = None
+        self.model.on_forward(False)
+        for row in rows:
+            row.column += row.is_live
+        logits = out.logits[0]  # [rows + kept, vocab]
+        chunk = logits[len(rows) :]
+        return logits[: len(rows)], chunk[None] if group.every_position else chunk
 
     @torch.inference_mode()
     def decode(self, rows: list[Row]) -> torch.Tensor:

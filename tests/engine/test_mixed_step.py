@@ -1,0 +1,96 @@
+"""Chunked prefill mixed with decode (`engine/mixed_step.py`): a prompt's chunk rides in
+the running rows' decode step, one forward where there were two, and every row's results
+are those of the two forwards apart up to rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from forwards import record_forwards
+
+from offload import LLM, SamplingParams
+from offload.engine import step_jobs, step_runner
+
+LONG = " ".join(f"t{i % 40 + 3}" for i in range(37))  # 37 tokens: 10 chunks of 4
+PROMPTS = ["t3 t4", "t5 t6 t7", LONG, "t9 t10 t11 t12 t13"]
+PARAMS = SamplingParams(
+    temperature=0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=2
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return zoo.save_attentive_llm(tmp_path_factory.mktemp("tiny"))
+
+
+def _generate(checkpoint, **flags):
+    with LLM(checkpoint, max_num_batched_tokens=4, **flags) as llm:
+        return llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+def _values(entries) -> tuple[list[int], list[float]]:
+    """The tokens and logprobs of logprob entries, flat."""
+    pairs = [(t, lp.logprob) for entry in entries if entry is not None for t, lp in entry.items()]
+    return [t for t, _ in pairs], [value for _, value in pairs]
+
+
+def _assert_close(got, expected, exact: bool) -> None:
+    for mine, theirs in zip(got, expected, strict=True):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        pairs = [
+            (_values(mine.outputs[0].logprobs), _values(theirs.outputs[0].logprobs)),
+            (_values(mine.prompt_logprobs), _values(theirs.prompt_logprobs)),
+        ]
+        for (tokens, values), (other_tokens, others) in pairs:
+            assert tokens == other_tokens
+            if exact:
+                assert values == others
+            else:
+                assert torch.allclose(torch.tensor(values), torch.tensor(others), atol=2e-5, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def apart(checkpoint):
+    """The outputs with every chunk prefilled in a forward of its own."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(step_runner, "can_mix", lambda model, cache: False)
+        return _generate(checkpoint)
+
+
+def test_a_prompts_chunks_ride_in_the_decode_steps_and_answer_as_apart(
+    checkpoint, apart, monkeypatch
+):
+    events = record_forwards(monkeypatch)
+    got = _generate(checkpoint)
+    _assert_close(got, apart, exact=False)
+    # The first prompt prefills alone (no row decodes yet); once its row decodes, every
+    # later chunk (the second prompt's 3 columns, the long one's 10 chunks, the last
+    # one's 2) rides in the running rows' decode step: one forward a turn, with every
+    # running row's token, so the rows keep their pace while a prompt comes in.
+    assert events[:2] == [("prefill", 2), ("decode", 1)]
+    chunks = [(1, 3), *[(2, 4)] * 9, (2, 1), (3, 4), (3, 1)]
+    assert events[2:15] == [("mixed", *chunk) for chunk in chunks]
+    assert all(e[0] == "decode" for e in events[15:])
+
+
+def test_kv_offload_and_offloaded_weights_mix_as_resident(checkpoint, monkeypatch):
+    """The same mixed forwards over the KV cache in host memory and over streamed
+    weights: bit for bit the resident ones."""
+    resident = _generate(checkpoint)
+    events = record_forwards(monkeypatch)
+    got = _generate(checkpoint, kv_offload=True, offload_group_size=1, offload_prefetch_step=2)
+    assert sum(e[0] == "mixed" for e in events) == 13
+    _assert_close(got, resident, exact=True)
+
+
+def test_a_turn_runs_its_forwards_apart_while_a_compile_traces_the_model(
+    checkpoint, apart, monkeypatch
+):
+    """A compile on the step jobs' thread reads the model's attention implementation,
+    which a mixed forward swaps: while one runs, the turn's two forwards run apart."""
+    events = record_forwards(monkeypatch)
+    with step_jobs.TRACING:
+        got = _generate(checkpoint)
+    assert ("apart",) in events and not any(e[0] == "mixed" for e in events)
+    _assert_close(got, apart, exact=False)
