@@ -4,13 +4,17 @@ are those of the two forwards apart up to rounding."""
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 import zoo
 from forwards import record_forwards
+from streams import last_output
 
 from offload import LLM, SamplingParams
 from offload.engine import step_jobs, step_runner
+from offload.engine.step_runner import StepRunner
 
 LONG = " ".join(f"t{i % 40 + 3}" for i in range(37))  # 37 tokens: 10 chunks of 4
 PROMPTS = ["t3 t4", "t5 t6 t7", LONG, "t9 t10 t11 t12 t13"]
@@ -94,3 +98,38 @@ def test_a_turn_runs_its_forwards_apart_while_a_compile_traces_the_model(
         got = _generate(checkpoint)
     assert ("apart",) in events and not any(e[0] == "mixed" for e in events)
     _assert_close(got, apart, exact=False)
+
+
+def test_a_mixed_forward_that_fails_fails_its_requests_and_the_rest_go_on(checkpoint, monkeypatch):
+    """A fault in a mixed forward (a disk error, say) fails the requests in it, the running
+    rows' and the arriving prompt's, with that error; the core goes on with the others."""
+    calls, mixed_of = [], StepRunner.mixed
+
+    def failing(self, rows, group, start, end):
+        calls.append(len(rows))
+        if len(calls) == 3:
+            raise OSError("injected read error")
+        return mixed_of(self, rows, group, start, end)
+
+    monkeypatch.setattr(StepRunner, "mixed", failing)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(checkpoint, max_num_batched_tokens=4) as llm:
+        serving = llm.serving(8)
+        tokenizer = llm.get_tokenizer()
+        queues = [queue.Queue() for _ in PROMPTS]
+        requests = [
+            serving.prepare(p, tokenizer(p).input_ids, params, q.put)
+            for p, q in zip(PROMPTS, queues, strict=True)
+        ]
+        serving.core.submit_all(requests)
+        outcomes = []
+        for q in queues:
+            try:
+                outcomes.append(last_output(q).outputs[0].token_ids)
+            except OSError as error:
+                outcomes.append(str(error))
+        again = llm.generate(PROMPTS[-1:], params, use_tqdm=False)[0].outputs[0].token_ids
+    # The third mixed forward ran the first two prompts' rows with the long prompt's chunk.
+    assert calls[2] == 2
+    assert outcomes[:3] == ["injected read error"] * 3
+    assert outcomes[3] == again and len(again) == 8
