@@ -133,3 +133,25 @@ def test_a_mixed_forward_that_fails_fails_its_requests_and_the_rest_go_on(checkp
     assert calls[2] == 2
     assert outcomes[:3] == ["injected read error"] * 3
     assert outcomes[3] == again and len(again) == 8
+
+
+def test_only_what_a_mixed_forward_can_split_mixes():
+    """A mixed forward swaps the config's attention name for its own (`mixing`): only
+    for SDPA attention named by the model's own config, rows without sliding windows and
+    rotary embeddings that do not depend on the batch; the name is back after it."""
+    from types import SimpleNamespace
+
+    from offload.engine.mixed_step import NAME, can_mix, mixing
+
+    model, rows = zoo.build("llama"), SimpleNamespace(masks=None)
+    assert can_mix(model, rows)
+    assert not can_mix(model, SimpleNamespace(masks=object()))  # (sliding windows)
+    model.config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0}
+    assert not can_mix(model, rows)
+    eager = zoo.build("llama")
+    eager.config._attn_implementation = "eager"
+    assert not can_mix(eager, rows)
+    seen = []
+    with mixing(eager, object()) as mixes:
+        seen.append((mixes, eager.config._attn_implementation))
+    assert seen == [(True, NAME)] and eager.config._attn_implementation == "eager"

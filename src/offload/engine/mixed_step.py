@@ -34,14 +34,14 @@ _current = threading.local()  # (the window of the mixed forward running on this
 class MixedWindow:
     """The two parts of a mixed forward: decode rows [0, num_rows) writing at
     `row_columns` [rows, 1] and reading as `row_mask` [rows, 1, 1, width] says; the
-    chunk's row `chunk_row` writing at `chunk_columns` [1, tokens] and reading as
+    chunk's row `chunk_row` writing at `chunk_columns` (a slice) and reading as
     `chunk_mask` [1, 1, tokens, chunk width] says (True: read)."""
 
     num_rows: int
     row_columns: torch.Tensor
     row_mask: torch.Tensor
     chunk_row: int
-    chunk_columns: torch.Tensor
+    chunk_columns: slice
     chunk_mask: torch.Tensor
 
     def parts(self, key_states, value_states) -> list[tuple]:
@@ -93,11 +93,14 @@ def _register() -> None:
 
 def can_mix(model, cache) -> bool:
     """Whether `model`'s forwards over `cache` (a `rows.RowCache`) can be mixed: SDPA
-    attention (the functions the parts call), every layer attending over whole rows (no
-    sliding windows), and rotary embeddings that do not depend on the longest position in the batch."""
+    attention (the products the parts compute) named by the model's own config (not a
+    sub-config's), every layer attending over whole rows (no sliding windows), and rotary
+    embeddings that do not depend on the longest position in the batch."""
     config = model.config
-    if getattr(config, "_attn_implementation", None) != "sdpa":
+    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
         return False
+    if any(getattr(config, key, None) is not None for key in getattr(config, "sub_configs", {})):
+        return False  # (its layers may attend by a sub-config's name: not swapped here)
     if cache.masks is not None:
         return False
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
@@ -116,12 +119,12 @@ def mixing(model, window: MixedWindow) -> Iterator[bool]:
         return
     _register()
     config = model.config
-    before = config._attn_implementation
+    before = config._attn_implementation_internal  # (as set: no sub-config to set with it)
     try:
-        config._attn_implementation = NAME
+        config._attn_implementation_internal = NAME
         _current.window = window
         yield True
     finally:
         _current.window = None
-        config._attn_implementation = before
+        config._attn_implementation_internal = before
         TRACING.release()

@@ -163,7 +163,12 @@ class RowLayer(StaticLayer):
 def write_rows(kv, key_states, value_states, columns, first: int) -> None:
     """Rows [first, first + len(columns)) of a `RowLayer`'s keys and values: each row's new
     tokens written at its `columns` ([rows, tokens]; a padding row's in the column past
-    max_len, which attention does not read)."""
+    max_len, which attention does not read); or, `columns` a slice, row `first`'s columns
+    there (a prompt's chunk: a copy, not an indexed write)."""
+    if isinstance(columns, slice):
+        for cache, states in zip(kv, (key_states, value_states), strict=True):
+            cache[first : first + 1, :, columns].copy_(states)
+        return
     num_rows = columns.shape[0]
     rows = torch.arange(num_rows, device=columns.device)[:, None].expand_as(columns)
     for cache, states in zip(kv, (key_states, value_states), strict=True):

@@ -124,7 +124,7 @@ class StepRunner:
             [row_columns[:, 0] - starts[:, 0], (columns - first.start).clamp(min=0)]
         )
         window = MixedWindow(
-            len(rows), row_columns, row_mask[:, None, None, :], group.first, columns[None, :],
+            len(rows), row_columns, row_mask[:, None, None, :], group.first, slice(start, end),
             chunk_mask[None, None, :, :],
         )  # fmt: skip
         tokens = len(input_ids)
