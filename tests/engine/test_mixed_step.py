@@ -5,6 +5,7 @@ are those of the two forwards apart up to rounding."""
 from __future__ import annotations
 
 import queue
+import threading
 
 import pytest
 import torch
@@ -92,9 +93,14 @@ def test_a_turn_runs_its_forwards_apart_while_a_compile_traces_the_model(
     checkpoint, apart, monkeypatch
 ):
     """A compile on the step jobs' thread reads the model's attention implementation,
-    which a mixed forward swaps: while one runs, the turn's two forwards run apart."""
+    which a mixed forward swaps: while one of the model's jobs runs (holding
+    `StepJobs.running`, which the runner passes), the turn's two forwards run apart."""
     events = record_forwards(monkeypatch)
-    with step_jobs.TRACING:
+    busy, mixing = threading.Lock(), step_runner.mixing
+    monkeypatch.setattr(
+        step_runner, "mixing", lambda model, window, jobs: mixing(model, window, busy)
+    )
+    with busy:
         got = _generate(checkpoint)
     assert ("apart",) in events and not any(e[0] == "mixed" for e in events)
     _assert_close(got, apart, exact=False)
@@ -152,6 +158,17 @@ def test_only_what_a_mixed_forward_can_split_mixes():
     eager.config._attn_implementation = "eager"
     assert not can_mix(eager, rows)
     seen = []
-    with mixing(eager, object()) as mixes:
+    with mixing(eager, object(), None) as mixes:
         seen.append((mixes, eager.config._attn_implementation))
     assert seen == [(True, NAME)] and eager.config._attn_implementation == "eager"
+
+
+def test_a_step_job_holds_its_jobs_running_lock_while_it_runs():
+    """What a mixed forward waits for no longer than a try: `StepJobs.running`, held
+    while a job (a trace) runs and free before and after."""
+    jobs = step_jobs.StepJobs()
+    seen = []
+    assert not jobs.running.locked()
+    jobs.submit("shape", lambda: seen.append(jobs.running.locked()))
+    assert jobs.wait(60)
+    assert seen == [True] and not jobs.running.locked()

@@ -73,6 +73,11 @@ class CompiledCpuStep:
         return self._jobs.pending()
 
     @property
+    def running(self) -> threading.Lock:
+        """Held while a load or compile of this step runs (`StepJobs.running`)."""
+        return self._jobs.running
+
+    @property
     def background_s(self) -> float:
         """Seconds the background loads and compiles took (no step waited for them)."""
         return self._jobs.seconds

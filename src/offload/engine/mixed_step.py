@@ -11,9 +11,9 @@ would have built for each forward alone. The cache layers write each part at its
 (`MixedWindow.parts`, from `RowLayer.update`).
 
 For the forward, the model's attention implementation is this module's (a registered name).
-A compile on the step jobs' thread traces the same model and reads that name, so the swap
-happens only while no job runs (`step_jobs.TRACING`); otherwise the turn runs its two
-forwards apart, as without mixing.
+A compile on its step jobs' thread traces the same model and reads that name, so the swap
+happens only while none of the model's jobs runs (`StepJobs.running`); otherwise the turn
+runs its two forwards apart, as without mixing.
 """
 
 from __future__ import annotations
@@ -109,12 +109,11 @@ def can_mix(model, cache) -> bool:
 
 
 @contextmanager
-def mixing(model, window: MixedWindow) -> Iterator[bool]:
-    """`model` attends as a mixed forward inside (True), or not at all (False: a compile
-    is tracing the model now; the caller runs the parts apart)."""
-    from offload.engine.step_jobs import TRACING
-
-    if not TRACING.acquire(blocking=False):
+def mixing(model, window: MixedWindow, jobs: threading.Lock | None) -> Iterator[bool]:
+    """`model` attends as a mixed forward inside (True), or not at all (False: one of
+    its step's loads or compiles, which holds `jobs`, is running and may be tracing the
+    model; the caller runs the parts apart)."""
+    if jobs is not None and not jobs.acquire(blocking=False):
         yield False
         return
     _register()
@@ -127,4 +126,5 @@ def mixing(model, window: MixedWindow) -> Iterator[bool]:
     finally:
         _current.window = None
         config._attn_implementation_internal = before
-        TRACING.release()
+        if jobs is not None:
+            jobs.release()

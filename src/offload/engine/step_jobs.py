@@ -29,9 +29,6 @@ log = logging.getLogger(__name__)
 
 _SWITCH_S = 1e-5  # the GIL's switch interval while a job runs
 _ALL: weakref.WeakSet = weakref.WeakSet()  # every StepJobs, for `busy`
-# Held while a job runs: a trace reads the model's attention implementation, which a mixed
-# forward swaps for its own while it runs (`mixed_step.mixing`, which waits for no job).
-TRACING = threading.Lock()
 
 
 def busy() -> bool:
@@ -50,6 +47,10 @@ class StepJobs:
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
+        # Held while a job runs: its trace reads the model's attention implementation,
+        # which a mixed forward swaps for its own (`mixed_step.mixing`, which waits for
+        # no job: its turn runs apart instead).
+        self.running = threading.Lock()
         self.closed = threading.Event()
         self.seconds = 0.0  # spent in jobs, summed (none of it waited for)
         _ALL.add(self)
@@ -108,7 +109,7 @@ class StepJobs:
             try:
                 # (the inputs were made in inference mode: a step's guards check their
                 # dispatch keys, and the mode is a thread's own)
-                with torch.inference_mode(), TRACING:
+                with torch.inference_mode(), self.running:
                     result = None if self.closed.is_set() else job()
             except Exception as error:  # the step stays eager; only slower
                 log.info("the decode step's compile failed (%s); it runs eagerly", error)

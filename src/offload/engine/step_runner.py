@@ -130,7 +130,8 @@ class StepRunner:
         tokens = len(input_ids)
         keep = [*range(len(rows)), *(range(len(rows), tokens - 1) if group.every_position else ())]
         keep = torch.tensor([*keep, tokens - 1], device=device)
-        with mixing(model, window) as mixes:
+        compiled = self.model.compiled
+        with mixing(model, window, None if compiled is None else compiled.running) as mixes:
             if not mixes:
                 return None
             self.cache.forward_writes(max(max(at) + 1, end))
