@@ -71,15 +71,13 @@ class StepRunner:
         column [1, tokens, vocab] where the request asks for its prompt's logprobs."""
         device = self.model.device
         row = group.rows[0]
-        columns = torch.arange(start, end, device=device)  # [tokens]
-        ids = [self.model.pad_id] * row.start + row.sequence.prompt_ids
-        input_ids = torch.tensor([ids], device=device)[:, start:end]  # [1, tokens]
+        ids, columns, positions = self._chunk(group, start, end)
+        input_ids = torch.tensor([ids], device=device)  # [1, tokens]
         width = self._read_width(group.width)
         every = torch.arange(width, device=device)
         mask = ((every >= row.start) & (every < group.width)).long()[None, :]  # [1, width]
         self.cache.select(group.first, group.first + 1, columns[None, :], start, width)
         self.cache.forward_writes(end)
-        positions = (columns - row.start).clamp(min=0)[None, :]
         model = self.model.model
         if self.cache.masks is not None:  # (sliding windows: the query columns are true here)
             shift = torch.zeros(1, dtype=torch.long, device=device)
@@ -90,7 +88,7 @@ class StepRunner:
             out = model(
                 input_ids=input_ids,
                 attention_mask=mask,
-                position_ids=positions,
+                position_ids=positions[None, :],
                 **cache_argument(model, self.cache.cache),
                 cache_position=columns,
                 use_cache=True,
@@ -107,22 +105,15 @@ class StepRunner:
         device, model = self.model.device, self.model.model
         at = [min(row.column, self.max_len - 1) for row in rows]
         width = self._read_width(max(at) + 1)
+        starts = [row.start for row in rows]
+        row_columns, row_starts, row_mask = _rows_reading(at, starts, width, device)
+        ids, columns, chunk_positions = self._chunk(group, start, end)
         # (the chunk reads the columns up to its end, not all its prompt's as alone: its
         # bits depend on the rows beside it anyway, and it runs eagerly: no shape to reuse)
-        chunk_width = end
-        every = torch.arange(max(width, chunk_width), device=device)
-        row_columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
-        starts = torch.tensor([row.start for row in rows], device=device)[:, None]
-        row_mask = (every[:width] >= starts) & (every[:width] <= row_columns)  # [rows, width]
-        first = group.rows[0]
-        columns = torch.arange(start, end, device=device)  # [tokens]
-        chunk_every = every[:chunk_width]
-        chunk_mask = (chunk_every >= first.start) & (chunk_every <= columns[:, None])
-        ids = [self.model.pad_id] * first.start + first.sequence.prompt_ids
-        input_ids = [row.input_token for row in rows] + ids[start:end]
-        positions = torch.cat(
-            [row_columns[:, 0] - starts[:, 0], (columns - first.start).clamp(min=0)]
-        )
+        every = torch.arange(end, device=device)
+        chunk_mask = (every >= group.rows[0].start) & (every <= columns[:, None])
+        input_ids = [row.input_token for row in rows] + ids
+        positions = torch.cat([(row_columns - row_starts)[:, 0], chunk_positions])
         window = MixedWindow(
             len(rows), row_columns, row_mask[:, None, None, :], group.first, slice(start, end),
             chunk_mask[None, None, :, :],
@@ -225,10 +216,8 @@ class StepRunner:
         compiled = len(rows) + pad <= cpu_linear.MAX_ROWS
         compiled = compiled and self.model.compiled is not None and not self.invariant
         last, at, starts = ([*values, *(values or [0])[:1] * pad] for values in (last, at, starts))
-        columns = torch.tensor(at, device=device)[:, None]  # [rows, 1]
-        start = torch.tensor(starts, device=device)[:, None]  # [rows, 1]
-        every = torch.arange(width, device=device)
-        mask = ((every[None, :] >= start) & (every[None, :] <= columns)).long()
+        columns, start, mask = _rows_reading(at, starts, width, device)
+        mask = mask.long()
         positions = columns - start
         columns[len(rows) :] = self.max_len  # padding rows write past what is read
         input_ids = torch.tensor(last, device=device)[:, None]
@@ -256,6 +245,14 @@ class StepRunner:
                 self.model.compiled(self.row_step([], pad_to=rows))
                 self._last = None  # (see `decode`)
 
+    def _chunk(self, group: Group, start: int, end: int):
+        """Columns [start, end) of `group`'s prompt as its first row takes them: their
+        token ids, columns [tokens] and positions [tokens]."""
+        row = group.rows[0]
+        ids = [self.model.pad_id] * row.start + row.sequence.prompt_ids
+        columns = torch.arange(start, end, device=self.model.device)
+        return ids[start:end], columns, (columns - row.start).clamp(min=0)
+
     def _read_width(self, num_columns: int) -> int:
         """The columns attention reads; every one in batch-invariant mode (how many there
         are changes how its sums group, and the others' lengths would set it)."""
@@ -266,3 +263,13 @@ class StepRunner:
         weight for a few rows) where the float32 weights are large enough for it to pay.
         (A batch-invariant decode step runs in `invariant.decoding` instead.)"""
         return kernels_for(self.model.model, self.model.device)
+
+
+def _rows_reading(at: list[int], starts: list[int], width: int, device):
+    """Decode rows at columns `at` whose prompts begin at `starts`: their columns and
+    starts [rows, 1], and which of the first `width` columns each reads [rows, width]
+    (from its start up to its own column)."""
+    columns = torch.tensor(at, device=device)[:, None]
+    start = torch.tensor(starts, device=device)[:, None]
+    every = torch.arange(width, device=device)
+    return columns, start, (every >= start) & (every <= columns)
