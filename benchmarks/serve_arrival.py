@@ -2,7 +2,7 @@
 running streams keep their pace?
 
     python benchmarks/serve_arrival.py [--model PATH] [--streams 8] [--prompt-tokens 2000]
-                                       [--rounds 3] [--flags ...]
+                                       [--rounds 3] [--stream-tokens 4000] [--flags ...]
 
 One `offload serve` (the default model on its default setting, plus --flags), warmed up
 until its batched decode steps run compiled (`warm_up`). Each round:
@@ -40,10 +40,12 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
-def stream_times(url: str, prompt: str, stop: threading.Event, times: list[float]) -> None:
+def stream_times(
+    url: str, prompt: str, stop: threading.Event, times: list[float], max_tokens: int
+) -> None:
     """Stream greedy tokens until `stop`; the arrival time of each token chunk."""
     stream = client(url).completions.create(
-        model=SERVED_NAME, prompt=prompt, max_tokens=4000, temperature=0, stream=True,
+        model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
     for chunk in stream:
@@ -59,11 +61,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def one_round(url: str, streams: int, prompt_tokens: int, index: int) -> dict:
+def one_round(url: str, streams: int, prompt_tokens: int, index: int, max_tokens: int) -> dict:
     stop = threading.Event()
     times: list[list[float]] = [[] for _ in range(streams)]
     threads = [
-        threading.Thread(target=stream_times, args=(url, f"t{i} story", stop, times[i]))
+        threading.Thread(target=stream_times, args=(url, f"t{i} story", stop, times[i], max_tokens))
         for i in range(streams)
     ]
     for thread in threads:
@@ -111,7 +113,7 @@ def compiled_steps(url: str) -> float:
     return 0.0
 
 
-def warm_up(url: str, limit_s: float = 900.0) -> None:
+def warm_up(url: str, max_tokens: int, limit_s: float = 900.0) -> None:
     """Short rounds until the batches' decode steps run compiled: a first launch compiles
     them in the background, and meanwhile its steps run eagerly and no chunk rides in
     them (`mixed_step`), which is not the steady state measured here."""
@@ -119,7 +121,7 @@ def warm_up(url: str, limit_s: float = 900.0) -> None:
     index = 0
     while True:
         before = compiled_steps(url)
-        one_round(url, 2, 64, -1 - index)
+        one_round(url, 2, 64, -1 - index, max_tokens)
         index += 1
         if compiled_steps(url) > before or time.monotonic() > deadline:
             return
@@ -131,15 +133,17 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--stream-tokens", type=int, default=4000,
+                        help="each stream's max_tokens (within the model's context)")  # fmt: skip
     parser.add_argument("--flags", nargs=argparse.REMAINDER, default=[], help="to `offload serve`")
     args = parser.parse_args()
     server = default_server(args.model, args.flags, "serve-arrival")
     command = server.command
     rounds = []
     with running(server):
-        warm_up(server.url)
+        warm_up(server.url, args.stream_tokens)
         for index in range(args.rounds):
-            row = one_round(server.url, args.streams, args.prompt_tokens, index)
+            row = one_round(server.url, args.streams, args.prompt_tokens, index, args.stream_tokens)
             rounds.append(row)
             print(
                 f"gap before {row['median_gap_before_s'] * 1e3:.0f} ms, during: median "

@@ -112,7 +112,9 @@ def make_app(llm, settings: ServeSettings) -> FastAPI:
         loop = asyncio.get_running_loop()
 
         def emit(item, index=index) -> None:
-            loop.call_soon_threadsafe(call.outputs.put_nowait, (index, item))
+            # (its event loop closed: the server is stopping and no one reads the output)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(call.outputs.put_nowait, (index, item))
 
         try:
             call.requests.append(serving.submit(prompt, ids, params, emit))
