@@ -153,6 +153,13 @@ def _figures(llm: LLM, outputs, before: TransferStats, seconds: float) -> str:
     if this_call.disk_mapped_bytes:  # disk_io mmap: the page cache is read in place
         mapped = this_call.disk_mapped_bytes / max(forwards, 1)
         moved += f"; computed on {format_bytes(mapped)}/forward of mapped checkpoint files"
+    if this_call.num_spec_verifies:  # speculative decoding: what the guesses gave
+        guessed, kept = this_call.num_spec_draft_tokens, this_call.num_spec_accepted_tokens
+        moved += (
+            f"; speculation kept {kept} of {guessed} guessed tokens over "
+            f"{this_call.num_spec_verifies} verify forwards ({tokens / max(forwards, 1):.2f} "
+            f"tokens/forward)"
+        )
     # Said on the figures line: this run executed Python code shipped with the checkpoint.
     trusted = "; trust_remote_code=True" if llm.trust_remote_code else ""
     # The tokens/s of generating; a first compile is said apart (it is paid once).

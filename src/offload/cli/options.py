@@ -46,6 +46,10 @@ SAMPLING_FLAGS = (
         "in [-2, 2], times how often a token was generated",
     ),
 )
+SPECULATIVE_HELP = (
+    'speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 4}\' (default: none)'
+)
 DEVICE_HELP = "compute device: auto (a GPU if one is usable, else the CPU), cpu, cuda, cuda:N"
 
 

@@ -9,6 +9,7 @@ from offload.cli.options import (
     DEVICE_HELP,
     QUESTION,
     SAMPLING_FLAGS,
+    SPECULATIVE_HELP,
     add_budget_flags,
     add_device_flags,
     add_kv_memory_flag,
@@ -150,6 +151,7 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         help="prefill prompts in chunks of this many tokens, each riding in the running "
         "sequences' decode step (default: each prompt whole)",
     )
+    generate.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_HELP)
     _run_flags(generate)
     _model_run_flags(generate, "prompt plus output at most (default: the model's)")
 

@@ -10,6 +10,7 @@ import socket
 import sys
 import threading
 
+from offload.cli.options import SPECULATIVE_HELP
 from offload.config import OffloadConfig
 from offload.config.limits import DEFAULT_MAX_REQUEST_BYTES
 from offload.config.validate import integer
@@ -70,6 +71,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                        default=None, help="start a prompt from the longest prefix the KV "
                        "cache holds (vLLM's flag; default: on, off with --batch-invariant)")  # fmt: skip
+    serve.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_HELP)
     serve.add_argument("--no-progress", action="store_true", help="no loading progress bar")
 
 

@@ -23,6 +23,7 @@ import torch
 
 from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
 from offload.engine.scheduler import Scheduler
+from offload.engine.speculative import guesses_for
 from offload.engine.step_runner import StepRunner
 from offload.errors import ConfigError, OffloadError
 
@@ -44,6 +45,7 @@ class EngineCore:
         graphs=None,
         prefix_caching: bool = False,
         room: int | None = None,
+        speculator=None,
     ):
         self._model = model
         # (`host_pool`: the KV cache in host memory, streamed per layer: KV offload)
@@ -60,6 +62,11 @@ class EngineCore:
         )
         self.max_rows, self.max_len = max_rows, max_len
         self.invariant = invariant
+        # (`speculator`: guesses of the rows' next tokens, scored in one forward:
+        # `speculative`; it guesses only where rows decode apart from a prompt's chunk)
+        self.speculator = speculator
+        if speculator is not None:
+            self.runner.mixes = False
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
         self._wake = threading.Condition()
         self._stop = False
@@ -212,7 +219,11 @@ class EngineCore:
                 scheduler.drop_group()  # (its requests failed, with the rows')
             self._stepped()
         elif rows:
-            self._run_forward(rows, self._decode, rows)
+            guesses = guesses_for(self.speculator, rows, self.max_len)
+            if guesses is None:
+                self._run_forward(rows, self._decode, rows)
+            else:
+                self._run_forward(rows, self._verify, rows, guesses)
             self._stepped()
 
     def _stepped(self) -> None:
@@ -256,6 +267,26 @@ class EngineCore:
         replaying = [row.replaying for row in rows]  # (before the step moves their columns)
         self._pick(rows, self.runner.decode(rows), replaying)
 
+    def _verify(self, rows: list[Row], guesses: list[list[int]]) -> None:
+        """A verify forward of `rows` with their `guesses`, and the tokens it gives
+        (`speculative`): each row's column moves past the tokens it kept."""
+        logits = self.runner.verify(rows, guesses)  # [rows, positions, vocab]
+        going = [row.is_live for row in rows]
+        kept = [0] * len(rows)
+        for position in range(logits.shape[1]):
+            live = [i for i, row in enumerate(rows) if going[i] and row.is_live]
+            if not live:
+                break
+            tokens = self._choose([rows[i] for i in live], logits[live, position])
+            for i, token in zip(live, tokens, strict=True):
+                kept[i] += token is not None
+                guess = guesses[i]
+                going[i] = token is not None and position < len(guess) and guess[position] == token
+        for row, count in zip(rows, kept, strict=True):
+            row.column += count
+        self._model.on_verified(sum(map(len, guesses)), sum(kept) - sum(k > 0 for k in kept))
+        self._emit(rows)
+
     def _run_forward(self, rows: list[Row], forward, *args) -> bool:
         """One forward and its tokens; if it fails (a disk fault, a sampling error), its
         requests fail with the error, the others go on, and False."""
@@ -280,17 +311,31 @@ class EngineCore:
             live = [i for i in live if not replaying[i]]
         if not live:
             return
-        sequences = [rows[i].sequence for i in live]
+        self._choose([rows[i] for i in live], logits[live])
+        self._emit([rows[i] for i in live])
+
+    def _choose(self, rows: list[Row], logits) -> list[int | None]:
+        """The next token of each of `rows` (live) from `logits` [rows, vocab], appended to
+        its sequence; None for a row whose sampling failed (its request fails)."""
+        sequences = [row.sequence for row in rows]
         try:
-            self._model.steps.pick(logits[live], sequences)
+            return self._model.steps.pick(logits, sequences).tolist()
         except ConfigError:
-            for i in live:  # one at a time, to fail only the request that caused it
+            tokens: list[int | None] = []
+            for i, row in enumerate(rows):  # one at a time, to fail only the request that caused it
                 try:
-                    if rows[i].is_live:
-                        self._model.steps.pick(logits[i : i + 1], [rows[i].sequence])
+                    if not row.is_live:
+                        tokens.append(None)
+                        continue
+                    picked = self._model.steps.pick(logits[i : i + 1], [row.sequence])
+                    tokens.append(int(picked[0]))
                 except ConfigError as error:
-                    self._fail(rows[i].request, error)
-        for request in {id(rows[i].request): rows[i].request for i in live}.values():
+                    self._fail(row.request, error)
+                    tokens.append(None)
+            return tokens
+
+    def _emit(self, rows: list[Row]) -> None:
+        for request in {id(row.request): row.request for row in rows}.values():
             if not request.failed:
                 request.emit(request.output())
         self._picked = True

@@ -94,6 +94,11 @@ class SequenceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
+    @property
+    def to_go(self) -> int:
+        """Tokens it may still take."""
+        return self.limit - len(self.tokens)
+
 
 class RequestProgress:
     """vLLM's "Processed prompts" bar: a prompt counts once all its sequences are done.

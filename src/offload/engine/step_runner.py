@@ -147,6 +147,63 @@ class StepRunner:
         return logits[: len(rows)], chunk[None] if group.every_position else chunk
 
     @torch.inference_mode()
+    def verify(self, rows: list[Row], guesses: list[list[int]]) -> torch.Tensor:
+        """One forward of `rows` (rows [0, len) of the cache), each fed its next token
+        and then its `guesses` (speculative decoding), written at its next columns:
+        logits [rows, 1 + most guesses, vocab], position j of a row scoring the token
+        after its j-th input. A row with fewer guesses is padded with queries that write
+        the column past `max_len` (their logits mean nothing). Eager."""
+        device, model = self.model.device, self.model.model
+        num = 1 + max(len(guess) for guess in guesses)
+        ids = [[row.input_token, *guess] + [0] * (num - 1 - len(guess)) for row, guess in
+               zip(rows, guesses, strict=True)]  # fmt: skip
+        first = torch.tensor([row.column for row in rows], device=device)[:, None]
+        real = torch.tensor([1 + len(guess) for guess in guesses], device=device)[:, None]
+        steps = torch.arange(num, device=device)[None, :]
+        reading = (first + steps).clamp(max=self.max_len - 1)  # [rows, num]: each query's column
+        columns = torch.where(steps < real, reading, self.max_len)  # (padding: past the end)
+        high = int((first + real).max())
+        width = self._read_width(high)
+        start = torch.tensor([row.start for row in rows], device=device)[:, None, None]
+        every = torch.arange(width, device=device)[None, None, :]
+        mask = (every >= start) & (every <= reading[:, :, None])  # [rows, num, width]
+        self.cache.select(0, len(rows), columns, width - num, width)  # (the 4D mask rules)
+        self.cache.forward_writes(high)
+        with self._kernels():
+            out = model(
+                input_ids=torch.tensor(ids, device=device),
+                attention_mask=self._verify_masks(mask, reading),
+                position_ids=reading - start[:, :, 0],
+                **cache_argument(model, self.cache.cache),
+                cache_position=torch.arange(width - num, width, device=device),
+                use_cache=True,
+                logits_to_keep=0,
+            )
+        self.model.on_forward(False)
+        return out.logits
+
+    def _verify_masks(self, mask: torch.Tensor, reading: torch.Tensor):
+        """The 4D masks [rows, 1, queries, width] a verify forward passes (transformers
+        takes a 4D mask as it is): `mask` where no layer slides, and each sliding layer's
+        window applied from its query's own column (one mask per layer type where only
+        some slide); additive where the model's attention is not SDPA's."""
+        masks = self.cache.masks
+        kinds = {"full_attention": mask}
+        if masks is not None:
+            every = torch.arange(mask.shape[-1], device=mask.device)[None, None, :]
+            kinds["sliding_attention"] = mask & (every > reading[:, :, None] - masks.window)
+        if self.model.model.config._attn_implementation != "sdpa":
+            zero = torch.zeros((), dtype=self.cache.dtype, device=mask.device)
+            low = torch.tensor(torch.finfo(self.cache.dtype).min, device=mask.device)
+            kinds = {kind: torch.where(m, zero, low) for kind, m in kinds.items()}
+        kinds = {kind: m[:, None] for kind, m in kinds.items()}
+        if masks is None:
+            return kinds["full_attention"]
+        if masks.layer_types is None:
+            return kinds["sliding_attention"]
+        return {kind: kinds[kind] for kind in masks.layer_types}
+
+    @torch.inference_mode()
     def decode(self, rows: list[Row]) -> torch.Tensor:
         """One decode step of `rows` (rows [0, len) of the cache): logits [rows, vocab].
         Each row's column then moves on if it is live."""

@@ -29,6 +29,9 @@ class TransferStats:
     disk_read_s: float = 0.0  # wall time with a read in flight
     disk_stall_s: float = 0.0  # time compute waited for a read
     disk_mapped_bytes: int = 0  # weights computed on in place from mapped files (disk_io mmap)
+    num_spec_verifies: int = 0  # speculative decoding: forwards that scored guesses
+    num_spec_draft_tokens: int = 0  # tokens guessed (vLLM's num_draft_tokens)
+    num_spec_accepted_tokens: int = 0  # guesses the model picked itself (num_accepted_tokens)
 
     @classmethod
     def of(cls, weights: OffloadStats | None = None, kv: KVStats | None = None) -> TransferStats:

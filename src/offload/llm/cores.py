@@ -14,6 +14,7 @@ from offload.engine.core import EngineCore
 from offload.engine.requests import EngineModel
 from offload.engine.row_graphs import CudaGraphMaker, RowGraphs
 from offload.engine.rows import MIN_ROWS, bytes_per_row, page_columns
+from offload.engine.speculative import NgramProposer
 from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import probe_kv_dims
 from offload.errors import ConfigError, ModelError
@@ -50,6 +51,7 @@ def engine_core(
         llm.tokenizer.pad_token_id or 0,
         contextlib.nullcontext() if generate else llm._lock,
         on_forward=llm._count_forward,
+        on_verified=llm._count_verified,
         # (one graph for every batch of 2 to 64 rows, one for a lone row: `rows.RowStep`)
         compiled=compiled_step(llm) if compiles else None,
         weights_in_place=llm.offloader.weights_in_place,
@@ -75,6 +77,7 @@ def engine_core(
             graphs=graphs,
             prefix_caching=llm.prefix_caching,
             room=room,
+            speculator=speculator_of(llm),
         )
 
     # Rows take address space for their whole length (on a CPU, memory only as they
@@ -117,6 +120,14 @@ def compiled_step(llm: Any) -> CompiledCpuStep | None:
         with contextlib.suppress(ModelError):  # (no layer stack: nothing offloads either)
             attach_boundaries(find_layers(llm.model))
     return llm._cpu_step
+
+
+def speculator_of(llm: Any):
+    """What guesses `llm`'s rows' next tokens (`speculative_config`), or None."""
+    config = llm.speculative_config
+    if config is None:
+        return None
+    return NgramProposer(config)
 
 
 def probed_kv_dims(llm: Any):

@@ -13,6 +13,8 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
+from offload.engine.speculative import SpeculativeConfig
+from offload.errors import ConfigError
 from offload.llm.args import offload_config_of
 from offload.llm.checks import (
     EngineLimits,
@@ -50,6 +52,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     batch_invariant: bool | None = None
     enable_prefix_caching: bool | None = None
+    speculative_config: Mapping[str, Any] | str | SpeculativeConfig | None = None
     tokenizer: str | Path | None = None
     tensor_parallel_size: int = 1
     trust_remote_code: bool = False
@@ -60,6 +63,7 @@ class EngineArgs:
     config: OffloadConfig = field(init=False)  # the offload settings
     is_batch_invariant: bool = field(init=False)  # (VLLM_BATCH_INVARIANT where None)
     prefix_caching: bool = field(init=False)  # (on where None, unless batch-invariant)
+    speculative: SpeculativeConfig | None = field(init=False)  # (`speculative_config`)
 
     def __post_init__(self) -> None:
         limits = check_llm_args(
@@ -75,6 +79,13 @@ class EngineArgs:
         object.__setattr__(self, "is_batch_invariant", invariant)
         caching = prefix_caching_of(self.enable_prefix_caching, invariant)
         object.__setattr__(self, "prefix_caching", caching)
+        speculative = SpeculativeConfig.of(self.speculative_config)
+        if speculative is not None and invariant:
+            raise ConfigError(
+                "speculative_config with batch_invariant: a verify forward scores a row's "
+                "guesses together, which is not measured as batch invariant yet"
+            )
+        object.__setattr__(self, "speculative", speculative)
 
     def model_spec(self) -> ModelSpec:
         """The model these arguments name, resolved (a `ModelSpec` given is used as it

@@ -110,6 +110,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         batch_invariant: bool | None = None,
         enable_prefix_caching: bool | None = None,
+        speculative_config: Mapping[str, Any] | str | None = None,
         tokenizer: str | Path | None = None,
         tensor_parallel_size: int = 1,
         trust_remote_code: bool = False,
@@ -132,6 +133,7 @@ class LLM:
         self.trust_remote_code, self.swap_space_bytes, self.kv_offload = limits[3:6]
         self.batch_invariant = args.is_batch_invariant
         self.prefix_caching = args.prefix_caching
+        self.speculative_config = args.speculative
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         spec = args.model_spec()
         self.device = spec.device
@@ -216,6 +218,11 @@ class LLM:
         self._forwards += 1
         self._compiled_steps += compiled
 
+    def _count_verified(self, guessed: int, kept: int) -> None:
+        self._spec_verifies += 1
+        self._spec_guessed += guessed
+        self._spec_kept += kept
+
     def stream(
         self, prompt: str | Mapping[str, Any], sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
@@ -243,6 +250,9 @@ class LLM:
             stall_s=weights.copies.stall_s,
             num_forwards=self._forwards,
             num_compiled_steps=self._compiled_steps,
+            num_spec_verifies=self._spec_verifies,
+            num_spec_draft_tokens=self._spec_guessed,
+            num_spec_accepted_tokens=self._spec_kept,
             compile_s=self._cpu_step.compile_s if self._cpu_step is not None else 0.0,
         )
 

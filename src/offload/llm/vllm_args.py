@@ -51,7 +51,6 @@ IGNORED: dict[str, tuple[Callable[[object], bool], str]] = {
     "enable_lora": (_one_of(False), "LoRA adapters are not supported"),
     "max_loras": (_any, "LoRA adapters are not supported (enable_lora=False)"),
     "max_lora_rank": (_any, "LoRA adapters are not supported (enable_lora=False)"),
-    "speculative_config": (_empty, "speculative decoding is not supported"),
     "task": (_one_of("auto", "generate"), "offload's LLM generates text"),
     "runner": (_one_of("auto", "generate"), "offload's LLM generates text"),
     "convert": (_one_of("auto", "none"), "offload's LLM generates text"),

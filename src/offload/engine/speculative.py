@@ -1,0 +1,164 @@
+"""Speculative decoding (vLLM's `speculative_config`): a proposer guesses the next few
+tokens of each running sequence, one forward of the model scores all of them
+(`StepRunner.verify`), and every guess the model would have picked itself is a token
+gained for the weights read once.
+
+How a guess is accepted keeps the output exactly what the model gives without
+speculation, greedy or sampled: the verify forward's logits at each guessed position go
+through the same pick as a decode step's (grammar, penalties, bans, logprobs, the row's
+own generator, stop conditions), one position after another; the guess is kept where the
+token picked equals it, and the first token that differs (or the one past the last
+guess) is the model's own next token. For a sampled row this is rejection sampling
+against a guess taken as certain (vLLM's n-gram proposer's case): a guess survives with
+the model's probability of it, and every token kept is drawn from the model's own
+distribution by the row's own generator, in the order decoding without speculation
+draws them. (vLLM's min(1, p/q) test accepts a drafter's sampled guesses more often,
+but its tokens are not the ones decoding alone draws.)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from offload.config.validate import is_integer
+from offload.errors import ConfigError, shown
+
+METHODS = ("ngram",)
+NOT_YET = ("draft_model",)  # (vLLM's draft model method: not built yet)
+# vLLM's other methods: refused by name (each needs heads or layers trained for it).
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_DEFAULT_LOOKUP = 5  # vLLM's n-gram window where neither bound is given
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """What `speculative_config` asks (vLLM's keys): `method` "ngram" (prompt lookup:
+    the longest of the last `prompt_lookup_max` down to `prompt_lookup_min` tokens found
+    earlier in the sequence, and what followed it there); `num_speculative_tokens`
+    guesses at most per sequence and step. (`model`: a draft model, not built yet.)"""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int = _DEFAULT_LOOKUP
+    prompt_lookup_max: int = _DEFAULT_LOOKUP
+
+    @staticmethod
+    def of(value: object) -> SpeculativeConfig | None:
+        """`value` as `LLM(speculative_config=...)` or `--speculative-config` gives it (a
+        mapping, a JSON object, or None/empty: no speculation); one line naming what is
+        wrong otherwise."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"speculative_config: not JSON ({error.msg})") from None
+        if value is None or (isinstance(value, Mapping) and not value):
+            return None
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"speculative_config must be a mapping, got {shown(value)}")
+        return _parse(dict(value))
+
+
+def _parse(value: dict[str, Any]) -> SpeculativeConfig:
+    unknown = [key for key in value if key not in _KEYS]
+    if unknown:
+        raise ConfigError(
+            f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(_KEYS)})"
+        )
+    method, model = value.get("method"), value.get("model")
+    if method in ("[ngram]",) or (method is None and model in ("ngram", "[ngram]")):
+        method, model = "ngram", None
+    elif method is None and model is not None:
+        method = "draft_model"
+    if method in NOT_YET:
+        raise ConfigError(
+            f"speculative_config: method {method!r} is not built yet (available: {', '.join(METHODS)})"
+        )
+    if isinstance(method, str) and method.lower() in NOT_BUILT:
+        raise ConfigError(
+            f"speculative_config: method {method!r} is not available here "
+            f"(available: {', '.join(METHODS)})"
+        )
+    if method not in METHODS:
+        raise ConfigError(
+            f"speculative_config: method must be one of {', '.join(METHODS)}, got {shown(method)}"
+        )
+    number = value.get("num_speculative_tokens")
+    if not is_integer(number, 1) or number > 64:
+        raise ConfigError(
+            "speculative_config: num_speculative_tokens must be an integer from 1 to 64, "
+            f"got {shown(number)}"
+        )
+    if model is not None:
+        raise ConfigError("speculative_config: method 'ngram' takes no 'model'")
+    low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+    low = high if low is None else low
+    high = low if high is None else high
+    low = _DEFAULT_LOOKUP if low is None else low
+    high = _DEFAULT_LOOKUP if high is None else high
+    for name, bound in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if not is_integer(bound, 1):
+            raise ConfigError(
+                f"speculative_config: {name} must be an integer >= 1, got {shown(bound)}"
+            )
+    if low > high:
+        raise ConfigError(
+            f"speculative_config: prompt_lookup_min ({low}) is more than prompt_lookup_max ({high})"
+        )
+    return SpeculativeConfig(method, number, None, low, high)
+
+
+def lookup(tokens: list[int], low: int, high: int, count: int) -> list[int]:
+    """Prompt lookup: the longest suffix of `tokens` of `high` down to `low` tokens that
+    occurs earlier in `tokens`, and up to `count` tokens that followed its latest
+    occurrence there; [] where none occurs."""
+    length = len(tokens)
+    for size in range(min(high, length - 1), low - 1, -1):
+        suffix = tokens[length - size :]
+        # the latest earlier occurrence: starts before the suffix's own start
+        first = suffix[0]
+        for begin in range(length - size - 1, -1, -1):
+            if tokens[begin] == first and tokens[begin : begin + size] == suffix:
+                return tokens[begin + size : begin + size + count]
+    return []
+
+
+def guesses_for(speculator, rows, max_len: int) -> list[list[int]] | None:
+    """`speculator`'s guesses for the engine's decoding `rows`, each within its row's
+    columns (below `max_len`) and its sequence's tokens to go; None where there are none,
+    no speculator, or a row replays a preempted request's known tokens (a plain step)."""
+    if speculator is None or any(row.replaying for row in rows):
+        return None
+    most = speculator.config.num_speculative_tokens
+    counts = [
+        min(most, max_len - 1 - row.column, row.sequence.to_go - 1) if row.is_live else 0
+        for row in rows
+    ]
+    if max(counts) <= 0:
+        return None
+    guesses = speculator.propose(rows, counts)
+    return guesses if any(guesses) else None
+
+
+class NgramProposer:
+    """Guesses by prompt lookup (`lookup`) over each row's prompt and tokens so far."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, rows, counts: list[int]) -> list[list[int]]:
+        """Up to `counts[i]` guesses for `rows[i]` (engine `Row`s, each past its last
+        token's pick)."""
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        guesses = []
+        for row, count in zip(rows, counts, strict=True):
+            tokens = row.sequence.prompt_ids + row.sequence.tokens
+            guesses.append(lookup(tokens, low, high, count) if count > 0 else [])
+        return guesses

@@ -1,0 +1,233 @@
+"""Speculative decoding (`engine/speculative.py`, `StepRunner.verify`): guesses scored in
+one forward give the tokens the model gives without speculation — greedy and sampled,
+alone and batched, resident and offloaded — with fewer forwards."""
+
+import itertools
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from offload import SamplingParams
+from offload.cli.main import main
+from offload.engine import speculative
+from offload.engine.speculative import SpeculativeConfig, lookup
+from offload.errors import ConfigError
+from offload.llm.llm import LLM
+
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+}
+PROMPTS = [
+    "The cat sat on the mat. The dog sat on the log. " * 3 + "Say it again:",
+    "List the numbers from 1 to 30: 1, 2, 3, 4,",
+    "What is the capital of France?",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, logprobs=2)
+SETTINGS = {
+    "resident": {},
+    "prefetch": {"offload_group_size": 1, "offload_prefetch_step": 2},
+    "disk": {"cpu_memory_gb": 0, "disk_io": "direct"},
+    "kv offload": {"kv_offload": True},
+}
+
+
+# -- the config, as vLLM users write it ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        (None, None),
+        ({}, None),
+        ("", None),
+        ({"method": "ngram", "num_speculative_tokens": 4}, SpeculativeConfig("ngram", 4)),
+        (NGRAM, SpeculativeConfig("ngram", 4, None, 1, 3)),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}',
+         SpeculativeConfig("ngram", 2, None, 4, 4)),
+        ({"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
+         SpeculativeConfig("ngram", 3, None, 2, 2)),
+    ],
+)  # fmt: skip
+def test_the_config_reads_vllms_shapes(value, expected):
+    assert SpeculativeConfig.of(value) == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not available here"),
+        ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not available here"),
+        ({"method": "beam", "num_speculative_tokens": 3}, "method must be one of ngram"),
+        ({"model": "path/to/draft", "num_speculative_tokens": 3}, "'draft_model' is not built"),
+        ({"method": "ngram"}, "num_speculative_tokens must be an integer from 1 to 64, got None"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "from 1 to 64, got 0"),
+        ({"method": "ngram", "num_speculative_tokens": 2.5}, "from 1 to 64, got 2.5"),
+        ({**NGRAM, "prompt_lookup_min": 4}, "prompt_lookup_min (4) is more than prompt_lookup_max (3)"),
+        ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_max must be an integer >= 1, got 0"),
+        ({**NGRAM, "tree": 8}, "unknown key 'tree'"),
+        ({**NGRAM, "model": "x"}, "'ngram' takes no 'model'"),
+        ("{not json", "not JSON"),
+        ([1, 2], "must be a mapping"),
+    ],
+)  # fmt: skip
+def test_a_bad_config_is_one_line_naming_it(value, needle):
+    with pytest.raises(ConfigError, match="speculative_config") as caught:
+        SpeculativeConfig.of(value)
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_batch_invariance_with_speculation_is_refused_before_loading():
+    with pytest.raises(ConfigError, match="speculative_config with batch_invariant"):
+        LLM("/nonexistent", batch_invariant=True, speculative_config=NGRAM)
+
+
+def test_the_cli_refuses_a_bad_config_in_one_line(capsys):
+    assert main(["generate", "--speculative-config", '{"method": "eagle3"}']) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("offload: error: speculative_config:") and "\n" not in err
+
+
+# -- prompt lookup -----------------------------------------------------------------------
+
+
+def test_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert lookup(tokens, 1, 3, 3) == [7, 8, 5]  # "2 3" last seen before 7 8 5 (not 9)
+    assert lookup(tokens, 3, 3, 3) == []  # "5 2 3" occurs nowhere earlier
+    assert lookup([4, 4, 4], 1, 2, 5) == [4]  # (overlapping: what followed the first "4 4")
+    assert lookup([1, 2], 1, 1, 3) == []
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 4), st.integers(1, 6))
+def test_a_guess_is_what_followed_an_earlier_copy_of_the_suffix(tokens, high, count):
+    guess = lookup(tokens, 1, high, count)
+    assert len(guess) <= count
+    if not guess:  # then no suffix of 1..high tokens occurs earlier
+        for size in range(1, min(high, len(tokens) - 1) + 1):
+            suffix = tokens[-size:]
+            assert all(tokens[b : b + size] != suffix for b in range(len(tokens) - size))
+        return
+    found = False
+    for size in range(1, min(high, len(tokens) - 1) + 1):
+        suffix = tokens[-size:]
+        for begin in range(len(tokens) - size):
+            if tokens[begin : begin + size] == suffix:
+                found |= tokens[begin + size : begin + size + len(guess)] == guess
+    assert found
+
+
+# -- the engine: the same tokens, fewer forwards -----------------------------------------
+
+
+def _tokens(outputs) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
+
+
+def _top_logprobs(outputs) -> list[list[float]]:
+    return [
+        [
+            max(entry.values(), key=lambda lp: lp.logprob).logprob
+            for entry in output.outputs[0].logprobs
+        ]
+        for output in outputs
+    ]
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def pair(request, smollm2_path, tmp_path_factory):
+    """The float32 default model without and with n-gram speculation, offloaded alike."""
+    setting = dict(SETTINGS[request.param])
+    if "cpu_memory_gb" in setting:
+        setting["offload_folder"] = str(tmp_path_factory.mktemp("disk"))
+    made = [
+        LLM(smollm2_path, dtype="float32", **setting, **more)
+        for more in ({}, {"speculative_config": NGRAM})
+    ]
+    yield request.param, *made
+    for llm in made:
+        llm.close()
+
+
+def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(pair):
+    setting, plain, spec = pair
+    expected = [plain.generate(prompt, GREEDY, use_tqdm=False)[0] for prompt in PROMPTS]
+    spec.generate(PROMPTS[2], SamplingParams(max_tokens=1), use_tqdm=False)  # (KV offload's probe)
+    before = spec.transfer_stats()
+    alone = [spec.generate(prompt, GREEDY, use_tqdm=False)[0] for prompt in PROMPTS]
+    middle = spec.transfer_stats()
+    together = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(alone) == _tokens(expected) and _tokens(together) == _tokens(expected)
+    for got in (alone, together):  # (a verify forward's products round otherwise: close)
+        for mine, theirs in zip(_top_logprobs(got), _top_logprobs(expected), strict=True):
+            assert mine == pytest.approx(theirs, abs=1e-4)
+    moved = middle - before
+    tokens = sum(map(len, _tokens(alone)))
+    assert moved.num_spec_verifies > 0 and moved.num_spec_accepted_tokens > 0
+    assert moved.num_spec_accepted_tokens <= moved.num_spec_draft_tokens
+    # Every token past each prompt's first: from a decode step or a verify forward, fewer
+    # forwards than tokens by the guesses kept.
+    decoded = tokens - len(PROMPTS)
+    assert moved.num_forwards == len(PROMPTS) + decoded - moved.num_spec_accepted_tokens
+    if setting in ("prefetch", "disk"):  # (bytes really moved, per forward)
+        assert moved.weight_copied_bytes + moved.disk_read_bytes > 0
+    if setting == "kv offload":
+        assert moved.kv_moved_bytes > 0
+
+
+def test_seeded_sampling_draws_the_tokens_decoding_alone_draws(smollm2_path):
+    """A guess is kept where the row's own generator, drawing from the model's
+    distribution, picks it: the same draws in the same order as without speculation."""
+    plain = LLM(smollm2_path, dtype="float32")
+    spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+    expected = plain.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    got = spec.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    moved = spec.transfer_stats()
+    assert moved.num_spec_accepted_tokens > 0  # (the repeated text is guessed and drawn)
+
+
+def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, monkeypatch):
+    def wrong(self, rows, counts):
+        return [
+            [(row.input_token + 1 + i) % 1000 for i in range(count)]
+            for row, count in zip(rows, counts, strict=True)
+        ]
+
+    plain = LLM(smollm2_path, dtype="float32")
+    expected = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(speculative.NgramProposer, "propose", wrong)
+    spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+    got = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    moved = spec.transfer_stats()
+    assert moved.num_spec_draft_tokens > 100 and moved.num_spec_accepted_tokens <= 2
+
+
+def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path):
+    spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+    plain = LLM(smollm2_path, dtype="float32")
+    prompt = PROMPTS[0]
+    for params in (
+        SamplingParams(temperature=0, max_tokens=7),
+        SamplingParams(temperature=0, max_tokens=40, stop=["dog"]),
+        SamplingParams(
+            temperature=0, max_tokens=40, stop=[" on the"], include_stop_str_in_output=True
+        ),
+    ):
+        [mine] = spec.generate(prompt, params, use_tqdm=False)
+        [theirs] = plain.generate(prompt, params, use_tqdm=False)
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert mine.outputs[0].text == theirs.outputs[0].text
+        assert mine.outputs[0].finish_reason == theirs.outputs[0].finish_reason
+    assert len(mine.outputs[0].token_ids) <= 40
+    streamed = list(spec.stream(prompt, GREEDY))
+    [whole] = plain.generate(prompt, GREEDY, use_tqdm=False)
+    assert streamed[-1].finished and streamed[-1].outputs[0].token_ids == whole.outputs[0].token_ids
+    texts = [item.outputs[0].text for item in streamed]
+    assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
+    assert spec.transfer_stats().num_spec_accepted_tokens > 0
