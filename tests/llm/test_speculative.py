@@ -14,6 +14,7 @@ from offload.engine import speculative
 from offload.engine.speculative import SpeculativeConfig, lookup
 from offload.errors import ConfigError
 from offload.llm.llm import LLM
+from offload.model.default import gguf_path
 
 NGRAM = {
     "method": "ngram",
@@ -51,6 +52,10 @@ SETTINGS = {
          SpeculativeConfig("ngram", 2, None, 4, 4)),
         ({"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_min": 2},
          SpeculativeConfig("ngram", 3, None, 2, 2)),
+        ({"model": "/m", "num_speculative_tokens": 5},
+         SpeculativeConfig("draft_model", 5, "/m")),
+        ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 1, "quantization": "gguf"},
+         SpeculativeConfig("draft_model", 1, "/m", quantization="gguf")),
     ],
 )  # fmt: skip
 def test_the_config_reads_vllms_shapes(value, expected):
@@ -63,7 +68,8 @@ def test_the_config_reads_vllms_shapes(value, expected):
         ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not available here"),
         ({"method": "medusa", "num_speculative_tokens": 3}, "'medusa' is not available here"),
         ({"method": "beam", "num_speculative_tokens": 3}, "method must be one of ngram"),
-        ({"model": "path/to/draft", "num_speculative_tokens": 3}, "'draft_model' is not built"),
+        ({"method": "draft_model", "num_speculative_tokens": 3}, "'draft_model' needs a 'model'"),
+        ({"model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, "prompt_lookup_max is for method 'ngram'"),
         ({"method": "ngram"}, "num_speculative_tokens must be an integer from 1 to 64, got None"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "from 1 to 64, got 0"),
         ({"method": "ngram", "num_speculative_tokens": 2.5}, "from 1 to 64, got 2.5"),
@@ -71,6 +77,7 @@ def test_the_config_reads_vllms_shapes(value, expected):
         ({**NGRAM, "prompt_lookup_max": 0}, "prompt_lookup_max must be an integer >= 1, got 0"),
         ({**NGRAM, "tree": 8}, "unknown key 'tree'"),
         ({**NGRAM, "model": "x"}, "'ngram' takes no 'model'"),
+        ({**NGRAM, "quantization": "gguf"}, "'ngram' takes no 'model' or 'quantization'"),
         ("{not json", "not JSON"),
         ([1, 2], "must be a mapping"),
     ],
@@ -138,23 +145,32 @@ def _top_logprobs(outputs) -> list[list[float]]:
     ]
 
 
+@pytest.fixture(scope="module")
+def drafted():
+    """Speculation by the default model as stored (Q4_1, resident) for its float32 self."""
+    return {"model": str(gguf_path()), "num_speculative_tokens": 4}
+
+
 @pytest.fixture(scope="module", params=list(SETTINGS))
-def pair(request, smollm2_path, tmp_path_factory):
-    """The float32 default model without and with n-gram speculation, offloaded alike."""
+def llms(request, smollm2_path, tmp_path_factory, drafted):
+    """The float32 default model without speculation, with n-gram lookup and with the
+    stored model drafting, offloaded alike."""
     setting = dict(SETTINGS[request.param])
     if "cpu_memory_gb" in setting:
         setting["offload_folder"] = str(tmp_path_factory.mktemp("disk"))
     made = [
         LLM(smollm2_path, dtype="float32", **setting, **more)
-        for more in ({}, {"speculative_config": NGRAM})
+        for more in ({}, {"speculative_config": NGRAM}, {"speculative_config": drafted})
     ]
     yield request.param, *made
     for llm in made:
         llm.close()
 
 
-def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(pair):
-    setting, plain, spec = pair
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(llms, method):
+    setting, plain, *specs = llms
+    spec = specs[method == "draft_model"]
     expected = [plain.generate(prompt, GREEDY, use_tqdm=False)[0] for prompt in PROMPTS]
     spec.generate(PROMPTS[2], SamplingParams(max_tokens=1), use_tqdm=False)  # (KV offload's probe)
     before = spec.transfer_stats()
@@ -169,6 +185,9 @@ def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(pai
     tokens = sum(map(len, _tokens(alone)))
     assert moved.num_spec_verifies > 0 and moved.num_spec_accepted_tokens > 0
     assert moved.num_spec_accepted_tokens <= moved.num_spec_draft_tokens
+    assert moved.num_spec_verifies <= moved.num_spec_drafts
+    if method == "draft_model":  # (the stored model agrees with its float32 self mostly)
+        assert moved.num_spec_accepted_tokens > moved.num_spec_draft_tokens / 2
     # Every token past each prompt's first: from a decode step or a verify forward, fewer
     # forwards than tokens by the guesses kept.
     decoded = tokens - len(PROMPTS)
@@ -231,3 +250,28 @@ def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path):
     texts = [item.outputs[0].text for item in streamed]
     assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
     assert spec.transfer_stats().num_spec_accepted_tokens > 0
+
+
+def test_rows_that_finish_at_other_steps_keep_the_drafts_rows_in_step(smollm2_path, drafted):
+    """Rows leave the batch at other steps (the engine packs the rest, moving rows); the
+    draft's rows follow them (moved, or fed again from the start): the same tokens as
+    without, and the guesses still mostly kept (a draft row holding another sequence's
+    keys would guess wrong: the tokens would still be right, but few guesses kept)."""
+    plain = LLM(smollm2_path, dtype="float32")
+    spec = LLM(smollm2_path, dtype="float32", speculative_config=drafted)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 24, 9, 16)]
+    prompts = [*PROMPTS, "Tell me about the moon."]
+    expected = plain.generate(prompts, params, use_tqdm=False)
+    assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == _tokens(expected)
+    moved = spec.transfer_stats()
+    assert moved.num_spec_accepted_tokens > 0.8 * moved.num_spec_draft_tokens  # (0.95 here)
+
+
+def test_a_draft_with_another_tokenizer_is_refused_by_name(smollm2_path, tmp_path):
+    from http_server import chat_checkpoint
+
+    other = chat_checkpoint(tmp_path / "other")
+    config = {"model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(ConfigError, match="has another tokenizer") as caught:
+        LLM(smollm2_path, dtype="float32", speculative_config=config)
+    assert str(other) in str(caught.value) and "\n" not in str(caught.value)

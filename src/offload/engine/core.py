@@ -284,7 +284,10 @@ class EngineCore:
                 going[i] = token is not None and position < len(guess) and guess[position] == token
         for row, count in zip(rows, kept, strict=True):
             row.column += count
-        self._model.on_verified(sum(map(len, guesses)), sum(kept) - sum(k > 0 for k in kept))
+        drafts = sum(bool(guess) for guess in guesses)
+        self._model.on_verified(
+            drafts, sum(map(len, guesses)), sum(kept) - sum(k > 0 for k in kept)
+        )
         self._emit(rows)
 
     def _run_forward(self, rows: list[Row], forward, *args) -> bool:

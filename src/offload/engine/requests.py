@@ -110,8 +110,9 @@ class EngineModel:
     on_forward: Callable[[bool], None] = lambda compiled: None  # after each (a compiled step?)
     compiled: CompiledCpuStep | None = None  # the compiled CPU decode step, where it pays
     weights_in_place: bool = False  # its offloader leaves every weight where it is
-    # after each verify forward (speculative decoding): tokens guessed, guesses kept
-    on_verified: Callable[[int, int], None] = lambda guessed, kept: None
+    # after each verify forward (speculative decoding): rows guessed for, tokens guessed,
+    # guesses kept
+    on_verified: Callable[[int, int, int], None] = lambda drafts, guessed, kept: None
 
 
 def check_fits(request: Submitted, max_rows: int, max_len: int) -> None:

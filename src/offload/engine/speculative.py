@@ -26,11 +26,13 @@ from typing import Any
 from offload.config.validate import is_integer
 from offload.errors import ConfigError, shown
 
-METHODS = ("ngram",)
-NOT_YET = ("draft_model",)  # (vLLM's draft model method: not built yet)
+METHODS = ("ngram", "draft_model")
 # vLLM's other methods: refused by name (each needs heads or layers trained for it).
 NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
-_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_KEYS = (
+    "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+    "quantization",
+)  # fmt: skip
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram window where neither bound is given
 
 
@@ -38,14 +40,16 @@ _DEFAULT_LOOKUP = 5  # vLLM's n-gram window where neither bound is given
 class SpeculativeConfig:
     """What `speculative_config` asks (vLLM's keys): `method` "ngram" (prompt lookup:
     the longest of the last `prompt_lookup_max` down to `prompt_lookup_min` tokens found
-    earlier in the sequence, and what followed it there); `num_speculative_tokens`
-    guesses at most per sequence and step. (`model`: a draft model, not built yet.)"""
+    earlier in the sequence, and what followed it there) or "draft_model" (`model`: any
+    model `LLM` loads, with the same tokenizer, resident: `engine/draft.py`);
+    `num_speculative_tokens` guesses at most per sequence and step."""
 
     method: str
     num_speculative_tokens: int
     model: str | None = None
     prompt_lookup_min: int = _DEFAULT_LOOKUP
     prompt_lookup_max: int = _DEFAULT_LOOKUP
+    quantization: str | None = None  # the draft model's, as `LLM(quantization=...)`
 
     @staticmethod
     def of(value: object) -> SpeculativeConfig | None:
@@ -77,10 +81,6 @@ def _parse(value: dict[str, Any]) -> SpeculativeConfig:
         method, model = "ngram", None
     elif method is None and model is not None:
         method = "draft_model"
-    if method in NOT_YET:
-        raise ConfigError(
-            f"speculative_config: method {method!r} is not built yet (available: {', '.join(METHODS)})"
-        )
     if isinstance(method, str) and method.lower() in NOT_BUILT:
         raise ConfigError(
             f"speculative_config: method {method!r} is not available here "
@@ -96,8 +96,20 @@ def _parse(value: dict[str, Any]) -> SpeculativeConfig:
             "speculative_config: num_speculative_tokens must be an integer from 1 to 64, "
             f"got {shown(number)}"
         )
-    if model is not None:
-        raise ConfigError("speculative_config: method 'ngram' takes no 'model'")
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise ConfigError("speculative_config: method 'draft_model' needs a 'model'")
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):
+            if key in value:
+                raise ConfigError(f"speculative_config: {key} is for method 'ngram'")
+        quantization = value.get("quantization")
+        if quantization is not None and not isinstance(quantization, str):
+            raise ConfigError(
+                f"speculative_config: quantization must be a name, got {shown(quantization)}"
+            )
+        return SpeculativeConfig(method, number, model, quantization=quantization)
+    if model is not None or "quantization" in value:
+        raise ConfigError("speculative_config: method 'ngram' takes no 'model' or 'quantization'")
     low, high = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
     low = high if low is None else low
     high = low if high is None else high

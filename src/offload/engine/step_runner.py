@@ -147,22 +147,24 @@ class StepRunner:
         return logits[: len(rows)], chunk[None] if group.every_position else chunk
 
     @torch.inference_mode()
-    def verify(self, rows: list[Row], guesses: list[list[int]]) -> torch.Tensor:
+    def verify(self, rows: list[Row], guesses: list[list[int] | None]) -> torch.Tensor:
         """One forward of `rows` (rows [0, len) of the cache), each fed its next token
         and then its `guesses` (speculative decoding), written at its next columns:
         logits [rows, 1 + most guesses, vocab], position j of a row scoring the token
         after its j-th input. A row with fewer guesses is padded with queries that write
-        the column past `max_len` (their logits mean nothing). Eager."""
+        the column past `max_len` (their logits mean nothing); a row whose guesses are
+        None is fed nothing (padding only). Eager."""
         device, model = self.model.device, self.model.model
-        num = 1 + max(len(guess) for guess in guesses)
-        ids = [[row.input_token, *guess] + [0] * (num - 1 - len(guess)) for row, guess in
+        fed = [None if guess is None else [row.input_token, *guess] for row, guess in
                zip(rows, guesses, strict=True)]  # fmt: skip
+        num = max(len(tokens or ()) for tokens in fed)
+        ids = [(tokens or []) + [0] * (num - len(tokens or ())) for tokens in fed]
         first = torch.tensor([row.column for row in rows], device=device)[:, None]
-        real = torch.tensor([1 + len(guess) for guess in guesses], device=device)[:, None]
+        real = torch.tensor([len(tokens or ()) for tokens in fed], device=device)[:, None]
         steps = torch.arange(num, device=device)[None, :]
         reading = (first + steps).clamp(max=self.max_len - 1)  # [rows, num]: each query's column
         columns = torch.where(steps < real, reading, self.max_len)  # (padding: past the end)
-        high = int((first + real).max())
+        high = int(torch.where(real > 0, first + real, 0).max())
         width = self._read_width(high)
         start = torch.tensor([row.start for row in rows], device=device)[:, None, None]
         every = torch.arange(width, device=device)[None, None, :]

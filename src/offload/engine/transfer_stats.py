@@ -30,6 +30,7 @@ class TransferStats:
     disk_stall_s: float = 0.0  # time compute waited for a read
     disk_mapped_bytes: int = 0  # weights computed on in place from mapped files (disk_io mmap)
     num_spec_verifies: int = 0  # speculative decoding: forwards that scored guesses
+    num_spec_drafts: int = 0  # a row's guesses scored in one (vLLM's num_drafts)
     num_spec_draft_tokens: int = 0  # tokens guessed (vLLM's num_draft_tokens)
     num_spec_accepted_tokens: int = 0  # guesses the model picked itself (num_accepted_tokens)
 

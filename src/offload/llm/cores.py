@@ -14,10 +14,10 @@ from offload.engine.core import EngineCore
 from offload.engine.requests import EngineModel
 from offload.engine.row_graphs import CudaGraphMaker, RowGraphs
 from offload.engine.rows import MIN_ROWS, bytes_per_row, page_columns
-from offload.engine.speculative import NgramProposer
 from offload.engine.transfer_stats import TransferStats
 from offload.engine.transformers_cache import probe_kv_dims
 from offload.errors import ConfigError, ModelError
+from offload.llm.drafting import speculator_of
 from offload.llm.generating import Generating
 from offload.llm.serving import kv_cache_room, takes_as_written
 from offload.memory.kv_shape import check_host_kv, kv_shape_of
@@ -77,7 +77,7 @@ def engine_core(
             graphs=graphs,
             prefix_caching=llm.prefix_caching,
             room=room,
-            speculator=speculator_of(llm),
+            speculator=speculator_of(llm, rows, length),
         )
 
     # Rows take address space for their whole length (on a CPU, memory only as they
@@ -120,14 +120,6 @@ def compiled_step(llm: Any) -> CompiledCpuStep | None:
         with contextlib.suppress(ModelError):  # (no layer stack: nothing offloads either)
             attach_boundaries(find_layers(llm.model))
     return llm._cpu_step
-
-
-def speculator_of(llm: Any):
-    """What guesses `llm`'s rows' next tokens (`speculative_config`), or None."""
-    config = llm.speculative_config
-    if config is None:
-        return None
-    return NgramProposer(config)
 
 
 def probed_kv_dims(llm: Any):

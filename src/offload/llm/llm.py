@@ -218,8 +218,9 @@ class LLM:
         self._forwards += 1
         self._compiled_steps += compiled
 
-    def _count_verified(self, guessed: int, kept: int) -> None:
+    def _count_verified(self, drafts: int, guessed: int, kept: int) -> None:
         self._spec_verifies += 1
+        self._spec_drafts += drafts
         self._spec_guessed += guessed
         self._spec_kept += kept
 
@@ -251,6 +252,7 @@ class LLM:
             num_forwards=self._forwards,
             num_compiled_steps=self._compiled_steps,
             num_spec_verifies=self._spec_verifies,
+            num_spec_drafts=self._spec_drafts,
             num_spec_draft_tokens=self._spec_guessed,
             num_spec_accepted_tokens=self._spec_kept,
             compile_s=self._cpu_step.compile_s if self._cpu_step is not None else 0.0,
@@ -293,6 +295,8 @@ class LLM:
             if self._generator is not None:  # (its rows' KV cache)
                 self._generator.close()
             self.offloader.close()
+            if getattr(self, "_drafter", None) is not None:
+                self._drafter.close()
             del self.model, self.offloader, self._kv_pool
             del self._serving_kv_pool
         trim_freed_memory()

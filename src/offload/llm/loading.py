@@ -66,8 +66,8 @@ def load_into(
         raise budget.refused(error) from error  # (LLM may fit a shorter context)
     llm._forwards = 0  # model forwards (prefill chunks, decode steps), summed over calls
     llm._compiled_steps = 0  # of which compiled CPU decode steps
-    # speculative decoding: verify forwards, tokens guessed, guesses kept
-    llm._spec_verifies = llm._spec_guessed = llm._spec_kept = 0
+    # speculative decoding: verify forwards, rows' guesses, tokens guessed, guesses kept
+    llm._spec_verifies = llm._spec_drafts = llm._spec_guessed = llm._spec_kept = 0
     # Host memory of the offloaded KV cache, kept between calls (pinned once).
     llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
     # (generate's engine core's rows, and serve's: `serving`)

@@ -12,6 +12,7 @@ import torch
 from offload.llm.args import as_run, check_attention_model
 from offload.llm.auto import planned_memory
 from offload.llm.budget import host_budget_of, load_fitted
+from offload.llm.drafting import load_drafter
 from offload.llm.engine_args import EngineArgs
 from offload.llm.loading import load_into, prepare_steps
 from offload.model.spec import ModelSpec
@@ -53,4 +54,5 @@ def start_llm(llm: Any, args: EngineArgs, spec: ModelSpec) -> None:
     load_fitted(llm, load, empty, offloaded, (budget_gb, device_memory_gb), fit)
     prepare_steps(llm, config, args.enforce_eager)
     llm.seed = args.seed
+    llm._drafter = load_drafter(llm, args.speculative)  # (speculative decoding's draft)
     torch.manual_seed(args.seed)

@@ -51,6 +51,12 @@ class ServerMetrics:
                     ("offload:forwards", "Model forwards run.", lambda now: now.num_forwards),
                     ("offload:compiled_steps", "Decode steps run by a compiled step.",
                      lambda now: now.num_compiled_steps),
+                    ("vllm:spec_decode_num_drafts", "Speculative decoding: a sequence's "
+                     "guesses scored.", lambda now: now.num_spec_drafts),
+                    ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens "
+                     "guessed.", lambda now: now.num_spec_draft_tokens),
+                    ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: guessed "
+                     "tokens the model picked itself.", lambda now: now.num_spec_accepted_tokens),
                 ),
             )
         )  # fmt: skip
