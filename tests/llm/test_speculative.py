@@ -211,6 +211,9 @@ def test_seeded_sampling_draws_the_tokens_decoding_alone_draws(smollm2_path):
 
 
 def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, monkeypatch):
+    """Every guess wrong: the tokens are still the model's own; and where guessing is
+    left to pay its way (`Pace`), it is soon left off (plain steps win here)."""
+
     def wrong(self, rows, counts):
         return [
             [(row.input_token + 1 + i) % 1000 for i in range(count)]
@@ -220,11 +223,47 @@ def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, monkeypat
     plain = LLM(smollm2_path, dtype="float32")
     expected = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.setattr(speculative.NgramProposer, "propose", wrong)
+    paced = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+    got = paced.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(got) == _tokens(expected)
+    trials = paced.transfer_stats().num_spec_verifies
+    assert 0 < trials <= 2 * speculative.Pace.TRIAL  # (its first trial; the next at turn 64)
+    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)
     spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
     got = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
     moved = spec.transfer_stats()
-    assert moved.num_spec_draft_tokens > 100 and moved.num_spec_accepted_tokens <= 2
+    assert moved.num_spec_draft_tokens > 50 and moved.num_spec_accepted_tokens <= 2
+
+
+def _modes(pace, turns: int, rates) -> list[bool]:
+    modes = []
+    for turn in range(turns):
+        mode = pace.speculating()
+        modes.append(mode)
+        pace.record(mode, rates(turn, mode), 0.1)
+    return modes
+
+
+def test_the_pace_keeps_the_faster_mode_and_tries_the_other_less_often():
+    pace = speculative.Pace()
+    trial = pace.TRIAL
+    modes = _modes(pace, 300, lambda turn, mode: 4 if mode else 1)  # guessing 4x as fast
+    assert modes[: 2 * trial] == [True] * trial + [False] * trial  # both measured first
+    plain = [turn for turn, mode in enumerate(modes) if not mode]
+    # then plain is tried again after 64 turns, then after 128 (each trial confirming)
+    assert plain[trial:] == [*range(68, 68 + trial), *range(197, 197 + trial)]
+    modes = _modes(speculative.Pace(), 300, lambda turn, mode: 1 if mode else 3)
+    assert sum(modes) == 3 * trial  # measured first, then tried twice: plain wins
+
+    # Where the faster mode changes, the next trial finds it, and the trials come sooner.
+    def rates(turn, mode):
+        return (4 if mode else 1) if turn < 100 else (1 if mode else 4)
+
+    modes = _modes(speculative.Pace(), 600, rates)
+    assert all(modes[100:197]) and not any(modes[197:201])  # (the trial at 197 switches)
+    tried = [turn for turn in range(201, 600) if modes[turn]]
+    assert tried == [*range(258, 262), *range(387, 391)]
 
 
 def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path):
@@ -275,3 +314,46 @@ def test_a_draft_with_another_tokenizer_is_refused_by_name(smollm2_path, tmp_pat
     with pytest.raises(ConfigError, match="has another tokenizer") as caught:
         LLM(smollm2_path, dtype="float32", speculative_config=config)
     assert str(other) in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_server_answers_as_without_it_and_counts_in_metrics(smollm2_path):
+    """`offload serve`'s app with n-gram speculation, 4 openai clients at once: the
+    answers of the app without it; vLLM's spec_decode counters in /metrics."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from http_server import InProcess, http
+
+    questions = [PROMPTS[0], PROMPTS[1], "Say 'yes yes yes yes yes yes'.", "Name three colors."]
+
+    def answers(llm) -> tuple[list[str], str]:
+        app = InProcess(llm)
+        try:
+            client = app.client()
+
+            def ask(question):
+                reply = client.chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": question}],
+                    max_tokens=24, temperature=0,
+                )  # fmt: skip
+                return reply.choices[0].message.content
+
+            with ThreadPoolExecutor(4) as pool:
+                texts = list(pool.map(ask, questions))
+            return texts, http(app.url + "/metrics")[1]
+        finally:
+            app.stop()
+
+    plain, _ = answers(LLM(smollm2_path, dtype="float32"))
+    texts, metrics = answers(LLM(smollm2_path, dtype="float32", speculative_config=NGRAM))
+    assert texts == plain
+    counts = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("vllm:spec_decode_")
+    }
+    assert (
+        counts["vllm:spec_decode_num_draft_tokens_total"]
+        >= counts["vllm:spec_decode_num_accepted_tokens_total"]
+        > 0
+    )
+    assert counts["vllm:spec_decode_num_drafts_total"] > 0

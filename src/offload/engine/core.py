@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import torch
 
 from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
 from offload.engine.scheduler import Scheduler
-from offload.engine.speculative import guesses_for
+from offload.engine.speculative import Pace, guesses_for
 from offload.engine.step_runner import StepRunner
 from offload.errors import ConfigError, OffloadError
 
@@ -46,6 +47,7 @@ class EngineCore:
         prefix_caching: bool = False,
         room: int | None = None,
         speculator=None,
+        pace: Pace | None = None,
     ):
         self._model = model
         # (`host_pool`: the KV cache in host memory, streamed per layer: KV offload)
@@ -64,9 +66,8 @@ class EngineCore:
         self.invariant = invariant
         # (`speculator`: guesses of the rows' next tokens, scored in one forward:
         # `speculative`; it guesses only where rows decode apart from a prompt's chunk)
-        self.speculator = speculator
-        if speculator is not None:
-            self.runner.mixes = False
+        self.speculator, self._pace = speculator, pace or Pace()  # (an LLM's: kept across calls)
+        self.runner.mixes = self.runner.mixes and speculator is None
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
         self._wake = threading.Condition()
         self._stop = False
@@ -219,11 +220,8 @@ class EngineCore:
                 scheduler.drop_group()  # (its requests failed, with the rows')
             self._stepped()
         elif rows:
-            guesses = guesses_for(self.speculator, rows, self.max_len)
-            if guesses is None:
-                self._run_forward(rows, self._decode, rows)
-            else:
-                self._run_forward(rows, self._verify, rows, guesses)
+            decode = self._decode if self.speculator is None else self._speculate
+            self._run_forward(rows, decode, rows)
             self._stepped()
 
     def _stepped(self) -> None:
@@ -266,6 +264,19 @@ class EngineCore:
     def _decode(self, rows: list[Row]) -> None:
         replaying = [row.replaying for row in rows]  # (before the step moves their columns)
         self._pick(rows, self.runner.decode(rows), replaying)
+
+    def _speculate(self, rows: list[Row]) -> None:
+        """A turn of `rows` that scores the speculator's guesses where there are some and
+        guessing pays here (`speculative.Pace`), else a plain decode step."""
+        start, before = time.perf_counter(), sum(len(row.sequence.tokens) for row in rows)
+        guessing = self._pace.speculating()
+        guesses = guesses_for(self.speculator, rows, self.max_len) if guessing else None
+        if guesses is None:
+            self._decode(rows)
+        else:
+            self._verify(rows, guesses)
+        tokens = sum(len(row.sequence.tokens) for row in rows) - before
+        self._pace.record(guesses is not None, tokens, time.perf_counter() - start)
 
     def _verify(self, rows: list[Row], guesses: list[list[int]]) -> None:
         """A verify forward of `rows` with their `guesses`, and the tokens it gives

@@ -174,3 +174,49 @@ class NgramProposer:
             tokens = row.sequence.prompt_ids + row.sequence.tokens
             guesses.append(lookup(tokens, low, high, count) if count > 0 else [])
         return guesses
+
+
+class Pace:
+    """Whether speculation pays here, measured as it runs: the tokens per second of the
+    turns that guessed and of those that did not (decayed averages), each mode tried
+    again now and then. Where guesses are scored at little more than the cost of one
+    position (weights streamed from disk or over the link: bytes dominate) speculation
+    wins; where a verify forward computes for every position (a CPU's resident weights)
+    and few guesses are kept, plain steps win, and speculation is left off until a
+    later trial says otherwise."""
+
+    TRIAL = 4  # turns each mode runs when tried
+    EVERY = 64  # turns between trials of the mode not chosen, at first
+    MOST = 4096  # ... doubled while each trial confirms the choice, up to this many
+    DECAY = 0.8  # weight of the past in each mode's average
+
+    def __init__(self):
+        self._rate = {True: 0.0, False: 0.0}  # mode -> tokens/s (decayed)
+        self._count = {True: 0, False: 0}  # mode -> turns measured
+        self._turn = self.TRIAL  # turns since the last trial began
+        self._every = self.EVERY
+        self._best = True
+
+    def speculating(self) -> bool:
+        """Whether the next turn guesses."""
+        if min(self._count.values()) < self.TRIAL:  # each mode measured first, guessing first
+            return self._count[True] < self.TRIAL
+        best = self._rate[True] >= self._rate[False]
+        if best != self._best:  # (a trial changed the choice: it ends; the next comes soon)
+            self._best, self._every, self._turn = best, self.EVERY, self.TRIAL
+        self._turn += 1
+        if self._turn > self._every:  # a trial of the other mode begins
+            self._turn = 0
+            self._every = min(2 * self._every, self.MOST)
+        return (not best) if self._turn < self.TRIAL else best
+
+    def record(self, speculated: bool, tokens: int, seconds: float) -> None:
+        """A turn that did (or did not) score guesses: `tokens` new tokens in `seconds`
+        (its guessing, forward and picks)."""
+        if seconds <= 0 or tokens <= 0:
+            return
+        rate, count = tokens / seconds, self._count[speculated]
+        self._rate[speculated] = (
+            rate if count == 0 else (self.DECAY * self._rate[speculated] + (1 - self.DECAY) * rate)
+        )
+        self._count[speculated] = count + 1

@@ -78,6 +78,7 @@ def engine_core(
             prefix_caching=llm.prefix_caching,
             room=room,
             speculator=speculator_of(llm, rows, length),
+            pace=llm._paces[generate],
         )
 
     # Rows take address space for their whole length (on a CPU, memory only as they

@@ -18,6 +18,7 @@ from offload.engine import cpu_step, invariant
 from offload.engine.grammars import Grammars
 from offload.engine.kv_cache import KVHostPool
 from offload.engine.request_maker import RequestMaker
+from offload.engine.speculative import Pace
 from offload.engine.tokens import TokenSteps
 from offload.llm.args import tokenizer_of
 from offload.llm.fit import MemoryPlan
@@ -68,6 +69,8 @@ def load_into(
     llm._compiled_steps = 0  # of which compiled CPU decode steps
     # speculative decoding: verify forwards, rows' guesses, tokens guessed, guesses kept
     llm._spec_verifies = llm._spec_drafts = llm._spec_guessed = llm._spec_kept = 0
+    # whether guessing pays, measured by serve's and generate's cores (kept across calls)
+    llm._paces = {False: Pace(), True: Pace()}
     # Host memory of the offloaded KV cache, kept between calls (pinned once).
     llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
     # (generate's engine core's rows, and serve's: `serving`)
