@@ -9,7 +9,7 @@ prompt lookup (`ngram`), on two workloads: `chat` (open questions through the ch
 template: lookup has little to find) and `rewrite` (a text to copy with small changes:
 lookup finds most of it). A chat answer is `--max-tokens` long (`ignore_eos`), a rewrite's
 ends at the model's own EOS (at most 200 tokens); greedy, one prompt at a time. One warm-up call per (setting, method), then `--rounds` timed calls of
-the whole workload; the median tokens/s, the speed-up over the same setting without
+the whole workload, the methods' calls interleaved; the median tokens/s, the speed-up over the same setting without
 speculation, the weight bytes read (disk tier) or copied per output token, the tokens per
 forward and the guesses kept. Answers are compared with the run without speculation.
 
@@ -100,23 +100,33 @@ def main() -> None:
     print(f"float32 checkpoint {weight_bytes / 2**20:.0f} MiB; O_DIRECT read {direct:.2f} GB/s")
     rows, answers = [], {}
     for setting in args.settings:
+        llms = {}
         for method in args.methods:
             extra = dict(SETTINGS[setting])
             if "cpu_memory_gb" in extra:
                 extra["offload_folder"] = tempfile.mkdtemp(prefix="spec-bench-")
-            llm = LLM(model, dtype="float32", speculative_config=_configs(args.k)[method], **extra)
-            for workload in args.workloads:
-                prompts = WORKLOADS[workload]
-                most, ignore = lengths[workload]
-                params = SamplingParams(temperature=0, max_tokens=most, ignore_eos=ignore)
-                warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            config = _configs(args.k)[method]
+            llms[method] = LLM(model, dtype="float32", speculative_config=config, **extra)
+        for workload in args.workloads:
+            prompts = WORKLOADS[workload]
+            most, ignore = lengths[workload]
+            params = SamplingParams(temperature=0, max_tokens=most, ignore_eos=ignore)
+            warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            for llm in llms.values():
                 _run(llm, prompts[:1], warm)  # warm-up (compiles, page cache, draft rows)
-                times, moved = [], None
-                for _ in range(args.rounds):
+            # The methods' rounds interleaved: this machine's pace drifts by 10-15% over
+            # minutes, which would otherwise fall on one method's rounds.
+            times = {method: [] for method in llms}
+            last = {}
+            for _ in range(args.rounds):
+                for method, llm in llms.items():
                     outputs, seconds, moved = _run(llm, prompts, params)
-                    times.append(seconds)
+                    times[method].append(seconds)
+                    last[method] = (outputs, moved)
+            for method in llms:
+                outputs, moved = last[method]
                 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                seconds = statistics.median(times)
+                seconds = statistics.median(times[method])
                 key = (setting, workload)
                 texts = [o.outputs[0].token_ids for o in outputs]
                 same = None if method == "none" else answers.get(key) == texts
@@ -129,7 +139,7 @@ def main() -> None:
                     "workload": workload,
                     "tokens": tokens,
                     "median_s": seconds,
-                    "times_s": times,
+                    "times_s": times[method],
                     "tokens_per_s": tokens / seconds,
                     "forwards": moved.num_forwards,
                     "tokens_per_forward": tokens / max(moved.num_forwards, 1),
@@ -176,6 +186,7 @@ def main() -> None:
                     + (f"; bound without speculation {bound:.2f} tok/s" if bound else "")
                     + ("" if same is None else f"; answers equal: {same}")
                 )
+        for llm in llms.values():
             llm.close()
     payload = {
         "args": vars(args),
