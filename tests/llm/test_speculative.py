@@ -5,6 +5,7 @@ alone and batched, resident and offloaded — with fewer forwards."""
 import itertools
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -360,3 +361,35 @@ def test_the_server_answers_as_without_it_and_counts_in_metrics(smollm2_path):
         > 0
     )
     assert counts["vllm:spec_decode_num_drafts_total"] > 0
+
+
+def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
+    smollm2_path, tmp_path, monkeypatch
+):
+    """A draft model of random weights with the model's own tokenizer: its guesses are
+    almost all refused, and the tokens are still the model's own."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (smollm2_path / name).exists():
+            shutil.copy(smollm2_path / name, tmp_path / name)
+    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)  # (always guess)
+    spec = LLM(
+        smollm2_path, dtype="float32",
+        speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3},
+    )  # fmt: skip
+    plain = LLM(smollm2_path, dtype="float32")
+    assert _tokens(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
+        plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    )
+    moved = spec.transfer_stats()
+    assert moved.num_spec_draft_tokens > 50
+    assert moved.num_spec_accepted_tokens < 0.1 * moved.num_spec_draft_tokens
