@@ -393,3 +393,24 @@ def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
     moved = spec.transfer_stats()
     assert moved.num_spec_draft_tokens > 50
     assert moved.num_spec_accepted_tokens < 0.1 * moved.num_spec_draft_tokens
+
+
+def test_the_stored_model_s_kept_tokens_carry_the_decode_steps_bits(monkeypatch):
+    """The default model as stored, one prompt at a time: every token and every logprob
+    bit for bit those of decoding without speculation (each verify position's attention
+    and q8 products as a lone row's decode step computes them: `verify_attention`)."""
+    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)  # (always guess)
+    plain, spec = LLM(), LLM(speculative_config=NGRAM)
+    params = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
+    for prompt in (PROMPTS[0], PROMPTS[1]):
+        [mine] = spec.generate(prompt, params, use_tqdm=False)
+        [theirs] = plain.generate(prompt, params, use_tqdm=False)
+        assert _answers(mine) == _answers(theirs)
+    assert spec.transfer_stats().num_spec_accepted_tokens > 10
+
+
+def _answers(output) -> tuple:
+    completion = output.outputs[0]
+    return completion.token_ids, [
+        {token: lp.logprob for token, lp in entry.items()} for entry in completion.logprobs
+    ]

@@ -16,6 +16,8 @@ from offload.engine.requests import EngineModel, Group, Row
 from offload.engine.row_graphs import RowGraphs
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
 from offload.engine.transformers_cache import cache_argument
+from offload.engine.verify_attention import verifying
+from offload.quant.kernels import rows_apart
 from offload.sizes import compute_dtype
 
 
@@ -171,7 +173,11 @@ class StepRunner:
         mask = (every >= start) & (every <= reading[:, :, None])  # [rows, num, width]
         self.cache.select(0, len(rows), columns, width - num, width)  # (the 4D mask rules)
         self.cache.forward_writes(high)
-        with self._kernels():
+        # Each position's attention and q8 products as the lone row's decode step runs them
+        widths = [[read_width(c + 1, self.max_len) for c in row] for row in reading.tolist()]
+        compiled = self.model.compiled
+        jobs = None if compiled is None else compiled.running
+        with self._kernels(), rows_apart(), verifying(model, widths, jobs):
             out = model(
                 input_ids=torch.tensor(ids, device=device),
                 attention_mask=self._verify_masks(mask, reading),

@@ -5,6 +5,8 @@ formats: `packed_quant`)."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable
 
 import torch
@@ -77,6 +79,23 @@ def int4_cuda_matmul(
 
 
 Q8_FEW_ROWS = 8  # up to this many rows a slice is the whole weight (measured: no faster)
+_apart = threading.local()  # .on: `rows_apart`
+
+
+@contextlib.contextmanager
+def rows_apart():
+    """Inside, a q8 product of a few rows computes each row as a one-row product does
+    (the same ops on the same shapes: its bits), each block column widened once for all
+    of them: a speculative verify forward's positions as the one-row decode steps they
+    stand for (MKL rounds a 32-long dot product by how many rows share the call)."""
+    previous = getattr(_apart, "on", False)
+    _apart.on = True
+    try:
+        yield
+    finally:
+        _apart.on = previous
+
+
 Q8_SLICE = 16384  # weight rows
 
 
@@ -94,6 +113,8 @@ def q8_matmul(
     so are its bits)."""
     columns = x.reshape(x.shape[0], values.shape[0], values.shape[-1]).transpose(0, 1)
     sums_in = None if offsets is None else columns.sum(-1).T  # [rows, blocks]
+    if 1 < x.shape[0] <= Q8_FEW_ROWS and getattr(_apart, "on", False):
+        return _q8_rows_apart(x, columns, sums_in, values, scales, offsets)
     slice_rows = values.shape[1] if x.shape[0] <= Q8_FEW_ROWS else Q8_SLICE
     out = x.new_empty(x.shape[0], values.shape[1])
     for start in range(0, values.shape[1], slice_rows):
@@ -108,6 +129,25 @@ def q8_matmul(
                 sums.copy_(part)
         if sums_in is not None:  # (each offset times its group's inputs' sum)
             sums.add_(torch.mm(sums_in, offsets[:, start:end].to(x.dtype)))
+    return out
+
+
+def _q8_rows_apart(x, columns, sums_in, values, scales, offsets) -> torch.Tensor:
+    """`q8_matmul` of each row as if alone (`rows_apart`)."""
+    out = x.new_empty(x.shape[0], values.shape[1])
+    rows = [out[row : row + 1] for row in range(x.shape[0])]
+    for i, (column, q, d) in enumerate(zip(columns, values, scales, strict=True)):
+        weight, scale = q.to(x.dtype).T, d.to(x.dtype)
+        for row, sums in enumerate(rows):
+            part = torch.mm(column[row : row + 1], weight).mul_(scale)
+            if i:
+                sums.add_(part)
+            else:
+                sums.copy_(part)
+    if sums_in is not None:
+        widened = offsets.to(x.dtype)
+        for row, sums in enumerate(rows):
+            sums.add_(torch.mm(sums_in[row : row + 1], widened))
     return out
 
 

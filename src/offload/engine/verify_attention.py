@@ -1,0 +1,79 @@
+"""Attention of a speculative verify forward (`StepRunner.verify`), position by position
+as the decode steps it stands for compute it: each row's each query alone, over the
+columns a decode step at that query's column reads, through transformers' own SDPA
+attention with one query (which packs a grouped query's heads into its length, where
+several queries repeat the keys instead: another summation, other bits). With each
+position's q8 products computed as a lone row's (`quant.kernels.rows_apart`), a kept
+token's logits are then the decode step's, bit for bit, for a model whose other products
+round a row alike at any row count (the int4 kernel; not MKL's float32 `F.linear`).
+
+The model attends by this module's registered name for the length of the forward (as
+`mixed_step` does), where no compile of the model's step is tracing it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+NAME = "offload_verify"
+_current = threading.local()  # .widths: [rows][queries] of the verify forward on this thread
+_registered = False
+
+
+def attention(module, query, key, value, attention_mask, **kwargs):
+    """query [rows, heads, queries, dim] over keys and values [rows, kv heads, columns,
+    dim] with the 4D boolean mask [rows, 1, queries, columns]: the output [rows, queries,
+    heads, dim], as transformers' attention functions return it."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    widths = _current.widths
+    rows = []
+    for row in range(query.shape[0]):
+        parts = []
+        for index in range(query.shape[2]):
+            width = widths[row][index]
+            mask = attention_mask[row : row + 1, :, index : index + 1, :width]
+            if bool(mask.all()):  # (as transformers skips a decode step's mask of all columns)
+                mask = None
+            out, _ = sdpa_attention_forward(
+                module,
+                query[row : row + 1, :, index : index + 1],
+                key[row : row + 1, :, :width],
+                value[row : row + 1, :, :width],
+                mask,
+                **kwargs,
+            )
+            parts.append(out)  # [1, 1, heads, dim]
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows), None
+
+
+@contextmanager
+def verifying(model, widths: list[list[int]], jobs: threading.Lock | None) -> Iterator[bool]:
+    """`model` attends position by position inside (True), or as it is (False: one of its
+    step's loads or compiles, which holds `jobs`, may be tracing the model)."""
+    global _registered
+    config = model.config
+    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+        yield False
+        return
+    if jobs is not None and not jobs.acquire(blocking=False):
+        yield False
+        return
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(NAME, attention)
+        _registered = True
+    try:
+        config._attn_implementation_internal = NAME
+        _current.widths = widths
+        yield True
+    finally:
+        _current.widths = None
+        config._attn_implementation_internal = "sdpa"
+        if jobs is not None:
+            jobs.release()
