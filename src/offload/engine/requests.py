@@ -44,7 +44,7 @@ class Submitted:
         )
 
 
-@dataclass
+@dataclass(eq=False)  # (a row is itself: rows of one request can hold equal values)
 class Row:
     request: Submitted
     sequence: SequenceState

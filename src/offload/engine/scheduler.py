@@ -164,6 +164,7 @@ class Scheduler(KVRoom):
         prefix caching, a finished row about to be overwritten first moves to a free row
         (where the room holds it)."""
         keep = [row for row in self.running if row.is_live]
+        sources = [index for index, row in enumerate(self.running) if row.is_live]
         moves: Moves = []
         prefixes = self.prefixes
         if prefixes is not None:
@@ -177,8 +178,7 @@ class Scheduler(KVRoom):
                     target = prefixes.victim(free, taken)
                     if self._save(moves, index, target):
                         taken.add(target)
-        for target, row in enumerate(keep):
-            source = self.running.index(row)
+        for target, (source, row) in enumerate(zip(sources, keep, strict=True)):
             if source != target:
                 self._move(moves, source, target, row.column)
                 if prefixes is not None:  # (the source row keeps a copy)
