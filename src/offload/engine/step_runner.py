@@ -177,10 +177,11 @@ class StepRunner:
         widths = [[read_width(c + 1, self.max_len) for c in row] for row in reading.tolist()]
         compiled = self.model.compiled
         jobs = None if compiled is None else compiled.running
+        masks = self._verify_masks(mask, reading)  # (before `verifying` renames the attention)
         with self._kernels(), rows_apart(), verifying(model, widths, jobs):
             out = model(
                 input_ids=torch.tensor(ids, device=device),
-                attention_mask=self._verify_masks(mask, reading),
+                attention_mask=masks,
                 position_ids=reading - start[:, :, 0],
                 **cache_argument(model, self.cache.cache),
                 cache_position=torch.arange(width - num, width, device=device),

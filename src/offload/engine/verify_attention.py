@@ -26,29 +26,42 @@ _registered = False
 def attention(module, query, key, value, attention_mask, **kwargs):
     """query [rows, heads, queries, dim] over keys and values [rows, kv heads, columns,
     dim] with the 4D boolean mask [rows, 1, queries, columns]: the output [rows, queries,
-    heads, dim], as transformers' attention functions return it."""
+    heads, dim], as transformers' attention functions return it. The queries of one
+    index and width go through one call (each row's bits as alone: the kernel computes
+    every row and head apart)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    widths = _current.widths
-    rows = []
-    for row in range(query.shape[0]):
-        parts = []
-        for index in range(query.shape[2]):
-            width = widths[row][index]
-            mask = attention_mask[row : row + 1, :, index : index + 1, :width]
-            if bool(mask.all()):  # (as transformers skips a decode step's mask of all columns)
-                mask = None
-            out, _ = sdpa_attention_forward(
-                module,
-                query[row : row + 1, :, index : index + 1],
-                key[row : row + 1, :, :width],
-                value[row : row + 1, :, :width],
-                mask,
-                **kwargs,
-            )
-            parts.append(out)  # [1, 1, heads, dim]
-        rows.append(torch.cat(parts, dim=1))
-    return torch.cat(rows), None
+    rows, heads, queries, dim = query.shape
+    widths = torch.tensor(_current.widths, dtype=torch.long)  # [rows, queries]
+    columns = torch.arange(attention_mask.shape[-1])
+    # (as transformers skips a decode step's mask where it lets every column be read)
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    full = (allowed[:, 0] | (columns >= widths[..., None])).all(-1).tolist()
+    groups: dict[tuple[int, int, bool], list[int]] = {}
+    for row, (row_widths, row_full) in enumerate(zip(widths.tolist(), full, strict=True)):
+        for index in range(queries):
+            groups.setdefault((index, row_widths[index], row_full[index]), []).append(row)
+    out = query.new_empty(rows, queries, heads, dim)
+    for (index, width, every), members in groups.items():
+        pick = _rows(members)
+        mask = None if every else attention_mask[pick, :, index : index + 1, :width]
+        part, _ = sdpa_attention_forward(
+            module,
+            query[pick, :, index : index + 1],
+            key[pick, :, :width],
+            value[pick, :, :width],
+            mask,
+            **kwargs,
+        )
+        out[pick, index : index + 1] = part  # [members, 1, heads, dim]
+    return out, None
+
+
+def _rows(members: list[int]) -> slice | torch.Tensor:
+    """`members` as an index: a slice where they run in a row (no copies)."""
+    if members == list(range(members[0], members[-1] + 1)):
+        return slice(members[0], members[-1] + 1)
+    return torch.tensor(members)
 
 
 @contextmanager
