@@ -161,3 +161,24 @@ def test_a_default_context_too_long_for_the_budget_shrinks_and_an_asked_one_does
     assert "context_len 1024 does not fit the memory budget" in caplog.text
     assert main([*argv, "--cpu-memory-gb", "4", "--context-len", "512"]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_plan_predicts_speculation_and_refuses_a_missing_draft(tiny, tmp_path, capsys):
+    argv = ["plan", "--model", str(tiny), "--batch-size", "1", "--context-len", "64"]
+    missing = '{"model": "%s"}' % (tmp_path / "nowhere")
+    assert main([*argv, "--speculative-config", missing]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("offload: error: speculative_config: the draft model ")
+    assert "is no checkpoint here" in err and "\n" not in err
+    assert not (tmp_path / "cache" / "plans").exists()  # (refused before measuring)
+    assert main([*argv, "--speculative-config", '{"method": "ngram"}']) == 0
+    out = capsys.readouterr().out
+    assert "speculative decoding by n-gram lookup, taking 50% of guesses kept" in out
+    weighed = out.split("the engine measures its own as it runs):\n  ")[1].split("\n")[0]
+    assert weighed.startswith("k=1 ") and ", k=16 " in weighed
+    chosen = [line for line in out.splitlines() if "chosen k=" in line or "not predicted" in line]
+    assert len(chosen) == 1
+    flags = out.split("offload generate flags")[1].split("\n")[1]
+    assert ("--speculative-config" in flags) == ("chosen k=" in chosen[0])
+    assert main([*argv, "--speculative-config", '{"method": "eagle"}']) == 2
+    assert "'eagle' is not available here" in capsys.readouterr().err

@@ -37,7 +37,9 @@ def _logprobs(output) -> list[float]:
 def test_speculation_on_a_gpu_keeps_the_tokens_and_offloaded_the_bits(checkpoint, monkeypatch):
     from offload.engine import speculative
 
-    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)  # (always guess)
+    monkeypatch.setattr(
+        speculative.Pace, "guesses", lambda self: max(self.depths)
+    )  # (always guess)
     plain, _ = _generate(checkpoint)
     resident, moved = _generate(checkpoint, speculative_config=NGRAM)
     assert moved.num_spec_accepted_tokens > 0

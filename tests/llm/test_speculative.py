@@ -48,6 +48,7 @@ SETTINGS = {
         ({}, None),
         ("", None),
         ({"method": "ngram", "num_speculative_tokens": 4}, SpeculativeConfig("ngram", 4)),
+        ({"method": "ngram"}, SpeculativeConfig("ngram", None)),  # (k as it pays: `Pace`)
         (NGRAM, SpeculativeConfig("ngram", 4, None, 1, 3)),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}',
          SpeculativeConfig("ngram", 2, None, 4, 4)),
@@ -71,7 +72,6 @@ def test_the_config_reads_vllms_shapes(value, expected):
         ({"method": "beam", "num_speculative_tokens": 3}, "method must be one of ngram"),
         ({"method": "draft_model", "num_speculative_tokens": 3}, "'draft_model' needs a 'model'"),
         ({"model": "x", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, "prompt_lookup_max is for method 'ngram'"),
-        ({"method": "ngram"}, "num_speculative_tokens must be an integer from 1 to 64, got None"),
         ({"method": "ngram", "num_speculative_tokens": 0}, "from 1 to 64, got 0"),
         ({"method": "ngram", "num_speculative_tokens": 2.5}, "from 1 to 64, got 2.5"),
         ({**NGRAM, "prompt_lookup_min": 4}, "prompt_lookup_min (4) is more than prompt_lookup_max (3)"),
@@ -232,7 +232,7 @@ def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, monkeypat
     assert _tokens(got) == _tokens(expected)
     trials = paced.transfer_stats().num_spec_verifies
     assert 0 < trials <= 2 * speculative.Pace.TRIAL  # (its first trial; the next at turn 64)
-    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)
+    monkeypatch.setattr(speculative.Pace, "guesses", lambda self: max(self.depths))
     spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
     got = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
@@ -243,31 +243,59 @@ def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, monkeypat
 def _modes(pace, turns: int, rates) -> list[bool]:
     modes = []
     for turn in range(turns):
-        mode = pace.speculating()
-        modes.append(mode)
-        pace.record(mode, rates(turn, mode), 0.1)
+        depth = pace.guesses()
+        modes.append(depth > 0)
+        pace.record(depth, rates(turn, depth > 0), 0.1)
     return modes
 
 
 def test_the_pace_keeps_the_faster_mode_and_tries_the_other_less_often():
-    pace = speculative.Pace()
+    pace = speculative.Pace((4,))
     trial = pace.TRIAL
     modes = _modes(pace, 300, lambda turn, mode: 4 if mode else 1)  # guessing 4x as fast
     assert modes[: 2 * trial] == [True] * trial + [False] * trial  # both measured first
     plain = [turn for turn, mode in enumerate(modes) if not mode]
     # then plain is tried again after 64 turns, then after 128 (each trial confirming)
     assert plain[trial:] == [*range(68, 68 + trial), *range(197, 197 + trial)]
-    modes = _modes(speculative.Pace(), 300, lambda turn, mode: 1 if mode else 3)
+    modes = _modes(speculative.Pace((4,)), 300, lambda turn, mode: 1 if mode else 3)
     assert sum(modes) == 3 * trial  # measured first, then tried twice: plain wins
 
     # Where the faster mode changes, the next trial finds it, and the trials come sooner.
     def rates(turn, mode):
         return (4 if mode else 1) if turn < 100 else (1 if mode else 4)
 
-    modes = _modes(speculative.Pace(), 600, rates)
+    modes = _modes(speculative.Pace((4,)), 600, rates)
     assert all(modes[100:197]) and not any(modes[197:201])  # (the trial at 197 switches)
     tried = [turn for turn in range(201, 600) if modes[turn]]
     assert tried == [*range(258, 262), *range(387, 391)]
+
+
+def test_left_to_itself_the_pace_measures_each_depth_then_keeps_the_fastest():
+    pace = speculative.Pace(speculative.AUTO_DEPTHS)
+    trial, depths = pace.TRIAL, pace.depths
+    assert depths == (1, 2, 4, 8, 16, 0)  # (plain steps measured last)
+    # tokens/s by depth: 4 guesses pay most here (deeper ones cost more than they keep)
+    speed = {0: 1.0, 1: 1.5, 2: 2.0, 4: 3.0, 8: 2.5, 16: 1.2}
+    chosen = []
+    for _ in range(1000):
+        depth = pace.guesses()
+        chosen.append(depth)
+        pace.record(depth, int(10 * speed[depth]), 1.0)
+    assert chosen[: trial * len(depths)] == [d for d in depths for _ in range(trial)]
+    after = chosen[trial * len(depths) :]
+    assert after.count(4) > 0.95 * len(after)
+    tried = [d for d in after if d != 4]  # each other depth tried again, in turn
+    assert tried == [d for d in (1, 2, 8, 16, 0) for _ in range(trial)][: len(tried)]
+    assert len(tried) >= 3 * trial
+
+
+def test_left_out_k_gives_the_model_s_tokens_and_guesses(smollm2_path):
+    plain = LLM(smollm2_path, dtype="float32")
+    spec = LLM(smollm2_path, dtype="float32", speculative_config={"method": "ngram"})
+    assert _tokens(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
+        plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    )
+    assert spec.transfer_stats().num_spec_accepted_tokens > 0
 
 
 def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path):
@@ -381,7 +409,9 @@ def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if (smollm2_path / name).exists():
             shutil.copy(smollm2_path / name, tmp_path / name)
-    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)  # (always guess)
+    monkeypatch.setattr(
+        speculative.Pace, "guesses", lambda self: max(self.depths)
+    )  # (always guess)
     spec = LLM(
         smollm2_path, dtype="float32",
         speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3},
@@ -399,7 +429,9 @@ def test_the_stored_model_s_kept_tokens_carry_the_decode_steps_bits(monkeypatch)
     """The default model as stored, one prompt at a time: every token and every logprob
     bit for bit those of decoding without speculation (each verify position's attention
     and q8 products as a lone row's decode step computes them: `verify_attention`)."""
-    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)  # (always guess)
+    monkeypatch.setattr(
+        speculative.Pace, "guesses", lambda self: max(self.depths)
+    )  # (always guess)
     plain, spec = LLM(), LLM(speculative_config=NGRAM)
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
     for prompt in (PROMPTS[0], PROMPTS[1]):

@@ -76,7 +76,9 @@ def _p_value(first: collections.Counter, second: collections.Counter) -> float:
 
 
 def test_sampled_tokens_keep_the_model_s_distribution_with_guesses_kept(tiny, monkeypatch):
-    monkeypatch.setattr(speculative.Pace, "speculating", lambda self: True)  # (always guess)
+    monkeypatch.setattr(
+        speculative.Pace, "guesses", lambda self: max(self.depths)
+    )  # (always guess)
     # (other seeds: independent draws, not the same draws in the same order)
     plain = LLM(str(tiny), dtype="float32", seed=1, max_num_seqs=1024)
     expected = _draws(plain)

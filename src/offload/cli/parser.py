@@ -292,5 +292,11 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
     plan.add_argument(
         "--remeasure", action="store_true", help="measure again instead of using the cache"
     )
+    plan.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help="also predict speculative decoding (as generate's flag; num_speculative_tokens "
+        "may be left out) and choose its number of guesses for the plan",
+    )
     add_budget_flags(plan)
     add_device_flags(plan)

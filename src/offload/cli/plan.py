@@ -5,21 +5,28 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import shlex
 import sys
 from collections.abc import Collection, Sequence
+from pathlib import Path
 
+from offload.engine.speculative import SpeculativeConfig
+from offload.errors import ConfigError
 from offload.llm.auto import plan_for
 from offload.memory.placement import AUTO
 from offload.planner.choose import Candidate
 from offload.planner.flags import kv_flags, offload_flags, vllm_flags, warnings_for
 from offload.planner.plan import Plan
+from offload.planner.speculation import Speculation, for_plan, weight_bytes_at
 from offload.sizes import format_bytes
 
 
 def run_plan(args: argparse.Namespace, generate_flags: Collection[str] = ()) -> str:
     """Plan, and the plan for people (`generate_flags`: the flags `offload generate`
     takes, so that only those are printed)."""
+    speculative = SpeculativeConfig.of(getattr(args, "speculative_config", None))
+    draft_bytes = _draft_bytes(speculative)  # (a draft that is not there: refused first)
     plan = plan_for(
         args.model,
         args.device,
@@ -35,7 +42,51 @@ def run_plan(args: argparse.Namespace, generate_flags: Collection[str] = ()) -> 
         trust_remote_code=args.trust_remote_code,
         progress=_progress if sys.stderr.isatty() else None,  # (a terminal's: no log noise)
     )
-    return describe(plan, _model_flags(args), generate_flags)
+    speculation = None
+    if speculative is not None:
+        speculation = speculative, *for_plan(plan, speculative.method, draft_bytes)
+    return describe(plan, _model_flags(args), generate_flags, speculation)
+
+
+def _draft_bytes(config: SpeculativeConfig | None) -> int:
+    """The draft model's weight bytes (0: none, or n-gram lookup); one line where the
+    draft named is no checkpoint here."""
+    if config is None or config.model is None:
+        return 0
+    path = Path(config.model).expanduser()
+    size = weight_bytes_at(path) if path.exists() else 0
+    if not size:
+        raise ConfigError(
+            f"speculative_config: the draft model {config.model!r} is no checkpoint here "
+            "(give a .gguf file or a folder of safetensors)"
+        )
+    return size
+
+
+def speculation_lines(
+    config: SpeculativeConfig, best: Speculation, weighed: list[Speculation]
+) -> tuple[list[str], list[str]]:
+    """What speculation is predicted to give on the plan (lines for people), and the
+    flag that asks for it (none where it does not pay)."""
+    kind = "n-gram lookup" if config.method == "ngram" else f"the draft {config.model}"
+    shown = [s for s in weighed if s.k in (1, 2, 4, 8, 16)]
+    lines = [
+        f"speculative decoding by {kind}, taking {best.acceptance:.0%} of guesses kept "
+        "where the one before was (the engine measures its own as it runs):",
+        "  " + ", ".join(f"k={s.k} {s.speedup:.2f}x" for s in shown),
+    ]
+    if best.k == 0:
+        lines.append("  not predicted to pay on this placement: leave it off")
+        return lines, []
+    lines.append(
+        f"  chosen k={best.k}: {best.tokens_per_forward:.2f} tokens a forward, "
+        f"{best.speedup:.2f}x the tokens/s of plain steps"
+    )
+    chosen = {"method": config.method, "num_speculative_tokens": best.k}
+    for key in ("model", "quantization"):
+        if getattr(config, key) is not None:
+            chosen[key] = getattr(config, key)
+    return lines, ["--speculative-config", json.dumps(chosen)]
 
 
 def _model_flags(args: argparse.Namespace) -> list[str]:
@@ -56,13 +107,17 @@ def _progress(part: str) -> None:
 
 
 def describe(
-    plan: Plan, model_flags: Sequence[str] = (), generate_flags: Collection[str] = ()
+    plan: Plan,
+    model_flags: Sequence[str] = (),
+    generate_flags: Collection[str] = (),
+    speculation: tuple[SpeculativeConfig, Speculation, list[Speculation]] | None = None,
 ) -> str:
     """The plan for people: what was weighed, the choice, the flags (`model_flags` first:
     what was planned; the KV cache's size where `generate_flags` has its flag), the
-    alternatives."""
+    alternatives; and what `speculation` gives, where asked."""
     kv = kv_flags(plan)
     kv = kv if kv and kv[0] in generate_flags else []
+    guessing, spec_flags = speculation_lines(*speculation) if speculation else ([], [])
     m = plan.measured.measurements
     # The form planned: a quantized model's weights as stored (computing in m.dtype).
     held = f"{plan.shape.stored}, computing in {m.dtype}" if plan.shape.stored else m.dtype
@@ -73,11 +128,13 @@ def describe(
         f"chosen: {plan.chosen.label}, batch {plan.batch_size}",
         f"  {prediction(plan.chosen)}",
         f"  memory: {memory(plan)}",
+        *guessing,
         f"offload generate flags (with {plan.batch_size} "
         f"prompt{'s' if plan.batch_size != 1 else ''} a call):",
-        f"  {shlex.join([*model_flags, *offload_flags(plan), *kv])}",
+        f"  {shlex.join([*model_flags, *offload_flags(plan), *kv, *spec_flags])}",
     ]
     flags, missing = vllm_flags(plan)
+    flags = [*flags, *spec_flags]  # (vLLM's flag of the same name and JSON)
     lines.append("vllm serve flags" + (" (for what vLLM can express):" if missing else ":"))
     lines.append(f"  {shlex.join(flags)}")
     if missing:

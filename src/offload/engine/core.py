@@ -24,7 +24,7 @@ import torch
 
 from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
 from offload.engine.scheduler import Scheduler
-from offload.engine.speculative import Pace, guesses_for
+from offload.engine.speculative import Pace, depths_of, guesses_for
 from offload.engine.step_runner import StepRunner
 from offload.errors import ConfigError, OffloadError
 
@@ -66,7 +66,8 @@ class EngineCore:
         self.invariant = invariant
         # (`speculator`: guesses of the rows' next tokens, scored in one forward:
         # `speculative`; it guesses only where rows decode apart from a prompt's chunk)
-        self.speculator, self._pace = speculator, pace or Pace()  # (an LLM's: kept across calls)
+        self.speculator = speculator
+        self._pace = pace or Pace(depths_of(getattr(speculator, "config", None)))  # (an LLM's)
         self.runner.mixes = self.runner.mixes and speculator is None
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
         self._wake = threading.Condition()
@@ -266,17 +267,16 @@ class EngineCore:
         self._pick(rows, self.runner.decode(rows), replaying)
 
     def _speculate(self, rows: list[Row]) -> None:
-        """A turn of `rows` that scores the speculator's guesses where there are some and
-        guessing pays here (`speculative.Pace`), else a plain decode step."""
+        """A turn of `rows` scoring the guesses that pay here (`Pace`), or a plain step."""
         start, before = time.perf_counter(), sum(len(row.sequence.tokens) for row in rows)
-        guessing = self._pace.speculating()
-        guesses = guesses_for(self.speculator, rows, self.max_len) if guessing else None
+        depth = self._pace.guesses()
+        guesses = guesses_for(self.speculator, rows, self.max_len, depth)
         if guesses is None:
             self._decode(rows)
         else:
             self._verify(rows, guesses)
         tokens = sum(len(row.sequence.tokens) for row in rows) - before
-        self._pace.record(guesses is not None, tokens, time.perf_counter() - start)
+        self._pace.record(depth if guesses else 0, tokens, time.perf_counter() - start)
 
     def _verify(self, rows: list[Row], guesses: list[list[int]]) -> None:
         """A verify forward of `rows` with their `guesses`, and the tokens it gives

@@ -34,6 +34,8 @@ _KEYS = (
     "quantization",
 )  # fmt: skip
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram window where neither bound is given
+# The depths tried where `num_speculative_tokens` is left out (`Pace` keeps the fastest).
+AUTO_DEPTHS = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,11 @@ class SpeculativeConfig:
     the longest of the last `prompt_lookup_max` down to `prompt_lookup_min` tokens found
     earlier in the sequence, and what followed it there) or "draft_model" (`model`: any
     model `LLM` loads, with the same tokenizer, resident: `engine/draft.py`);
-    `num_speculative_tokens` guesses at most per sequence and step."""
+    `num_speculative_tokens` guesses at most per sequence and step (None: as many as
+    pay here, measured as it runs: `Pace`)."""
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None
     model: str | None = None
     prompt_lookup_min: int = _DEFAULT_LOOKUP
     prompt_lookup_max: int = _DEFAULT_LOOKUP
@@ -91,10 +94,10 @@ def _parse(value: dict[str, Any]) -> SpeculativeConfig:
             f"speculative_config: method must be one of {', '.join(METHODS)}, got {shown(method)}"
         )
     number = value.get("num_speculative_tokens")
-    if not is_integer(number, 1) or number > 64:
+    if number is not None and (not is_integer(number, 1) or number > 64):
         raise ConfigError(
             "speculative_config: num_speculative_tokens must be an integer from 1 to 64, "
-            f"got {shown(number)}"
+            f"got {shown(number)} (or left out: as many as pay, measured as it runs)"
         )
     if method == "draft_model":
         if not isinstance(model, str) or not model:
@@ -142,13 +145,14 @@ def lookup(tokens: list[int], low: int, high: int, count: int) -> list[int]:
     return []
 
 
-def guesses_for(speculator, rows, max_len: int) -> list[list[int]] | None:
-    """`speculator`'s guesses for the engine's decoding `rows`, each within its row's
-    columns (below `max_len`) and its sequence's tokens to go; None where there are none,
-    no speculator, or a row replays a preempted request's known tokens (a plain step)."""
-    if speculator is None or any(row.replaying for row in rows):
+def guesses_for(speculator, rows, max_len: int, most: int) -> list[list[int]] | None:
+    """`speculator`'s guesses for the engine's decoding `rows`, up to `most` each, within
+    its row's columns (below `max_len`) and its sequence's tokens to go; None where there
+    are none, no speculator, or a row replays a preempted request's known tokens (a plain
+    step)."""
+    if speculator is None or most <= 0 or any(row.replaying for row in rows):
         return None
-    most = speculator.config.num_speculative_tokens
+    most = min(most, speculator.config.num_speculative_tokens or most)
     counts = [
         min(most, max_len - 1 - row.column, row.sequence.to_go - 1) if row.is_live else 0
         for row in rows
@@ -176,47 +180,63 @@ class NgramProposer:
         return guesses
 
 
+def depths_of(config: SpeculativeConfig | None) -> tuple[int, ...]:
+    """The depths a `Pace` tries for `config`: the user's number, or `AUTO_DEPTHS`."""
+    if config is None or config.num_speculative_tokens is None:
+        return AUTO_DEPTHS
+    return (config.num_speculative_tokens,)
+
+
 class Pace:
-    """Whether speculation pays here, measured as it runs: the tokens per second of the
-    turns that guessed and of those that did not (decayed averages), each mode tried
-    again now and then. Where guesses are scored at little more than the cost of one
-    position (weights streamed from disk or over the link: bytes dominate) speculation
-    wins; where a verify forward computes for every position (a CPU's resident weights)
-    and few guesses are kept, plain steps win, and speculation is left off until a
-    later trial says otherwise."""
+    """How many guesses pay here, measured as it runs: the tokens per second of turns at
+    each depth (`depths`: the most guesses a turn scores; 0, plain steps, is always one of
+    them) as decayed averages, each depth measured first and the others tried again now
+    and then. Where guesses are scored at little more than the cost of one position
+    (weights streamed from disk or over the link: bytes dominate) deeper guessing wins;
+    where a verify forward computes for every position (a CPU's resident weights) and few
+    guesses are kept, plain steps win, and speculation is left off until a later trial
+    says otherwise. With the user's `num_speculative_tokens`, the depths are it and 0;
+    without, a few (`AUTO_DEPTHS`), and the best is kept."""
 
-    TRIAL = 4  # turns each mode runs when tried
-    EVERY = 64  # turns between trials of the mode not chosen, at first
+    TRIAL = 4  # turns each depth runs when tried
+    EVERY = 64  # turns between trials of a depth not chosen, at first
     MOST = 4096  # ... doubled while each trial confirms the choice, up to this many
-    DECAY = 0.8  # weight of the past in each mode's average
+    DECAY = 0.8  # weight of the past in each depth's average
 
-    def __init__(self):
-        self._rate = {True: 0.0, False: 0.0}  # mode -> tokens/s (decayed)
-        self._count = {True: 0, False: 0}  # mode -> turns measured
+    def __init__(self, depths: tuple[int, ...] = (1,)):
+        self.depths = (*sorted({d for d in depths if d > 0}), 0)  # (plain steps last)
+        self._rate = dict.fromkeys(self.depths, 0.0)  # depth -> tokens/s (decayed)
+        self._count = dict.fromkeys(self.depths, 0)  # depth -> turns measured
         self._turn = self.TRIAL  # turns since the last trial began
         self._every = self.EVERY
-        self._best = True
+        self._best = self.depths[0]
+        self._trying = self.depths[0]
+        self._trials = 0
 
-    def speculating(self) -> bool:
-        """Whether the next turn guesses."""
-        if min(self._count.values()) < self.TRIAL:  # each mode measured first, guessing first
-            return self._count[True] < self.TRIAL
-        best = self._rate[True] >= self._rate[False]
+    def guesses(self) -> int:
+        """The most guesses the next turn scores (0: a plain step)."""
+        for depth in self.depths:  # each measured first, in order
+            if self._count[depth] < self.TRIAL:
+                return depth
+        best = max(self.depths, key=lambda d: (self._rate[d], -self.depths.index(d)))
         if best != self._best:  # (a trial changed the choice: it ends; the next comes soon)
             self._best, self._every, self._turn = best, self.EVERY, self.TRIAL
         self._turn += 1
-        if self._turn > self._every:  # a trial of the other mode begins
+        if self._turn > self._every:  # a trial of another depth begins
             self._turn = 0
             self._every = min(2 * self._every, self.MOST)
-        return (not best) if self._turn < self.TRIAL else best
+            others = [d for d in self.depths if d != best]
+            self._trying = others[self._trials % len(others)]
+            self._trials += 1
+        return self._trying if self._turn < self.TRIAL else best
 
-    def record(self, speculated: bool, tokens: int, seconds: float) -> None:
-        """A turn that did (or did not) score guesses: `tokens` new tokens in `seconds`
-        (its guessing, forward and picks)."""
-        if seconds <= 0 or tokens <= 0:
+    def record(self, depth: int, tokens: int, seconds: float) -> None:
+        """A turn that scored up to `depth` guesses (0: none): `tokens` new tokens in
+        `seconds` (its guessing, forward and picks)."""
+        if seconds <= 0 or tokens <= 0 or depth not in self._rate:
             return
-        rate, count = tokens / seconds, self._count[speculated]
-        self._rate[speculated] = (
-            rate if count == 0 else (self.DECAY * self._rate[speculated] + (1 - self.DECAY) * rate)
+        rate, count = tokens / seconds, self._count[depth]
+        self._rate[depth] = (
+            rate if count == 0 else (self.DECAY * self._rate[depth] + (1 - self.DECAY) * rate)
         )
-        self._count[speculated] = count + 1
+        self._count[depth] = count + 1

@@ -18,7 +18,7 @@ from offload.engine import cpu_step, invariant
 from offload.engine.grammars import Grammars
 from offload.engine.kv_cache import KVHostPool
 from offload.engine.request_maker import RequestMaker
-from offload.engine.speculative import Pace
+from offload.engine.speculative import Pace, depths_of
 from offload.engine.tokens import TokenSteps
 from offload.llm.args import tokenizer_of
 from offload.llm.fit import MemoryPlan
@@ -70,7 +70,7 @@ def load_into(
     # speculative decoding: verify forwards, rows' guesses, tokens guessed, guesses kept
     llm._spec_verifies = llm._spec_drafts = llm._spec_guessed = llm._spec_kept = 0
     # whether guessing pays, measured by serve's and generate's cores (kept across calls)
-    llm._paces = {False: Pace(), True: Pace()}
+    llm._paces = {mode: Pace(depths_of(llm.speculative_config)) for mode in (False, True)}
     # Host memory of the offloaded KV cache, kept between calls (pinned once).
     llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
     # (generate's engine core's rows, and serve's: `serving`)

@@ -224,7 +224,7 @@ def evaluate(
     fits = device_need(shape, resident_bytes, kv_total) <= budgets.device_bytes
     if kv_offload and fits and not kv_given:
         return None  # the KV cache fits on the device: moving it only costs time
-    time = _predict(shape, measured, layout, batch, kv_total if kv_offload else 0)
+    time = predict_layout(shape, measured, layout, batch, kv_total if kv_offload else 0)
     return Candidate(layout, batch, kv_offload, time, device_bytes, host_bytes)
 
 
@@ -242,13 +242,14 @@ def _evaluate_in_ram(
     if use.total_bytes > budgets.ram_bytes:
         return None
     kv_total = shape.kv_bytes(batch, measured.context_len)
-    time = _predict(shape, measured, layout, batch, kv_total if kv_offload else 0)
+    time = predict_layout(shape, measured, layout, batch, kv_total if kv_offload else 0)
     return Candidate(layout, batch, kv_offload, time, use.total_bytes, 0, use)
 
 
-def _predict(
+def predict_layout(
     shape: ModelShape, measured: Measurements, layout: Layout, batch: int, kv_moved_bytes: int
 ) -> StepTime:
+    """A step of `layout` at `batch` positions, with `kv_moved_bytes` of KV cache brought in."""
     layer_s, head_s = measured.compute_at(batch)
     costs = _layer_costs(shape, layout, layer_s, batch, kv_moved_bytes)
     return predict_step(costs, head_s, measured.rates(), layout.prefetch_step, KV_SLOTS)
