@@ -4,7 +4,7 @@ not there."""
 
 from __future__ import annotations
 
-from offload.bench.engine import Engine
+from offload.bench.engine import Engine, EngineDraft, EngineNgram
 from offload.bench.llama_cpp import LlamaCpp
 from offload.bench.method import Method
 from offload.bench.ours import UVA, Disk, DiskDirect, PrefetchAll, PrefetchHalf, Resident
@@ -16,6 +16,8 @@ METHODS: dict[str, type[Method]] = {
     for method in (
         Resident,
         Engine,
+        EngineNgram,
+        EngineDraft,
         UVA,
         PrefetchAll,
         PrefetchHalf,

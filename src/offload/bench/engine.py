@@ -12,7 +12,7 @@ import torch
 
 from offload.bench.decode import Decoded
 from offload.bench.machine import synchronize
-from offload.bench.method import Figures, Method
+from offload.bench.method import Figures, Method, MethodUnavailable
 
 
 class Engine(Method):
@@ -23,6 +23,14 @@ class Engine(Method):
         super().__init__(prepared)
         self._llm: Any = None
         self._ready: set[int] = set()  # batch sizes whose step is compiled or loaded
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        """What the engine guesses with (None: no speculation)."""
+        return None
+
+    def setting(self) -> dict[str, Any]:
+        spec = self.speculative_config()
+        return {"speculative_config": spec} if spec is not None else {}
 
     def load(self) -> None:
         from offload.llm import LLM
@@ -35,6 +43,7 @@ class Engine(Method):
             dtype=dtype,
             device=str(self.device),
             enable_prefix_caching=False,
+            speculative_config=self.speculative_config(),
         )
         self.model = self._llm.model
 
@@ -51,11 +60,12 @@ class Engine(Method):
             self._llm.wait_for_compiles()  # (made in the background: the timed run's own)
             self._ready.add(len(prompts))
             self.num_forwards += 2
-        times: list[float] = []
+        times: list[float] = []  # when each token was picked (a turn's tokens: at its end)
 
-        def picked(_sequences) -> None:
+        def picked(sequences) -> None:
             synchronize(self.device)
-            times.append(time.perf_counter())
+            now, made = time.perf_counter(), len(sequences[0].tokens) if sequences else 1
+            times.extend([now] * max(1, made - len(times)))
 
         params = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
         self._llm._on_step = picked
@@ -65,7 +75,7 @@ class Engine(Method):
         finally:
             self._llm._on_step = None
         tokens = torch.tensor([out.outputs[0].token_ids for out in outputs])
-        steps = [after - before for before, after in itertools.pairwise(times)]
+        steps = _spread([after - before for before, after in itertools.pairwise(times)])
         self.num_forwards += num_tokens
         return Decoded(tokens, times[0] - started, steps[: num_tokens - 1])
 
@@ -77,3 +87,35 @@ class Engine(Method):
             self._llm.close()
             self._llm = None
         super().close()
+
+
+def _spread(gaps: list[float]) -> list[float]:
+    """Gaps between tokens picked, where the tokens of one turn (speculation) share its
+    time: a gap of 0 takes its share of the turn's gap before it."""
+    spread, index = list(gaps), 0
+    while index < len(spread):
+        end = index + 1
+        while end < len(spread) and spread[end] == 0:
+            end += 1
+        share = spread[index] / (end - index)
+        spread[index:end] = [share] * (end - index)
+        index = end
+    return spread
+
+
+class EngineNgram(Engine):
+    name = "llm-ngram"
+    label = "offload's LLM engine, resident, speculating by n-gram lookup (k as it pays)"
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        return {"method": "ngram"}
+
+
+class EngineDraft(Engine):
+    name = "llm-draft"
+    label = "offload's LLM engine, resident, the model's GGUF as stored drafting (k as it pays)"
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        if self.prepared.gguf is None:
+            raise MethodUnavailable("llm-draft: the model was not made from a GGUF to draft with")
+        return {"method": "draft_model", "model": str(self.prepared.gguf), "quantization": "gguf"}

@@ -15,7 +15,7 @@ QUESTION = "What is the capital of France?"  # what generate and demo ask by def
 # `offload bench --methods`, by name (the parser is built without importing the bench
 # and torch; tests/bench checks these against offload.bench.METHODS).
 BENCH_METHODS = (
-    "resident", "llm", "uva", "prefetch-all", "prefetch-half", "disk", "disk-direct", "plan",
+    "resident", "llm", "llm-ngram", "llm-draft", "uva", "prefetch-all", "prefetch-half", "disk", "disk-direct", "plan",
     "accelerate-map", "accelerate-disk", "diffusers", "llama-cpp",
 )  # fmt: skip
 
