@@ -113,7 +113,7 @@ def q8_matmul(
     so are its bits)."""
     columns = x.reshape(x.shape[0], values.shape[0], values.shape[-1]).transpose(0, 1)
     sums_in = None if offsets is None else columns.sum(-1).T  # [rows, blocks]
-    if 1 < x.shape[0] <= Q8_FEW_ROWS and getattr(_apart, "on", False):
+    if x.shape[0] > 1 and getattr(_apart, "on", False):  # (any count: a verify of many)
         return _q8_rows_apart(x, columns, sums_in, values, scales, offsets)
     slice_rows = values.shape[1] if x.shape[0] <= Q8_FEW_ROWS else Q8_SLICE
     out = x.new_empty(x.shape[0], values.shape[1])
