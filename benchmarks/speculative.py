@@ -1,11 +1,12 @@
 """Speculative decoding over the streamed weights (issue 51): tokens/s with and without it.
 
     python benchmarks/speculative.py [--settings disk resident] [--rounds 3]
-                                     [--max-tokens 128] [--k 4]
+                                     [--max-tokens 128] [--k auto|N]
 
 The default model in float32 is the target; each setting runs it without speculation,
 with the default model as stored (Q4_1, resident) drafting (`draft`), and with n-gram
-prompt lookup (`ngram`), on two workloads: `chat` (open questions through the chat
+prompt lookup (`ngram`), and each of those with a tree of up to 16 guesses (`draft-tree`, `ngram-tree`: --methods),
+on two workloads: `chat` (open questions through the chat
 template: lookup has little to find) and `rewrite` (a text to copy with small changes:
 lookup finds most of it). A chat answer is `--max-tokens` long (`ignore_eos`), a rewrite's
 ends at the model's own EOS (at most 200 tokens); greedy, one prompt at a time. One warm-up call per (setting, method), then `--rounds` timed calls of
@@ -40,6 +41,7 @@ SETTINGS = {
     "disk": {"cpu_memory_gb": 0, "disk_io": "direct"},
     "resident": {},
 }
+TREE_BUDGET = 16  # the -tree methods' tree_budget
 TARGETS = {("disk", "draft", "chat"): 2.5, ("disk", "ngram", "rewrite"): 2.0}
 _TEXT = (
     "The quik brown fox jumpd over the lazzy dog. It ran thru the feild and into the forrest, were "
@@ -60,16 +62,19 @@ WORKLOADS = {
 }
 
 
-def _configs(k: int) -> dict[str, dict | None]:
+def _configs(k: str) -> dict[str, dict | None]:
+    """The methods' configs; `k` "auto": num_speculative_tokens left out (the engine keeps
+    the number of guesses that pays, measured as it runs)."""
+    depth = {} if k == "auto" else {"num_speculative_tokens": int(k)}
+    draft = {"model": str(gguf_path()), **depth}
+    ngram = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 1, **depth}
+    tree = {"tree_budget": max(TREE_BUDGET, int(depth.get("num_speculative_tokens", 0)))}
     return {
         "none": None,
-        "draft": {"model": str(gguf_path()), "num_speculative_tokens": k},
-        "ngram": {
-            "method": "ngram",
-            "num_speculative_tokens": k,
-            "prompt_lookup_max": 4,
-            "prompt_lookup_min": 1,
-        },
+        "draft": draft,
+        "ngram": ngram,
+        "draft-tree": {**draft, **tree},
+        "ngram-tree": {**ngram, **tree},
     }
 
 
@@ -90,7 +95,9 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument(
+        "--k", default="auto", help="num_speculative_tokens, or auto (left out: the default)"
+    )
     args = parser.parse_args()
     # Chat answers run to --max-tokens; a rewrite ends where the model ends it (its copy).
     lengths = {"chat": (args.max_tokens, True), "rewrite": (200, False)}

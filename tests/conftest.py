@@ -113,6 +113,7 @@ _SLOW = (
     "server/test_tools.py",  # (2026-11-29: tool calls over the default model, ~1 min)
     "llm/test_preemption.py",  # (2026-11-29: 32 requests alone and preempted, ~40 s)
     "llm/test_speculative_sampling.py",  # (2026-11-30: 20k draws each way, ~25 s)
+    "llm/test_speculative_tree.py",  # (2026-11-30: trees over three backends, ~2 min)
     "llm/test_speculative.py",  # (2026-11-30: speculation over four backends, ~2 min)
 )  # fmt: skip
 

@@ -48,7 +48,8 @@ SAMPLING_FLAGS = (
 )
 SPECULATIVE_HELP = (
     'speculative decoding, as vLLM\'s: e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-    '"prompt_lookup_max": 4}\' (default: none)'
+    '"prompt_lookup_max": 4}\' or \'{"model": DRAFT}\' (guesses chosen as it runs where '
+    'num_speculative_tokens is left out; "tree_budget": N scores a tree of N) (default: none)'
 )
 DEVICE_HELP = "compute device: auto (a GPU if one is usable, else the CPU), cpu, cuda, cuda:N"
 

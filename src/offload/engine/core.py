@@ -24,6 +24,7 @@ import torch
 
 from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
 from offload.engine.scheduler import Scheduler
+from offload.engine.spec_tree import Tree, walk
 from offload.engine.speculative import Pace, depths_of, guesses_for
 from offload.engine.step_runner import StepRunner
 from offload.errors import ConfigError, OffloadError
@@ -270,7 +271,7 @@ class EngineCore:
         """A turn of `rows` scoring the guesses that pay here (`Pace`), or a plain step."""
         start, before = time.perf_counter(), sum(len(row.sequence.tokens) for row in rows)
         depth = self._pace.guesses()
-        guesses = guesses_for(self.speculator, rows, self.max_len, depth)
+        guesses = guesses_for(self.speculator, rows, self.max_len, depth, self.runner.takes_trees)
         if guesses is None:
             self._decode(rows)
         else:
@@ -278,27 +279,21 @@ class EngineCore:
         tokens = sum(len(row.sequence.tokens) for row in rows) - before
         self._pace.record(depth if guesses else 0, tokens, time.perf_counter() - start)
 
-    def _verify(self, rows: list[Row], guesses: list[list[int]]) -> None:
-        """A verify forward of `rows` with their `guesses`, and the tokens it gives
-        (`speculative`): each row's column moves past the tokens it kept."""
-        logits = self.runner.verify(rows, guesses)  # [rows, positions, vocab]
-        going = [row.is_live for row in rows]
-        kept = [0] * len(rows)
-        for position in range(logits.shape[1]):
-            live = [i for i, row in enumerate(rows) if going[i] and row.is_live]
-            if not live:
-                break
-            tokens = self._choose([rows[i] for i in live], logits[live, position])
-            for i, token in zip(live, tokens, strict=True):
-                kept[i] += token is not None
-                guess = guesses[i]
-                going[i] = token is not None and position < len(guess) and guess[position] == token
-        for row, count in zip(rows, kept, strict=True):
-            row.column += count
-        drafts = sum(bool(guess) for guess in guesses)
-        self._model.on_verified(
-            drafts, sum(map(len, guesses)), sum(kept) - sum(k > 0 for k in kept)
-        )
+    def _verify(self, rows: list[Row], trees: list[Tree]) -> None:
+        """A verify forward of `rows` with their guesses' `trees`, and the tokens it
+        gives (`speculative`, `spec_tree`): each row moves past the tokens it kept."""
+        logits = self.runner.verify(rows, trees)  # [rows, queries, vocab]
+        before = [len(row.sequence.tokens) for row in rows]
+
+        def choose(live, picking):
+            return self._choose([rows[i] for i in live], picking)
+
+        paths = walk(trees, rows, logits, choose)
+        self.runner.keep_paths(rows, paths)
+        for row, count in zip(rows, before, strict=True):
+            row.column += len(row.sequence.tokens) - count
+        drafts = sum(bool(len(tree)) for tree in trees)
+        self._model.on_verified(drafts, sum(map(len, trees)), sum(map(len, paths)))
         self._emit(rows)
 
     def _run_forward(self, rows: list[Row], forward, *args) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.engine.requests import EngineModel
+from offload.engine.spec_tree import Tree, draft_tree
 from offload.engine.step_runner import StepRunner
 
 _CATCH_UP = 16  # more tokens than this to feed: fed alone (a prompt), not padded beside others
@@ -50,13 +51,31 @@ class DraftProposer:
     def propose(self, rows, counts: list[int]) -> list[list[int]]:
         """Up to `counts[i]` greedy guesses for the engine's `rows[i]` (rows [0, len) of
         its cache, each past its last token's pick)."""
+        return self._guess(rows, counts)[0]
+
+    def propose_tree(self, rows, counts: list[int], budgets: list[int]) -> list[Tree]:
+        """Each row's greedy chain of `counts[i]` guesses, and where `budgets[i]` leaves
+        room, the draft's likeliest other tokens beside it (`spec_tree.draft_tree`)."""
+        chains, alternates = self._guess(rows, counts, max(budgets))
+        return [
+            draft_tree(chain, options, budget)
+            for chain, options, budget in zip(chains, alternates, budgets, strict=True)
+        ]
+
+    def _guess(self, rows, counts: list[int], others: int = 0):
+        """Each row's greedy chain, and at each of its depths the `others` likeliest other
+        tokens with the draft's probability of the path to them."""
         sequences = [row.sequence.prompt_ids + row.sequence.tokens for row in rows]
+        alternates: list[list[list[tuple[int, float]]]] = [[] for _ in rows]
+        reach = [1.0] * len(rows)  # the draft's probability of each row's chain so far
         with self.model.lock, torch.inference_mode():
             draft_rows = self._caught_up(sequences)
             logits = self._catch_up(draft_rows, sequences)  # [rows, vocab]: each row's next
             guesses: list[list[int]] = [[] for _ in rows]
             for step in range(max(counts)):
                 tokens = logits.argmax(-1).tolist()
+                if others:
+                    _alternates(logits, tokens, reach, others, alternates)
                 for i, token in enumerate(tokens):
                     if step < counts[i]:
                         guesses[i].append(token)
@@ -68,7 +87,7 @@ class DraftProposer:
                     if row.is_live:
                         self._fed[i].append(token)
                 logits = self.runner.decode(draft_rows)
-        return guesses
+        return guesses, alternates
 
     def _caught_up(self, sequences: list[list[int]]) -> list[_DraftRow]:
         """The draft's rows for the engine's sequences: each at the longest prefix of its
@@ -120,6 +139,18 @@ class DraftProposer:
             feeds.append(missing[1:] if missing else None)  # (None: this forward feeds it nothing)
         logits = self.runner.verify(rows, feeds)
         return {i: logits[i, len(feeds[i])] for i in group}
+
+
+def _alternates(logits, tokens: list[int], reach: list[float], others: int, into) -> None:
+    """The `others` likeliest tokens of each row beside its greedy one (`tokens`), with the
+    probability of the path to them (`reach`: its chain's so far, which then takes in the
+    greedy token's), appended to `into[row]`."""
+    top = logits.float().softmax(-1).topk(min(others + 1, logits.shape[-1]))
+    for i, (shares, ids) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True)):
+        into[i].append(
+            [(t, reach[i] * p) for t, p in zip(ids, shares, strict=True) if t != tokens[i]]
+        )
+        reach[i] *= shares[ids.index(tokens[i])] if tokens[i] in ids else 0.0
 
 
 def _common(fed: list[int], tokens: list[int]) -> int:

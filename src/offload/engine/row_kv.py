@@ -81,6 +81,12 @@ class RowKVOffloader(KVOffloader):
         for tensor in self._host_kv_all():
             tensor[target, :, :num_columns] = tensor[source, :, :num_columns]
 
+    def move_columns(self, row: int, pairs: list[tuple[int, int]]) -> None:
+        """Row `row`'s column a into column b for each (a, b) of `pairs`, on the host."""
+        sources, targets = [a for a, _ in pairs], [b for _, b in pairs]
+        for tensor in self._host_kv_all():
+            tensor[row, :, targets] = tensor[row, :, sources]
+
     def _host_kv_all(self):
         for keys, values in self._host_kv:
             yield keys

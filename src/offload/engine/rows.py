@@ -175,6 +175,18 @@ class RowCache:
             layer.all_keys[target, :, :num_columns] = layer.all_keys[source, :, :num_columns]
             layer.all_values[target, :, :num_columns] = layer.all_values[source, :, :num_columns]
 
+    def move_columns(self, row: int, pairs: list[tuple[int, int]]) -> None:
+        """Row `row`'s column a into column b, for each (a, b) of `pairs` in order (a
+        speculative tree's kept path brought to the row's next columns)."""
+        if self.kv_offloader is not None:  # (on the host; every slot loaded again)
+            self.kv_offloader.host_changed()
+            self.kv_offloader.move_columns(row, pairs)
+            return
+        sources, targets = [a for a, _ in pairs], [b for _, b in pairs]
+        for layer in self.cache.layers:
+            for tensor in (layer.all_keys, layer.all_values):
+                tensor[row, :, targets] = tensor[row, :, sources]
+
     def close(self) -> None:
         """End KV offload's copies (its copy thread), if any."""
         if self.kv_offloader is not None:

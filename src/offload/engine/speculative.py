@@ -18,12 +18,14 @@ but its tokens are not the ones decoding alone draws.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from offload.config.validate import is_integer
+from offload.engine.spec_tree import Tree, lookup_tree
 from offload.errors import ConfigError, shown
 
 METHODS = ("ngram", "draft_model")
@@ -31,8 +33,9 @@ METHODS = ("ngram", "draft_model")
 NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 _KEYS = (
     "method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-    "quantization",
+    "quantization", "tree_budget",
 )  # fmt: skip
+MOST_TREE = 256  # the most nodes a row's tree may hold
 _DEFAULT_LOOKUP = 5  # vLLM's n-gram window where neither bound is given
 # The depths tried where `num_speculative_tokens` is left out (`Pace` keeps the fastest).
 AUTO_DEPTHS = (1, 2, 4, 8, 16)
@@ -53,6 +56,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = _DEFAULT_LOOKUP
     prompt_lookup_max: int = _DEFAULT_LOOKUP
     quantization: str | None = None  # the draft model's, as `LLM(quantization=...)`
+    # A tree of guesses of at most this many nodes a row (`spec_tree`; ours, not vLLM's)
+    tree_budget: int | None = None
 
     @staticmethod
     def of(value: object) -> SpeculativeConfig | None:
@@ -99,6 +104,22 @@ def _parse(value: dict[str, Any]) -> SpeculativeConfig:
             "speculative_config: num_speculative_tokens must be an integer from 1 to 64, "
             f"got {shown(number)} (or left out: as many as pay, measured as it runs)"
         )
+    tree = value.get("tree_budget")
+    if tree is not None and (not is_integer(tree, 1) or tree > MOST_TREE):
+        raise ConfigError(
+            f"speculative_config: tree_budget must be an integer from 1 to {MOST_TREE}, "
+            f"got {shown(tree)}"
+        )
+    if tree is not None and number is not None and tree < number:
+        raise ConfigError(
+            f"speculative_config: tree_budget ({tree}) must hold the "
+            f"num_speculative_tokens ({number}) of the tree's first branch"
+        )
+    config = _method_config(value, method, model, number)
+    return dataclasses.replace(config, tree_budget=tree)
+
+
+def _method_config(value: dict[str, Any], method: str, model, number) -> SpeculativeConfig:
     if method == "draft_model":
         if not isinstance(model, str) or not model:
             raise ConfigError("speculative_config: method 'draft_model' needs a 'model'")
@@ -145,22 +166,30 @@ def lookup(tokens: list[int], low: int, high: int, count: int) -> list[int]:
     return []
 
 
-def guesses_for(speculator, rows, max_len: int, most: int) -> list[list[int]] | None:
-    """`speculator`'s guesses for the engine's decoding `rows`, up to `most` each, within
-    its row's columns (below `max_len`) and its sequence's tokens to go; None where there
-    are none, no speculator, or a row replays a preempted request's known tokens (a plain
-    step)."""
+def guesses_for(
+    speculator, rows, max_len: int, most: int, trees: bool = False
+) -> list[Tree] | None:
+    """`speculator`'s guesses for the engine's decoding `rows`, each row's `Tree` (a
+    chain, or with `tree_budget` and where `trees` are taken, a tree of that many nodes at
+    most) at most `most` deep, within its row's columns (below `max_len`) and its
+    sequence's tokens to go; None where there are none, no speculator, or a row replays a
+    preempted request's known tokens (a plain step)."""
     if speculator is None or most <= 0 or any(row.replaying for row in rows):
         return None
-    most = min(most, speculator.config.num_speculative_tokens or most)
+    config = speculator.config
+    most = min(most, config.num_speculative_tokens or most)
     counts = [
         min(most, max_len - 1 - row.column, row.sequence.to_go - 1) if row.is_live else 0
         for row in rows
     ]
     if max(counts) <= 0:
         return None
-    guesses = speculator.propose(rows, counts)
-    return guesses if any(guesses) else None
+    if trees and config.tree_budget:
+        room = [min(config.tree_budget, max_len - 1 - row.column) for row in rows]
+        guesses = speculator.propose_tree(rows, counts, room)
+    else:
+        guesses = [Tree.chain(chain) for chain in speculator.propose(rows, counts)]
+    return guesses if any(len(tree) for tree in guesses) else None
 
 
 class NgramProposer:
@@ -178,6 +207,16 @@ class NgramProposer:
             tokens = row.sequence.prompt_ids + row.sequence.tokens
             guesses.append(lookup(tokens, low, high, count) if count > 0 else [])
         return guesses
+
+    def propose_tree(self, rows, counts: list[int], budgets: list[int]) -> list[Tree]:
+        """`spec_tree.lookup_tree` of each row: `counts[i]` deep, `budgets[i]` nodes."""
+        low, high = self.config.prompt_lookup_min, self.config.prompt_lookup_max
+        return [
+            lookup_tree(row.sequence.prompt_ids + row.sequence.tokens, low, high, count, budget)
+            if count > 0 and budget > 0
+            else Tree([], [])
+            for row, count, budget in zip(rows, counts, budgets, strict=True)
+        ]
 
 
 def depths_of(config: SpeculativeConfig | None) -> tuple[int, ...]:

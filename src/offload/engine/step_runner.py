@@ -15,6 +15,7 @@ from offload.engine.mixed_step import MixedWindow, can_mix, mixing
 from offload.engine.requests import EngineModel, Group, Row
 from offload.engine.row_graphs import RowGraphs
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
+from offload.engine.spec_tree import Tree, moves, verify_layout
 from offload.engine.transformers_cache import cache_argument
 from offload.engine.verify_attention import verifying
 from offload.quant.kernels import rows_apart
@@ -149,40 +150,31 @@ class StepRunner:
         return logits[: len(rows)], chunk[None] if group.every_position else chunk
 
     @torch.inference_mode()
-    def verify(self, rows: list[Row], guesses: list[list[int] | None]) -> torch.Tensor:
+    def verify(self, rows: list[Row], guesses: list) -> torch.Tensor:
         """One forward of `rows` (rows [0, len) of the cache), each fed its next token
-        and then its `guesses` (speculative decoding), written at its next columns:
-        logits [rows, 1 + most guesses, vocab], position j of a row scoring the token
-        after its j-th input. A row with fewer guesses is padded with queries that write
-        the column past `max_len` (their logits mean nothing); a row whose guesses are
-        None is fed nothing (padding only). Eager."""
+        and then its guesses (speculative decoding: a list, a chain, or a `spec_tree.Tree`),
+        written at its next columns: logits [rows, 1 + most guesses, vocab], query j of a
+        row scoring the token after its j-th input (a tree's node j - 1). A row with fewer
+        guesses is padded with queries that write the column past `max_len` (their logits
+        mean nothing); a row whose guesses are None is fed nothing (padding only). Eager."""
         device, model = self.model.device, self.model.model
-        fed = [None if guess is None else [row.input_token, *guess] for row, guess in
-               zip(rows, guesses, strict=True)]  # fmt: skip
-        num = max(len(tokens or ()) for tokens in fed)
-        ids = [(tokens or []) + [0] * (num - len(tokens or ())) for tokens in fed]
-        first = torch.tensor([row.column for row in rows], device=device)[:, None]
-        real = torch.tensor([len(tokens or ()) for tokens in fed], device=device)[:, None]
-        steps = torch.arange(num, device=device)[None, :]
-        reading = (first + steps).clamp(max=self.max_len - 1)  # [rows, num]: each query's column
-        columns = torch.where(steps < real, reading, self.max_len)  # (padding: past the end)
-        high = int(torch.where(real > 0, first + real, 0).max())
-        width = self._read_width(high)
-        start = torch.tensor([row.start for row in rows], device=device)[:, None, None]
-        every = torch.arange(width, device=device)[None, None, :]
-        mask = (every >= start) & (every <= reading[:, :, None])  # [rows, num, width]
-        self.cache.select(0, len(rows), columns, width - num, width)  # (the 4D mask rules)
-        self.cache.forward_writes(high)
+        trees = [g if g is None or isinstance(g, Tree) else Tree.chain(g) for g in guesses]
+        laid = verify_layout(rows, trees, self.max_len, self._read_width, device)
+        num, width = laid.reading.shape[1], laid.mask.shape[-1]
+        self.cache.select(0, len(rows), laid.columns, width - num, width)  # (the 4D mask rules)
+        self.cache.forward_writes(laid.high)
         # Each position's attention and q8 products as the lone row's decode step runs them
-        widths = [[read_width(c + 1, self.max_len) for c in row] for row in reading.tolist()]
+        widths = [[read_width(c + 1, self.max_len) for c in row] for row in laid.positions.tolist()]
         compiled = self.model.compiled
         jobs = None if compiled is None else compiled.running
-        masks = self._verify_masks(mask, reading)  # (before `verifying` renames the attention)
-        with self._kernels(), rows_apart(), verifying(model, widths, jobs):
+        masks = self._verify_masks(laid.mask, laid.reading)  # (before `verifying` renames it)
+        tree = (laid.decode_mask[:, None], laid.gathers, [row.column for row in rows])
+        with self._kernels(), rows_apart(), verifying(model, widths, jobs, tree):
             out = model(
-                input_ids=torch.tensor(ids, device=device),
+                input_ids=torch.tensor(laid.ids, device=device),
                 attention_mask=masks,
-                position_ids=reading - start[:, :, 0],
+                position_ids=laid.positions
+                - torch.tensor([r.start for r in rows], device=device)[:, None],
                 **cache_argument(model, self.cache.cache),
                 cache_position=torch.arange(width - num, width, device=device),
                 use_cache=True,
@@ -190,6 +182,20 @@ class StepRunner:
             )
         self.model.on_forward(False)
         return out.logits
+
+    def keep_paths(self, rows: list[Row], paths: list[list[int]]) -> None:
+        """After a verify forward of trees: each row's kept nodes' KV columns moved to its
+        next columns in order (`spec_tree.moves`; a chain's are there already)."""
+        for index, (row, path) in enumerate(zip(rows, paths, strict=True)):
+            pairs = [(row.column + a, row.column + b) for a, b in moves(path)]
+            if pairs:
+                self.cache.move_columns(index, pairs)
+
+    @property
+    def takes_trees(self) -> bool:
+        """Whether a verify forward here takes trees (not where layers slide: their
+        windows count columns, and a tree's columns are not its positions)."""
+        return self.cache.masks is None
 
     def _verify_masks(self, mask: torch.Tensor, reading: torch.Tensor):
         """The 4D masks [rows, 1, queries, width] a verify forward passes (transformers

@@ -33,25 +33,29 @@ def attention(module, query, key, value, attention_mask, **kwargs):
 
     rows, heads, queries, dim = query.shape
     widths = torch.tensor(_current.widths, dtype=torch.long)  # [rows, queries]
-    columns = torch.arange(attention_mask.shape[-1])
-    # (as transformers skips a decode step's mask where it lets every column be read)
-    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-    full = (allowed[:, 0] | (columns >= widths[..., None])).all(-1).tolist()
-    groups: dict[tuple[int, int, bool], list[int]] = {}
-    for row, (row_widths, row_full) in enumerate(zip(widths.tolist(), full, strict=True)):
+    decode_mask, gathers, firsts = _current.tree
+    if gathers:  # (a tree's node reads its path as its decode step would: at the next columns)
+        attention_mask = decode_mask
+    # (a mask always, as the decode step passes one: the kernel takes another path without)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for row, row_widths in enumerate(widths.tolist()):
         for index in range(queries):
-            groups.setdefault((index, row_widths[index], row_full[index]), []).append(row)
+            groups.setdefault((index, row_widths[index]), []).append(row)
     out = query.new_empty(rows, queries, heads, dim)
-    for (index, width, every), members in groups.items():
+    for (index, width), members in groups.items():
         pick = _rows(members)
-        mask = None if every else attention_mask[pick, :, index : index + 1, :width]
+        mask = attention_mask[pick, :, index : index + 1, :width]
+        keys, values = key[pick, :, :width], value[pick, :, :width]
+        moved = [(at, m) for at, m in enumerate(members) if (m, index) in gathers]
+        if moved:
+            keys, values = keys.clone(), values.clone()
+            for at, member in moved:
+                first, path = firsts[member], gathers[member, index]
+                sources = [first + query_index for query_index in path]
+                keys[at, :, first : first + len(path)] = key[member, :, sources]
+                values[at, :, first : first + len(path)] = value[member, :, sources]
         part, _ = sdpa_attention_forward(
-            module,
-            query[pick, :, index : index + 1],
-            key[pick, :, :width],
-            value[pick, :, :width],
-            mask,
-            **kwargs,
+            module, query[pick, :, index : index + 1], keys, values, mask, **kwargs
         )
         out[pick, index : index + 1] = part  # [members, 1, heads, dim]
     return out, None
@@ -65,9 +69,13 @@ def _rows(members: list[int]) -> slice | torch.Tensor:
 
 
 @contextmanager
-def verifying(model, widths: list[list[int]], jobs: threading.Lock | None) -> Iterator[bool]:
+def verifying(
+    model, widths: list[list[int]], jobs: threading.Lock | None, tree=(None, {}, [])
+) -> Iterator[bool]:
     """`model` attends position by position inside (True), or as it is (False: one of its
-    step's loads or compiles, which holds `jobs`, may be tracing the model)."""
+    step's loads or compiles, which holds `jobs`, may be tracing the model). `tree`:
+    (the decode steps' mask [rows, 1, queries, width], {(row, query): its path's query
+    indices} where a tree's node is not at its depth's column, each row's first column)."""
     global _registered
     config = model.config
     if getattr(config, "_attn_implementation_internal", None) != "sdpa":
@@ -83,10 +91,10 @@ def verifying(model, widths: list[list[int]], jobs: threading.Lock | None) -> It
         _registered = True
     try:
         config._attn_implementation_internal = NAME
-        _current.widths = widths
+        _current.widths, _current.tree = widths, tree
         yield True
     finally:
-        _current.widths = None
+        _current.widths = _current.tree = None
         config._attn_implementation_internal = "sdpa"
         if jobs is not None:
             jobs.release()
