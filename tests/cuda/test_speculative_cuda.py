@@ -21,10 +21,10 @@ NGRAM = {
 }
 
 
-def _generate(checkpoint, **flags):
+def _generate(checkpoint, prompts=PROMPTS, **flags):
     llm = LLM(checkpoint, device="cuda", **flags)
     try:
-        return llm.generate(PROMPTS, PARAMS, use_tqdm=False), llm.transfer_stats()
+        return llm.generate(prompts, PARAMS, use_tqdm=False), llm.transfer_stats()
     finally:
         llm.close()
         torch.cuda.empty_cache()
@@ -53,3 +53,22 @@ def test_speculation_on_a_gpu_keeps_the_tokens_and_offloaded_the_bits(checkpoint
     for mine, theirs in zip(resident, plain, strict=True):
         # (the first tokens agree; a near tie later may part at bfloat16 rounding)
         assert mine.outputs[0].token_ids[:4] == theirs.outputs[0].token_ids[:4]
+
+
+def test_a_tree_on_a_gpu_offloaded_gives_the_resident_tree_s_bits(checkpoint, monkeypatch):
+    """A tree of guesses (`tree_budget`): its kept path's KV columns moved on the device
+    and in host memory (KV offload) alike."""
+    from offload.engine import speculative
+
+    monkeypatch.setattr(speculative.Pace, "guesses", lambda self: max(self.depths))
+    tree = {**NGRAM, "tree_budget": 10}
+    branching = [" ".join(f"t3 t4 t{i}" for i in range(5, 12)) + " t3 t4", REPEATED]
+    resident, moved = _generate(checkpoint, branching, speculative_config=tree)
+    assert moved.num_spec_drafts > 0
+    offloaded, _ = _generate(
+        checkpoint, branching, speculative_config=tree, kv_offload=True, offload_group_size=1,
+        offload_prefetch_step=2,
+    )  # fmt: skip
+    for mine, theirs in zip(offloaded, resident, strict=True):
+        assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert _logprobs(mine) == _logprobs(theirs)
