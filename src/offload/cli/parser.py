@@ -296,7 +296,7 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "--speculative-config",
         metavar="JSON",
         help="also predict speculative decoding (as generate's flag; num_speculative_tokens "
-        "may be left out) and choose its number of guesses for the plan",
+        "may be left out) and choose its number of guesses for the plan (default: not weighed)",
     )
     add_budget_flags(plan)
     add_device_flags(plan)
