@@ -3,6 +3,7 @@ input is one line on stderr, exit status 2, and measures nothing."""
 
 import dataclasses
 import importlib
+import json
 import shlex
 
 import pytest
@@ -182,3 +183,23 @@ def test_plan_predicts_speculation_and_refuses_a_missing_draft(tiny, tmp_path, c
     assert ("--speculative-config" in flags) == ("chosen k=" in chosen[0])
     assert main([*argv, "--speculative-config", '{"method": "eagle"}']) == 2
     assert "'eagle' is not available here" in capsys.readouterr().err
+
+
+def test_the_printed_flag_keeps_a_tree_as_asked_holding_the_k_chosen():
+    from offload.cli.plan import speculation_lines
+    from offload.engine.speculative import SpeculativeConfig
+    from offload.planner.speculation import Speculation
+
+    chosen = Speculation(3, 0.5, 1.875, 1.0, 1.5)
+    config = SpeculativeConfig.of({"method": "ngram", "tree_budget": 1})
+    lines, flags = speculation_lines(config, chosen, [chosen])
+    assert flags[0] == "--speculative-config"
+    assert json.loads(flags[1]) == {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "tree_budget": 3,
+    }
+    assert "chosen k=3: 1.88 tokens a forward, 2.81x" in "\n".join(lines)
+    off = Speculation(0, 0.5, 1.0, 1.0, 1.0)
+    lines, flags = speculation_lines(config, off, [chosen])
+    assert flags == [] and "not predicted to pay" in lines[-1]

@@ -86,6 +86,8 @@ def speculation_lines(
     for key in ("model", "quantization"):
         if getattr(config, key) is not None:
             chosen[key] = getattr(config, key)
+    if config.tree_budget is not None:  # (weighed as a chain; kept as asked, at least k)
+        chosen["tree_budget"] = max(config.tree_budget, best.k)
     return lines, ["--speculative-config", json.dumps(chosen)]
 
 
