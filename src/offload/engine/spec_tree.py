@@ -60,13 +60,14 @@ def ranked(candidates: dict[tuple[int, ...], tuple], budget: int) -> Tree:
     root, with its rank: higher first; a path's rank is never above its prefix's), laid out
     depth first, each node's children best first."""
     chosen = sorted(candidates, key=lambda path: (candidates[path], -len(path)), reverse=True)
-    kept = set(chosen[:budget])
+    children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+    for path in chosen[:budget]:  # (best first: each node's children come in rank order)
+        children.setdefault(path[:-1], []).append(path)
     tokens: list[int] = []
     parents: list[int] = []
 
     def visit(path: tuple[int, ...], index: int) -> None:
-        children = [p for p in kept if len(p) == len(path) + 1 and p[: len(path)] == path]
-        for child in sorted(children, key=lambda p: candidates[p], reverse=True):
+        for child in children.get(path, ()):
             tokens.append(child[-1])
             parents.append(index)
             visit(child, len(tokens) - 1)
