@@ -34,7 +34,8 @@ def _run(llm):
 def test_a_qwen2_gguf_runs_as_stored(qwen2):
     path, source = qwen2
     stored = LLM(str(path), device="cpu", enforce_eager=True)
-    assert type(stored.model.model.layers[0].mlp.up_proj).__name__ == "Q8Linear"
+    # (as stored: its blocks or the q8 kernel's layout, whichever timed faster here)
+    assert type(stored.model.model.layers[0].mlp.up_proj).__name__ in ("Q8Linear", "GGUFLinear")
     assert stored.model.model.layers[0].self_attn.q_proj.bias is not None
     tokens, logprobs = _run(stored)
     floats = _run(LLM(str(path), device="cpu", enforce_eager=True, dtype="float32"))

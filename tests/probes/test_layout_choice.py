@@ -52,3 +52,17 @@ def test_a_q8_weight_is_timed_as_the_compiled_cpu_step_runs_it(file_tensors, mon
     assert timed["q8"] == timed["q8 compiled"] < 1e-3 < timed["gguf"] * 1.01
     monkeypatch.setattr(layout_choice, "compiled_q8_seconds", lambda *_: float("inf"))
     assert layout_choice.LayoutChooser("cpu").choose(name, raw, "Q8_0") == "gguf"
+
+
+def test_q8_timings_of_many_shapes_do_not_share_one_compile_cache(file_tensors):
+    """Each shape's compiled q8 product is timed on its own code object: torch.compile
+    keeps a limit of 8 compiles per code object and past it runs the loop eagerly, which
+    timed a CI run's q8 weights as the eager loop and chose the blocks instead."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from offload.quant.kernels import q8_one_row
+
+    table = torch.from_numpy(np.array(file_tensors["token_embd.weight"][:256]))
+    for rows in range(16, 16 * 11, 16):  # (10 shapes: past the limit, were they shared)
+        assert layout_choice.compiled_q8_seconds("x.weight", table[:rows], "Q8_0") < 1.0
+    assert _debug_get_cache_entry_list(q8_one_row.__code__) == []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,11 @@ def compiled_q8_seconds(name: str, raw: torch.Tensor, kind: str) -> float:
     x = torch.randn(1, args[0].shape[0] * args[0].shape[2])
     check_inductor_cache()  # (a compile loads the kernels it finds there)
     try:
-        product = torch.compile(q8_one_row, dynamic=False, fullgraph=True)
+        # A fresh code object each shape: dynamo keeps its compiles (and its recompile
+        # limit, 8) per code object, and past the limit it runs the loop eagerly, timing
+        # the wrong product (a process laying out many shapes: a mixed file, a server).
+        fresh = types.FunctionType(q8_one_row.__code__.replace(), q8_one_row.__globals__)
+        product = torch.compile(fresh, dynamic=False, fullgraph=True)
         return _median_seconds(lambda: product(x, *args), torch.device("cpu"))
     except Exception:  # (no compiler here: the eager timing stands)
         return float("inf")
