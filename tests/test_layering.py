@@ -26,6 +26,7 @@ LAYERS = (
     ("offload.engine",),
     ("offload.planner",),
     ("offload.probes",),
+    ("offload.distributed",),
     ("offload.llm",),
     ("offload.server",),
     ("offload.bench",),

@@ -513,7 +513,7 @@ def test_chat_needs_a_chat_template(smollm2_path, tmp_path):
         ({"tensor_parallel_size": 2}, "tensor_parallel_size must be 1"),
         ({"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1, got 0"),
         ({"max_logprobs": -2}, "max_logprobs must be an integer >= -1, got -2"),
-        ({"pipeline_parallel_size": 2}, "LLM(): pipeline_parallel_size=2 is not supported"),
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be an integer >= 1"),
         ({"trust_remote_code": "yes"}, "trust_remote_code must be True or False, got 'yes'"),
     ],
 )

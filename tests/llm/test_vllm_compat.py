@@ -84,7 +84,7 @@ def test_vllm_arguments_that_change_nothing_are_accepted(tiny, llm):
         ("quantization", "bitsandbytes"),
         ("kv_cache_dtype", "fp8"),
         ("enable_lora", True),
-        ("pipeline_parallel_size", 2),
+        ("data_parallel_size", 2),
         ("revision", "v2"),
         ("block_size", 0),
         ("hf_overrides", {"num_hidden_layers": 1}),

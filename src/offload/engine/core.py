@@ -53,7 +53,8 @@ class EngineCore:
         self._model = model
         # (`host_pool`: the KV cache in host memory, streamed per layer: KV offload)
         # (`graphs`: a `RowGraphs` maker, the decode steps as CUDA graphs: `StepRunner`)
-        self.runner = StepRunner(model, max_rows, max_len, kv_dims, invariant, host_pool, graphs)
+        runner = StepRunner if model.pipeline is None else model.pipeline.runner
+        self.runner = runner(model, max_rows, max_len, kv_dims, invariant, host_pool, graphs)
         # (`prefix_caching`: prompts start from the longest prefix a row holds: `prefixes`;
         # `room`: the columns all rows may hold together, where rows take memory as they
         # write: more rows than it holds at full length run, and requests are preempted
@@ -128,7 +129,7 @@ class EngineCore:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=timeout_s)
         if not self._looping:  # (else the loop ends its cache's copies as it returns)
-            self.runner.cache.close()
+            self.runner.close()
 
     def warm_up(self) -> None:
         """The compiled decode steps started before a request meets them (`StepRunner`)."""
@@ -153,7 +154,7 @@ class EngineCore:
             self._fail_all(OffloadError("the server is shutting down"))
         finally:
             self._looping = False
-            self.runner.cache.close()
+            self.runner.close()
 
     def drain(self) -> None:
         """Run turns on the caller's thread until every submitted request is done (a core

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -69,6 +69,10 @@ class Row:
         return self.is_live and self._fed < len(self.sequence.tokens) - 1
 
     @property
+    def prompt_ids(self) -> list[int]:
+        return self.sequence.prompt_ids
+
+    @property
     def input_token(self) -> int:
         """The token the next decode step feeds: its last one, or the next one it
         replays."""
@@ -113,6 +117,9 @@ class EngineModel:
     # after each verify forward (speculative decoding): rows guessed for, tokens guessed,
     # guesses kept
     on_verified: Callable[[int, int, int], None] = lambda drafts, guessed, kept: None
+    # pipeline parallel: rank 0's `distributed.pipeline.Pipeline`, which makes the step
+    # runners (each call repeated by the other ranks on their stages); None in one process
+    pipeline: Any = None
 
 
 def check_fits(request: Submitted, max_rows: int, max_len: int) -> None:

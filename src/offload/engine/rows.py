@@ -51,7 +51,15 @@ class RowCache:
     on `device`; `cache` is the transformers object a forward takes."""
 
     def __init__(
-        self, hf_config, max_rows: int, max_len: int, dtype, device, dims=None, host_pool=None
+        self,
+        hf_config,
+        max_rows: int,
+        max_len: int,
+        dtype,
+        device,
+        dims=None,
+        host_pool=None,
+        held_layers: tuple[int, ...] | None = None,
     ):
         held = max(max_rows, MIN_ROWS)  # (room for the warm-up step's padding rows)
         from transformers import StaticCache
@@ -72,15 +80,30 @@ class RowCache:
         self._host: list[torch.Tensor] = []  # (its keys and values on a CPU: `release`)
         self.window = RowWindow(offset=torch.zeros((), dtype=torch.long, device=device))
         self.max_rows, self.max_len, self.dtype, self.held = max_rows, max_len, dtype, held
+        # (a pipeline stage's: the layers it runs; the others' keys and values are empty)
+        every = range(len(cache.layers))
+        self.held_layers = [i for i in every if held_layers is None or i in held_layers]
         # With a host pool, the keys and values live in host memory (KV offload).
         self.kv_offloader = None
         if host_pool is not None:
             shape = KVShape(held, heads, max_len + 1, k_dim, v_dim, dtype)
             self.kv_offloader = _row_kv().RowKVOffloader(
-                len(cache.layers), shape, device, host_pool=host_pool
+                len(self.held_layers), shape, device, host_pool=host_pool
             )
-        for index in range(len(cache.layers)):
-            layer = self._layer(index, max_len)
+        for index in every:
+            if index not in self.held_layers:  # (never run here: its tensors hold nothing)
+                layer = _static_layers().RowLayer(max_len)
+                layer.all_keys = layer.all_values = torch.empty(
+                    (held, heads, 0, k_dim), dtype=dtype
+                )
+                layer.keys, layer.values, layer.window = (
+                    layer.all_keys,
+                    layer.all_values,
+                    self.window,
+                )
+                cache.layers[index] = layer
+                continue
+            layer = self._layer(self.held_layers.index(index), max_len)
             layer.window = self.window
             layer.dtype, layer.device = dtype, torch.device(device)
             layer.max_batch_size = layer.batch_size = held
@@ -135,13 +158,17 @@ class RowCache:
             for head in range(tensor.shape[1]):  # (each head's columns are contiguous)
                 give_back(tensor[row, head, num_columns:])
 
-    def _layer(self, index: int, max_len: int):
+    def _layer(self, position: int, max_len: int):
+        """A layer's cache, the `position`-th of those held."""
         if self.kv_offloader is None:
             return _static_layers().RowLayer(max_len)
         layer = _static_layers().OffloadedRowLayer(max_len)
         layer.offloader, layer.offloader_id = self.kv_offloader, self.kv_offloader.id
-        layer.position = index
+        layer.position = position
         return layer
+
+    def _held(self):
+        return [self.cache.layers[i] for i in self.held_layers]
 
     @property
     def num_bytes(self) -> int:
@@ -171,7 +198,7 @@ class RowCache:
             self.kv_offloader.host_changed()
             self.kv_offloader.move_row(source, target, num_columns)
             return
-        for layer in self.cache.layers:
+        for layer in self._held():
             layer.all_keys[target, :, :num_columns] = layer.all_keys[source, :, :num_columns]
             layer.all_values[target, :, :num_columns] = layer.all_values[source, :, :num_columns]
 
@@ -183,7 +210,7 @@ class RowCache:
             self.kv_offloader.move_columns(row, pairs)
             return
         sources, targets = [a for a, _ in pairs], [b for _, b in pairs]
-        for layer in self.cache.layers:
+        for layer in self._held():
             for tensor in (layer.all_keys, layer.all_values):
                 tensor[row, :, targets] = tensor[row, :, sources]
 

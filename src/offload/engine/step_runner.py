@@ -43,7 +43,8 @@ class StepRunner:
         dtype = compute_dtype(model.model)
         hf_config, device = model.model.config, model.device
         # (`host_pool`: the rows' keys and values in host memory, KV offload)
-        self.cache = RowCache(hf_config, max_rows, max_len, dtype, device, kv_dims, host_pool)
+        held = getattr(model.model, "held_layers", None)  # (a pipeline stage's layers)
+        self.cache = RowCache(hf_config, max_rows, max_len, dtype, device, kv_dims, host_pool, held)
         self.max_len = max_len
         self.invariant = invariant
         self.keep_form = False  # (see `decode`: each answer eager or compiled throughout)
@@ -61,6 +62,15 @@ class StepRunner:
                 self.cache.keep(move.row, move.columns)
             else:
                 self.cache.move_row(*move)
+
+    def release(self, keep: list[int] | None = None) -> None:
+        """The memory the rows wrote given back but each row's first `keep[row]` columns
+        (`RowCache.release`)."""
+        self.cache.release(keep)
+
+    def close(self) -> None:
+        """The cache's copies ended (KV offload's thread)."""
+        self.cache.close()
 
     def copy_prompt(self, group: Group) -> None:
         """The prompt prefilled in `group`'s first row into its other rows."""
@@ -321,7 +331,7 @@ class StepRunner:
         """Columns [start, end) of `group`'s prompt as its first row takes them: their
         token ids, columns [tokens] and positions [tokens]."""
         row = group.rows[0]
-        ids = [self.model.pad_id] * row.start + row.sequence.prompt_ids
+        ids = [self.model.pad_id] * row.start + row.prompt_ids
         columns = torch.arange(start, end, device=self.model.device)
         return ids[start:end], columns, (columns - row.start).clamp(min=0)
 

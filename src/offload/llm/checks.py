@@ -45,6 +45,7 @@ def check_llm_args(
     enforce_eager: object,
     progress: object,
     tensor_parallel_size: object,
+    pipeline_parallel_size: object,
     max_logprobs: object,
     max_num_seqs: object,
     max_num_batched_tokens: object,
@@ -75,6 +76,8 @@ def check_llm_args(
         flag("progress", progress, "True, False or None (a bar when stderr is a terminal)")
     one_device = "1 (offload runs a model on one device)"
     integer("tensor_parallel_size", tensor_parallel_size, 1, 1, what=one_device)
+    what = "an integer >= 1 (ranks, each holding a stage of the decoder layers)"
+    integer("pipeline_parallel_size", pipeline_parallel_size, 1, what=what)
     logprobs = integer("max_logprobs", max_logprobs, -1)
     seqs = integer("max_num_seqs", max_num_seqs, 1)
     batched = None

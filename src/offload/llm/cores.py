@@ -43,19 +43,7 @@ def engine_core(
     compiled (`StepRunner.keep_form`), its KV in host memory from `generate`'s pool.
     `compiles`: its decode steps compiled where that pays (else eager). `room`: the
     positions its rows hold together (`takes_as_written`; None: each row its length)."""
-    compiles = compiles and not llm.batch_invariant
-    model = EngineModel(
-        llm.model,
-        llm._tokens,
-        llm.device,
-        llm.tokenizer.pad_token_id or 0,
-        contextlib.nullcontext() if generate else llm._lock,
-        on_forward=llm._count_forward,
-        on_verified=llm._count_verified,
-        # (one graph for every batch of 2 to 64 rows, one for a lone row: `rows.RowStep`)
-        compiled=compiled_step(llm) if compiles else None,
-        weights_in_place=llm.offloader.weights_in_place,
-    )
+    model = engine_model(llm, generate, compiles)
     pool = llm._kv_pool if generate else llm._serving_kv_pool
     graphs = None
     if llm._use_graphs:  # (CUDA graphs of the decode steps, each shape's on first use)
@@ -103,6 +91,25 @@ def engine_core(
             rows //= 2
     core.runner.keep_form = generate
     return core
+
+
+def engine_model(llm: Any, generate: bool, compiles: bool) -> EngineModel:
+    """What an engine core (or a pipeline rank's step runner) runs: `llm`'s model, its
+    token steps and counters; its compiled CPU step where `compiles` and it pays."""
+    compiles = compiles and not llm.batch_invariant
+    return EngineModel(
+        llm.model,
+        llm._tokens,
+        llm.device,
+        llm.tokenizer.pad_token_id or 0,
+        contextlib.nullcontext() if generate else llm._lock,
+        on_forward=llm._count_forward,
+        on_verified=llm._count_verified,
+        # (one graph for every batch of 2 to 64 rows, one for a lone row: `rows.RowStep`)
+        compiled=compiled_step(llm) if compiles else None,
+        weights_in_place=llm.offloader.weights_in_place,
+        pipeline=llm._pipeline,
+    )
 
 
 def compiled_step(llm: Any) -> CompiledCpuStep | None:

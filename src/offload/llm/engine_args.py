@@ -55,6 +55,7 @@ class EngineArgs:
     speculative_config: Mapping[str, Any] | str | SpeculativeConfig | None = None
     tokenizer: str | Path | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     trust_remote_code: bool = False
     offload_config: OffloadConfig | Mapping[str, Any] | None = None
     offload_flags: Mapping[str, Any] = field(default_factory=dict)
@@ -118,6 +119,7 @@ _CHECKED = (
     "enforce_eager",
     "progress",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
     "max_logprobs",
     "max_num_seqs",
     "max_num_batched_tokens",

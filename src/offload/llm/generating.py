@@ -104,7 +104,7 @@ class Generating:
             # No row runs: what they wrote goes back, but for the prompts prefix caching
             # holds (a next call, a chat's next turn, starts from them, as vLLM's `LLM`).
             held = core.scheduler.held_columns()
-            core.runner.cache.release(held)
+            core.runner.release(held)
             core.scheduler.released(held)
             if held is None:  # (an interrupted call's `abandon` forgot them already)
                 core.scheduler.forget_prefixes()

@@ -113,6 +113,7 @@ class LLM:
         speculative_config: Mapping[str, Any] | str | None = None,
         tokenizer: str | Path | None = None,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
         trust_remote_code: bool = False,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
@@ -297,6 +298,8 @@ class LLM:
             self.offloader.close()
             if getattr(self, "_drafter", None) is not None:
                 self._drafter.close()
+            if getattr(self, "_pipeline", None) is not None:  # (the other ranks end)
+                self._pipeline.close()
             del self.model, self.offloader, self._kv_pool
             del self._serving_kv_pool
         trim_freed_memory()

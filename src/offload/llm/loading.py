@@ -62,6 +62,8 @@ def load_into(
             trust_remote_code=llm.trust_remote_code,
             stack_budget_bytes=budget.stack_bytes if budget is not None else None,
             planned=plan.for_load(),
+            # (a pipeline stage's model is the one cut: none is built again from the path)
+            model=empty if getattr(empty, "held_layers", None) is not None else None,
         )
     except StackRoomError as error:  # B cannot hold the minimum: said with the numbers
         raise budget.refused(error) from error  # (LLM may fit a shorter context)
@@ -111,6 +113,9 @@ def prepare_steps(llm: Any, config: OffloadConfig, enforce_eager: bool) -> None:
     llm._use_graphs = llm.device.type == "cuda" and not enforce_eager and not uncapturable
     # On a CPU, a compiled decode step where it pays (engine/cpu_step.py), same switch.
     llm._compile_cpu, llm._cpu_step = llm.device.type == "cpu" and not enforce_eager, None
+    if llm._pipeline is not None or getattr(llm.model, "held_layers", None) is not None:
+        # (a pipeline's steps run eagerly: their sends and receives are not compiled)
+        llm._compile_cpu, llm._use_graphs = False, False
     # Batch invariance: products padded as this machine needs, eager steps.
     llm._generator = None  # (`generate`'s engine core, made on first use)
     if llm.batch_invariant:

@@ -15,14 +15,31 @@ from offload.llm.budget import host_budget_of, load_fitted
 from offload.llm.drafting import load_drafter
 from offload.llm.engine_args import EngineArgs
 from offload.llm.loading import load_into, prepare_steps
+from offload.llm.pipelined import failed, join_stage, start_stage
 from offload.model.spec import ModelSpec
 
 
 def start_llm(llm: Any, args: EngineArgs, spec: ModelSpec) -> None:
-    """Plan, load and prepare `llm` (its limits set from `args` already) for `spec`."""
-    path, empty = spec.path, spec.empty
-    check_attention_model(empty)
-    config = args.config
+    """Plan, load and prepare `llm` (its limits set from `args` already) for `spec`; with
+    `pipeline_parallel_size` > 1, its stage of the model (`pipelined`)."""
+    check_attention_model(spec.empty)
+    llm._pipeline, member, empty = None, None, spec.empty
+    if args.pipeline_parallel_size > 1:
+        member, empty = join_stage(args, empty)
+    try:
+        _start(llm, args, spec, empty)
+    except BaseException as error:
+        if member is not None:
+            failed(member, error)
+        raise
+    if member is not None:
+        start_stage(llm, member)  # (on a rank but 0: serves its stage, then exits)
+    llm._drafter = load_drafter(llm, args.speculative)  # (speculative decoding's draft)
+    torch.manual_seed(args.seed)
+
+
+def _start(llm: Any, args: EngineArgs, spec: ModelSpec, empty) -> None:
+    path, config = spec.path, args.config
     plan = planned_memory(
         llm,
         path,
@@ -54,5 +71,3 @@ def start_llm(llm: Any, args: EngineArgs, spec: ModelSpec) -> None:
     load_fitted(llm, load, empty, offloaded, (budget_gb, device_memory_gb), fit)
     prepare_steps(llm, config, args.enforce_eager)
     llm.seed = args.seed
-    llm._drafter = load_drafter(llm, args.speculative)  # (speculative decoding's draft)
-    torch.manual_seed(args.seed)

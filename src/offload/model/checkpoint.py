@@ -27,6 +27,9 @@ def checkpoint_targets(
         return dict.fromkeys(dict(model.named_parameters()))
     shapes = {name: tuple(tensor.shape) for name, tensor in names.items()}
     stored, unexpected = _by_model_name(model, stored, shapes)
+    # (a pipeline stage: what the other ranks hold is theirs to load, `distributed.cut`)
+    elsewhere = tuple(getattr(model, "elsewhere", ()))
+    unexpected = [k for k in unexpected if not _elsewhere(k, elsewhere)]
     by_tensor: dict[int, list[str]] = {}
     for name, tensor in names.items():
         by_tensor.setdefault(id(tensor), []).append(name)
@@ -49,6 +52,14 @@ def checkpoint_targets(
                 f"{name}: checkpoint shape {entry.shape}, model expects {tuple(names[name].shape)}"
             )
     return targets
+
+
+def _elsewhere(key: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether checkpoint key `key` (under the model's name or the base model's) is under
+    one of `prefixes`."""
+    return bool(prefixes) and any(
+        name.startswith(prefixes) for name in (key, f"model.{key}", key.removeprefix("model."))
+    )
 
 
 def _by_model_name(

@@ -46,6 +46,7 @@ def load_model(
     read_hooks: ReadHooks | None = None,
     stack_budget_bytes: int | None = None,
     planned: OffloadPlan | None = None,
+    model: nn.Module | None = None,
 ) -> tuple[nn.Module, BaseOffloader]:
     """Load a causal LM from a safetensors directory with `config`'s offloading already in
     place. `load_format="dummy"` (vLLM's name) fills random weights of the right shapes
@@ -57,14 +58,18 @@ def load_model(
     `planned`: a dry run (`offload.api.plan`) of this checkpoint's model built on the meta
     device (`build_empty`, with these settings): that model is loaded, wrapped by the plan's
     offloader (no other is built; what makes one, `read_hooks` and `stack_budget_bytes`
-    included, was the plan's)."""
+    included, was the plan's). `model`: the model to load where there is no plan (built
+    on the meta device from this checkpoint: a pipeline stage's, `distributed.cut`)."""
     if load_format not in LOAD_FORMATS:
         raise ModelError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
     path = resolve(path) if load_format == "dummy" else Path(path)
     device = torch.device(device)
-    model = planned.model if planned is not None else build_empty(path, dtype, trust_remote_code)
+    if planned is not None:
+        model = planned.model
+    elif model is None:
+        model = build_empty(path, dtype, trust_remote_code)
     stored = {} if load_format == "dummy" else checkpoint_tensors(path)
     targets = checkpoint_targets(model, stored, dummy=load_format == "dummy")
     ranges = {  # where each parameter's bytes are, for a disk tier to stream them

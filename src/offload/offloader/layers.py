@@ -19,7 +19,9 @@ def _block_runs(module: nn.Module) -> list[tuple[str, list[nn.Module]]]:
     whole = isinstance(module, nn.ModuleList) or (
         isinstance(module, nn.Sequential) and len({type(c) for c in children}) == 1
     )
-    if whole and len(children) >= 2 and all(_has_params(child) for child in children):
+    # (a pipeline stage's layers are a stack even where it holds one: `is_layer_stack`)
+    least = 1 if getattr(module, "is_layer_stack", False) else 2
+    if whole and len(children) >= least and all(_has_params(child) for child in children):
         return [("", children)]
     if not isinstance(module, nn.Sequential):
         return []
