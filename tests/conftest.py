@@ -115,6 +115,7 @@ _SLOW = (
     "llm/test_speculative_sampling.py",  # (2026-11-30: 20k draws each way, ~25 s)
     "llm/test_speculative_tree.py",  # (2026-11-30: trees over three backends, ~2 min)
     "llm/test_speculative.py",  # (2026-11-30: speculation over four backends, ~2 min)
+    "distributed/test_pipeline.py",  # (2026-11-30: pipeline ranks as processes, ~70 s)
 )  # fmt: skip
 
 

@@ -48,6 +48,8 @@ class Channel:
 
     def __init__(self, rank: int, size: int):
         self.rank, self.size = rank, size
+        self.sent_bytes = dict.fromkeys((self.CALL, self.HIDDEN, self.LOGITS), 0)  # by tag
+        self.received_bytes = dict.fromkeys((self.CALL, self.HIDDEN, self.LOGITS), 0)
 
     def send_tensor(self, tensor: torch.Tensor, peer: int, tag: int) -> None:
         if tensor.dim() > _HEADER - 2:
@@ -58,6 +60,7 @@ class Channel:
         with self._talking(peer):
             dist.send(header, peer, tag=tag)
             dist.send(tensor.detach().to("cpu").contiguous(), peer, tag=tag)
+        self.sent_bytes[tag] += tensor.nbytes
 
     def recv_tensor(self, peer: int, tag: int) -> torch.Tensor:
         header = torch.empty(_HEADER, dtype=torch.int64)
@@ -66,6 +69,7 @@ class Channel:
             dims = int(header[1])
             tensor = torch.empty(header[2 : 2 + dims].tolist(), dtype=_DTYPES[int(header[0])])
             dist.recv(tensor, peer, tag=tag)
+        self.received_bytes[tag] += tensor.nbytes
         return tensor
 
     def send_bytes(self, payload: bytes, peer: int) -> None:

@@ -69,6 +69,7 @@ def join(size: int, model: nn.Module, llm_kwargs: dict, module: str) -> Member:
     group joined (the other ranks started here where no launcher did: `python -m
     module`, given `llm_kwargs`), its stage settled."""
     rank = launched_rank(size)
+    split_layers(stage_bytes(model)[0], size)  # (a size the model cannot take: said first)
     children: list[subprocess.Popen] = []
     timeout = datetime.timedelta(seconds=timeout_s())
     try:

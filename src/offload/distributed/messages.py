@@ -107,7 +107,9 @@ class RunnerCall(Message):
 @dataclass
 class Close(RunnerCall):
     def apply(self, worker):
-        worker.runners.pop(self.runner).close()
+        runner = worker.runners.pop(self.runner, None)  # (closed twice: once)
+        if runner is not None:
+            runner.close()
 
 
 @dataclass

@@ -178,6 +178,7 @@ class PipelinedRunner(StepRunner):
     def __init__(self, pipeline: Pipeline, model, max_rows, max_len, kv_dims, invariant, host_pool):
         super().__init__(model, max_rows, max_len, kv_dims, invariant, host_pool, None)
         self._pipeline, self._id = pipeline, pipeline.new_id()
+        self._closed = False
         serving = host_pool is not None and host_pool is pipeline.serving_pool
         dims = list(kv_dims) if kv_dims is not None else None
         kv = host_pool is not None
@@ -224,7 +225,9 @@ class PipelinedRunner(StepRunner):
         super().release(keep)
 
     def close(self) -> None:
-        self._pipeline.tell(Close(self._id), cleanup=True)
+        if not self._closed:  # (a core closes its runner once or twice: told once)
+            self._closed = True
+            self._pipeline.tell(Close(self._id), cleanup=True)
         super().close()
 
 

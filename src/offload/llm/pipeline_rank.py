@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from offload.distributed.join import ARGS_ENV
+from offload.errors import OffloadError
 
 
 def main() -> None:
@@ -21,7 +22,9 @@ def main() -> None:
 
         LLM(**kwargs)
     except Exception as error:  # (a one-line reason; rank 0 says which rank ended)
-        first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        if not isinstance(error, OffloadError):  # (not a user's error: its kind helps)
+            first = f"{type(error).__name__}: {first}"
         print(f"offload: pipeline rank {rank}: {first}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

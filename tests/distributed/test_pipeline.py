@@ -1,0 +1,159 @@
+"""Pipeline parallel on this CPU over gloo: the ranks are separate processes on loopback
+(started by the `LLM`, as a user's `pipeline_parallel_size=2` starts them), each loading
+only its stage. Tokens and logprobs equal one process's bit for bit — greedy and seeded
+sampling, float32 and the default model as stored, with disk-tier stages, through
+`generate`, the serving core and speculative decoding — and the hidden states and logits
+really travel between the processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import zoo
+
+from offload import LLM, SamplingParams
+from offload.distributed.channel import Channel, PipelineError
+from offload.distributed.cut import NoHead
+
+PROMPTS = [
+    {"prompt_token_ids": [1, 5, 9, 14, 3]},
+    {"prompt_token_ids": [2, 7, 7, 100, 20, 30, 4, 8, 8]},
+    {"prompt_token_ids": [3, 3, 3]},
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+SAMPLED = SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=1, n=2)
+
+
+@pytest.fixture(scope="module")
+def attentive(tmp_path_factory):
+    return str(zoo.save_attentive_llm(tmp_path_factory.mktemp("pp") / "m", num_layers=6))
+
+
+def _answers(llm, prompts=PROMPTS):
+    outputs = []
+    for params in (GREEDY, SAMPLED):
+        for out in llm.generate(prompts, params, use_tqdm=False):
+            outputs.append(
+                [(c.token_ids, [dict(p) for p in c.logprobs], c.text) for c in out.outputs]
+            )
+    return outputs
+
+
+def _streamed(llm):
+    [*_, last] = llm.stream(PROMPTS[1], GREEDY)
+    return last.outputs[0].token_ids, [dict(p) for p in last.outputs[0].logprobs]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_ranks_give_one_process_s_tokens_and_logprobs(attentive, size):
+    kwargs = dict(device="cpu", enforce_eager=True, dtype="float32")
+    with LLM(attentive, **kwargs) as llm:
+        expected, streamed = _answers(llm), _streamed(llm)
+    with LLM(attentive, pipeline_parallel_size=size, **kwargs) as llm:
+        channel = llm._pipeline.member.channel
+        _holds_its_stage_alone(llm, attentive, size)
+        assert _answers(llm) == expected
+        assert _streamed(llm) == streamed  # (the serving core: `LLM.serving`)
+        assert channel.sent_bytes[Channel.HIDDEN] > 0
+        assert channel.received_bytes[Channel.LOGITS] > 0
+        children = llm._pipeline.member.children
+    assert all(child.poll() is not None for child in children)  # (closed: the ranks ended)
+    assert [child.returncode for child in children] == [0] * (size - 1)
+
+
+def _holds_its_stage_alone(llm, path, size: int) -> None:
+    """Rank 0 built and loaded its layers and the embedding alone: no weight of the other
+    layers or of the head is in its process."""
+    held = {name: p.numel() for name, p in llm.model.named_parameters()}
+    layers = {name.split(".")[2] for name in held if ".layers." in name}
+    assert layers == {str(i) for i in range(6 // size)}
+    assert "model.embed_tokens.weight" in held and "lm_head.weight" not in held
+    assert isinstance(llm.model.get_output_embeddings(), NoHead)
+    whole = zoo.load_on_cpu(path)
+    layer = sum(p.numel() for p in whole.model.layers[0].parameters())
+    outside = whole.model.embed_tokens.weight.numel() + whole.model.norm.weight.numel()
+    assert sum(held.values()) == 6 // size * layer + outside
+
+
+def test_the_default_model_as_stored_on_disk_tier_stages(tmp_path):
+    """The shipped model as stored (its Q4_1 blocks), each of two stages streamed from disk
+    (cpu_memory_gb=0, read with O_DIRECT): one process's resident bits, and the
+    greeting's answer."""
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=1)
+    with LLM(device="cpu", enforce_eager=True, enable_prefix_caching=False) as llm:
+        [expected] = llm.chat(chat, params, use_tqdm=False)
+    with LLM(
+        device="cpu", enforce_eager=True, enable_prefix_caching=False,
+        pipeline_parallel_size=2, cpu_memory_gb=0, disk_io="direct",
+    ) as llm:  # fmt: skip
+        [got] = llm.chat(chat, params, use_tqdm=False)
+        assert llm.transfer_stats().disk_read_bytes > 0  # (rank 0's stage streamed)
+    assert got.outputs[0].text == "The capital of France is Paris."
+    assert got.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert got.outputs[0].logprobs == expected.outputs[0].logprobs
+
+
+def test_speculative_decoding_over_the_pipeline(attentive):
+    """A verify forward (n-gram guesses, k chosen by the engine) runs over the ranks as a
+    decode step does: one process's greedy tokens and logprobs."""
+    kwargs = dict(device="cpu", enforce_eager=True, dtype="float32")
+    prompts = [{"prompt_token_ids": [4, 5, 6, 4, 5, 6, 4, 5, 6, 4, 5]}]
+    with LLM(attentive, **kwargs) as llm:
+        expected = llm.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0]
+    spec = {"method": "ngram", "prompt_lookup_max": 3}
+    with LLM(attentive, pipeline_parallel_size=2, speculative_config=spec, **kwargs) as llm:
+        got = llm.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0]
+        assert llm.transfer_stats().num_spec_verifies > 0
+    assert (got.token_ids, got.logprobs) == (expected.token_ids, expected.logprobs)
+
+
+def test_a_rank_killed_mid_request_is_one_error_naming_it(attentive):
+    """Rank 1 killed while rank 0 waits on it: the call fails within seconds with an error
+    naming rank 1, later calls at once."""
+    llm = LLM(attentive, device="cpu", enforce_eager=True, pipeline_parallel_size=2)
+    children = llm._pipeline.member.children
+    errors: list[BaseException] = []
+    long = SamplingParams(temperature=0, max_tokens=2000, ignore_eos=True)
+
+    def generate():
+        try:
+            llm.generate([{"prompt_token_ids": [1, 2]}] * 2, long, use_tqdm=False)
+        except BaseException as error:  # (the test looks at it)
+            errors.append(error)
+
+    thread = threading.Thread(target=generate)
+    thread.start()
+    time.sleep(1.0)
+    killed = time.monotonic()
+    os.kill(children[0].pid, signal.SIGKILL)
+    thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - killed < 30
+    [error] = errors
+    assert isinstance(error, PipelineError) and str(error) == "pipeline rank 1 stopped"
+    with pytest.raises(PipelineError, match=r"^pipeline rank 1 stopped; close this LLM"):
+        llm.generate("a b", GREEDY, use_tqdm=False)
+    llm.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "message"),
+    [
+        ({"pipeline_parallel_size": 7}, {}, "must be between 1 and the model's 6 decoder layers"),
+        (
+            {"pipeline_parallel_size": 2},
+            {"WORLD_SIZE": "3", "RANK": "0"},
+            "the launcher started 3 processes but pipeline_parallel_size is 2",
+        ),
+    ],
+)
+def test_a_pipeline_that_cannot_be_is_one_line(attentive, monkeypatch, kwargs, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(Exception, match=message) as info:
+        LLM(attentive, device="cpu", enforce_eager=True, **kwargs)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,64 @@
+"""Pipeline stages: contiguous runs of the layers, one at least per rank, the largest
+stage's time as small as any split makes it (checked against every split)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from offload.errors import ConfigError
+from offload.planner.stages import split_layers
+
+
+def _largest(stages, layer_bytes, first, last, rates):
+    size = len(stages)
+    times = []
+    for rank, stage in enumerate(stages):
+        work = sum(layer_bytes[i] for i in stage)
+        work += (first if rank == 0 else 0) + (last if rank == size - 1 else 0)
+        times.append(work / rates[rank])
+    return max(times)
+
+
+@pytest.mark.parametrize(
+    ("layer_bytes", "size", "first", "last", "expected"),
+    [
+        ([10] * 6, 2, 0, 0, [range(0, 3), range(3, 6)]),
+        ([10] * 6, 3, 0, 0, [range(0, 2), range(2, 4), range(4, 6)]),
+        ([10] * 6, 2, 0, 20, [range(0, 4), range(4, 6)]),  # (the head on the last rank)
+        ([10] * 6, 6, 0, 0, [range(i, i + 1) for i in range(6)]),
+        ([10] * 4, 1, 5, 5, [range(0, 4)]),
+    ],
+)
+def test_a_split_balances_the_stages(layer_bytes, size, first, last, expected):
+    assert split_layers(layer_bytes, size, first, last) == expected
+
+
+def test_a_faster_rank_takes_more_layers():
+    assert split_layers([10] * 6, 2, rates=[1.0, 2.0]) == [range(0, 2), range(2, 6)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    layer_bytes=st.lists(st.integers(1, 100), min_size=1, max_size=8),
+    size=st.integers(1, 4),
+    first=st.integers(0, 200),
+    last=st.integers(0, 200),
+    rates=st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=4, max_size=4),
+)
+def test_no_split_has_a_smaller_largest_stage(layer_bytes, size, first, last, rates):
+    if size > len(layer_bytes):
+        with pytest.raises(ConfigError, match="pipeline_parallel_size must be between 1"):
+            split_layers(layer_bytes, size, first, last, rates[:size])
+        return
+    stages = split_layers(layer_bytes, size, first, last, rates[:size])
+    assert [i for stage in stages for i in stage] == list(range(len(layer_bytes)))
+    assert all(len(stage) >= 1 for stage in stages)
+    found = _largest(stages, layer_bytes, first, last, rates)
+    for cuts in itertools.combinations(range(1, len(layer_bytes)), size - 1):
+        bounds = [0, *cuts, len(layer_bytes)]
+        other = [range(bounds[i], bounds[i + 1]) for i in range(size)]
+        assert found <= _largest(other, layer_bytes, first, last, rates) + 1e-9
