@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -157,3 +160,40 @@ def test_a_pipeline_that_cannot_be_is_one_line(attentive, monkeypatch, kwargs, e
     with pytest.raises(Exception, match=message) as info:
         LLM(attentive, device="cpu", enforce_eager=True, **kwargs)
     assert "\n" not in str(info.value)
+
+
+def _offload(*argv, launcher=()):
+    command = [*launcher, sys.executable, "-m", "offload.cli", *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("launched", [False, True], ids=["ranks started here", "torchrun"])
+def test_the_command_answers_over_two_ranks(launched):
+    """`offload generate --pipeline-parallel-size 2` answers the greeting; so does every
+    rank started by torchrun running the same command (rank 1 serves its stage and ends
+    when rank 0 is done), and each ends with status 0 and nothing on stderr but figures."""
+    launcher = ()
+    if launched:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        launcher = (*torchrun, "--master-port", str(_free_port()), "--no-python")
+    done = _offload(
+        "generate", "--pipeline-parallel-size", "2", "--enforce-eager", launcher=launcher
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("The capital of France is Paris.")
+    assert "pipeline rank" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_bad_size_from_the_command_is_one_line():
+    done = _offload("generate", "--pipeline-parallel-size", "0")
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines() == [
+        "offload: error: pipeline_parallel_size must be an integer >= 1 (ranks, each holding "
+        "a stage of the decoder layers), got 0"
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -69,6 +69,18 @@ def add_budget_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --pipeline-parallel-size (generate, serve, plan)."""
+    parser.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=int,
+        default=1,
+        help="processes, each holding a stage of the decoder layers with its own "
+        "offloading, started here (or by torchrun, one per rank) (default: 1)",
+    )
+
+
 def add_kv_memory_flag(parser: argparse.ArgumentParser) -> None:
     """vLLM's --kv-cache-memory-bytes: the KV cache's size, given (generate, serve)."""
     parser.add_argument(

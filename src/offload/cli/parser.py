@@ -13,6 +13,7 @@ from offload.cli.options import (
     add_budget_flags,
     add_device_flags,
     add_kv_memory_flag,
+    add_parallel_flags,
     add_weight_flags,
     package_version,
 )
@@ -99,6 +100,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     )
     add_serve_flags(serve)
     add_kv_memory_flag(serve)
+    add_parallel_flags(serve)
     add_budget_flags(serve)
     add_device_flags(serve)
     add_cli_args(serve)
@@ -168,6 +170,7 @@ def _run_flags(parser: argparse.ArgumentParser) -> None:
     """How `generate` runs: offloading off, memory budgets, the KV cache's place, output."""
     parser.add_argument("--no-offload", action="store_true", help="keep every weight on the device")
     add_budget_flags(parser)
+    add_parallel_flags(parser)
     parser.add_argument(
         "--swap-space",
         type=float,

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -103,6 +104,11 @@ def join(size: int, model: nn.Module, llm_kwargs: dict, module: str) -> Member:
 def _start_ranks(size: int, llm_kwargs: dict, module: str, timeout) -> list[subprocess.Popen]:
     """Ranks 1..size-1 started here, each `python -m module` given `llm_kwargs` (in a file
     only this user reads), meeting rank 0 (this process) at a store on loopback."""
+    # Each rank computes with rank 0's threads (a product's bits may depend on how many
+    # share it: so the ranks give one process's bits), and waits without spinning: ranks
+    # take turns on one machine's cores, and a waiting rank's spinning threads slowed the
+    # rank computing.
+    threads = torch.get_num_threads()
     store = dist.TCPStore(
         "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False
     )
@@ -114,6 +120,7 @@ def _start_ranks(size: int, llm_kwargs: dict, module: str, timeout) -> list[subp
         env = {
             **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "RANK": str(rank), "WORLD_SIZE": str(size), ARGS_ENV: str(arguments),
+            "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",
         }  # fmt: skip
         # (a session of its own: Ctrl-C in a terminal reaches rank 0, which ends the rest)
         command = [sys.executable, "-m", module]

@@ -8,10 +8,13 @@ logits are never interleaved with another's."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -57,8 +60,14 @@ class Pipeline:
         self.broken: str | None = None
         self._closed = threading.Event()
         self._sent_at = time.monotonic()
-        self._beat = threading.Thread(target=self._beating, name="offload-pipeline", daemon=True)
+        ref = weakref.ref(self)  # (the thread keeps no pipeline alive)
+        self._beat = threading.Thread(target=_beating, args=(ref,), name="offload-pipeline")
+        self._beat.daemon = True
         self._beat.start()
+        # Rank 0 ending without close(): the others are told to stop, not left to find
+        # their connection closed.
+        self._at_exit = functools.partial(_close_at_exit, ref)
+        atexit.register(self._at_exit)
 
     @property
     def size(self) -> int:
@@ -113,6 +122,7 @@ class Pipeline:
     def close(self) -> None:
         """The others told to stop (where they can be), the group left."""
         self._closed.set()
+        atexit.unregister(self._at_exit)
         with self._lock:
             if self.broken is None:
                 with contextlib.suppress(PipelineError):
@@ -133,19 +143,35 @@ class Pipeline:
     def _breaking(self):
         return _Breaking(self)
 
-    def _beating(self) -> None:
-        while not self._closed.wait(timeout=1.0):
-            if time.monotonic() - self._sent_at < _BEAT_S or self.broken is not None:
-                continue
-            if self._lock.acquire(blocking=False):
-                try:
-                    if self.broken is None and not self._closed.is_set():
-                        with self._breaking():
-                            self._broadcast(Ping())
-                except PipelineError:
-                    pass  # (said to the next call)
-                finally:
-                    self._lock.release()
+    def beat(self) -> None:
+        """A `Ping` where nothing was sent for `_BEAT_S` and no call is under way."""
+        if time.monotonic() - self._sent_at < _BEAT_S or self.broken is not None:
+            return
+        if self._lock.acquire(blocking=False):
+            try:
+                if self.broken is None and not self._closed.is_set():
+                    with self._breaking():
+                        self._broadcast(Ping())
+            except PipelineError:
+                pass  # (said to the next call)
+            finally:
+                self._lock.release()
+
+
+def _beating(ref: weakref.ref[Pipeline]) -> None:
+    while True:
+        time.sleep(1.0)
+        pipeline = ref()
+        if pipeline is None or pipeline._closed.is_set():
+            return
+        pipeline.beat()
+        del pipeline
+
+
+def _close_at_exit(ref: weakref.ref[Pipeline]) -> None:
+    pipeline = ref()
+    if pipeline is not None:
+        pipeline.close()
 
 
 class _Breaking:

@@ -5,6 +5,7 @@ prepare the decode steps."""
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import torch
@@ -27,7 +28,10 @@ def start_llm(llm: Any, args: EngineArgs, spec: ModelSpec) -> None:
     if args.pipeline_parallel_size > 1:
         member, empty = join_stage(args, empty)
     try:
-        _start(llm, args, spec, empty)
+        with warnings.catch_warnings():
+            if member is not None:  # (an amount set for the whole stack: a stage's all)
+                warnings.filterwarnings("ignore", "cpu_offload_gb .* offloadable parameters")
+            _start(llm, args, spec, empty)
     except BaseException as error:
         if member is not None:
             failed(member, error)
