@@ -14,7 +14,9 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
+import openai
 import pytest
 import zoo
 
@@ -197,3 +199,44 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path):
+    """`offload serve --pipeline-parallel-size 2` answers a chat as one process does; with
+    rank 1 killed, the next request fails, and the server exits (status 2, one line
+    naming the rank) instead of failing every later request."""
+    from http_server import Server, chat_checkpoint
+
+    path = chat_checkpoint(tmp_path / "chat")
+    chat = [{"role": "user", "content": "a b c"}]
+    with LLM(str(path), device="cpu", enforce_eager=True) as llm:
+        params = SamplingParams(temperature=0, max_tokens=8)
+        expected = llm.chat(chat, params, use_tqdm=False)[0].outputs[0].text
+    server = Server(path, "--pipeline-parallel-size", "2", "--enforce-eager")
+    try:
+        client = server.client()
+        answer = client.chat.completions.create(
+            model="tiny", messages=chat, temperature=0, max_tokens=8
+        )
+        assert answer.choices[0].message.content == expected
+        [rank1] = _children(server.process.pid)
+        os.kill(rank1, signal.SIGKILL)
+        with pytest.raises(openai.APIError):  # (an error status, or the connection closed)
+            client.chat.completions.create(model="tiny", messages=chat, max_tokens=8)
+        assert server.process.wait(timeout=30) == 2  # (the command's status for an error)
+        lines = server.process.stderr.read().decode().strip().splitlines()
+        assert lines[-1] == "offload: error: offload serve: pipeline rank 1 stopped"
+    finally:
+        server.stop()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import signal
 import socket
 import sys
@@ -196,6 +197,9 @@ def _serve(args, sock, spec, config, name, waiting) -> int:
         flush=True,
     )
     http = threading.Thread(target=_serve_http, args=(server, serving, sock), name="offload-http")
+    pipeline = llm._pipeline
+    if pipeline is not None:  # (a rank lost: every later answer would fail, so it exits)
+        pipeline.on_broken = functools.partial(_stop, server, serving)
     try:
         with _stop_on_signals(server, serving):
             http.start()
@@ -204,6 +208,8 @@ def _serve(args, sock, spec, config, name, waiting) -> int:
     finally:
         serving.close()
         llm.close()
+    if pipeline is not None and pipeline.broken is not None:
+        raise OffloadError(f"offload serve: {pipeline.broken}")
     if not server.started:
         raise OffloadError(f"offload serve could not listen on {args.host}:{args.port}")
     if not server.should_exit:  # (set by a signal only): the HTTP side ended by itself
@@ -258,9 +264,10 @@ def _stop_on_signals(server, serving):
     """SIGINT and SIGTERM end the requests in flight at once (each gets an error saying
     why) and stop the HTTP server; the process then exits 0."""
 
-    def stop(signum, frame) -> None:
-        server.should_exit = True
-        serving.close()  # in this thread: marks the loop stopped, joins nothing
-
-    with _on_signals(stop):
+    with _on_signals(lambda signum, frame: _stop(server, serving)):
         yield
+
+
+def _stop(server, serving) -> None:
+    server.should_exit = True
+    serving.close()  # in this thread: marks the loop stopped, joins nothing

@@ -58,6 +58,7 @@ class Pipeline:
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self.broken: str | None = None
+        self.on_broken: Callable[[], None] | None = None  # (a server stops: `offload serve`)
         self._closed = threading.Event()
         self._sent_at = time.monotonic()
         ref = weakref.ref(self)  # (the thread keeps no pipeline alive)
@@ -192,10 +193,15 @@ class _Breaking:
             time.sleep(0.2)  # (a rank that was killed: its process ends at once)
             dead = first_dead(self.pipeline.member)
             message = f"pipeline rank {dead} stopped" if dead is not None else str(error)
-            self.pipeline.broken = message
+            self._broke(message)
             raise PipelineError(message) from None
-        self.pipeline.broken = f"the pipeline was left mid-step ({type(error).__name__})"
+        self._broke(f"the pipeline was left mid-step ({type(error).__name__})")
         return False
+
+    def _broke(self, message: str) -> None:
+        self.pipeline.broken = message
+        if self.pipeline.on_broken is not None:
+            self.pipeline.on_broken()
 
 
 class PipelinedRunner(StepRunner):

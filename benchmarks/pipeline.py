@@ -1,0 +1,175 @@
+"""Pipeline parallel at real size (issue 52): the 2.7 GiB random bfloat16 Llama of
+`scale.py`, with one per-process budget (`--budget`, cpu_memory_gb), run
+  - by one process, which keeps what the budget holds in RAM and streams the rest from
+    disk (O_DIRECT), and
+  - by `--sizes` ranks (pipeline_parallel_size, started by the LLM on this machine), each
+    holding its stage under the same budget, resident where its share fits,
+each in a fresh process, for tokens/s at `--clients` prompts decoding together, time to
+first token, each rank's peak RSS beside its budget + fixed overhead, and each rank's CPU
+seconds over the timed rounds (its busy share of the wall time: this machine's cores are
+shared by the ranks). The bound: bytes a token reads (decoder stack + head) over the RAM
+read rate (`memory_gb_per_s`), and for the one process also its disk-streamed bytes over
+the O_DIRECT rate.
+
+    python benchmarks/pipeline.py --build FOLDER [--budget 1.6] [--sizes 1 2]
+        [--clients 8] [--max-tokens 16] [--rounds 3]
+
+Results: benchmarks/results/pipeline-cpu-<date>.json (machine and date in it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+PROMPTS = [f"Story {i}: the lighthouse keeper saw" for i in range(64)]
+
+
+def child(args: argparse.Namespace) -> None:
+    """One setting in this process: its figures as one JSON line on stdout."""
+    from offload import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(
+        str(args.model), cpu_memory_gb=args.budget, disk_io="direct", max_model_len=256,
+        offload_folder=tempfile.mkdtemp(prefix="pp-bench-"), enforce_eager=True,
+        pipeline_parallel_size=args.size,
+    )  # fmt: skip
+    load_s = time.perf_counter() - start
+    prompts = PROMPTS[: args.clients]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    pids = [os.getpid()]
+    if llm._pipeline is not None:
+        pids += [child.pid for child in llm._pipeline.member.children]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    firsts, rates, walls, tokens = [], [], [], None
+    before, cpu_before = llm.transfer_stats(), [_cpu_s(pid) for pid in pids]
+    for _ in range(args.rounds):
+        stamps: list[float] = []
+        llm._on_step = lambda _sequences, stamps=stamps: stamps.append(time.perf_counter())
+        begin = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        end = time.perf_counter()
+        llm._on_step = None
+        firsts.append(stamps[0] - begin)
+        rates.append(len(prompts) * (args.max_tokens - 1) / (end - stamps[0]))
+        walls.append(end - begin)
+        tokens = [o.outputs[0].token_ids for o in outputs]
+    moved = llm.transfer_stats() - before
+    cpu = [_cpu_s(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
+    row = {
+        "size": args.size,
+        "load_s": load_s,
+        "ttft_s": statistics.median(firsts),
+        "decode_tokens_per_s": statistics.median(rates),
+        "rounds_tokens_per_s": rates,
+        "peak_rss_bytes": [_vm_hwm(pid) for pid in pids],
+        "cpu_s": cpu,
+        "busy": [c / sum(walls) / torch.get_num_threads() for c in cpu],
+        "fixed_overhead_bytes": llm.fixed_overhead.total_bytes,
+        "rank0_layers": len(list(llm.model.model.layers)),
+        "forwards": moved.num_forwards,
+        "disk_read_bytes": moved.disk_read_bytes,
+        "disk_read_gb_per_s": moved.disk_read_gb_per_s,
+        "tokens": [list(t) for t in tokens],
+    }
+    print(json.dumps(row), flush=True)
+    llm.close()
+
+
+def _vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _bounds(manifest: dict) -> dict[str, float]:
+    """Bytes a token reads (every weight but the embedding: the stack and the head), the
+    RAM read rate and the disk's O_DIRECT rate (GB/s), measured now (`scale.py`'s)."""
+    import scale
+
+    model = Path(manifest["model"])
+    config = json.loads((model / "config.json").read_text())
+    total = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    embedding = config["vocab_size"] * config["hidden_size"] * 2
+    return {"token_bytes": total - embedding, **scale.measure_rates(manifest)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--build", type=Path, required=True)
+    parser.add_argument("--budget", type=float, default=1.6, help="cpu_memory_gb per process")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        args.size = args.child
+        child(args)
+        return
+    import scale_models
+
+    manifest = scale_models.build(args.build, "bf16")
+    model = Path(manifest["model"])
+    bounds = _bounds(manifest)
+    bound_s = bounds["token_bytes"] / bounds["ram_read_gb_per_s"] / 1e9
+    rows = []
+    for size in args.sizes:
+        command = [
+            sys.executable, __file__, "--build", str(args.build), "--child", str(size),
+            "--model", str(model), "--budget", str(args.budget), "--clients",
+            str(args.clients), "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode or not lines:
+            print(f"size {size}: failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
+            continue
+        row = json.loads(lines[-1])
+        rows.append(row)
+        allowance = args.budget * 2**30 + row["fixed_overhead_bytes"]
+        rss = ", ".join(f"{b / 2**30:.2f}" for b in row["peak_rss_bytes"])
+        busy = ", ".join(f"{b:.0%}" for b in row["busy"])
+        print(
+            f"ranks {size}: {row['decode_tokens_per_s']:.2f} tok/s at {args.clients} prompts "
+            f"(bound {args.clients / bound_s:.2f}: {bounds['token_bytes'] / 1e9:.2f} GB a "
+            f"step at {bounds['ram_read_gb_per_s']:.1f} GB/s); TTFT {row['ttft_s']:.2f} s; peak "
+            f"RSS per rank {rss} GiB (allowance {allowance / 2**30:.2f}); CPU busy {busy}; "
+            f"disk {row['disk_read_bytes'] / max(row['forwards'], 1) / 1e6:.0f} MB/forward"
+        )
+    one = next((r for r in rows if r["size"] == 1), None)
+    for row in rows:
+        row["speedup"] = row["decode_tokens_per_s"] / one["decode_tokens_per_s"] if one else None
+        row["tokens_equal_one_process"] = one is not None and row["tokens"] == one["tokens"]
+        if one and row is not one:
+            print(
+                f"ranks {row['size']}: x{row['speedup']:.2f} one process's tok/s, tokens "
+                f"equal: {row['tokens_equal_one_process']}"
+            )
+    payload = {"args": {k: str(v) for k, v in vars(args).items()}, "bounds": bounds, "rows": rows}
+    print(f"saved {common.save('pipeline', torch.device('cpu'), payload)}")
+
+
+if __name__ == "__main__":
+    main()
