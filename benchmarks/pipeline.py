@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
+import scale_runs
 
 PROMPTS = [f"Story {i}: the lighthouse keeper saw" for i in range(64)]
 
@@ -75,7 +76,7 @@ def child(args: argparse.Namespace) -> None:
         "ttft_s": statistics.median(firsts),
         "decode_tokens_per_s": statistics.median(rates),
         "rounds_tokens_per_s": rates,
-        "peak_rss_bytes": [_vm_hwm(pid) for pid in pids],
+        "peak_rss_bytes": [scale_runs.status_bytes(pid, "VmHWM") for pid in pids],
         "cpu_s": cpu,
         "busy": [c / sum(walls) / torch.get_num_threads() for c in cpu],
         "fixed_overhead_bytes": llm.fixed_overhead.total_bytes,
@@ -87,13 +88,6 @@ def child(args: argparse.Namespace) -> None:
     }
     print(json.dumps(row), flush=True)
     llm.close()
-
-
-def _vm_hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _cpu_s(pid: int) -> float:
