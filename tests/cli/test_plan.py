@@ -4,6 +4,7 @@ input is one line on stderr, exit status 2, and measures nothing."""
 import dataclasses
 import importlib
 import json
+import re
 import shlex
 
 import pytest
@@ -203,3 +204,21 @@ def test_the_printed_flag_keeps_a_tree_as_asked_holding_the_k_chosen():
     off = Speculation(0, 0.5, 1.0, 1.0, 1.0)
     lines, flags = speculation_lines(config, off, [chosen])
     assert flags == [] and "not predicted to pay" in lines[-1]
+
+
+def test_plan_splits_the_layers_over_pipeline_ranks(tiny, capsys):
+    """`--pipeline-parallel-size 2`: each rank's layers (contiguous, every one once, the
+    head on the last), its bytes and step within its budget, the pipeline's step (the
+    stages' sum) and the flag."""
+    argv = ["plan", "--model", str(tiny), "--batch-size", "1", "--context-len", "64"]
+    assert main([*argv, "--pipeline-parallel-size", "2", "--cpu-memory-gb", "4"]) == 0
+    out = capsys.readouterr().out.split("pipeline of 2 ranks, within 4.0 GiB of RAM each")[1]
+    ranks = re.findall(
+        r"rank (\d): layers (\d+)-(\d+)( and the head)?, .*: ([\d.]+) ms a step", out
+    )
+    assert [(r[0], r[3]) for r in ranks] == [("0", ""), ("1", " and the head")]
+    layers = [i for r in ranks for i in range(int(r[1]), int(r[2]) + 1)]
+    assert layers == list(range(len(layers))) and len(layers) > 2
+    step = float(re.search(r"predicted step ([\d.]+) ms", out)[1])
+    assert step == pytest.approx(sum(float(r[4]) for r in ranks), abs=0.2)
+    assert "flag: --pipeline-parallel-size 2" in out

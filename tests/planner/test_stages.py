@@ -62,3 +62,20 @@ def test_no_split_has_a_smaller_largest_stage(layer_bytes, size, first, last, ra
         bounds = [0, *cuts, len(layer_bytes)]
         other = [range(bounds[i], bounds[i + 1]) for i in range(size)]
         assert found <= _largest(other, layer_bytes, first, last, rates) + 1e-9
+
+
+def test_a_stage_beyond_its_room_streams_the_rest():
+    """Each rank keeps its room (its budget less its layers' KV cache) of its stage in RAM
+    and streams the rest; a stage's step is the longer of its reads and its share of the
+    compute, and a resident pipeline streams nothing."""
+    from offload.planner.stages import estimate_stages
+
+    layers = [100] * 4  # (2 GB/s RAM, 1 GB/s disk below: in bytes per ns)
+    resident = estimate_stages(layers, 50, 2, None, 2e-9 * 1e9, 1.0, compute_s=0.0)
+    assert [e.streamed_bytes for e in resident] == [0, 0]
+    assert [e.weight_bytes for e in resident] == [200, 250]
+    tight = estimate_stages(layers, 50, 2, 180, 2.0, 1.0, compute_s=0.0, kv_bytes=40)
+    assert [e.streamed_bytes for e in tight] == [40, 90]  # (room 180 - 20 of KV each)
+    assert tight[1].step_s == pytest.approx(160 / 2e9 + 90 / 1e9)
+    busy = estimate_stages(layers, 50, 2, None, 2.0, 1.0, compute_s=1.0)
+    assert [e.step_s for e in busy] == pytest.approx([200 / 450, 250 / 450])

@@ -302,4 +302,5 @@ def _add_plan(commands: argparse._SubParsersAction) -> None:
         "may be left out) and choose its number of guesses for the plan (default: not weighed)",
     )
     add_budget_flags(plan)
+    add_parallel_flags(plan)
     add_device_flags(plan)

@@ -19,6 +19,7 @@ from offload.planner.choose import Candidate
 from offload.planner.flags import kv_flags, offload_flags, vllm_flags, warnings_for
 from offload.planner.plan import Plan
 from offload.planner.speculation import Speculation, for_plan, weight_bytes_at
+from offload.planner.stages import estimate_stages
 from offload.sizes import format_bytes
 
 
@@ -45,7 +46,48 @@ def run_plan(args: argparse.Namespace, generate_flags: Collection[str] = ()) -> 
     speculation = None
     if speculative is not None:
         speculation = speculative, *for_plan(plan, speculative.method, draft_bytes)
-    return describe(plan, _model_flags(args), generate_flags, speculation)
+    text = describe(plan, _model_flags(args), generate_flags, speculation)
+    size = getattr(args, "pipeline_parallel_size", 1)
+    if size > 1:
+        text += "\n" + "\n".join(pipeline_lines(plan, size))
+    return text
+
+
+def pipeline_lines(plan: Plan, size: int) -> list[str]:
+    """What `size` pipeline ranks, each within the plan's RAM budget, are predicted to
+    do (`planner.stages.estimate_stages`), beside the one process planned."""
+    measured, shape = plan.measured.measurements, plan.shape
+    # (on a CPU the "link" is the RAM the weights are read from)
+    ram, disk, room = measured.link_gb_per_s, measured.disk_gb_per_s, plan.budgets.ram_bytes
+    compute, use = plan.chosen.time.compute_s, plan.chosen.ram
+    kv = use.kv_bytes if use is not None else 0
+    if room is not None and use is not None:  # (less what is not weights but the KV cache)
+        room -= use.activation_bytes + use.margin_bytes
+    stages = estimate_stages(
+        shape.layer_bytes, shape.outside_bytes, size, room, ram, disk, compute, kv
+    )
+    budget = plan.budgets.ram_bytes
+    within = f"within {format_bytes(budget)} of RAM each" if budget is not None else "resident"
+    lines = [f"pipeline of {size} ranks, {within} (stages take turns):"]
+    for estimate in stages:
+        layers = estimate.stage.layers
+        head = " and the head" if estimate.stage.is_last else ""
+        held = (
+            f"{format_bytes(estimate.streamed_bytes)} of it streamed from disk"
+            if estimate.streamed_bytes else "all in RAM"
+        )  # fmt: skip
+        lines.append(
+            f"  rank {estimate.stage.rank}: layers {layers.start}-{layers.stop - 1}{head}, "
+            f"{format_bytes(estimate.weight_bytes)} ({held}): {estimate.step_s * 1e3:.1f} ms a step"
+        )
+    step = sum(e.step_s for e in stages)
+    batch = plan.batch_size
+    lines.append(
+        f"  predicted step {step * 1e3:.1f} ms, {batch / step:.1f} tokens/s at batch {batch} "
+        f"(one process as planned: {prediction(plan.chosen)})"
+    )
+    lines.append(f"  flag: --pipeline-parallel-size {size}")
+    return lines
 
 
 def _draft_bytes(config: SpeculativeConfig | None) -> int:

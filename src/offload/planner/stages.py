@@ -79,3 +79,44 @@ def split_layers(
     ends.append(end)
     bounds = [0, *reversed(ends)]
     return [range(bounds[i], bounds[i + 1]) for i in range(size)]
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """A stage's weights, those its rank streams from disk, and a step of it."""
+
+    stage: Stage
+    weight_bytes: int
+    streamed_bytes: int
+    step_s: float
+
+
+def estimate_stages(
+    layer_bytes: Sequence[int],
+    head_bytes: int,
+    size: int,
+    room_bytes: int | None,
+    ram_gb_per_s: float,
+    disk_gb_per_s: float | None,
+    compute_s: float = 0.0,
+    kv_bytes: int = 0,
+) -> list[StageEstimate]:
+    """Each rank's stage (`split_layers`) and its step: the longer of its share of the
+    whole model's compute (`compute_s`, by bytes) and its reads (its bytes in RAM over the
+    RAM read rate, those beyond its room over the disk's). A rank's room: `room_bytes`
+    (each rank's budget less what is not weights; None: every weight fits) less its
+    layers' share of the KV cache (`kv_bytes`, the whole stack's). A step of the pipeline
+    is their sum (one batch at a time: the stages take turns)."""
+    estimates, total = [], sum(layer_bytes) + head_bytes
+    for rank, layers in enumerate(split_layers(layer_bytes, size, 0, head_bytes)):
+        weight = sum(layer_bytes[i] for i in layers) + (head_bytes if rank == size - 1 else 0)
+        streamed = 0
+        if room_bytes is not None:
+            room = room_bytes - kv_bytes * len(layers) // len(layer_bytes)
+            streamed = min(weight, max(0, weight - room))
+        reads = (weight - streamed) / (ram_gb_per_s * 1e9)
+        if streamed:
+            reads += streamed / ((disk_gb_per_s or ram_gb_per_s) * 1e9)
+        seconds = max(reads, compute_s * weight / total)
+        estimates.append(StageEstimate(Stage(rank, size, layers), weight, streamed, seconds))
+    return estimates
