@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import openai
 import pytest
@@ -205,7 +204,7 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path)
     """`offload serve --pipeline-parallel-size 2` answers a chat as one process does; with
     rank 1 killed, the next request fails, and the server exits (status 2, one line
     naming the rank) instead of failing every later request."""
-    from http_server import Server, chat_checkpoint
+    from http_server import Server, chat_checkpoint, child_pids
 
     path = chat_checkpoint(tmp_path / "chat")
     chat = [{"role": "user", "content": "a b c"}]
@@ -219,7 +218,7 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path)
             model="tiny", messages=chat, temperature=0, max_tokens=8
         )
         assert answer.choices[0].message.content == expected
-        [rank1] = _children(server.process.pid)
+        [rank1] = child_pids(server.process.pid)
         os.kill(rank1, signal.SIGKILL)
         with pytest.raises(openai.APIError):  # (an error status, or the connection closed)
             client.chat.completions.create(model="tiny", messages=chat, max_tokens=8)
@@ -228,15 +227,3 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path)
         assert lines[-1] == "offload: error: offload serve: pipeline rank 1 stopped"
     finally:
         server.stop()
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found

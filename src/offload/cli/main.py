@@ -49,6 +49,7 @@ def _leave_compiles(status: int) -> None:
 def _command(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]  # (data parallel's replicas)
     if argv is None:  # the program: a user reads the warning, not our source line
         warnings.formatwarning = one_line_warning
     try:

@@ -27,6 +27,9 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on "
                        "(0.0.0.0: every interface)")  # fmt: skip
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas, each a process with the whole model and its "
+                       "own share of the cores, behind this one server (default: 1)")  # fmt: skip
     serve.add_argument("--served-model-name", help="the model's name in the API (default: "
                        "the --model given, or SmolLM2-135M-Instruct)")  # fmt: skip
     serve.add_argument("--api-key", help="requests to /v1 must carry 'Authorization: "
@@ -77,6 +80,11 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    integer("--data-parallel-size", args.data_parallel_size, 1, what=">= 1")
+    if args.data_parallel_size > 1:
+        from offload.cli.replicated import serve_replicas
+
+        return serve_replicas(args)
     try:
         with _stop_while_loading():
             return _checked_and_served(args)

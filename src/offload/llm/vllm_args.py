@@ -38,7 +38,7 @@ IGNORED: dict[str, tuple[Callable[[object], bool], str]] = {
     "disable_custom_all_reduce": (_one_of(True, False), _SPEED_ONLY),
     "disable_async_output_proc": (_one_of(True, False), _SPEED_ONLY),
     "distributed_executor_backend": (_one_of(None, "mp", "uni"), "ranks run as processes"),
-    "data_parallel_size": (_one_of(1), "offload runs a model on one device"),
+    "data_parallel_size": (_one_of(1), "replicas run behind `offload serve --data-parallel-size`"),
     "kv_cache_dtype": (_one_of("auto"), "the KV cache is kept in the model's dtype"),
     "calculate_kv_scales": (_one_of(False), "the KV cache is kept in the model's dtype"),
     "revision": (_one_of(None, "main"), "give a local folder or the cached snapshot instead"),
