@@ -57,13 +57,16 @@ def test_ranks_give_one_process_s_tokens_and_logprobs(attentive, size):
     kwargs = dict(device="cpu", enforce_eager=True, dtype="float32")
     with LLM(attentive, **kwargs) as llm:
         expected, streamed = _answers(llm), _streamed(llm)
-    with LLM(attentive, pipeline_parallel_size=size, **kwargs) as llm:
+    # (3 ranks: with the KV cache in host memory, each rank its layers')
+    kv = {"kv_offload": True} if size == 3 else {}
+    with LLM(attentive, pipeline_parallel_size=size, **kwargs, **kv) as llm:
         channel = llm._pipeline.member.channel
         _holds_its_stage_alone(llm, attentive, size)
         assert _answers(llm) == expected
         assert _streamed(llm) == streamed  # (the serving core: `LLM.serving`)
         assert channel.sent_bytes[Channel.HIDDEN] > 0
         assert channel.received_bytes[Channel.LOGITS] > 0
+        assert (llm.transfer_stats().kv_copied_bytes > 0) == bool(kv)
         children = llm._pipeline.member.children
     assert all(child.poll() is not None for child in children)  # (closed: the ranks ended)
     assert [child.returncode for child in children] == [0] * (size - 1)

@@ -103,14 +103,15 @@ class RowCache:
                 )
                 cache.layers[index] = layer
                 continue
-            layer = self._layer(self.held_layers.index(index), max_len)
+            position = self.held_layers.index(index)  # (among the layers held here)
+            layer = self._layer(position, max_len)
             layer.window = self.window
             layer.dtype, layer.device = dtype, torch.device(device)
             layer.max_batch_size = layer.batch_size = held
             layer.num_heads, layer.k_head_dim, layer.v_head_dim = heads, k_dim, v_dim
             layer.head_dim = k_dim
             if self.kv_offloader is not None:  # (views of its device slot)
-                layer.all_keys, layer.all_values = self.kv_offloader.views(index)
+                layer.all_keys, layer.all_values = self.kv_offloader.views(position)
             else:
                 layer.all_keys = self._zeros((held, heads, max_len + 1, k_dim), dtype, device)
                 layer.all_values = self._zeros((held, heads, max_len + 1, v_dim), dtype, device)

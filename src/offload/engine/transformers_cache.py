@@ -29,7 +29,9 @@ def probe_kv_dims(model) -> tuple[int, int, int] | None:
     from transformers.cache_utils import StaticLayer
 
     layers = StaticCache(config=model.config, max_cache_len=1).layers
+    held = getattr(model, "held_layers", None)  # (a pipeline stage runs its layers alone)
     full = [i for i, layer in enumerate(layers) if type(layer) is StaticLayer]
+    full = [i for i in full if held is None or i in held]
     if not full:
         return None
     cache = DynamicCache(config=model.config)
