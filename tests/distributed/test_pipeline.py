@@ -230,3 +230,21 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path)
         assert lines[-1] == "offload: error: offload serve: pipeline rank 1 stopped"
     finally:
         server.stop()
+
+
+def test_sliding_windows_and_chunked_prefills_over_the_pipeline(tmp_path):
+    """Gemma 2 (sliding and full layers, soft-capped logits, a tied head) with prompts
+    prefilled 4 tokens at a time inside the decode steps (mixed forwards): one process's
+    tokens and logprobs."""
+    zoo.save_with_tokenizer(zoo.build("gemma2"), tmp_path)
+    prompts = [
+        {"prompt_token_ids": [5, 9, 22, 7, 31, 4, 17, 60, 3, 11]},
+        {"prompt_token_ids": [8, 12, 99]},
+    ]
+    kwargs = dict(max_model_len=64, max_num_batched_tokens=4, enforce_eager=True)
+    answers = []
+    for size in (1, 2):
+        with LLM(str(tmp_path), pipeline_parallel_size=size, **kwargs) as llm:
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+        answers.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+    assert answers[0] == answers[1]
