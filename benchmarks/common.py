@@ -47,6 +47,25 @@ def save(name: str, device: torch.device, payload: dict[str, object]) -> Path:
     return save_json(RESULTS, name, device, payload)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a server's replicas or pipeline ranks)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def meminfo_cached_bytes() -> int:
     """The machine's page cache (`Cached` in /proc/meminfo), in bytes."""
     return meminfo_bytes("Cached") or 0

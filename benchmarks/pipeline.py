@@ -56,7 +56,7 @@ def child(args: argparse.Namespace) -> None:
         pids += [child.pid for child in llm._pipeline.member.children]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     firsts, rates, walls, tokens = [], [], [], None
-    before, cpu_before = llm.transfer_stats(), [_cpu_s(pid) for pid in pids]
+    before, cpu_before = llm.transfer_stats(), [common.cpu_seconds(pid) for pid in pids]
     for _ in range(args.rounds):
         stamps: list[float] = []
         llm._on_step = lambda _sequences, stamps=stamps: stamps.append(time.perf_counter())
@@ -69,7 +69,7 @@ def child(args: argparse.Namespace) -> None:
         walls.append(end - begin)
         tokens = [o.outputs[0].token_ids for o in outputs]
     moved = llm.transfer_stats() - before
-    cpu = [_cpu_s(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
+    cpu = [common.cpu_seconds(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
     row = {
         "size": args.size,
         "load_s": load_s,
@@ -88,11 +88,6 @@ def child(args: argparse.Namespace) -> None:
     }
     print(json.dumps(row), flush=True)
     llm.close()
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _bounds(manifest: dict) -> dict[str, float]:
