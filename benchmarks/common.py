@@ -21,7 +21,11 @@ from offload.memory.host import meminfo_bytes
 from offload.memory.page_cache import drop_cached as drop_file_cache
 from offload.memory.page_cache import read_cached as warm_file_cache
 from offload.probes.disk import cached_file_bytes, cached_read_gb_per_s, disk_gb_per_s
-from offload.probes.host import machine, process_memory_bytes, reset_peak_rss
+from offload.probes.host import (
+    machine,
+    process_memory_bytes,
+    reset_peak_rss,
+)
 
 __all__ = [
     "RESULTS",
@@ -45,25 +49,6 @@ RESULTS = Path(__file__).parent / "results"
 
 def save(name: str, device: torch.device, payload: dict[str, object]) -> Path:
     return save_json(RESULTS, name, device, payload)
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (a server's replicas or pipeline ranks)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return sorted(found)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process `pid` has used."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def meminfo_cached_bytes() -> int:

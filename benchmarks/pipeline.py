@@ -35,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 import scale_runs
 
+from offload.probes.host import cpu_seconds
+
 PROMPTS = [f"Story {i}: the lighthouse keeper saw" for i in range(64)]
 
 
@@ -56,7 +58,7 @@ def child(args: argparse.Namespace) -> None:
         pids += [child.pid for child in llm._pipeline.member.children]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     firsts, rates, walls, tokens = [], [], [], None
-    before, cpu_before = llm.transfer_stats(), [common.cpu_seconds(pid) for pid in pids]
+    before, cpu_before = llm.transfer_stats(), [cpu_seconds(pid) for pid in pids]
     for _ in range(args.rounds):
         stamps: list[float] = []
         llm._on_step = lambda _sequences, stamps=stamps: stamps.append(time.perf_counter())
@@ -69,7 +71,7 @@ def child(args: argparse.Namespace) -> None:
         walls.append(end - begin)
         tokens = [o.outputs[0].token_ids for o in outputs]
     moved = llm.transfer_stats() - before
-    cpu = [common.cpu_seconds(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
+    cpu = [cpu_seconds(pid) - b for pid, b in zip(pids, cpu_before, strict=True)]
     row = {
         "size": args.size,
         "load_s": load_s,

@@ -26,6 +26,8 @@ import common
 import serve as served
 from serve import Workload, default_server, run_clients, running
 
+from offload.probes.host import child_pids, cpu_seconds
+
 
 def run(size: int, args) -> dict:
     flags = ["--max-num-seqs", str(args.clients)]
@@ -34,10 +36,10 @@ def run(size: int, args) -> dict:
     server = default_server(None, flags, f"dp{size}")
     work = Workload(served.SERVED_NAME, args.max_tokens, {"ignore_eos": True})
     with running(server):
-        engines = common.child_pids(server.process.pid) if size > 1 else [server.process.pid]
+        engines = child_pids(server.process.pid) if size > 1 else [server.process.pid]
         run_clients(server.url, work, args.clients, 1)  # (warm-up: compiles, first prefills)
         rates = []
-        before = [common.cpu_seconds(pid) for pid in engines]
+        before = [cpu_seconds(pid) for pid in engines]
         walls = []
         for _ in range(args.rounds):
             records, wall = run_clients(server.url, work, args.clients, 1)
@@ -46,7 +48,7 @@ def run(size: int, args) -> dict:
                 raise RuntimeError(f"{len(errors)} requests failed: {errors[0]}")
             rates.append(sum(r.completion_tokens for r in records) / wall)
             walls.append(wall)
-        cpu = [common.cpu_seconds(pid) - b for pid, b in zip(engines, before, strict=True)]
+        cpu = [cpu_seconds(pid) - b for pid, b in zip(engines, before, strict=True)]
     return {
         "replicas": size,
         "tokens_per_s": statistics.median(rates),

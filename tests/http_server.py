@@ -2,7 +2,6 @@
 as a command on a free port, and plain HTTP (for what a client library would not send)."""
 
 import json
-import pathlib
 import signal
 import socket
 import subprocess
@@ -95,16 +94,3 @@ class InProcess:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(timeout=30)
-
-
-def child_pids(pid: int) -> list[int]:
-    """The processes whose parent is `pid` (a server's replicas or pipeline ranks)."""
-    found = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return sorted(found)

@@ -207,7 +207,9 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path)
     """`offload serve --pipeline-parallel-size 2` answers a chat as one process does; with
     rank 1 killed, the next request fails, and the server exits (status 2, one line
     naming the rank) instead of failing every later request."""
-    from http_server import Server, chat_checkpoint, child_pids
+    from http_server import Server, chat_checkpoint
+
+    from offload.probes.host import child_pids
 
     path = chat_checkpoint(tmp_path / "chat")
     chat = [{"role": "user", "content": "a b c"}]

@@ -11,10 +11,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from http_server import Server, chat_checkpoint, child_pids, http
+from http_server import Server, chat_checkpoint, http
 from prometheus_client.parser import text_string_to_metric_families
 
 from offload import LLM, SamplingParams
+from offload.probes.host import child_pids
 from offload.server.replicas import replica_argv
 
 CHATS = [[{"role": "user", "content": f"a b {word}"}] for word in ("c", "d", "e", "f")]

@@ -134,3 +134,22 @@ def _others_s() -> dict[int, float] | None:
                 grew = True
     tick = os.sysconf("SC_CLK_TCK")
     return {pid: t / tick for pid, t in ticks.items() if pid not in ours}
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (a server's replicas or pipeline ranks)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
