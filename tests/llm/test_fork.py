@@ -2,6 +2,7 @@
 never a hang: the threads the model waits on (copies, reads, torch's workers) stay in
 the parent."""
 
+import gc
 import os
 import select
 
@@ -19,6 +20,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 def _in_a_fork(call) -> str:
     """What `call()` did in a forked child: "ok", or the error's type and message; a
     child that does not answer within 60 s is killed, and that is a failure."""
+    # (the LLMs of earlier tests in this worker, in reference cycles, freed first: their
+    # rows reserve address space, and past the RAM a heuristic overcommit refuses a fork)
+    gc.collect()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report, and leave without running any cleanup
