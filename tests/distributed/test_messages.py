@@ -20,7 +20,7 @@ GROUP = m.GroupView(first=1, width=4, every_position=True, rows=[ROW, ROW])
 @pytest.mark.parametrize(
     "message",
     [
-        m.Hello(2, "LlamaForCausalLM", 30),
+        m.Hello(2, "LlamaForCausalLM", 30, 2**31),
         m.Layout([[0, 3], [3, 6]]),
         m.Ready(1, "out of memory"),
         m.Open(3, 8, 512, [3, 64, 64], False, True, False),

@@ -13,13 +13,17 @@ from offload.errors import ConfigError
 from offload.planner.stages import split_layers
 
 
-def _largest(stages, layer_bytes, first, last, rates):
+def _largest(stages, layer_bytes, first, last, rates, rooms):
+    from offload.planner.stages import DISK_SLOWER
+
     size = len(stages)
     times = []
     for rank, stage in enumerate(stages):
         work = sum(layer_bytes[i] for i in stage)
         work += (first if rank == 0 else 0) + (last if rank == size - 1 else 0)
-        times.append(work / rates[rank])
+        room = rooms[rank]
+        streamed = max(0, work - room) if room is not None else 0
+        times.append((work - streamed + streamed * DISK_SLOWER) / rates[rank])
     return max(times)
 
 
@@ -48,20 +52,21 @@ def test_a_faster_rank_takes_more_layers():
     first=st.integers(0, 200),
     last=st.integers(0, 200),
     rates=st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=4, max_size=4),
+    rooms=st.lists(st.one_of(st.none(), st.integers(0, 300)), min_size=4, max_size=4),
 )
-def test_no_split_has_a_smaller_largest_stage(layer_bytes, size, first, last, rates):
+def test_no_split_has_a_smaller_largest_stage(layer_bytes, size, first, last, rates, rooms):
     if size > len(layer_bytes):
         with pytest.raises(ConfigError, match="pipeline_parallel_size must be between 1"):
-            split_layers(layer_bytes, size, first, last, rates[:size])
+            split_layers(layer_bytes, size, first, last, rates[:size], rooms[:size])
         return
-    stages = split_layers(layer_bytes, size, first, last, rates[:size])
+    stages = split_layers(layer_bytes, size, first, last, rates[:size], rooms[:size])
     assert [i for stage in stages for i in stage] == list(range(len(layer_bytes)))
     assert all(len(stage) >= 1 for stage in stages)
-    found = _largest(stages, layer_bytes, first, last, rates)
+    found = _largest(stages, layer_bytes, first, last, rates, rooms)
     for cuts in itertools.combinations(range(1, len(layer_bytes)), size - 1):
         bounds = [0, *cuts, len(layer_bytes)]
         other = [range(bounds[i], bounds[i + 1]) for i in range(size)]
-        assert found <= _largest(other, layer_bytes, first, last, rates) + 1e-9
+        assert found <= _largest(other, layer_bytes, first, last, rates, rooms) + 1e-9
 
 
 def test_a_stage_beyond_its_room_streams_the_rest():
@@ -79,3 +84,16 @@ def test_a_stage_beyond_its_room_streams_the_rest():
     assert tight[1].step_s == pytest.approx(160 / 2e9 + 90 / 1e9)
     busy = estimate_stages(layers, 50, 2, None, 2.0, 1.0, compute_s=1.0)
     assert [e.step_s for e in busy] == pytest.approx([200 / 450, 250 / 450])
+
+
+def test_a_rank_with_less_room_takes_fewer_layers():
+    """A rank whose budget holds 2 of the 6 layers streams what it holds beyond them from
+    disk each step: it takes fewer layers than an unbounded one (bytes read from disk
+    count `DISK_SLOWER` times)."""
+    from offload.planner.stages import DISK_SLOWER
+
+    assert split_layers([10] * 6, 2) == [range(0, 3), range(3, 6)]
+    tight = split_layers([10] * 6, 2, rooms=[None, 20])
+    assert tight == [range(0, 4), range(4, 6)]
+    assert split_layers([10] * 6, 2, rooms=[20, 20]) == [range(0, 3), range(3, 6)]
+    assert DISK_SLOWER > 1

@@ -65,10 +65,13 @@ def launched_rank(size: int) -> int | None:
     return int(os.environ["RANK"])
 
 
-def join(size: int, model: nn.Module, llm_kwargs: dict, module: str) -> Member:
+def join(
+    size: int, model: nn.Module, llm_kwargs: dict, module: str, room_bytes: int | None = None
+) -> Member:
     """This process in a pipeline of `size` ranks over `model` (built, not loaded): the
     group joined (the other ranks started here where no launcher did: `python -m
-    module`, given `llm_kwargs`), its stage settled."""
+    module`, given `llm_kwargs`), its stage settled (`room_bytes`: what this rank's budget
+    holds in RAM, weighed by rank 0's split)."""
     rank = launched_rank(size)
     split_layers(stage_bytes(model)[0], size)  # (a size the model cannot take: said first)
     children: list[subprocess.Popen] = []
@@ -94,7 +97,7 @@ def join(size: int, model: nn.Module, llm_kwargs: dict, module: str) -> Member:
         raise PipelineError(f"the pipeline's ranks could not meet: {reason[:200]}") from None
     member = Member(Channel(rank, size), Stage(rank, size, range(0)), children)
     try:
-        member.stage = _settle(member, model)
+        member.stage = _settle(member, model, room_bytes)
     except BaseException:
         leave(member)
         raise
@@ -154,18 +157,20 @@ def _wait_joined(store, rank: int, child: subprocess.Popen, timeout_s: float) ->
             raise PipelineError(f"pipeline rank {rank} did not join within {timeout_s:.0f} s")
 
 
-def _settle(member: Member, model: nn.Module) -> Stage:
-    """Each rank's layers: rank 0 checks every rank built its model and sends the split."""
+def _settle(member: Member, model: nn.Module, room_bytes: int | None) -> Stage:
+    """Each rank's layers: rank 0 checks every rank built its model and sends the split,
+    weighing each rank's room."""
     size = member.channel.size
     layer_bytes, first, last = stage_bytes(model)
     name = type(model).__name__
     if member.stage.rank != 0:
-        member.send(Hello(member.stage.rank, name, len(layer_bytes)), 0)
+        member.send(Hello(member.stage.rank, name, len(layer_bytes), room_bytes), 0)
         layout = member.recv(0)
         if not isinstance(layout, Layout):
             raise PipelineError(f"rank 0 sent {type(layout).__name__} before the layout")
         start, end = layout.stages[member.stage.rank]
         return Stage(member.stage.rank, size, range(start, end))
+    rooms = [room_bytes]
     for rank in range(1, size):
         hello = member.recv(rank)
         if not isinstance(hello, Hello) or (hello.model, hello.num_layers) != (
@@ -179,7 +184,8 @@ def _settle(member: Member, model: nn.Module) -> Stage:
                 f"pipeline rank {rank} built {seen}, rank 0 {name} of {len(layer_bytes)} "
                 "layers: every rank must load the same model"
             )
-    stages = split_layers(layer_bytes, size, first, last)
+        rooms.append(hello.room_bytes)
+    stages = split_layers(layer_bytes, size, first, last, rooms=rooms)
     for rank in range(1, size):
         member.send(Layout([[s.start, s.stop] for s in stages]), rank)
     return Stage(0, size, stages[0])

@@ -61,11 +61,13 @@ class Message:
 
 @dataclass
 class Hello(Message):
-    """A rank's first word to rank 0: what model it built (checked to be rank 0's)."""
+    """A rank's first word to rank 0: what model it built (checked to be rank 0's), and
+    the bytes its budget holds in RAM (None: no budget), which the split weighs."""
 
     rank: int
     model: str
     num_layers: int
+    room_bytes: int | None = None
 
 
 @dataclass

@@ -28,7 +28,10 @@ RANK_MODULE = "offload.llm.pipeline_rank"  # what a rank started here runs
 def join_stage(args: EngineArgs, empty: nn.Module) -> tuple[Member, nn.Module]:
     """This process in `args`' pipeline (the other ranks started here where no launcher
     did), and `empty` cut to its stage."""
-    member = join(args.pipeline_parallel_size, empty, rank_kwargs(args), RANK_MODULE)
+    disk = args.config.disk  # (this rank's budget: under torchrun, each its own flags)
+    gib = disk.cpu_memory_gb
+    room = int(gib * 2**30) if disk.is_active and gib is not None else None
+    member = join(args.pipeline_parallel_size, empty, rank_kwargs(args), RANK_MODULE, room)
     return member, cut_to_stage(empty, member.stage)
 
 
