@@ -116,6 +116,9 @@ def test_speculative_decoding_over_the_pipeline(attentive):
     with LLM(attentive, pipeline_parallel_size=2, speculative_config=spec, **kwargs) as llm:
         got = llm.generate(prompts, GREEDY, use_tqdm=False)[0].outputs[0]
         assert llm.transfer_stats().num_spec_verifies > 0
+        # (a second pipeline in this process while this one lives: one line, at once)
+        with pytest.raises(PipelineError, match="this process is in a pipeline already"):
+            LLM(attentive, pipeline_parallel_size=2, **kwargs)
     assert (got.token_ids, got.logprobs) == (expected.token_ids, expected.logprobs)
 
 

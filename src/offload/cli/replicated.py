@@ -11,8 +11,8 @@ import threading
 
 import uvicorn
 
+from offload.cli.listening import listening, on_signals
 from offload.cli.options import package_version
-from offload.cli.serve import _listening, _on_signals
 from offload.config.validate import integer
 from offload.server.front import front_app
 from offload.server.replicas import Replicas
@@ -21,7 +21,7 @@ from offload.server.replicas import Replicas
 def serve_replicas(args: argparse.Namespace) -> int:
     integer("--port", args.port, 0, 65535, what="in [0, 65535]")
     # (the port taken first, as one server's: busy, it is an error before any load)
-    with _listening(args.host, args.port) as sock:
+    with listening(args.host, args.port) as sock:
         replicas = Replicas(args.argv, args.data_parallel_size)
         try:
             app = front_app(replicas, package_version())
@@ -42,7 +42,7 @@ def serve_replicas(args: argparse.Namespace) -> int:
             # (off the main thread uvicorn leaves the signals alone: they stop it here,
             # and the replicas after it)
             http = threading.Thread(target=server.run, kwargs={"sockets": [sock]})
-            with _on_signals(lambda signum, frame: setattr(server, "should_exit", True)):
+            with on_signals(lambda signum, frame: setattr(server, "should_exit", True)):
                 http.start()
                 while http.is_alive():
                     http.join(timeout=0.5)

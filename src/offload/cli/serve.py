@@ -7,10 +7,10 @@ import argparse
 import contextlib
 import functools
 import signal
-import socket
 import sys
 import threading
 
+from offload.cli.listening import listening, on_signals
 from offload.cli.options import SPECULATIVE_HELP
 from offload.config import OffloadConfig
 from offload.config.limits import DEFAULT_MAX_REQUEST_BYTES
@@ -113,7 +113,7 @@ def _checked_and_served(args: argparse.Namespace) -> int:
     spec = spec_of(args, name, config)
     # The port is taken before the model loads (as vLLM does): a busy port is an error in
     # a second, not after a load of minutes.
-    with _listening(args.host, args.port) as sock:
+    with listening(args.host, args.port) as sock:
         return _serve(args, sock, spec, config, name, waiting)
 
 
@@ -131,19 +131,8 @@ def _stop_while_loading():
     def stop(signum, frame) -> None:
         raise _Stopped(signum)
 
-    with _on_signals(stop):
+    with on_signals(stop):
         yield
-
-
-@contextlib.contextmanager
-def _on_signals(stop):
-    """`stop(signum, frame)` handles SIGINT and SIGTERM inside the block."""
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _serve(args, sock, spec, config, name, waiting) -> int:
@@ -209,7 +198,7 @@ def _serve(args, sock, spec, config, name, waiting) -> int:
     if pipeline is not None:  # (a rank lost: every later answer would fail, so it exits)
         pipeline.on_broken = functools.partial(_stop, server, serving)
     try:
-        with _stop_on_signals(server, serving):
+        with _stopon_signals(server, serving):
             http.start()
             serving.core.run()  # until a signal, or the HTTP side stops
         http.join(timeout=10)
@@ -245,21 +234,6 @@ def serve_llm(args: argparse.Namespace, model, config: OffloadConfig, progress: 
     )
 
 
-@contextlib.contextmanager
-def _listening(host: str, port: int):
-    """A socket bound to (host, port) for the HTTP server, closed at the end."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # (uvicorn's own choice)
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise OffloadError(f"offload serve could not listen on {host}:{port}") from None
-    with sock:
-        yield sock
-
-
 def _serve_http(server, serving, sock) -> None:
     try:
         server.run(sockets=[sock])  # (off the main thread uvicorn leaves the signals alone)
@@ -268,11 +242,11 @@ def _serve_http(server, serving, sock) -> None:
 
 
 @contextlib.contextmanager
-def _stop_on_signals(server, serving):
+def _stopon_signals(server, serving):
     """SIGINT and SIGTERM end the requests in flight at once (each gets an error saying
     why) and stop the HTTP server; the process then exits 0."""
 
-    with _on_signals(lambda signum, frame: _stop(server, serving)):
+    with on_signals(lambda signum, frame: _stop(server, serving)):
         yield
 
 

@@ -74,6 +74,11 @@ def join(
     holds in RAM, weighed by rank 0's split)."""
     rank = launched_rank(size)
     split_layers(stage_bytes(model)[0], size)  # (a size the model cannot take: said first)
+    if dist.is_initialized():  # (torch.distributed has one default group a process)
+        raise PipelineError(
+            "this process is in a pipeline already: close the other LLM with "
+            "pipeline_parallel_size > 1 first"
+        )
     children: list[subprocess.Popen] = []
     timeout = datetime.timedelta(seconds=timeout_s())
     try:
