@@ -5,7 +5,9 @@ for the scripts."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 from pathlib import Path
 
 # The scripts time compiled CPU steps in their steady state: a step's first call waits for
@@ -49,6 +51,17 @@ RESULTS = Path(__file__).parent / "results"
 
 def save(name: str, device: torch.device, payload: dict[str, object]) -> Path:
     return save_json(RESULTS, name, device, payload)
+
+
+def child_row(command: list[str], label: str) -> dict | None:
+    """The last JSON line a benchmark's child process printed (one setting in a fresh
+    process); None, said with its stderr's tail, where it failed."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        print(f"{label}: failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
+        return None
+    return json.loads(lines[-1])
 
 
 def meminfo_cached_bytes() -> int:

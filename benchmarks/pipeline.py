@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -132,12 +131,9 @@ def main() -> None:
             "--model", str(model), "--budget", str(args.budget), "--clients",
             str(args.clients), "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
         ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            print(f"size {size}: failed ({done.returncode}): {done.stderr.strip()[-1500:]}")
+        row = common.child_row(command, f"size {size}")
+        if row is None:
             continue
-        row = json.loads(lines[-1])
         rows.append(row)
         allowance = args.budget * 2**30 + row["fixed_overhead_bytes"]
         rss = ", ".join(f"{b / 2**30:.2f}" for b in row["peak_rss_bytes"])

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -124,12 +123,9 @@ def main() -> None:
             "--model", str(model), "--budget", str(args.budget),
             "--max-tokens", str(args.max_tokens), "--rounds", str(args.rounds),
         ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-        if done.returncode or not lines:
-            print(f"{method}: failed ({done.returncode}): {done.stderr.strip()[-800:]}")
+        row = common.child_row(command, method)
+        if row is None:
             continue
-        row = json.loads(lines[-1])
         rows.append(row)
         allowance = args.budget * 2**30 + row["fixed_overhead_bytes"]
         print(
