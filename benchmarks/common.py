@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import threading
 from pathlib import Path
 
 # The scripts time compiled CPU steps in their steady state: a step's first call waits for
@@ -74,3 +75,13 @@ def direct_read_gb_per_s(files: list[Path], chunk_bytes: int, num_threads: int) 
     reader on `num_threads` threads in `chunk_bytes` requests; GB/s (1e9 bytes)."""
     total = sum(path.stat().st_size for path in files)
     return disk_gb_per_s(files, total, num_threads, chunk_bytes=chunk_bytes)
+
+
+def in_threads(function, count: int) -> None:
+    """`function(i)` for i in range(count), each in a thread of its own, all at once
+    (clients of a serving engine); returns when every one has."""
+    threads = [threading.Thread(target=function, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

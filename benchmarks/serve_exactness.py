@@ -58,11 +58,7 @@ def staggered(llm: LLM, ids: list[list[int]], params: SamplingParams) -> list[li
         for output in serving.stream(None, ids[index], params):
             results[index] = output.outputs[0].token_ids
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(ids))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    common.in_threads(client, len(ids))
     return results
 
 

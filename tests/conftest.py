@@ -116,6 +116,7 @@ _SLOW = (
     "llm/test_speculative_tree.py",  # (2026-11-30: trees over three backends, ~2 min)
     "llm/test_speculative.py",  # (2026-11-30: speculation over four backends, ~2 min)
     "distributed/test_pipeline.py",  # (2026-11-30: pipeline ranks as processes, ~70 s)
+    "distributed/test_micro_batches.py",  # (2026-11-30: micro-batches over ranks, ~90 s)
     "server/test_replicas.py",  # (2026-11-30: two replicas and a front, ~50 s)
 )  # fmt: skip
 

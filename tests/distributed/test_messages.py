@@ -23,7 +23,7 @@ GROUP = m.GroupView(first=1, width=4, every_position=True, rows=[ROW, ROW])
         m.Hello(2, "LlamaForCausalLM", 30, 2**31),
         m.Layout([[0, 3], [3, 6]]),
         m.Ready(1, "out of memory"),
-        m.Open(3, 8, 512, [3, 64, 64], False, True, False),
+        m.Open(3, 8, 512, [3, 64, 64], False, 2),
         m.Close(3),
         m.Release(3, [4, 0, 7]),
         m.MoveRows(3, [Move(2, 0, 17), Keep(1, 5)]),

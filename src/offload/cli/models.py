@@ -28,6 +28,7 @@ def llm_arguments(args: argparse.Namespace, config: OffloadConfig, **more) -> di
         max_num_batched_tokens=args.max_num_batched_tokens,
         speculative_config=getattr(args, "speculative_config", None),
         pipeline_parallel_size=getattr(args, "pipeline_parallel_size", 1),
+        pipeline_micro_batches=getattr(args, "pipeline_micro_batches", None),
         gpu_memory_utilization=args.gpu_memory_utilization,
         device_memory_gb=args.device_memory_gb,
         trust_remote_code=args.trust_remote_code,

@@ -81,6 +81,17 @@ def add_parallel_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_micro_batch_flag(parser: argparse.ArgumentParser) -> None:
+    """--pipeline-micro-batches (serve): engine cores in flight over the pipeline."""
+    parser.add_argument(
+        "--pipeline-micro-batches",
+        type=int,
+        help="micro-batches in flight over the pipeline's ranks, each a scheduler of its "
+        "own (default: one per rank where each computes on its own host or GPU, else 1; "
+        "no effect without --pipeline-parallel-size)",
+    )
+
+
 def add_kv_memory_flag(parser: argparse.ArgumentParser) -> None:
     """vLLM's --kv-cache-memory-bytes: the KV cache's size, given (generate, serve)."""
     parser.add_argument(

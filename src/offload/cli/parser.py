@@ -13,6 +13,7 @@ from offload.cli.options import (
     add_budget_flags,
     add_device_flags,
     add_kv_memory_flag,
+    add_micro_batch_flag,
     add_parallel_flags,
     add_weight_flags,
     package_version,
@@ -101,6 +102,7 @@ def _add_serve(commands: argparse._SubParsersAction) -> None:
     add_serve_flags(serve)
     add_kv_memory_flag(serve)
     add_parallel_flags(serve)
+    add_micro_batch_flag(serve)
     add_budget_flags(serve)
     add_device_flags(serve)
     add_cli_args(serve)

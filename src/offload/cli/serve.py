@@ -187,6 +187,8 @@ def _serve(args, sock, spec, config, name, waiting) -> int:
     rows = f"{serving.core.max_rows} sequences at once"
     if room is not None:
         rows += f" in a KV room of {room} positions"
+    if hasattr(serving.core, "cores"):  # (over a pipeline: `MicroBatches`)
+        rows += f", {len(serving.core.cores)} micro-batches in flight"
     print(
         f"offload serve: {settings.model_name} on http://{args.host}:{port}/v1 "
         f"({llm.offloader.__class__.__name__}, {rows}{budget})",

@@ -8,6 +8,7 @@ last (`Link`), so every layer computes what it would in one process."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 import torch
@@ -123,6 +124,7 @@ class Link:
         self.channel, self.stage = channel, stage
         self._live = False
         self._handles: list = []
+        self.waited_s = 0.0  # in receives of the hidden states (the rank before's work)
 
     def attach(self, model: nn.Module) -> None:
         layers = _stage_layers(model)
@@ -143,7 +145,9 @@ class Link:
     def _receive(self, module, args, kwargs):
         if not self._live:
             return None
+        start = time.perf_counter()
         hidden = self.channel.recv_tensor(self.stage.rank - 1, self.channel.HIDDEN)
+        self.waited_s += time.perf_counter() - start
         if args:
             return (hidden.to(args[0].device), *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": hidden.to(kwargs["hidden_states"].device)}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,12 @@ class Member:
     channel: Channel
     stage: Stage
     children: list[subprocess.Popen] = field(default_factory=list)  # ranks started here
+    places: list[str] = field(default_factory=list)  # where each rank computes (rank 0's)
+
+    @property
+    def apart(self) -> bool:
+        """Whether no two ranks compute on the same host's CPUs or on the same GPU."""
+        return len(set(self.places)) == self.channel.size
 
     def send(self, message: Message, peer: int) -> None:
         self.channel.send_bytes(encode(message), peer)
@@ -65,13 +72,26 @@ def launched_rank(size: int) -> int | None:
     return int(os.environ["RANK"])
 
 
+def place_of(device: torch.device) -> str:
+    """Where a rank computes: its host, and its GPU or the host's CPUs."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        device = torch.device("cuda", index)
+    return f"{socket.gethostname()} {device}"
+
+
 def join(
-    size: int, model: nn.Module, llm_kwargs: dict, module: str, room_bytes: int | None = None
+    size: int,
+    model: nn.Module,
+    llm_kwargs: dict,
+    module: str,
+    room_bytes: int | None = None,
+    place: str = "",
 ) -> Member:
     """This process in a pipeline of `size` ranks over `model` (built, not loaded): the
     group joined (the other ranks started here where no launcher did: `python -m
     module`, given `llm_kwargs`), its stage settled (`room_bytes`: what this rank's budget
-    holds in RAM, weighed by rank 0's split)."""
+    holds in RAM, weighed by rank 0's split; `place`: where it computes, `place_of`)."""
     rank = launched_rank(size)
     split_layers(stage_bytes(model)[0], size)  # (a size the model cannot take: said first)
     if dist.is_initialized():  # (torch.distributed has one default group a process)
@@ -102,7 +122,7 @@ def join(
         raise PipelineError(f"the pipeline's ranks could not meet: {reason[:200]}") from None
     member = Member(Channel(rank, size), Stage(rank, size, range(0)), children)
     try:
-        member.stage = _settle(member, model, room_bytes)
+        member.stage = _settle(member, model, room_bytes, place)
     except BaseException:
         leave(member)
         raise
@@ -162,20 +182,20 @@ def _wait_joined(store, rank: int, child: subprocess.Popen, timeout_s: float) ->
             raise PipelineError(f"pipeline rank {rank} did not join within {timeout_s:.0f} s")
 
 
-def _settle(member: Member, model: nn.Module, room_bytes: int | None) -> Stage:
+def _settle(member: Member, model: nn.Module, room_bytes: int | None, place: str) -> Stage:
     """Each rank's layers: rank 0 checks every rank built its model and sends the split,
-    weighing each rank's room."""
+    weighing each rank's room (and keeps where each computes)."""
     size = member.channel.size
     layer_bytes, first, last = stage_bytes(model)
     name = type(model).__name__
     if member.stage.rank != 0:
-        member.send(Hello(member.stage.rank, name, len(layer_bytes), room_bytes), 0)
+        member.send(Hello(member.stage.rank, name, len(layer_bytes), room_bytes, place), 0)
         layout = member.recv(0)
         if not isinstance(layout, Layout):
             raise PipelineError(f"rank 0 sent {type(layout).__name__} before the layout")
         start, end = layout.stages[member.stage.rank]
         return Stage(member.stage.rank, size, range(start, end))
-    rooms = [room_bytes]
+    rooms, member.places = [room_bytes], [place]
     for rank in range(1, size):
         hello = member.recv(rank)
         if not isinstance(hello, Hello) or (hello.model, hello.num_layers) != (
@@ -190,6 +210,7 @@ def _settle(member: Member, model: nn.Module, room_bytes: int | None) -> Stage:
                 "layers: every rank must load the same model"
             )
         rooms.append(hello.room_bytes)
+        member.places.append(hello.place)
     stages = split_layers(layer_bytes, size, first, last, rooms=rooms)
     for rank in range(1, size):
         member.send(Layout([[s.start, s.stop] for s in stages]), rank)

@@ -62,12 +62,14 @@ class Message:
 @dataclass
 class Hello(Message):
     """A rank's first word to rank 0: what model it built (checked to be rank 0's), and
-    the bytes its budget holds in RAM (None: no budget), which the split weighs."""
+    the bytes its budget holds in RAM (None: no budget), which the split weighs, and where
+    it computes (`join.place_of`)."""
 
     rank: int
     model: str
     num_layers: int
     room_bytes: int | None = None
+    place: str = ""
 
 
 @dataclass
@@ -94,8 +96,7 @@ class Open(Message):
     max_len: int
     kv_dims: list[int] | None
     invariant: bool
-    kv_offload: bool
-    serving: bool
+    pool: int | None  # the KV offload pool of its rows (`Pipeline.pool_number`), None: none
 
     def apply(self, worker):
         worker.open(self)
@@ -230,11 +231,28 @@ class Stop(Message):
     """Rank 0 is closing: the others end their loops."""
 
 
+@dataclass
+class Report(Message):
+    """Rank 0 asks each rank for its figures (once the calls before are done)."""
+
+    def apply(self, worker):
+        worker.report()
+
+
+@dataclass
+class Busy(Message):
+    """A rank's answer to `Report`: the seconds it has computed its stage's forwards,
+    its waits for the rank before apart."""
+
+    rank: int
+    seconds: float
+
+
 _KINDS = {
     cls.__name__: cls
     for cls in (
         Hello, Layout, Ready, Open, Close, Release, MoveRows, CopyPrompt, ForgetStep,
-        KeepPaths, Prefill, Mixed, Decode, Verify, Ping, Stop,
+        KeepPaths, Prefill, Mixed, Decode, Verify, Ping, Stop, Report, Busy,
     )
 }  # fmt: skip
 

@@ -3,8 +3,13 @@ other ranks each call before running it on their own stage, and take the logits 
 forward from the last rank; the other ranks repeat the calls (`worker.StageWorker`).
 Every rank runs the same runner code on the same rows, so each layer computes what it
 would in one process, and rank 0 samples from the last rank's logits as one process
-would. Calls go one at a time (a lock): a call's message, its hidden states and its
-logits are never interleaved with another's."""
+would.
+
+Calls are launched one at a time (a lock: a call's message and hidden states are never
+interleaved with another's), and a forward's logits are taken in the order the forwards
+were launched, outside that lock: while the other ranks work on one engine core's
+forward, rank 0 launches another core's (micro-batches in flight, `llm.micro_batches`).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from offload.distributed.channel import Channel, PipelineError
 from offload.distributed.cut import Link
 from offload.distributed.join import Member, first_dead, leave
 from offload.distributed.messages import (
+    Busy,
     Close,
     CopyPrompt,
     Decode,
@@ -38,6 +44,7 @@ from offload.distributed.messages import (
     Prefill,
     Ready,
     Release,
+    Report,
     RowView,
     Stop,
     Verify,
@@ -52,10 +59,16 @@ _BEAT_S = 10.0  # a message at least this often, calls or not (the others' waits
 class Pipeline:
     """Rank 0 of `member`'s pipeline, its stage's hidden states through `link`."""
 
-    def __init__(self, member: Member, link: Link, serving_pool: Any = None):
+    def __init__(self, member: Member, link: Link, pools: tuple = (None, None)):
         self.member, self.link = member, link
-        self.serving_pool = serving_pool  # (the KV pool of serve's core, to tell the others)
+        # (KV offload pools by number, `pool_number`: `generate`'s, the serving core's)
+        self._pools: list[Any] = list(pools)
         self._lock = threading.Lock()
+        # Forwards launched, and the next one whose logits come back (in launch order).
+        self._launched, self._landed = 0, 0
+        self.most_in_flight = 0  # forwards launched at once whose logits had not come
+        self.busy_s = 0.0  # this rank's stage computing forwards (`busy`)
+        self._turns = threading.Condition()
         self._ids = itertools.count(1)
         self.broken: str | None = None
         self.on_broken: Callable[[], None] | None = None  # (a server stops: `offload serve`)
@@ -101,24 +114,67 @@ class Pipeline:
             with self._breaking():
                 self._broadcast(message)
 
-    def run(self, message: Message, local: Callable[[], Any]) -> Any:
+    def pool_number(self, pool: Any) -> int:
+        """The number the other ranks know `pool` by (a runner's KV offload pool: 1 is
+        the serving core's, 0 any `generate` core's, more for micro-batch cores)."""
+        for number, known in enumerate(self._pools):
+            if known is pool:
+                return number
+        self._pools.append(pool)
+        return len(self._pools) - 1
+
+    def run(self, message: Message, local: Callable[[], Any], unlocked: Any = None) -> Any:
         """A forward: `message` to every other rank, `local()` on this stage (its hidden
         states sent on as its last layer ends), then the last rank's logits in place of
-        the local call's (a tensor or a tuple of them, of the same shapes)."""
+        the local call's (a tensor or a tuple of them, of the same shapes). While they
+        come, `unlocked` (a lock the caller holds: its model's) is let go, so that
+        another core launches its forward meanwhile."""
         with self._lock:
             self._check()
             with self._breaking():
                 self._broadcast(message)
+                start = time.perf_counter()
                 with self.link.live():
                     result = local()
-                single = isinstance(result, torch.Tensor)
-                tensors = [result] if single else list(result)
-                last = self.size - 1
-                received = [
-                    self.member.channel.recv_tensor(last, Channel.LOGITS).to(t.device)
-                    for t in tensors
-                ]
+                self.busy_s += time.perf_counter() - start
+            turn, self._launched = self._launched, self._launched + 1
+            self.most_in_flight = max(self.most_in_flight, self._launched - self._landed)
+        single = isinstance(result, torch.Tensor)
+        tensors = [result] if single else list(result)
+        with _let_go(unlocked), self._breaking():
+            received = self._logits(turn, tensors)
         return received[0] if single else tuple(received)
+
+    def _logits(self, turn: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Forward `turn`'s logits from the last rank, once the earlier ones' came."""
+        with self._turns:
+            while self._landed != turn:
+                self._check()
+                self._turns.wait(timeout=1.0)
+        try:
+            self._check()
+            last = self.size - 1
+            return [
+                self.member.channel.recv_tensor(last, Channel.LOGITS).to(t.device) for t in like
+            ]
+        finally:
+            with self._turns:
+                self._landed += 1
+                self._turns.notify_all()
+
+    def busy(self) -> list[float]:
+        """Each rank's seconds computing its stage's forwards so far (the other ranks'
+        once the forwards launched before are done; a rank's waits for the one before it
+        apart): over a span of wall time, the part each rank was busy, and its bubbles."""
+        with self._lock:
+            self._check()
+            with self._breaking():
+                self._broadcast(Report())
+                answers = [self.member.recv(rank) for rank in range(1, self.size)]
+        for rank, answer in enumerate(answers, start=1):
+            if not isinstance(answer, Busy) or answer.rank != rank:
+                raise PipelineError(f"pipeline rank {rank} answered {answer!r} to a report")
+        return [self.busy_s, *(answer.seconds for answer in answers)]
 
     def close(self) -> None:
         """The others told to stop (where they can be), the group left."""
@@ -153,10 +209,25 @@ class Pipeline:
                 if self.broken is None and not self._closed.is_set():
                     with self._breaking():
                         self._broadcast(Ping())
+                        self.member.channel.reap()  # (a rank gone: said now, not at the next call)
             except PipelineError:
                 pass  # (said to the next call)
             finally:
                 self._lock.release()
+
+
+@contextlib.contextmanager
+def _let_go(lock: Any):
+    """`lock` (held by this thread) released inside, taken again after; nothing for a
+    lock-less caller (`generate`'s core: a `nullcontext`)."""
+    if not hasattr(lock, "release"):
+        yield
+        return
+    lock.release()
+    try:
+        yield
+    finally:
+        lock.acquire()
 
 
 def _beating(ref: weakref.ref[Pipeline]) -> None:
@@ -211,10 +282,9 @@ class PipelinedRunner(StepRunner):
         super().__init__(model, max_rows, max_len, kv_dims, invariant, host_pool, None)
         self._pipeline, self._id = pipeline, pipeline.new_id()
         self._closed = False
-        serving = host_pool is not None and host_pool is pipeline.serving_pool
         dims = list(kv_dims) if kv_dims is not None else None
-        kv = host_pool is not None
-        pipeline.tell(Open(self._id, max_rows, max_len, dims, invariant, kv, serving))
+        pool = None if host_pool is None else pipeline.pool_number(host_pool)
+        pipeline.tell(Open(self._id, max_rows, max_len, dims, invariant, pool))
 
     def move_rows(self, moves) -> None:
         self._pipeline.tell(MoveRows(self._id, list(moves)))
@@ -226,23 +296,24 @@ class PipelinedRunner(StepRunner):
 
     def prefill(self, group, start: int, end: int) -> torch.Tensor:
         message = Prefill(self._id, GroupView.of(group), start, end)
-        return self._pipeline.run(
-            message, lambda: super(PipelinedRunner, self).prefill(group, start, end)
-        )
+        return self._run(message, lambda: super(PipelinedRunner, self).prefill(group, start, end))
 
     def mixed(self, rows, group, start: int, end: int):
         message = Mixed(self._id, _views(rows), GroupView.of(group), start, end)
         local = super().mixed
-        return self._pipeline.run(message, lambda: _mixed(local(rows, group, start, end)))
+        return self._run(message, lambda: _mixed(local(rows, group, start, end)))
 
     def verify(self, rows, guesses) -> torch.Tensor:
         trees = [g if g is None or isinstance(g, Tree) else Tree.chain(g) for g in guesses]
         message = Verify(self._id, _views(rows), trees)
-        return self._pipeline.run(message, lambda: super(PipelinedRunner, self).verify(rows, trees))
+        return self._run(message, lambda: super(PipelinedRunner, self).verify(rows, trees))
 
     def decode(self, rows) -> torch.Tensor:
         message = Decode(self._id, _views(rows))
-        return self._pipeline.run(message, lambda: super(PipelinedRunner, self).decode(rows))
+        return self._run(message, lambda: super(PipelinedRunner, self).decode(rows))
+
+    def _run(self, message, local):
+        return self._pipeline.run(message, local, unlocked=self.model.lock)
 
     def keep_paths(self, rows, paths) -> None:
         self._pipeline.tell(KeepPaths(self._id, _views(rows), [list(p) for p in paths]))

@@ -5,6 +5,7 @@ forward's logits to rank 0."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from offload.distributed.channel import Channel, PipelineError
 from offload.distributed.cut import Link
 from offload.distributed.join import Member
-from offload.distributed.messages import Open, Ping, Ready, Stop
+from offload.distributed.messages import Busy, Open, Ping, Ready, Stop
 
 MakeRunner = Callable[[Open], Any]  # an `Open` -> the `StepRunner` it asks for
 
@@ -25,9 +26,13 @@ class StageWorker:
         self.member, self.link = member, link
         self._make_runner = make_runner
         self.runners: dict[int, Any] = {}
+        self.busy_s = 0.0  # computing forwards (`Report`)
 
     def open(self, message: Open) -> None:
         self.runners[message.runner] = self._make_runner(message)
+
+    def report(self) -> None:
+        self.member.send(Busy(self.member.stage.rank, self.busy_s), 0)
 
     def run(self) -> None:
         """Until rank 0 says stop (or is gone: a `PipelineError`)."""
@@ -40,8 +45,12 @@ class StageWorker:
                     return
                 if isinstance(message, Ping):
                     continue
+                start, waited = time.perf_counter(), self.link.waited_s
                 with torch.inference_mode(), self.link.live():
                     result = message.apply(self)
+                if message.forward:
+                    waits = self.link.waited_s - waited
+                    self.busy_s += time.perf_counter() - start - waits
                 if message.forward and last:
                     for tensor in [result] if isinstance(result, torch.Tensor) else result:
                         self.member.channel.send_tensor(tensor, 0, Channel.LOGITS)
@@ -49,6 +58,8 @@ class StageWorker:
             for runner in self.runners.values():
                 runner.close()
             self.runners.clear()
+            with contextlib.suppress(PipelineError):  # (the last logits, on their way)
+                self.member.channel.flush()
 
 
 def refuse(member: Member, error: BaseException) -> None:

@@ -52,6 +52,7 @@ def check_llm_args(
     trust_remote_code: object,
     swap_space: object,
     kv_cache_memory_bytes: object = None,
+    pipeline_micro_batches: object = None,
 ) -> EngineLimits:
     """The types and ranges of `LLM`'s own arguments that need no model to check, so a
     bad one is refused before anything is read or allocated; returns the limits and host
@@ -78,6 +79,9 @@ def check_llm_args(
     integer("tensor_parallel_size", tensor_parallel_size, 1, 1, what=one_device)
     what = "an integer >= 1 (ranks, each holding a stage of the decoder layers)"
     integer("pipeline_parallel_size", pipeline_parallel_size, 1, what=what)
+    if pipeline_micro_batches is not None:
+        what = "an integer >= 1 (or None: one per pipeline rank)"
+        integer("pipeline_micro_batches", pipeline_micro_batches, 1, what=what)
     logprobs = integer("max_logprobs", max_logprobs, -1)
     seqs = integer("max_num_seqs", max_num_seqs, 1)
     batched = None

@@ -37,14 +37,16 @@ def engine_core(
     generate: bool,
     compiles: bool = True,
     room: int | None = None,
+    kv_pool=None,
 ) -> EngineCore:
     """A core of `rows` rows of `length` positions over `llm`'s model. `generate`: run by
     a caller that holds the model's lock already, each answer kept in one form, eager or
     compiled (`StepRunner.keep_form`), its KV in host memory from `generate`'s pool.
     `compiles`: its decode steps compiled where that pays (else eager). `room`: the
-    positions its rows hold together (`takes_as_written`; None: each row its length)."""
+    positions its rows hold together (`takes_as_written`; None: each row its length).
+    `kv_pool`: where its rows' offloaded KV cache lives (else generate's or serve's)."""
     model = engine_model(llm, generate, compiles)
-    pool = llm._kv_pool if generate else llm._serving_kv_pool
+    pool = kv_pool or (llm._kv_pool if generate else llm._serving_kv_pool)
     graphs = None
     if llm._use_graphs:  # (CUDA graphs of the decode steps, each shape's on first use)
         maker, offloader = CudaGraphMaker(llm.offloader), llm.offloader

@@ -56,6 +56,7 @@ class EngineArgs:
     tokenizer: str | Path | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int | None = None
     trust_remote_code: bool = False
     offload_config: OffloadConfig | Mapping[str, Any] | None = None
     offload_flags: Mapping[str, Any] = field(default_factory=dict)
@@ -120,6 +121,7 @@ _CHECKED = (
     "progress",
     "tensor_parallel_size",
     "pipeline_parallel_size",
+    "pipeline_micro_batches",
     "max_logprobs",
     "max_num_seqs",
     "max_num_batched_tokens",

@@ -168,7 +168,10 @@ class Generating:
 
 def core_moved(core: EngineCore) -> TransferStats:
     """What `core`'s KV offload and its CUDA graphs' replays moved so far (the weights'
-    eager copies are the offloader's to count)."""
+    eager copies are the offloader's to count); of each core where `core` is several
+    (`MicroBatches`)."""
+    if hasattr(core, "cores"):
+        return sum((core_moved(one) for one in core.cores), TransferStats())
     kv, graphs = core.runner.cache.kv_offloader, core.runner.graphs
     moved = TransferStats() if kv is None else TransferStats.of(kv=kv.stats())
     return moved if graphs is None else moved + graphs.replayed

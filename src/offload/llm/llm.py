@@ -29,10 +29,11 @@ from offload.llm.checks import (
     serialized,
     vocab_limit,
 )
-from offload.llm.cores import engine_core, generator_of
+from offload.llm.cores import generator_of
 from offload.llm.engine_args import EngineArgs
 from offload.llm.generating import Generating, core_moved
-from offload.llm.serving import Serving, row_plan
+from offload.llm.micro_batches import serving_engine
+from offload.llm.serving import Serving
 from offload.llm.spec import ModelSpec
 from offload.llm.start import start_llm
 from offload.memory.host import trim_after_collection, trim_freed_memory
@@ -114,6 +115,7 @@ class LLM:
         tokenizer: str | Path | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        pipeline_micro_batches: int | None = None,
         trust_remote_code: bool = False,
         offload_config: OffloadConfig | Mapping[str, Any] | None = None,
         **offload_flags: Any,
@@ -135,6 +137,7 @@ class LLM:
         self.batch_invariant = args.is_batch_invariant
         self.prefix_caching = args.prefix_caching
         self.speculative_config = args.speculative
+        self.pipeline_micro_batches = args.pipeline_micro_batches  # (`micro_batches`)
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         spec = args.model_spec()
         self.device = spec.device
@@ -209,11 +212,8 @@ class LLM:
 
     def _serving(self, max_num_seqs, fixed_length, engine_thread) -> Serving:
         """A `Serving` over a core of its own (`serving`)."""
-        plan = row_plan(self, max_num_seqs or self.max_num_seqs, fixed_length)
-        core = engine_core(
-            self, plan.rows, plan.length, own_thread=engine_thread, generate=False, room=plan.room
-        )
-        return Serving(core, self._requests, plan.length, self.tokenizer.eos_token_id or 0)
+        core, length = serving_engine(self, max_num_seqs or self.max_num_seqs, fixed_length, engine_thread)  # fmt: skip
+        return Serving(core, self._requests, length, self.tokenizer.eos_token_id or 0)
 
     def _count_forward(self, compiled: bool) -> None:
         self._forwards += 1
@@ -301,7 +301,7 @@ class LLM:
             if getattr(self, "_pipeline", None) is not None:  # (the other ranks end)
                 self._pipeline.close()
             del self.model, self.offloader, self._kv_pool
-            del self._serving_kv_pool
+            del self._serving_kv_pool, self._more_kv_pools
         trim_freed_memory()
 
     @contextlib.contextmanager

@@ -75,10 +75,13 @@ def load_into(
     llm._paces = {mode: Pace(depths_of(llm.speculative_config)) for mode in (False, True)}
     # Host memory of the offloaded KV cache, kept between calls (pinned once).
     llm._kv_dims: tuple | None = None  # (the probed dims,), measured on first use
-    # (generate's engine core's rows, and serve's: `serving`)
-    llm._kv_pool, llm._serving_kv_pool = (
-        KVHostPool(llm.device, disable_pin_memory=config.disable_pin_memory) for _ in range(2)
+    # (generate's engine core's rows, and serve's: `serving`; one more for each further
+    # micro-batch core of a pipeline's serving: `micro_batches`)
+    llm._new_kv_pool = functools.partial(
+        KVHostPool, llm.device, disable_pin_memory=config.disable_pin_memory
     )
+    llm._kv_pool, llm._serving_kv_pool = llm._new_kv_pool(), llm._new_kv_pool()
+    llm._more_kv_pools = []
 
 
 def _damage(path: Path) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from offload.distributed.cut import Link, cut_to_stage
-from offload.distributed.join import Member, join, leave
+from offload.distributed.join import Member, join, leave, place_of
 from offload.distributed.messages import Open
 from offload.distributed.pipeline import Pipeline
 from offload.distributed.worker import StageWorker, refuse
@@ -25,13 +25,14 @@ from offload.model.spec import ModelSpec
 RANK_MODULE = "offload.llm.pipeline_rank"  # what a rank started here runs
 
 
-def join_stage(args: EngineArgs, empty: nn.Module) -> tuple[Member, nn.Module]:
+def join_stage(args: EngineArgs, empty: nn.Module, device) -> tuple[Member, nn.Module]:
     """This process in `args`' pipeline (the other ranks started here where no launcher
     did), and `empty` cut to its stage."""
     disk = args.config.disk  # (this rank's budget: under torchrun, each its own flags)
     gib = disk.cpu_memory_gb
     room = int(gib * 2**30) if disk.is_active and gib is not None else None
-    member = join(args.pipeline_parallel_size, empty, rank_kwargs(args), RANK_MODULE, room)
+    size, kwargs, place = args.pipeline_parallel_size, rank_kwargs(args), place_of(device)
+    member = join(size, empty, kwargs, RANK_MODULE, room, place)
     return member, cut_to_stage(empty, member.stage)
 
 
@@ -67,7 +68,7 @@ def start_stage(llm: Any, member: Member) -> None:
     link = Link(member.channel, member.stage)
     link.attach(llm.model)
     if member.stage.is_first:
-        pipeline = Pipeline(member, link, llm._serving_kv_pool)
+        pipeline = Pipeline(member, link, (llm._kv_pool, llm._serving_kv_pool))
         try:
             pipeline.wait_ready()
         except BaseException:
@@ -88,13 +89,23 @@ def _runner(llm: Any, message: Open) -> StepRunner:
     """The step runner rank 0's `Open` asks for, over this rank's stage."""
     from offload.llm.cores import engine_model  # (cores imports this module)
 
-    pool = llm._serving_kv_pool if message.serving else llm._kv_pool
     dims = tuple(message.kv_dims) if message.kv_dims is not None else None
     return StepRunner(
-        engine_model(llm, generate=not message.serving, compiles=False),
+        engine_model(llm, generate=True, compiles=False),  # (one thread: no lock taken)
         message.max_rows,
         message.max_len,
         dims,
         message.invariant,
-        pool if message.kv_offload else None,
+        None if message.pool is None else kv_pool(llm, message.pool),
     )
+
+
+def kv_pool(llm: Any, number: int):
+    """The KV offload pool rank 0's runner calls `number` (`Pipeline.pool_number`): one
+    each of this rank's, made on first use past `generate`'s and the serving core's."""
+    if number < 2:
+        return (llm._kv_pool, llm._serving_kv_pool)[number]
+    more = llm._more_kv_pools
+    while len(more) <= number - 2:
+        more.append(llm._new_kv_pool())
+    return more[number - 2]

@@ -102,13 +102,15 @@ def room_plan(
     return RowPlan(rows, min(longest, max_model_len), room)
 
 
-def row_plan(llm: Any, rows: int, fixed_length: bool) -> RowPlan:
+def row_plan(llm: Any, rows: int, fixed_length: bool, share: int = 1) -> RowPlan:
     """How many rows of how many positions an `LLM`'s core runs (`plan_rows`, or
     `room_plan` where they take memory as they write), with a warning where fewer or
-    shorter than asked."""
+    shorter than asked; `share`: one of that many cores sharing the KV room evenly."""
     dtype = compute_dtype(llm.model)
     per_position = bytes_per_row(llm.model.config, 1, dtype)
     room_bytes, source = kv_cache_room(llm)
+    if share > 1:
+        room_bytes, source = room_bytes // share, f"1/{share} {source}, one micro-batch's"
     if takes_as_written(llm):
         page = page_columns(llm.model.config, dtype)
         plan = room_plan(per_position, room_bytes, rows, llm.max_model_len, fixed_length, page)
