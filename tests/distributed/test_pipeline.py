@@ -253,3 +253,20 @@ def test_sliding_windows_and_chunked_prefills_over_the_pipeline(tmp_path):
             outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
         answers.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
     assert answers[0] == answers[1]
+
+
+def test_a_rank_with_a_slow_disk_takes_fewer_layers(attentive, monkeypatch):
+    """Each rank's measured rates reach the split: rank 0 (its probe made to find a disk
+    a thousand times slower than any) streams its whole stage from disk (a budget of 0),
+    so it keeps the fewest layers, one; rank 1 measures its own."""
+    from pathlib import Path
+
+    from offload.llm import pipelined
+    from offload.probes.limits import rank_rates
+
+    ram, _ = rank_rates(Path(attentive), 0)  # (rank 1's RAM measures alike: taken as equal)
+    monkeypatch.setattr(pipelined, "rank_rates", lambda path, room: (ram, 0.001))
+    kwargs = dict(device="cpu", enforce_eager=True, cpu_memory_gb=0, disk_io="direct")
+    with LLM(attentive, pipeline_parallel_size=2, **kwargs) as llm:
+        assert llm.model.held_layers == (0,)
+        assert llm.generate("a b", GREEDY, use_tqdm=False)[0].outputs[0].token_ids

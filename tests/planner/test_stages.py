@@ -13,7 +13,7 @@ from offload.errors import ConfigError
 from offload.planner.stages import split_layers
 
 
-def _largest(stages, layer_bytes, first, last, rates, rooms):
+def _largest(stages, layer_bytes, first, last, rates, rooms, disks=(None,) * 4):
     from offload.planner.stages import DISK_SLOWER
 
     size = len(stages)
@@ -23,7 +23,10 @@ def _largest(stages, layer_bytes, first, last, rates, rooms):
         work += (first if rank == 0 else 0) + (last if rank == size - 1 else 0)
         room = rooms[rank]
         streamed = max(0, work - room) if room is not None else 0
-        times.append((work - streamed + streamed * DISK_SLOWER) / rates[rank])
+        if disks[rank]:  # (its disk's rate measured)
+            times.append((work - streamed) / rates[rank] + streamed / disks[rank])
+        else:
+            times.append((work - streamed + streamed * DISK_SLOWER) / rates[rank])
     return max(times)
 
 
@@ -53,20 +56,21 @@ def test_a_faster_rank_takes_more_layers():
     last=st.integers(0, 200),
     rates=st.lists(st.sampled_from([0.5, 1.0, 3.0]), min_size=4, max_size=4),
     rooms=st.lists(st.one_of(st.none(), st.integers(0, 300)), min_size=4, max_size=4),
+    disks=st.lists(st.sampled_from([None, 0.1, 0.4]), min_size=4, max_size=4),
 )
-def test_no_split_has_a_smaller_largest_stage(layer_bytes, size, first, last, rates, rooms):
+def test_no_split_has_a_smaller_largest_stage(layer_bytes, size, first, last, rates, rooms, disks):  # fmt: skip
     if size > len(layer_bytes):
         with pytest.raises(ConfigError, match="pipeline_parallel_size must be between 1"):
             split_layers(layer_bytes, size, first, last, rates[:size], rooms[:size])
         return
-    stages = split_layers(layer_bytes, size, first, last, rates[:size], rooms[:size])
+    stages = split_layers(layer_bytes, size, first, last, rates[:size], rooms[:size], disks[:size])
     assert [i for stage in stages for i in stage] == list(range(len(layer_bytes)))
     assert all(len(stage) >= 1 for stage in stages)
-    found = _largest(stages, layer_bytes, first, last, rates, rooms)
+    found = _largest(stages, layer_bytes, first, last, rates, rooms, disks)
     for cuts in itertools.combinations(range(1, len(layer_bytes)), size - 1):
         bounds = [0, *cuts, len(layer_bytes)]
         other = [range(bounds[i], bounds[i + 1]) for i in range(size)]
-        assert found <= _largest(other, layer_bytes, first, last, rates, rooms) + 1e-9
+        assert found <= _largest(other, layer_bytes, first, last, rates, rooms, disks) + 1e-9
 
 
 def test_a_stage_beyond_its_room_streams_the_rest():
@@ -97,3 +101,24 @@ def test_a_rank_with_less_room_takes_fewer_layers():
     assert tight == [range(0, 4), range(4, 6)]
     assert split_layers([10] * 6, 2, rooms=[20, 20]) == [range(0, 3), range(3, 6)]
     assert DISK_SLOWER > 1
+
+
+def test_a_rank_with_a_slower_disk_streams_less():
+    """Two ranks whose budgets each hold 2 of 6 layers: the one whose disk reads at a
+    quarter of the other's takes fewer layers; with no disk rates known, an assumed
+    ratio (`DISK_SLOWER`) for both, and an even split."""
+    rooms, rates = [20, 20], [10.0, 10.0]
+    assert split_layers([10] * 6, 2, rooms=rooms) == [range(0, 3), range(3, 6)]
+    slow_second = split_layers([10] * 6, 2, rates=rates, rooms=rooms, disk_rates=[4.0, 1.0])
+    assert slow_second == [range(0, 4), range(4, 6)]
+    slow_first = split_layers([10] * 6, 2, rates=rates, rooms=rooms, disk_rates=[1.0, 4.0])
+    assert slow_first == [range(0, 2), range(2, 6)]
+
+
+def test_rates_measured_close_together_count_as_equal():
+    from offload.planner.stages import steady
+
+    assert steady([10.0, 11.5, 9.2]) == [10.0, 10.0, 10.0]
+    assert steady([10.0, 30.0, 10.5]) == [10.5, 30.0, 10.5]
+    assert steady([None, 2.0]) == [None, 2.0]
+    assert steady([None, None]) == [None, None]

@@ -13,6 +13,7 @@ stage.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import pickle
@@ -31,7 +32,7 @@ from torch import nn
 from offload.distributed.channel import Channel, PipelineError, timeout_s
 from offload.distributed.cut import stage_bytes
 from offload.distributed.messages import Hello, Layout, Message, decode, encode
-from offload.planner.stages import Stage, split_layers
+from offload.planner.stages import Stage, split_layers, steady
 
 ARGS_ENV = "OFFLOAD_STAGE_ARGS"  # the file of `LLM` arguments a started rank reads
 _JOINED = "offload/joined/"  # a started rank's key in rank 0's store
@@ -87,11 +88,13 @@ def join(
     module: str,
     room_bytes: int | None = None,
     place: str = "",
+    rates: tuple[float | None, float | None] = (None, None),
 ) -> Member:
     """This process in a pipeline of `size` ranks over `model` (built, not loaded): the
     group joined (the other ranks started here where no launcher did: `python -m
     module`, given `llm_kwargs`), its stage settled (`room_bytes`: what this rank's budget
-    holds in RAM, weighed by rank 0's split; `place`: where it computes, `place_of`)."""
+    holds in RAM, and `rates`, its RAM's and disk's GB/s, weighed by rank 0's split;
+    `place`: where it computes, `place_of`)."""
     rank = launched_rank(size)
     split_layers(stage_bytes(model)[0], size)  # (a size the model cannot take: said first)
     if dist.is_initialized():  # (torch.distributed has one default group a process)
@@ -122,7 +125,7 @@ def join(
         raise PipelineError(f"the pipeline's ranks could not meet: {reason[:200]}") from None
     member = Member(Channel(rank, size), Stage(rank, size, range(0)), children)
     try:
-        member.stage = _settle(member, model, room_bytes, place)
+        member.stage = _settle(member, model, Hello(rank, "", 0, room_bytes, place, *rates))
     except BaseException:
         leave(member)
         raise
@@ -182,20 +185,21 @@ def _wait_joined(store, rank: int, child: subprocess.Popen, timeout_s: float) ->
             raise PipelineError(f"pipeline rank {rank} did not join within {timeout_s:.0f} s")
 
 
-def _settle(member: Member, model: nn.Module, room_bytes: int | None, place: str) -> Stage:
+def _settle(member: Member, model: nn.Module, mine: Hello) -> Stage:
     """Each rank's layers: rank 0 checks every rank built its model and sends the split,
-    weighing each rank's room (and keeps where each computes)."""
+    weighing each rank's room and rates (`mine`: this rank's; rank 0 keeps where each
+    computes)."""
     size = member.channel.size
     layer_bytes, first, last = stage_bytes(model)
     name = type(model).__name__
     if member.stage.rank != 0:
-        member.send(Hello(member.stage.rank, name, len(layer_bytes), room_bytes, place), 0)
+        member.send(dataclasses.replace(mine, model=name, num_layers=len(layer_bytes)), 0)
         layout = member.recv(0)
         if not isinstance(layout, Layout):
             raise PipelineError(f"rank 0 sent {type(layout).__name__} before the layout")
         start, end = layout.stages[member.stage.rank]
         return Stage(member.stage.rank, size, range(start, end))
-    rooms, member.places = [room_bytes], [place]
+    hellos = [mine]
     for rank in range(1, size):
         hello = member.recv(rank)
         if not isinstance(hello, Hello) or (hello.model, hello.num_layers) != (
@@ -209,9 +213,15 @@ def _settle(member: Member, model: nn.Module, room_bytes: int | None, place: str
                 f"pipeline rank {rank} built {seen}, rank 0 {name} of {len(layer_bytes)} "
                 "layers: every rank must load the same model"
             )
-        rooms.append(hello.room_bytes)
-        member.places.append(hello.place)
-    stages = split_layers(layer_bytes, size, first, last, rooms=rooms)
+        hellos.append(hello)
+    member.places = [hello.place for hello in hellos]
+    rooms = [hello.room_bytes for hello in hellos]
+    rates = steady([hello.ram_gb_per_s for hello in hellos])
+    if not all(rates):  # (a rank that did not measure: equal rates, an assumed disk)
+        rates, disks = None, None
+    else:
+        disks = steady([hello.disk_gb_per_s for hello in hellos])
+    stages = split_layers(layer_bytes, size, first, last, rates, rooms, disks)
     for rank in range(1, size):
         member.send(Layout([[s.start, s.stop] for s in stages]), rank)
     return Stage(0, size, stages[0])

@@ -62,14 +62,17 @@ class Message:
 @dataclass
 class Hello(Message):
     """A rank's first word to rank 0: what model it built (checked to be rank 0's), and
-    the bytes its budget holds in RAM (None: no budget), which the split weighs, and where
-    it computes (`join.place_of`)."""
+    the bytes its budget holds in RAM (None: no budget) and its measured rates (RAM, and
+    disk where its budget may stream: GB/s), which the split weighs, and where it
+    computes (`join.place_of`)."""
 
     rank: int
     model: str
     num_layers: int
     room_bytes: int | None = None
     place: str = ""
+    ram_gb_per_s: float | None = None
+    disk_gb_per_s: float | None = None
 
 
 @dataclass

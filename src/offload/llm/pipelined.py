@@ -21,18 +21,20 @@ from offload.distributed.worker import StageWorker, refuse
 from offload.engine.step_runner import StepRunner
 from offload.llm.engine_args import EngineArgs
 from offload.model.spec import ModelSpec
+from offload.probes.limits import rank_rates
 
 RANK_MODULE = "offload.llm.pipeline_rank"  # what a rank started here runs
 
 
-def join_stage(args: EngineArgs, empty: nn.Module, device) -> tuple[Member, nn.Module]:
+def join_stage(args: EngineArgs, empty: nn.Module, path, device) -> tuple[Member, nn.Module]:
     """This process in `args`' pipeline (the other ranks started here where no launcher
-    did), and `empty` cut to its stage."""
+    did), and `empty` cut to its stage; the split weighs each rank's budget and its
+    rates measured now (`rank_rates`: its RAM, and its disk where it has a budget)."""
     disk = args.config.disk  # (this rank's budget: under torchrun, each its own flags)
     gib = disk.cpu_memory_gb
     room = int(gib * 2**30) if disk.is_active and gib is not None else None
     size, kwargs, place = args.pipeline_parallel_size, rank_kwargs(args), place_of(device)
-    member = join(size, empty, kwargs, RANK_MODULE, room, place)
+    member = join(size, empty, kwargs, RANK_MODULE, room, place, rank_rates(path, room))
     return member, cut_to_stage(empty, member.stage)
 
 

@@ -26,7 +26,7 @@ def start_llm(llm: Any, args: EngineArgs, spec: ModelSpec) -> None:
     check_attention_model(spec.empty)
     llm._pipeline, member, empty = None, None, spec.empty
     if args.pipeline_parallel_size > 1:
-        member, empty = join_stage(args, empty, spec.device)
+        member, empty = join_stage(args, empty, spec.path, spec.device)
     try:
         with warnings.catch_warnings():
             if member is not None:  # (an amount set for the whole stack: a stage's all)

@@ -2,9 +2,10 @@
 
 Every rank's step waits for the slowest stage's, so the split minimizes the largest
 stage's work. A stage's work is its weight bytes (a step reads each weight once) over the
-rate its rank reads them at (`rates`; equal where unknown), the bytes beyond its rank's
-RAM room (`rooms`: each rank's budget; None, no bound) counted `DISK_SLOWER` times (read
-from disk each step): the last stage also reads the head. Pure arithmetic; `distributed/`
+rate its rank reads them from RAM at (`rates`, each rank's measured; equal where unknown),
+and the bytes beyond its rank's RAM room (`rooms`: each rank's budget; None, no bound)
+over the rate its disk reads at (`disk_rates`, measured; where unknown, `DISK_SLOWER`
+times slower than its RAM): the last stage also reads the head. Pure arithmetic; `distributed/`
 applies the split.
 """
 
@@ -18,6 +19,20 @@ from offload.errors import ConfigError
 # How much slower a byte read from disk each step is than one read from RAM, where the
 # split is not given measured rates: RAM 7-30 GB/s, an NVMe's O_DIRECT 1-7 GB/s.
 DISK_SLOWER = 8.0
+
+
+# Measured rates this close to their median are taken as equal: ranks alike measure a
+# little apart from run to run (more so sharing a machine), and the split should not move.
+SAME_WITHIN = 1.25
+
+
+def steady(rates: Sequence[float | None]) -> list[float | None]:
+    """`rates` with those within `SAME_WITHIN` of their median set to it (None kept)."""
+    known = sorted(r for r in rates if r)
+    if not known:
+        return list(rates)
+    median = known[len(known) // 2]
+    return [median if r and 1 / SAME_WITHIN <= r / median <= SAME_WITHIN else r for r in rates]
 
 
 @dataclass(frozen=True)
@@ -45,11 +60,12 @@ def split_layers(
     last_bytes: int = 0,
     rates: Sequence[float] | None = None,
     rooms: Sequence[int | None] | None = None,
+    disk_rates: Sequence[float | None] | None = None,
 ) -> list[range]:
     """`size` contiguous runs of the layers (each at least one), the largest stage's
-    seconds (its bytes over its rank's rate, those beyond its rank's room `DISK_SLOWER`
-    times; `first_bytes` go with the first stage, `last_bytes` with the last) as small
-    as it can be."""
+    seconds (its bytes in RAM over its rank's rate, those beyond its rank's room over
+    its disk's rate, else `DISK_SLOWER` times the RAM's time; `first_bytes` go with the
+    first stage, `last_bytes` with the last) as small as it can be."""
     count = len(layer_bytes)
     if not 1 <= size <= count:
         raise ConfigError(
@@ -58,6 +74,7 @@ def split_layers(
         )
     rates = list(rates) if rates is not None else [1.0] * size
     rooms = list(rooms) if rooms is not None else [None] * size
+    disk_rates = list(disk_rates) if disk_rates is not None else [None] * size
     prefix = [0]
     for value in layer_bytes:
         prefix.append(prefix[-1] + value)
@@ -66,10 +83,11 @@ def split_layers(
         work = prefix[end] - prefix[start]
         work += first_bytes if rank == 0 else 0
         work += last_bytes if rank == size - 1 else 0
-        room = rooms[rank]
-        if room is not None and work > room:  # (the rest read from disk each step)
-            work += (work - room) * (DISK_SLOWER - 1)
-        return work / rates[rank]
+        room, disk = rooms[rank], disk_rates[rank]
+        beyond = work - room if room is not None and work > room else 0  # (read from disk)
+        if beyond and disk:
+            return (work - beyond) / rates[rank] + beyond / disk
+        return (work + beyond * (DISK_SLOWER - 1)) / rates[rank]
 
     # best[r][e]: the least largest stage time of layers [0, e) on ranks [0, r]
     inf = float("inf")
@@ -116,10 +134,12 @@ def estimate_stages(
     whole model's compute (`compute_s`, by bytes) and its reads (its bytes in RAM over the
     RAM read rate, those beyond its room over the disk's). A rank's room: `room_bytes`
     (each rank's budget less what is not weights; None: every weight fits) less its
-    layers' share of the KV cache (`kv_bytes`, the whole stack's). A step of the pipeline
-    is their sum (one batch at a time: the stages take turns)."""
+    layers' share of the KV cache (`kv_bytes`, the whole stack's). The split is the one
+    ranks of this machine's rates and `room_bytes` each would choose."""
     estimates, total = [], sum(layer_bytes) + head_bytes
-    for rank, layers in enumerate(split_layers(layer_bytes, size, 0, head_bytes)):
+    rates, disks, rooms = [ram_gb_per_s] * size, [disk_gb_per_s] * size, [room_bytes] * size
+    stages = split_layers(layer_bytes, size, 0, head_bytes, rates, rooms, disks)
+    for rank, layers in enumerate(stages):
         weight = sum(layer_bytes[i] for i in layers) + (head_bytes if rank == size - 1 else 0)
         streamed = 0
         if room_bytes is not None:

@@ -5,6 +5,7 @@ and on a GPU host-to-device copies from pinned and from pageable memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from offload.memory.placement import Link
 from offload.probes import disk, link
 from offload.probes.disk import cached_read_gb_per_s, first_files
 from offload.probes.settings import DEFAULT_SETTINGS, MeasureSettings
+from offload.sizes import MIB
 
 TIER_WAY = f"{OffloadConfig().disk.io_threads} threads, a layer split over them"
 SEQUENTIAL_WAY = "1 thread, 64 MiB reads"
@@ -189,3 +191,26 @@ def measure_disk(
     limits.disk_read_gb_per_s = max(statistics.median(values) for values in measured)
     if device.type == "cpu":
         limits.disk_busy_read_gb_per_s.append(busy)
+
+
+def rank_rates(path: Path, budget_bytes: int | None) -> tuple[float, float | None]:
+    """A pipeline rank's rates for the split, GB/s, in a fraction of a second: reading RAM
+    with torch's threads, and, where a budget may leave weights to stream, the disk tier's
+    O_DIRECT reads of the checkpoint at `path` (its pages cached before stay cached; None
+    without a budget, a checkpoint of files or O_DIRECT). The probe's buffers stay within
+    an eighth of the budget."""
+    share = 256 * MIB if budget_bytes is None else max(16 * MIB, min(256 * MIB, budget_bytes // 8))
+    settings = dataclasses.replace(DEFAULT_SETTINGS, copy_bytes=share, repeats=3)
+    limits = Limits(memcpy_gb_per_s=0.0)
+    measure_memory_read(limits, settings)
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if budget_bytes is None or not files:
+        return limits.memory_read_gb_per_s or 0.0, None
+    threads = OffloadConfig().disk.io_threads
+    try:
+        with disk.kept_warm(files):
+            chosen = first_files(files, share)
+            rate = disk.disk_gb_per_s(chosen, share, threads, max_read_bytes=share // 4)
+    except (OSError, ModelError):  # (no O_DIRECT here: tmpfs refuses the open)
+        rate = None
+    return limits.memory_read_gb_per_s or 0.0, rate
