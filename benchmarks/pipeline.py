@@ -8,7 +8,8 @@ each in a fresh process, for tokens/s at `--clients` prompts decoding together, 
 first token, each rank's peak RSS beside its budget + fixed overhead, and each rank's CPU
 seconds over the timed rounds (its busy share of the wall time: this machine's cores are
 shared by the ranks; with `--threads`, each process's torch threads, OpenMP's workers
-waiting passively so that CPU time is work). With `--serve` the prompts are clients of
+waiting passively so that CPU time is work; with `--pin`, each process on a core of its
+own, as ranks on hosts of their own would be). With `--serve` the prompts are clients of
 the serving engine (`LLM.stream` from one thread each), whose cores keep micro-batches in
 flight over the ranks: a size `2x4` is 2 ranks with 4 micro-batches
 (`pipeline_micro_batches`). The bound: bytes a token reads (decoder stack + head) over the RAM
@@ -63,6 +64,10 @@ def child(args: argparse.Namespace) -> None:
     pids = [os.getpid()]
     if llm._pipeline is not None:
         pids += [child.pid for child in llm._pipeline.member.children]
+    if args.pin:  # (each rank on a core of its own, as ranks on hosts of their own)
+        for index, pid in enumerate(pids):
+            for task in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(task), {index % os.cpu_count()})
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     firsts, rates, whole, walls, tokens = [], [], [], [], None
     before, cpu_before = llm.transfer_stats(), [cpu_seconds(pid) for pid in pids]
@@ -86,6 +91,7 @@ def child(args: argparse.Namespace) -> None:
         "size": args.child,
         "serve": args.serve,
         "threads": torch.get_num_threads(),
+        "pinned": args.pin,
         "in_flight": llm._pipeline.most_in_flight if llm._pipeline is not None else 1,
         "load_s": load_s,
         "ttft_s": statistics.median(firsts),
@@ -153,6 +159,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--serve", action="store_true", help="clients of the serving engine")
     parser.add_argument("--threads", type=int, help="torch threads per process")
+    parser.add_argument("--pin", action="store_true", help="each process on a core of its own")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -177,6 +184,7 @@ def main() -> None:
         ]  # fmt: skip
         command += ["--serve"] if args.serve else []
         command += ["--threads", str(args.threads)] if args.threads else []
+        command += ["--pin"] if args.pin else []
         row = common.child_row(command, f"size {size}")
         if row is None:
             continue

@@ -207,10 +207,11 @@ def _free_port() -> int:
 
 
 def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path):
-    """`offload serve --pipeline-parallel-size 2` answers a chat as one process does; with
-    rank 1 killed, the next request fails, and the server exits (status 2, one line
-    naming the rank) instead of failing every later request."""
-    from http_server import Server, chat_checkpoint
+    """`offload serve --pipeline-parallel-size 2` (two micro-batches in flight) answers a
+    chat as one process does and its metrics count both schedulers' requests; with rank
+    1 killed, the next request fails, and the server exits (status 2, one line naming the
+    rank) instead of failing every later request."""
+    from http_server import Server, chat_checkpoint, http
 
     from offload.probes.host import child_pids
 
@@ -219,13 +220,24 @@ def test_a_server_over_two_ranks_answers_and_exits_when_a_rank_is_lost(tmp_path)
     with LLM(str(path), device="cpu", enforce_eager=True) as llm:
         params = SamplingParams(temperature=0, max_tokens=8)
         expected = llm.chat(chat, params, use_tqdm=False)[0].outputs[0].text
-    server = Server(path, "--pipeline-parallel-size", "2", "--enforce-eager")
+    server = Server(
+        path, "--pipeline-parallel-size", "2", "--pipeline-micro-batches", "2", "--enforce-eager"
+    )
     try:
         client = server.client()
-        answer = client.chat.completions.create(
-            model="tiny", messages=chat, temperature=0, max_tokens=8
-        )
-        assert answer.choices[0].message.content == expected
+        for _ in range(2):
+            answer = client.chat.completions.create(
+                model="tiny", messages=chat, temperature=0, max_tokens=8
+            )
+            assert answer.choices[0].message.content == expected
+        status, metrics = http(server.url + "/metrics")
+        values = {
+            line.split("{")[0]: float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith(("vllm:request_success_total{", "vllm:num_requests_running{"))
+        }
+        assert status == 200
+        assert values == {"vllm:request_success_total": 2.0, "vllm:num_requests_running": 0.0}
         [rank1] = child_pids(server.process.pid)
         os.kill(rank1, signal.SIGKILL)
         with pytest.raises(openai.APIError):  # (an error status, or the connection closed)
