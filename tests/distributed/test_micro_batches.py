@@ -15,7 +15,7 @@ import pytest
 import zoo
 
 from offload import LLM, SamplingParams
-from offload.llm.micro_batches import MicroBatches
+from offload.engine.micro_batches import MicroBatches
 
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
 PROMPTS = [[1 + i, 5, 9, 14 + i, 3] * (1 + i % 3) for i in range(6)]
@@ -124,3 +124,26 @@ def test_each_rank_reports_the_time_its_stage_computed(attentive):
         spent = [b - a for a, b in zip(before, llm._pipeline.busy(), strict=True)]
     assert len(spent) == 3 and all(0 < s < wall for s in spent)
     assert sum(spent) < wall  # (one forward on the ranks at a time: turns, no overlap)
+
+
+def test_generate_runs_micro_batches_in_flight_too(attentive):
+    """`generate` over a pipeline with micro-batches: its prompts split over the cores,
+    drained together (the first on the caller's thread), one process's bits; a sampled
+    request of n=2 stays on one core."""
+    kwargs = dict(device="cpu", enforce_eager=True, dtype="float32", batch_invariant=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=8, ignore_eos=True, n=2)
+
+    def answers(llm):
+        return [
+            [(c.token_ids, c.logprobs) for c in out.outputs]
+            for params in (PARAMS, sampled)
+            for out in llm.generate(prompts, params, use_tqdm=False)
+        ]
+
+    with LLM(attentive, **kwargs) as llm:
+        expected = answers(llm)
+    with LLM(attentive, pipeline_parallel_size=2, pipeline_micro_batches=2, **kwargs) as llm:
+        assert answers(llm) == expected
+        assert isinstance(llm._generator.core, MicroBatches)
+        assert llm._pipeline.most_in_flight >= 2

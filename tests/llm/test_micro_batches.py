@@ -10,7 +10,8 @@ from types import SimpleNamespace
 
 from offload.distributed.channel import Channel
 from offload.distributed.join import Member
-from offload.llm.micro_batches import MicroBatches, micro_batch_count
+from offload.engine.micro_batches import MicroBatches
+from offload.llm.cores import micro_batch_count
 from offload.planner.stages import Stage
 
 

@@ -156,11 +156,11 @@ class EngineCore:
             self._looping = False
             self.runner.close()
 
-    def drain(self) -> None:
+    def drain(self, stop: threading.Event | None = None) -> None:
         """Run turns on the caller's thread until every submitted request is done (a core
-        made with `own_thread=False`, whose caller holds the model already). An error of
-        the core's own ends the requests it met, as in `run`."""
-        while True:
+        made with `own_thread=False`, whose caller holds the model already), or `stop` is
+        set. An error of the core's own ends the requests it met, as in `run`."""
+        while stop is None or not stop.is_set():
             with self._wake:
                 self._take_inbox()
             if not self._has_work():

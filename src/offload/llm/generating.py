@@ -28,26 +28,31 @@ OnStep = Callable[[list[SequenceState]], None]
 
 
 class Generating:
-    """`make_core(rows, length, rounded, room)` makes a core (own_thread False) of that
+    """`make_core(rows, length, rounded, room, lanes)` makes a core (own_thread False) of that
     many rows of that many positions (`rounded`: a length of `cache_length`'s, for which a
     compiled step is made; another one, where the rounded one does not fit, decodes
     eagerly; `room`: the positions they hold together, or None); `room()` gives the bytes
     its KV cache may take and where that comes from, `per_position` the bytes of one
     position of one row; `too_big(rows, length)` raises the error for rows that do not fit
     (None: the plain one). `page`: where rows take memory as they write, the columns of a
-    page (`page_columns`): then every row runs within the room, preempted where need be."""
+    page (`page_columns`): then every row runs within the room, preempted where need be.
+    `lanes`: micro-batches over a pipeline (`micro_batches`): `make_core(..., lanes)`
+    then makes that many cores, each with its share of the rows and the room, where each
+    share holds the call's widest request (else one core runs the call)."""
 
     def __init__(
         self,
         requests: RequestMaker,
-        make_core: Callable[[int, int, bool, int | None], EngineCore],
+        make_core: Callable[[int, int, bool, int | None, int], EngineCore],
         room: Callable[[], tuple[int, str]],
         per_position: int,
         max_num_seqs: int,
         too_big: Callable[[int, int], None] | None = None,
         page: int | None = None,
+        lanes: int = 1,
     ):
         self._page = page
+        self._lanes = lanes
         self._requests = requests
         self._make_core = make_core
         self._room = room
@@ -101,14 +106,8 @@ class Generating:
         finally:
             core.on_step = None
             progress.close()
-            # No row runs: what they wrote goes back, but for the prompts prefix caching
-            # holds (a next call, a chat's next turn, starts from them, as vLLM's `LLM`).
-            held = core.scheduler.held_columns()
-            core.runner.release(held)
-            core.scheduler.released(held)
-            if held is None:  # (an interrupted call's `abandon` forgot them already)
-                core.scheduler.forget_prefixes()
-            core.runner.forget_step()  # (a kept step's guards checked once a call, at least)
+            for one in getattr(core, "cores", [core]):
+                _end_call(one)
         if errors:
             raise errors[0]
         return [request.output() for request in requests]
@@ -123,10 +122,18 @@ class Generating:
         rows = min(rows, max(self._max_num_seqs, widest))
         core = self.core
         if core is not None:
-            if core.max_rows >= rows and core.max_len >= length:
+            lane = getattr(core, "cores", [core])[0].max_rows
+            if core.max_rows >= rows and core.max_len >= length and lane >= widest:
                 return core
             rows, length = max(rows, core.max_rows), max(length, core.max_len)
         room, source = self._room()
+        lanes = self._lanes_for(rows, length, room, widest)
+        if lanes > 1:
+            self.close()
+            rounded = length == cache_length(length, self._requests.max_model_len)
+            shared = room // self._per_position if self._page is not None else None
+            self.core = self._make_core(-(-rows // lanes), length, rounded, shared, lanes)
+            return self.core
         fit = self._fit(rows, length, room, widest)
         if fit < widest and exact < length and (core is None or core.max_len <= exact):
             length = exact  # (rows as long as asked, where the rounded ones do not fit)
@@ -143,8 +150,17 @@ class Generating:
         self.close()  # (the smaller one's memory goes before the larger one's comes)
         rounded = length == cache_length(length, self._requests.max_model_len)
         shared = room // self._per_position if self._page is not None else None
-        self.core = self._make_core(int(fit), length, rounded, shared)
+        self.core = self._make_core(int(fit), length, rounded, shared, 1)
         return self.core
+
+    def _lanes_for(self, rows: int, length: int, room: int, widest: int) -> int:
+        """The micro-batches a call runs as: `lanes` where each one's share of the rows and
+        of the room holds its widest request and all its rows, else 1."""
+        if self._lanes == 1:
+            return 1
+        share = -(-rows // self._lanes)
+        fits = self._fit(share, length, room // self._lanes, widest)
+        return self._lanes if share >= widest and fits >= share else 1
 
     def _fit(self, rows: int, length: int, room: int, widest: int) -> int:
         """How many of `rows` rows of `length` positions run within `room` bytes: as many
@@ -164,6 +180,17 @@ class Generating:
             self.core.close()
             self._moved += core_moved(self.core)
             self.core = None
+
+
+def _end_call(core: EngineCore) -> None:
+    """No row runs: what they wrote goes back, but for the prompts prefix caching holds (a
+    next call, a chat's next turn, starts from them, as vLLM's `LLM`)."""
+    held = core.scheduler.held_columns()
+    core.runner.release(held)
+    core.scheduler.released(held)
+    if held is None:  # (an interrupted call's `abandon` forgot them already)
+        core.scheduler.forget_prefixes()
+    core.runner.forget_step()  # (a kept step's guards checked once a call, at least)
 
 
 def core_moved(core: EngineCore) -> TransferStats:

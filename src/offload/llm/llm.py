@@ -29,10 +29,9 @@ from offload.llm.checks import (
     serialized,
     vocab_limit,
 )
-from offload.llm.cores import generator_of
+from offload.llm.cores import generator_of, serving_engine
 from offload.llm.engine_args import EngineArgs
 from offload.llm.generating import Generating, core_moved
-from offload.llm.micro_batches import serving_engine
 from offload.llm.serving import Serving
 from offload.llm.spec import ModelSpec
 from offload.llm.start import start_llm
@@ -301,7 +300,7 @@ class LLM:
             if getattr(self, "_pipeline", None) is not None:  # (the other ranks end)
                 self._pipeline.close()
             del self.model, self.offloader, self._kv_pool
-            del self._serving_kv_pool, self._more_kv_pools
+            del self._serving_kv_pool, self._more_kv_pools, self._lane_kv_pools
         trim_freed_memory()
 
     @contextlib.contextmanager

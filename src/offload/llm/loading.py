@@ -81,7 +81,7 @@ def load_into(
         KVHostPool, llm.device, disable_pin_memory=config.disable_pin_memory
     )
     llm._kv_pool, llm._serving_kv_pool = llm._new_kv_pool(), llm._new_kv_pool()
-    llm._more_kv_pools = []
+    llm._more_kv_pools, llm._lane_kv_pools = [], []  # (serve's cores', generate's lanes')
 
 
 def _damage(path: Path) -> str | None:

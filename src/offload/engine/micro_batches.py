@@ -1,9 +1,10 @@
-"""Micro-batches in flight over a pipeline (vLLM's virtual engines): serving runs several
-engine cores over one pipelined model, each with its own rows, scheduler and thread. A
-core's forward lets go of rank 0 once its stage has run (`Pipeline.run`), so while the
-other ranks work on one core's micro-batch, rank 0 runs the next core's: every stage is
-busy. `MicroBatches` is what `Serving` and the server see: one engine, the cores'
-requests, counts and errors together; a request runs on the core with the least work."""
+"""Several engine cores as one engine (vLLM's virtual engines): over a pipeline each core
+is a micro-batch with its own rows, scheduler and thread, and a core's forward lets go of
+rank 0 once its stage has run (`Pipeline.run`), so while the other ranks work on one
+core's micro-batch, rank 0 runs the next core's: every stage is busy. `MicroBatches` is
+what `Serving`, the server and `generate` see: one engine, the cores' requests, counts
+and errors together; a request runs on the core with the least work
+(`llm.micro_batches` makes them)."""
 
 from __future__ import annotations
 
@@ -13,48 +14,9 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from offload.engine.core import EngineCore
 from offload.engine.requests import Submitted
-from offload.llm.cores import engine_core
-from offload.llm.serving import row_plan
-
-
-def micro_batch_count(llm: Any) -> int:
-    """How many engine cores `llm`'s serving runs over a pipeline: `pipeline_micro_batches`,
-    else one per rank (vLLM's) where each rank computes on its own host or GPU, so each
-    has a micro-batch to work on; one where ranks share one (each micro-batch reads the
-    weights again, and ranks on the same cores only take turns: measured slower,
-    docs/benchmarks.md); one without a pipeline."""
-    pipeline = llm._pipeline
-    if pipeline is None:
-        return 1
-    if llm.pipeline_micro_batches is not None:
-        return llm.pipeline_micro_batches
-    return pipeline.size if pipeline.member.apart else 1
-
-
-def serving_engine(llm: Any, rows: int, fixed_length: bool, own_thread: bool):
-    """`llm`'s serving engine (an `EngineCore`, or `MicroBatches` over a pipeline), each
-    core's `rows` rows sharing the KV room (`row_plan`), and the positions a request may
-    hold."""
-    count = micro_batch_count(llm)
-    plan = row_plan(llm, rows, fixed_length, share=count)
-
-    def core(index: int, threaded: bool) -> EngineCore:
-        pool = None
-        if index > 0 and llm.kv_offload:  # (each core's rows a host KV pool of their own)
-            pool = llm._new_kv_pool()
-            llm._more_kv_pools.append(pool)
-        return engine_core(
-            llm, plan.rows, plan.length, own_thread=threaded, generate=False,
-            room=plan.room, kv_pool=pool,
-        )  # fmt: skip
-
-    if count == 1:
-        return core(0, own_thread), plan.length
-    return MicroBatches([core(i, False) for i in range(count)], own_thread), plan.length
 
 
 class MicroBatches:
@@ -63,7 +25,8 @@ class MicroBatches:
 
     def __init__(self, cores: list[EngineCore], own_thread: bool = True):
         self.cores = cores
-        self.on_step: Callable[[], None] | None = None  # (not used: `generate` runs one core)
+        self._on_step: Callable[[], None] | None = None
+        self._stepping = threading.Lock()  # (each core calls `on_step` from its thread)
         self._threads: list[threading.Thread] = []
         self._at_exit: Callable[[], None] | None = None
         self._closed = False
@@ -122,6 +85,51 @@ class MicroBatches:
     @property
     def scheduler(self) -> Schedulers:
         return Schedulers([core.scheduler for core in self.cores])
+
+    @property
+    def on_step(self) -> Callable[[], None] | None:
+        return self._on_step
+
+    @on_step.setter
+    def on_step(self, call: Callable[[], None] | None) -> None:
+        self._on_step = call
+        for core in self.cores:
+            core.on_step = None if call is None else self._stepped
+
+    def _stepped(self) -> None:
+        with self._stepping:
+            if self._on_step is not None:
+                self._on_step()
+
+    def drain(self) -> None:
+        """Every core's turns until its requests are done (`generate`): the first core's
+        on the caller's thread, the others' on threads of theirs, so their forwards are
+        in flight together. Interrupted, the others stop at their next turn first."""
+        stop = threading.Event()
+        threads = [
+            threading.Thread(target=core.drain, args=(stop,), name="offload-engine", daemon=True)
+            for core in self.cores[1:]
+        ]
+        for thread in threads:
+            thread.start()
+        try:
+            self.cores[0].drain()
+        except BaseException:  # (Ctrl-C: the others stop at their next turn)
+            stop.set()
+            raise
+        finally:
+            try:
+                for thread in threads:
+                    thread.join()
+            except BaseException:  # (Ctrl-C while they finish: stopped, then waited for)
+                stop.set()
+                for thread in threads:
+                    thread.join()
+                raise
+
+    def abandon(self, error: BaseException) -> None:
+        for core in self.cores:
+            core.abandon(error)
 
     def warm_up(self) -> None:
         for core in self.cores:
