@@ -268,9 +268,10 @@ def test_sliding_windows_and_chunked_prefills_over_the_pipeline(tmp_path):
 
 
 def test_a_rank_with_a_slow_disk_takes_fewer_layers(attentive, monkeypatch):
-    """Each rank's measured rates reach the split: rank 0 (its probe made to find a disk
-    a thousand times slower than any) streams its whole stage from disk (a budget of 0),
-    so it keeps the fewest layers, one; rank 1 measures its own."""
+    """Each rank's measured rates reach the split: rank 0 (made to say it is on a host of
+    its own, whose probe finds a disk a thousand times slower than any) streams its
+    whole stage from disk (a budget of 0), so it keeps the fewest layers, one; rank 1
+    measures its own. (Ranks on one host take their host's median rates.)"""
     from pathlib import Path
 
     from offload.llm import pipelined
@@ -278,6 +279,7 @@ def test_a_rank_with_a_slow_disk_takes_fewer_layers(attentive, monkeypatch):
 
     ram, _ = rank_rates(Path(attentive), 0)  # (rank 1's RAM measures alike: taken as equal)
     monkeypatch.setattr(pipelined, "rank_rates", lambda path, room: (ram, 0.001))
+    monkeypatch.setattr(pipelined, "place_of", lambda device: "elsewhere cpu")
     kwargs = dict(device="cpu", enforce_eager=True, cpu_memory_gb=0, disk_io="direct")
     with LLM(attentive, pipeline_parallel_size=2, **kwargs) as llm:
         assert llm.model.held_layers == (0,)

@@ -122,3 +122,12 @@ def test_rates_measured_close_together_count_as_equal():
     assert steady([10.0, 30.0, 10.5]) == [10.5, 30.0, 10.5]
     assert steady([None, 2.0]) == [None, 2.0]
     assert steady([None, None]) == [None, None]
+
+
+def test_ranks_on_one_host_take_its_median_rates():
+    from offload.distributed.join import _per_host
+    from offload.distributed.messages import Hello
+
+    hellos = [Hello(r, "M", 4, None, place) for r, place in enumerate(["a cpu", "a cpu", "b cpu"])]
+    assert _per_host(hellos, [10.0, 30.0, 5.0]) == [20.0, 20.0, 5.0]
+    assert _per_host(hellos, [None, 30.0, 5.0]) == [None, 30.0, 5.0]

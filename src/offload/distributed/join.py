@@ -18,6 +18,7 @@ import datetime
 import os
 import pickle
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -216,15 +217,29 @@ def _settle(member: Member, model: nn.Module, mine: Hello) -> Stage:
         hellos.append(hello)
     member.places = [hello.place for hello in hellos]
     rooms = [hello.room_bytes for hello in hellos]
-    rates = steady([hello.ram_gb_per_s for hello in hellos])
+    rates = steady(_per_host(hellos, [hello.ram_gb_per_s for hello in hellos]))
     if not all(rates):  # (a rank that did not measure: equal rates, an assumed disk)
         rates, disks = None, None
     else:
-        disks = steady([hello.disk_gb_per_s for hello in hellos])
+        disks = steady(_per_host(hellos, [hello.disk_gb_per_s for hello in hellos]))
     stages = split_layers(layer_bytes, size, first, last, rates, rooms, disks)
     for rank in range(1, size):
         member.send(Layout([[s.start, s.stop] for s in stages]), rank)
     return Stage(0, size, stages[0])
+
+
+def _per_host(hellos: list[Hello], rates: list[float | None]) -> list[float | None]:
+    """Each rank's rate, the median of its host's ranks' (ranks on one host read the same
+    memory and disk: their probes differ by the load of the moment, not the machine)."""
+    hosts: dict[str, list[float]] = {}
+    for hello, rate in zip(hellos, rates, strict=True):
+        if rate:
+            hosts.setdefault(hello.place.rsplit(" ", 1)[0], []).append(rate)
+    medians = {host: statistics.median(values) for host, values in hosts.items()}
+    return [
+        medians.get(hello.place.rsplit(" ", 1)[0]) if rate else rate
+        for hello, rate in zip(hellos, rates, strict=True)
+    ]
 
 
 def leave(member: Member, wait_s: float = 10.0) -> None:
