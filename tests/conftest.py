@@ -1,3 +1,5 @@
+import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -173,6 +175,29 @@ def ctrl_c_raises():
 def _reset_global_offloader():
     yield
     set_offloader(NoopOffloader())
+
+
+@pytest.fixture(autouse=True)
+def _llms_closed_after_their_test(monkeypatch):
+    """Every `LLM` a test makes is closed once it ends: an LLM whose serving core's thread
+    still runs stays alive, with its rows' address space (VmData grew to 278 GiB over
+    tests/llm/test_speculative.py), and past the RAM a heuristic overcommit then refused
+    a later test's fork in the same worker (tests/llm/test_fork.py)."""
+    from offload.llm.llm import LLM
+
+    made: list = []
+    init = LLM.__init__
+
+    @functools.wraps(init)
+    def tracked(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "__init__", tracked)
+    yield
+    for llm in reversed(made):
+        with contextlib.suppress(Exception):  # (one a test broke on purpose, or half-made)
+            llm.close()
 
 
 @pytest.fixture(scope="session")
