@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import weakref
 
 # Before torch starts OpenMP: its idle workers then sleep instead of spinning, so a test
 # run beside another CPU-heavy process (or a test's own copy thread) is not slowed 10-100x
@@ -185,19 +186,22 @@ def _llms_closed_after_their_test(monkeypatch):
     a later test's fork in the same worker (tests/llm/test_fork.py)."""
     from offload.llm.llm import LLM
 
-    made: list = []
+    made: list = []  # (weakly: a test that drops an LLM sees it collected)
     init = LLM.__init__
 
     @functools.wraps(init)
     def tracked(self, *args, **kwargs):
-        made.append(self)
+        made.append(weakref.ref(self))
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(LLM, "__init__", tracked)
     yield
-    for llm in reversed(made):
-        with contextlib.suppress(Exception):  # (one a test broke on purpose, or half-made)
-            llm.close()
+    for ref in reversed(made):
+        llm = ref()
+        if llm is not None:
+            with contextlib.suppress(Exception):  # (one a test broke on purpose, or half-made)
+                llm.close()
+        del llm
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ would.
 Calls are launched one at a time (a lock: a call's message and hidden states are never
 interleaved with another's), and a forward's logits are taken in the order the forwards
 were launched, outside that lock: while the other ranks work on one engine core's
-forward, rank 0 launches another core's (micro-batches in flight, `llm.micro_batches`).
+forward, rank 0 launches another core's (micro-batches in flight, `engine.micro_batches`).
 """
 
 from __future__ import annotations

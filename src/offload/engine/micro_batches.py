@@ -4,7 +4,7 @@ rank 0 once its stage has run (`Pipeline.run`), so while the other ranks work on
 core's micro-batch, rank 0 runs the next core's: every stage is busy. `MicroBatches` is
 what `Serving`, the server and `generate` see: one engine, the cores' requests, counts
 and errors together; a request runs on the core with the least work
-(`llm.micro_batches` makes them)."""
+(`llm.cores` makes them)."""
 
 from __future__ import annotations
 
