@@ -7,7 +7,8 @@ alone and in the batch (the default's may differ, the invariant's must not).
 
 Each setting in a fresh LLM; one warm-up call, then `--repeats` timed calls, the median
 kept (the compiled steps of the default are waited for first: the steady state). Run:
-`python benchmarks/batch_invariant.py`; results JSON in benchmarks/results/.
+`python benchmarks/batch_invariant.py` (`--model PATH`: a checkpoint at real size, as stored);
+results JSON in benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _tokens(output) -> list[int]:
 
 def run(form: str, invariant: bool, args) -> dict:
     kwargs = {} if form == "stored" else {"dtype": form}
+    if args.model:  # (a checkpoint of the user's, as stored: `form` only names the row)
+        kwargs = {"model": args.model}
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     if args.cpu_offload_gb:
         kwargs["cpu_offload_gb"] = args.cpu_offload_gb
@@ -63,6 +66,7 @@ def run(form: str, invariant: bool, args) -> dict:
     same = sum(a == _tokens(o) for a, o in zip(alone, together, strict=True))
     return {
         "form": form,
+        "model": args.model,
         "batch_invariant": invariant,
         "cpu_offload_gb": args.cpu_offload_gb,
         "batch_prefill_s": prefill_s,
@@ -82,6 +86,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cpu-offload-gb", type=float, default=0.0)
     parser.add_argument("--modes", nargs="+", default=["default", "invariant"])
+    parser.add_argument(
+        "--model", help="a checkpoint to run as stored (e.g. scale.py's random models)"
+    )
     args = parser.parse_args()
     rows = []
     print(

@@ -51,7 +51,8 @@ def pytest_configure(config):
         "from offload.model.default import default_model_path; default_model_path(); "
         "from offload.model.sources import resolve_model; "
         "from offload.probes.layout_choice import LayoutChooser; "
-        "resolve_model(None, quantization='gguf', layout_chooser=LayoutChooser)"
+        "resolve_model(None, quantization='gguf', layout_chooser=LayoutChooser); "
+        "from offload.quant.row_dot import library; library()"  # (its C, built once)
     )
     config.offload_converting = subprocess.Popen(
         [sys.executable, "-c", convert],

@@ -44,3 +44,25 @@ def last_output(outputs: queue.Queue):
             raise item
         if item.finished:
             return item
+
+
+def answer_of(output) -> tuple:
+    """A request's tokens and the logprobs of each step (every token listed, sorted)."""
+    completion = output.outputs[0]
+    return tuple(completion.token_ids), tuple(
+        tuple(sorted((token, entry.logprob) for token, entry in step.items()))
+        for step in completion.logprobs
+    )
+
+
+def check_invariant(llm, prompts, params) -> None:
+    """Each prompt answered bit for bit alike alone, in a batch of all of them, and in
+    another mix (shuffled, two left out)."""
+    alone = [answer_of(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+    together = [answer_of(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert together == alone
+    order = list(range(len(prompts)))
+    random.Random(1).shuffle(order)
+    some = order[: len(order) - 2]
+    mixed = llm.generate([prompts[i] for i in some], params, use_tqdm=False)
+    assert [answer_of(o) for o in mixed] == [alone[i] for i in some]

@@ -10,6 +10,15 @@ import torch.nn.functional as F
 
 from offload.engine import cpu_linear
 from offload.engine.cpu_linear import MAX_ROWS, FewRowsLinear, few_rows_linear
+from offload.quant import row_dot
+
+
+@pytest.fixture(autouse=True)
+def _blas_forms(monkeypatch):
+    """These are the forms taken where the row-invariant products are not built (no C
+    compiler): tests/quant/test_row_dot.py and tests/llm/test_invariant_by_default.py
+    hold the ones taken where they are."""
+    monkeypatch.setattr(row_dot, "library", lambda: None)
 
 
 @pytest.mark.parametrize(

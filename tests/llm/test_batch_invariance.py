@@ -5,13 +5,11 @@ packed checkpoints), in `generate` and among concurrent streams (what `serve` ru
 
 from __future__ import annotations
 
-import random
-
 import gguf_files
 import packed_zoo
 import pytest
 import torch
-from streams import random_prompts, streamed_apart
+from streams import answer_of, check_invariant, random_prompts, streamed_apart
 
 from offload import LLM, SamplingParams
 from offload.engine import invariant
@@ -25,24 +23,11 @@ def _prompts(vocab: int, seed: int = 0) -> list[dict]:
     return random_prompts(vocab, LENGTHS, seed)
 
 
-def _answer(output) -> tuple:
-    completion = output.outputs[0]
-    return tuple(completion.token_ids), tuple(
-        tuple(sorted((token, entry.logprob) for token, entry in step.items()))
-        for step in completion.logprobs
-    )
+_answer = answer_of
 
 
 def _check_invariant(llm: LLM, vocab: int) -> None:
-    prompts = _prompts(vocab)
-    alone = [_answer(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts]
-    together = [_answer(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
-    assert together == alone
-    order = list(range(len(prompts)))
-    random.Random(1).shuffle(order)
-    some = order[: len(order) - 2]  # another mix: shuffled, two left out
-    mixed = llm.generate([prompts[i] for i in some], PARAMS, use_tqdm=False)
-    assert [_answer(o) for o in mixed] == [alone[i] for i in some]
+    check_invariant(llm, _prompts(vocab), PARAMS)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "stored"])

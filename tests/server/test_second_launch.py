@@ -42,9 +42,10 @@ def test_a_second_launch_loads_the_kept_steps_and_compiles_nothing(tmp_path, mon
     try:
         _ask(first)  # (answered while its steps compile)
         steps = cache / "compiled-steps"
-        _until(lambda: len(list(steps.glob("*.pt2"))) == 2, 300)  # (a lone row's, batches')
+        # (one graph for every row count: a lone row runs beside a padding row)
+        _until(lambda: len(list(steps.glob("*.pt2"))) == 1, 300)
         _until(lambda: (_ask(first), _total(first, "offload:compiled_steps_total"))[1] > 0, 120)
-        assert _total(first, "offload:dynamo_graphs_compiled_total") >= 2
+        assert _total(first, "offload:dynamo_graphs_compiled_total") >= 1
     finally:
         first.stop()
     started = time.monotonic()

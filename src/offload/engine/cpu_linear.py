@@ -1,5 +1,6 @@
-"""A linear layer over a few rows on a CPU, as `weight @ x.T`; over one row, as a batch of
-matrix-vector products.
+"""A linear layer over 1 to `MAX_ROWS` rows on a CPU: the row-invariant product
+(`quant/row_dot`) where it is built, so that a row's bits do not depend on its batch; else
+as below, `weight @ x.T` for a few rows and a batch of matrix-vector products for one.
 
 `F.linear` asks MKL for `x @ weight.T`; for 2 to ~64 rows MKL's sgemm then repacks the
 whole weight at every call, so a decode step of 4 rows costs twice one of 1 row though
@@ -27,22 +28,27 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from offload.offloader.ops import define_op
+from offload.quant import row_dot
+from offload.sizes import compute_dtype
 
 MAX_ROWS = 64  # above this the two agree in speed, and F.linear is kept
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` as `weight @ x.T` (2 to `MAX_ROWS` rows) or a batch of
-    matrix-vector products (1 row) where that is faster (fp32 on a CPU, plain tensors);
-    None where `F.linear` should run."""
+    """`F.linear(x, weight, bias)` of 1 to `MAX_ROWS` rows on a CPU: `row_dot.row_linear`
+    where it fits (float weights, plain tensors); else, for float32, `weight @ x.T` (2 or
+    more rows) or a batch of matrix-vector products (1 row), where that is faster; None
+    where `F.linear` should run."""
     if type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(x) is not torch.Tensor:
         return None  # a tensor subclass (a quantized weight) keeps its own kernel
     if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    if x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return None
     num_rows = x.numel() // max(x.shape[-1], 1)
     if not 1 <= num_rows <= MAX_ROWS:
+        return None
+    if row_dot.fits(x, weight):  # (each row's bits whatever the rows beside it)
+        return row_dot.row_linear(x, weight, bias)
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return None
     flat = x.reshape(num_rows, x.shape[-1])  # [rows, in]
     if num_rows == 1:
@@ -162,13 +168,39 @@ def kernels_for(model: torch.nn.Module, device: torch.device):
     """The context a CPU decode step of `model` runs in: `FewRowsLinear` where its float32
     `nn.Linear` weights (and the float weights its quantized modules de-quantize for
     `F.linear`: `linear_of_floats`) hold at least `PAYS_BYTES` (there the weights' streaming rate is
-    the step's time), else nothing: the mode sees every torch call of the step, and a
-    model of small or quantized weights (the default model as stored) only pays its
-    per-call cost (the stored default model and a tiny test model were both slower with
-    it; docs/benchmarks.md)."""
-    if device.type != "cpu" or not pays(model):
+    the step's time), or where it has any float linear and the row-invariant products are
+    built (a row's bits then do not depend on its batch); else nothing: the mode sees every
+    torch call of the step, and a model of quantized weights only (the default model as
+    stored) only pays its per-call cost (docs/benchmarks.md)."""
+    if device.type != "cpu" or not (
+        pays(model) or (_float_linears(model) and row_invariant(model))
+    ):
         return contextlib.nullcontext()
     return FewRowsLinear()
+
+
+def row_invariant(model: torch.nn.Module) -> bool:
+    """Whether `model`'s decode steps on a CPU take the row-invariant products
+    (`quant/row_dot`: float32 weights here, q8 ones in `quant/kernels`; torch's CPU int4
+    kernel rounds a row alike at any count), so that a row's bits do not depend on its
+    batch: where the kernels are built and the model computes in float32 (as the stored
+    and packed forms do; bfloat16 and float16 keep their kernels, `row_dot.USED_TYPES`)."""
+    return row_dot.library() is not None and compute_dtype(model) == torch.float32
+
+
+def _float_linears(model: torch.nn.Module) -> bool:
+    """Whether `model` has float linears (`nn.Linear`, or modules that de-quantize for
+    `F.linear`): else the mode only costs its per-call time."""
+    known = _FLOAT_LINEARS.get(model)
+    if known is None:
+        known = _FLOAT_LINEARS[model] = any(
+            type(m) is torch.nn.Linear or getattr(m, "linear_of_floats", False)
+            for m in model.modules()
+        )
+    return known
+
+
+_FLOAT_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pays(model: torch.nn.Module) -> bool:

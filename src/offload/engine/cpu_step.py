@@ -40,6 +40,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from offload.engine import cpu_linear, step_attention, step_linears
 from offload.engine.step_attention import rewrite_attention
 from offload.engine.step_linears import step_products
+from offload.quant import row_dot
 from offload.quant.quantized import Int4Linear, Q8Linear
 
 log = logging.getLogger(__name__)
@@ -103,6 +104,7 @@ class _ProductsPass(CustomGraphPass):
 def rewrite_digest() -> str:
     """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
     source = inspect.getsource(step_linears) + inspect.getsource(step_attention)
+    source += f"row_dot={row_dot.library() is not None}"  # (which products it writes)
     return hashlib.sha256(source.encode()).hexdigest()
 
 

@@ -118,20 +118,10 @@ def _environment() -> str:
             torch.__version__,
             transformers.__version__,
             platform.machine(),
-            _cpu_flags(),
+            cache_digest.cpu_identity(),
             _package_digest(),
         )
     )
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features", "model name")):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def _package_digest() -> str:

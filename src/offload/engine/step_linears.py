@@ -17,6 +17,11 @@ accumulator); the eager `F.linear` of bf16 rounds the same way, at the end. For 
 rows, `weight @ x.T` of bf16 runs oneDNN's bf16 kernel (AVX512-BF16 dot products where
 the CPU has them, float32 sums) on the weight as stored.
 
+Where the row-invariant kernels are built (`quant/row_dot`: the default on a CPU), every
+row count of those dtypes is instead one opaque `offload::row_linear` call: each output one
+dot product in one fixed order, so a row's bits do not depend on its batch (the forms above
+are the fallback where no C compiler works).
+
 Each output element is one row's sum in one kernel, so the bits depend on the kernel, not
 on where the weight lives: offloaded (prefetch slots, the disk tier) gives the resident
 compiled step's bits. They may differ from the eager step's.
@@ -31,6 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from offload.engine import cpu_linear
 from offload.engine.step_attention import Emitter
+from offload.quant import row_dot
 
 # The dtypes whose products the step writes out: activations and weight alike.
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,7 +44,8 @@ FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 def step_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor | None:
     """`F.linear` as the compiled step writes it (a float dtype of `FLOATS` on a CPU, plain
-    tensors: fake ones while compiling): one row as `(x * weight).sum(-1)`, 2 to
+    tensors: fake ones while compiling): `row_dot.ROW_LINEAR` where built, else one row as
+    `(x * weight).sum(-1)`, 2 to
     `cpu_linear.MAX_ROWS` as `weight @ x.T` (as the eager step has them,
     `cpu_linear.few_rows_linear`); None where `F.linear` should run."""
     if not _rewritten(x, weight):
@@ -61,7 +68,10 @@ def _linear_calls(x, weight, bias) -> list[tuple]:
     # (-1 for the leading size: a step of dynamic rows, `rows.RowStep`, has a symbol there)
     shape = (-1, *x_value.shape[1:-1], weight_value.shape[0])
     width = x_value.shape[-1]
-    if x_value.numel() == width:  # one row: one loop over the weight's rows, across threads
+    if x_value.dtype in row_dot.USED_TYPES and row_dot.library() is not None:
+        # (every row count: one fixed order per output, `quant/row_dot`)
+        calls = [(torch.reshape, (_X, (-1, width))), (row_dot.ROW_LINEAR, (_X, weight))]
+    elif x_value.numel() == width:  # one row: one loop over the weight's rows, across threads
         # (x in a buffer of its own: else inductor computes it where the loop reads it, the
         # norm before the product again for each of the weight's rows)
         calls = [(torch.reshape, (_X, (1, -1))), (force_stride_order, (_X, (width, 1))),

@@ -4,12 +4,13 @@ running row (compiled where the model has a compiled step, else eager)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
 from offload.engine import cpu_linear, invariant
-from offload.engine.cpu_linear import kernels_for
+from offload.engine.cpu_linear import kernels_for, row_invariant
 from offload.engine.kv_room import Keep, Moves
 from offload.engine.mixed_step import MixedWindow, can_mix, mixing
 from offload.engine.requests import EngineModel, Group, Row
@@ -247,7 +248,7 @@ class StepRunner:
         whether the compiled step ran it."""
         # (its inputs made in inference mode, as the warm-up's: a compiled step's guards
         # check each input's dispatch keys, and a step made outside it missed the graph)
-        step = self.row_step(rows)
+        step = self.row_step(rows, pad_to=self._lone_pad())
         self.cache.forward_writes(max(min(row.column, self.max_len - 1) for row in rows) + 1)
         compiled, logits, counted = self.model.compiled, None, False
         wanted = compiled is not None and step.compiled and compiled.usable(step)
@@ -271,12 +272,12 @@ class StepRunner:
             for row in rows:
                 row.eager = True
         if logits is None:
-            with invariant.decoding(len(rows)) if self.invariant else self._kernels():
+            with invariant.decoding(len(rows)) if self.invariant else self._decoding(len(rows)):
                 logits = step()
         return logits, counted
 
     def _eager(self, step: RowStep) -> torch.Tensor:
-        with self._kernels():
+        with self._decoding(step.columns.shape[0]):
             return step()
 
     def forget_step(self) -> None:
@@ -323,9 +324,17 @@ class StepRunner:
         if self.model.compiled is None or self.invariant:
             return
         with self.model.lock, torch.inference_mode():
-            for rows in (1, MIN_ROWS):
+            for rows in (1, MIN_ROWS) if not self._lone_pad() else (MIN_ROWS,):
                 self.model.compiled(self.row_step([], pad_to=rows))
                 self._last = None  # (see `decode`)
+
+    def _lone_pad(self) -> int:
+        """Rows a compiled decode step is padded to: `MIN_ROWS` where the products are
+        row-invariant, so a lone row runs in the batches' graph (one of its own fuses
+        otherwise, and its bits would part from a batch's), else 0."""
+        cpu = self.model.device.type == "cpu"
+        compiled = self.model.compiled is not None and not self.invariant
+        return MIN_ROWS if compiled and cpu and row_invariant(self.model.model) else 0
 
     def _chunk(self, group: Group, start: int, end: int):
         """Columns [start, end) of `group`'s prompt as its first row takes them: their
@@ -339,6 +348,14 @@ class StepRunner:
         """The columns attention reads; every one in batch-invariant mode (how many there
         are changes how its sums group, and the others' lengths would set it)."""
         return self.max_len if self.invariant else read_width(num_columns, self.max_len)
+
+    @contextlib.contextmanager
+    def _decoding(self, rows: int):
+        """An eager decode step of `rows` rows: `_kernels`, with attention one sequence at a
+        time where the products are row-invariant (ATen's kernel splits work by batch)."""
+        apart = rows > 1 and self.model.device.type == "cpu" and row_invariant(self.model.model)
+        with self._kernels(), invariant.RowByRow() if apart else contextlib.nullcontext():
+            yield
 
     def _kernels(self):
         """On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the

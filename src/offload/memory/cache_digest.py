@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import json
 import os
+import platform
 import stat
 import tempfile
 from pathlib import Path
@@ -204,3 +205,15 @@ def _ends(path: Path, size: int) -> str:
             file.seek(size - _MIB)
         digest.update(file.read(_MIB))
     return digest.hexdigest()
+
+
+def cpu_identity() -> str:
+    """The CPU's flags (or model): what a build kept for this machine depends on (compiled
+    steps, `-march=native` kernels)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features", "model name")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.offloader.ops import define_op
+from offload.quant import row_dot
 from offload.quant.gguf_quants import FORMATS, dequantize
 from offload.quant.layouts import GROUP, q8_values
 from offload.quant.packed_quant import packed_linear, packed_linear_op
@@ -30,7 +31,7 @@ def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
     CPU is written out (`q8_one_row`), so that inductor reads the int8 weight once in one
     loop instead of widening each block column to float32 for MKL."""
     if torch.compiler.is_compiling():
-        if op == "q8" and x.shape[0] == 1 and x.device.type == "cpu":
+        if op == "q8" and x.shape[0] == 1 and x.device.type == "cpu" and not row_dot.library():
             return q8_one_row(x, *stored)
         if op == "int4":  # (its casts fused into the kernels around: docs/benchmarks.md)
             return _OPAQUE[op](x.to(torch.bfloat16), *stored).to(x.dtype)
@@ -111,6 +112,8 @@ def q8_matmul(
     (docs/benchmarks.md, "2026-11-28 (twenty-first session): the server's few-row steps,
     and the default model's steps as stored (issue 28)"; each output's sums are the same,
     so are its bits)."""
+    if row_dot.q8_fits(x, values):  # (each row's bits whatever the rows beside it)
+        return row_dot.q8_linear(x, values, scales, offsets)
     columns = x.reshape(x.shape[0], values.shape[0], values.shape[-1]).transpose(0, 1)
     sums_in = None if offsets is None else columns.sum(-1).T  # [rows, blocks]
     if x.shape[0] > 1 and getattr(_apart, "on", False):  # (any count: a verify of many)

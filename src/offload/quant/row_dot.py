@@ -1,0 +1,223 @@
+"""Products whose every output is one dot product in one fixed order, whatever the number
+of rows beside it: a row's bits the same alone and in any batch (batch invariance, by
+default, on a CPU).
+
+BLAS kernels pick their method by the row count (MKL's float32 `F.linear` rounds a row
+three ways, oneDNN's bf16 rounds a lone row apart: `engine/invariant.py`), and the compiled
+step's one-row loop is yet another order. The kernels of `row_dot.c` compute each output
+as 16-wide partial sums over the inputs in turn, then a fixed tree over the 16 lanes:
+for weights of float32, bfloat16 and float16 (widened in registers, as stored), and the
+q8 block columns of `quant/layouts.py`. They read the weight once per call, a tile of
+rows at a time across the OpenMP threads (torch's own runtime: the same `libgomp.so.1`),
+so one row runs at the memory's rate and a few rows cost about what one does.
+
+The library is compiled once per machine (`cc -O3 -march=native`, a few seconds) into the
+offload cache, signed with the cache's key (`memory/cache_digest`), and loaded from a
+memory file after its signature checks, so nothing another user wrote is run. Where no
+compiler works the products are None and callers keep their kernels (then a batch may
+round a row differently; `LLM(batch_invariant=True)` pads instead).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from offload.memory import cache_digest
+from offload.memory.cache_trust import cache_folder
+from offload.offloader.ops import define_op
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 64  # rows per call of the q8 kernel (its sums live on the stack); more: in pieces
+FLOAT_TYPES = {
+    torch.float32: "rowdot_f32",
+    torch.bfloat16: "rowdot_bf16",
+    torch.float16: "rowdot_f16",
+}
+# The weight dtypes a product takes these kernels for: float32 (and what de-quantizes to it).
+# bfloat16 and float16 weights keep oneDNN's and the compiled one-row loop: there the kernels
+# cost 0.70x of a lone answer's speed on a 2.7 GiB bf16 model (docs/benchmarks.md); their
+# answers are batch-invariant with `batch_invariant=True`.
+USED_TYPES = (torch.float32,)
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+ENV = "OFFLOAD_ROW_DOT"  # "0": not used (the BLAS kernels, as before)
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The kernels, built or loaded from the cache; None where they cannot be (logged)."""
+    if os.environ.get(ENV, "1") == "0":
+        return None
+    try:
+        data = _built()
+        lib = _load(data)
+    except Exception as error:  # (no compiler, a read-only cache: the BLAS kernels run)
+        log.warning("the row-invariant products are not available (%s)", error)
+        return None
+    for name in FLOAT_TYPES.values():
+        getattr(lib, name).argtypes = [_P, _I, _P, _I, _I, _I, _P, ctypes.c_int]
+    lib.rowdot_q8.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int]
+    return lib
+
+
+def _source() -> bytes:
+    return resources.files("offload.quant").joinpath("row_dot.c").read_bytes()
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise RuntimeError("no C compiler (cc) found")
+    return compiler
+
+
+def _built() -> bytes:
+    """The library's bytes: from the cache where a signed copy for this source, compiler
+    and CPU is there, else compiled now and kept."""
+    compiler = _compiler()
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, timeout=30, check=True
+    ).stdout
+    key = hashlib.sha256(
+        repr((_source(), version, _FLAGS, platform.machine(), cache_digest.cpu_identity())).encode()
+    ).hexdigest()[:24]
+    path = cache_folder("kernels") / f"row_dot-{key}.so"
+    try:
+        return cache_digest.read_signed(path)
+    except FileNotFoundError:
+        pass
+    except cache_digest.NotSigned as why:
+        log.warning("the kept kernels %s are not used (%s): compiling them", path, why)
+    with tempfile.TemporaryDirectory(prefix="offload-row-dot-") as folder:
+        source, out = Path(folder) / "row_dot.c", Path(folder) / "row_dot.so"
+        source.write_bytes(_source())
+        done = subprocess.run(
+            [compiler, *_FLAGS, "-o", str(out), str(source)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-300:]}")
+        data = out.read_bytes()
+    cache_digest.write_signed(path, data)
+    return data
+
+
+def _load(data: bytes) -> ctypes.CDLL:
+    """`data` loaded from a file only this process holds (a memory file where the system
+    has them): the checked bytes are the ones run."""
+    if hasattr(os, "memfd_create"):
+        descriptor = os.memfd_create("offload-row-dot")
+        os.write(descriptor, data)
+        lib = ctypes.CDLL(f"/proc/self/fd/{descriptor}")
+        os.close(descriptor)  # (the mapping keeps it)
+        return lib
+    with tempfile.TemporaryDirectory(prefix="offload-row-dot-") as folder:
+        path = Path(folder) / "row_dot.so"
+        path.write_bytes(data)
+        return ctypes.CDLL(str(path))
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `row_linear(x, weight)` runs here: plain CPU tensors, a float weight of
+    `USED_TYPES` whose rows are contiguous, a float x of the weight's width."""
+    plain = (torch.Tensor, torch.nn.Parameter)
+    if type(weight) not in plain or type(x) not in plain:
+        return False  # (a tensor subclass: a quantized weight keeps its own kernel)
+    if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if weight.dtype not in USED_TYPES or not x.is_floating_point() or not x.dim():
+        return False
+    if weight.stride(1) != 1 or x.shape[-1] != weight.shape[1]:
+        return False
+    return library() is not None
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """`F.linear(x, weight, bias)` with each output one fixed-order dot product (float32
+    sums, then x's dtype); callers check `fits` first."""
+    rows = _rows(x)
+    out = torch.empty(rows.shape[0], weight.shape[0])
+    if rows.shape[0]:
+        function = getattr(library(), FLOAT_TYPES[weight.dtype])
+        function(
+            rows.data_ptr(),
+            rows.shape[0],
+            weight.data_ptr(),
+            weight.shape[0],
+            weight.shape[1],
+            weight.stride(0),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
+    out = out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    return out if bias is None else out + bias
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as float32 rows [n, width], contiguous (a copy only where it is not so)."""
+    return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
+
+
+def q8_fits(x: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `q8_linear` runs here: CPU tensors, blocks of a multiple of the kernel's
+    lanes (8 or 16), 256 values at most."""
+    cpu = x.device.type == "cpu" and values.device.type == "cpu"
+    if not cpu or library() is None:
+        return False
+    return values.shape[-1] % library().rowdot_lanes() == 0 and values.shape[-1] <= 256
+
+
+def q8_linear(
+    x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
+) -> torch.Tensor:
+    """x [rows, in] times a q8 weight (`values` int8 [blocks, out, g], `scales` and
+    `offsets` [blocks, out]), in x's dtype; callers check `q8_fits` first."""
+    blocks, outs, group = values.shape
+    rows = _rows(x)
+    half = scales.dtype == torch.float16
+    scales = scales.to(torch.float16 if half else torch.float32).contiguous()
+    if offsets is not None:
+        offsets = offsets.to(scales.dtype).contiguous()
+    values = values.contiguous()
+    out = torch.empty(rows.shape[0], outs)
+    for start in range(0, rows.shape[0], MAX_ROWS):  # (rows apart: the same bits in pieces)
+        part = rows[start : start + MAX_ROWS]
+        library().rowdot_q8(
+            part.data_ptr(),
+            part.shape[0],
+            values.data_ptr(),
+            scales.data_ptr(),
+            None if offsets is None else offsets.data_ptr(),
+            int(half),
+            outs,
+            blocks,
+            group,
+            out[start:].data_ptr(),
+            torch.get_num_threads(),
+        )
+    return out.to(x.dtype)
+
+
+def _row_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+# One opaque op in a compiled step (its weight's address is known only when it runs).
+ROW_LINEAR = define_op(
+    "row_linear", "(Tensor x, Tensor weight) -> Tensor", row_linear, _row_linear_fake
+)

@@ -1,0 +1,67 @@
+"""Batch invariance by default on a CPU (`quant/row_dot`): with no flag, a prompt's tokens
+and logprobs are bit for bit the same alone and in any batch, whatever the other prompts'
+lengths and order, on every weight form, eager and compiled, in `generate` and among
+concurrent streams (what `serve` runs)."""
+
+from __future__ import annotations
+
+import gguf_files
+import packed_zoo
+import pytest
+from streams import answer_of, check_invariant, random_prompts, streamed_apart
+
+from offload import LLM, SamplingParams
+from offload.quant import row_dot
+
+PARAMS = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+LENGTHS = (1, 2, 3, 5, 9, 30)  # prompt lengths in tokens (batches of 1-6 rows: each tail of 4)
+
+
+def _check_invariant(llm: LLM, vocab: int) -> None:
+    check_invariant(llm, random_prompts(vocab, LENGTHS), PARAMS)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    if row_dot.library() is None:
+        pytest.skip("no C compiler here: the row-invariant products are not built")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "stored"])
+def test_the_default_model_answers_alike_alone_and_in_any_batch(dtype):
+    kwargs = {} if dtype == "stored" else {"dtype": dtype}
+    with LLM(max_model_len=128, enable_prefix_caching=False, **kwargs) as llm:
+        _check_invariant(llm, llm.model.config.vocab_size)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_a_gguf_as_stored_answers_alike_alone_and_in_any_batch(tmp_path, kind):
+    path = gguf_files.write_llama_gguf(tmp_path / f"tiny-{kind}.gguf", kind=kind)
+    with LLM(str(path), max_model_len=64, enable_prefix_caching=False) as llm:
+        _check_invariant(llm, 257)
+
+
+@pytest.mark.parametrize("fmt", ["gptq", "fp8-block"])
+def test_a_packed_checkpoint_answers_alike_alone_and_in_any_batch(tmp_path, fmt):
+    quantized, _ = packed_zoo.save_pair(tmp_path, fmt)
+    with LLM(quantized, device="cpu", max_model_len=64, enable_prefix_caching=False) as llm:
+        _check_invariant(llm, llm.model.config.vocab_size)
+
+
+def test_concurrent_streams_answer_as_generate_does_alone():
+    with LLM(max_model_len=128, enable_prefix_caching=False) as llm:
+        prompts = random_prompts(llm.model.config.vocab_size, LENGTHS, seed=2)
+        alone = [answer_of(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts]
+        assert streamed_apart(llm, prompts, PARAMS, answer_of) == alone
+
+
+def test_the_compiled_step_answers_alike_alone_and_in_any_batch(monkeypatch):
+    """One compiled graph for every batch (a lone row beside a padding row), waited for:
+    the stored default model's answers alone and batched, bit for bit, over widths up to
+    256 columns (a lone row's own graph parted from a batch's in every answer's logprobs)."""
+    monkeypatch.setenv("OFFLOAD_CPU_COMPILE", "wait")
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
+    with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
+        prompts = random_prompts(llm.model.config.vocab_size, (3, 30, 61, 120), seed=3)
+        check_invariant(llm, prompts, params)
+        assert llm._cpu_step is not None and set(llm._cpu_step.graphs) == {("rows",)}
