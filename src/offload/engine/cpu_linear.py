@@ -185,7 +185,10 @@ def row_invariant(model: torch.nn.Module) -> bool:
     kernel rounds a row alike at any count), so that a row's bits do not depend on its
     batch: where the kernels are built and the model computes in float32 (as the stored
     and packed forms do; bfloat16 and float16 keep their kernels, `row_dot.USED_TYPES`)."""
-    return row_dot.library() is not None and compute_dtype(model) == torch.float32
+    known = _ROW_INVARIANT.get(model)
+    if known is None:  # (once per model: asked at every decode step)
+        known = _ROW_INVARIANT[model] = compute_dtype(model) == torch.float32
+    return known and row_dot.library() is not None
 
 
 def _float_linears(model: torch.nn.Module) -> bool:
@@ -201,6 +204,7 @@ def _float_linears(model: torch.nn.Module) -> bool:
 
 
 _FLOAT_LINEARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ROW_INVARIANT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pays(model: torch.nn.Module) -> bool:
