@@ -27,7 +27,7 @@ def _kernels_built():
         pytest.skip("no C compiler here: the row-invariant products are not built")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "stored"])
+@pytest.mark.parametrize("dtype", ["float32", "stored", "bfloat16", "float16"])
 def test_the_default_model_answers_alike_alone_and_in_any_batch(dtype):
     kwargs = {} if dtype == "stored" else {"dtype": dtype}
     with LLM(max_model_len=128, enable_prefix_caching=False, **kwargs) as llm:

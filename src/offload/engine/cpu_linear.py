@@ -181,13 +181,13 @@ def kernels_for(model: torch.nn.Module, device: torch.device):
 
 def row_invariant(model: torch.nn.Module) -> bool:
     """Whether `model`'s decode steps on a CPU take the row-invariant products
-    (`quant/row_dot`: float32 weights here, q8 ones in `quant/kernels`; torch's CPU int4
+    (`quant/row_dot`: float weights here, q8 ones in `quant/kernels`; torch's CPU int4
     kernel rounds a row alike at any count), so that a row's bits do not depend on its
-    batch: where the kernels are built and the model computes in float32 (as the stored
-    and packed forms do; bfloat16 and float16 keep their kernels, `row_dot.USED_TYPES`)."""
+    batch: where the kernels are built and the model computes in a dtype they take
+    (`row_dot.USED_TYPES`: float32, as the stored and packed forms do, and bfloat16)."""
     known = _ROW_INVARIANT.get(model)
     if known is None:  # (once per model: asked at every decode step)
-        known = _ROW_INVARIANT[model] = compute_dtype(model) == torch.float32
+        known = _ROW_INVARIANT[model] = compute_dtype(model) in row_dot.USED_TYPES
     return known and row_dot.library() is not None
 
 

@@ -4,11 +4,17 @@
    The order: LANES-wide partial sums (lane l takes inputs k = l mod LANES) added in input
    order, a multiply and an add each (no fused multiply-add: -ffp-contract=off), then the
    lanes summed pairwise, halves first (16: l + l8; 8: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)));
-   inputs past the last whole LANES are added one at a time after that. LANES is 16 with
-   AVX-512, 8 with AVX2 (one register each), 8 elsewhere (the same arithmetic lane by
-   lane): the bits are the same for every m within one build, and a build is per machine. */
+   inputs past the last whole LANES are added one at a time after that. bfloat16 weights
+   take 2*LANES inputs a step (one load, widened by a shift and a mask, not a shuffle):
+   lane l adds input 2l of the piece, then input 2l+1. LANES is 16 with AVX-512, 8 with
+   AVX2 (one register each), 8 elsewhere (the same arithmetic lane by lane): the bits are
+   the same for every m within one build, and a build is per machine. */
 #include <stdint.h>
 #include <string.h>
+#include <stdlib.h>
+#ifndef SMALLM
+#define SMALLM 4
+#endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -24,6 +30,11 @@ static inline v8 v_set1(float a) { return _mm512_set1_ps(a); }
 static inline v8 v_bf16(const uint16_t *p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+static inline void v_bf16_pair(const uint16_t *p, v8 *even, v8 *odd) {
+  __m512i raw = _mm512_loadu_si512((const void *)p);
+  *even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  *odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32((int)0xFFFF0000u)));
 }
 static inline v8 v_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 static inline v8 v_i8(const int8_t *p) {
@@ -48,6 +59,11 @@ static inline v8 v_bf16(const uint16_t *p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+static inline void v_bf16_pair(const uint16_t *p, v8 *even, v8 *odd) {
+  __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+  *even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  *odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
 static inline v8 v_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 static inline v8 v_i8(const int8_t *p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -69,6 +85,12 @@ static inline v8 v_bf16(const uint16_t *p) {
   v8 r;
   for (int i = 0; i < 8; i++) { uint32_t w = (uint32_t)p[i] << 16; memcpy(&r.l[i], &w, 4); }
   return r;
+}
+static inline void v_bf16_pair(const uint16_t *p, v8 *even, v8 *odd) {
+  for (int i = 0; i < 8; i++) {
+    uint32_t e = (uint32_t)p[2 * i] << 16, o = (uint32_t)p[2 * i + 1] << 16;
+    memcpy(&even->l[i], &e, 4); memcpy(&odd->l[i], &o, 4);
+  }
 }
 static inline v8 v_f16(const uint16_t *p) {
   v8 r; _Float16 h[8]; memcpy(h, p, 16);
@@ -95,20 +117,51 @@ static inline float load_w1(const char *w, int64_t k, int type) {
   _Float16 h; memcpy(&h, &bits, 2); return (float)h;
 }
 
+/* x with each whole 2*LANES piece's even inputs first, then its odd ones (NULL: no memory). */
+static float *pair_rows(const float *x, int64_t M, int64_t K) {
+  float *xp = (float *)malloc(sizeof(float) * (M * K + 1));
+  if (!xp) return NULL;
+  const int64_t whole = K - K % (2 * LANES);
+  for (int64_t m = 0; m < M; m++) {
+    const float *r = x + m * K; float *o = xp + m * K;
+    for (int64_t k = 0; k < whole; k += 2 * LANES)
+      for (int l = 0; l < LANES; l++) { o[k + l] = r[k + 2 * l]; o[k + LANES + l] = r[k + 2 * l + 1]; }
+    for (int64_t k = whole; k < K; k++) o[k] = r[k];
+  }
+  return xp;
+}
+
 /* Outputs (row m0 + j, column n0 + i) for i < NR, j < MR. */
 static inline __attribute__((always_inline)) void tile(
-    const float *x, const char *w, int64_t wrow, int64_t N, int64_t K, float *y,
+    const float *x, const float *xp, const char *w, int64_t wrow, int64_t N, int64_t K, float *y,
     int64_t n0, int64_t m0, const int NR, const int MR, const int type) {
   v8 acc[4][4];
   for (int i = 0; i < NR; i++)
     for (int j = 0; j < MR; j++) acc[i][j] = v_zero();
-  const int64_t whole = K - K % LANES;
-  for (int64_t k = 0; k < whole; k += LANES) {
-    v8 xs[4], ws[4];
-    for (int j = 0; j < MR; j++) xs[j] = v_load(x + (m0 + j) * K + k);
-    for (int i = 0; i < NR; i++) ws[i] = load_w(w + (n0 + i) * wrow, k, type);
-    for (int i = 0; i < NR; i++)
-      for (int j = 0; j < MR; j++) acc[i][j] = v_add(acc[i][j], v_mul(xs[j], ws[i]));
+  const int64_t step = type == BF16 ? 2 * LANES : LANES, whole = K - K % step;
+  if (type == BF16) {
+    for (int64_t k = 0; k < whole; k += step) {
+      v8 xe[4], xo[4], we[4], wo[4];
+      for (int j = 0; j < MR; j++) {
+        xe[j] = v_load(xp + (m0 + j) * K + k);
+        xo[j] = v_load(xp + (m0 + j) * K + k + LANES);
+      }
+      for (int i = 0; i < NR; i++)
+        v_bf16_pair((const uint16_t *)(w + (n0 + i) * wrow) + k, &we[i], &wo[i]);
+      for (int i = 0; i < NR; i++)
+        for (int j = 0; j < MR; j++) {
+          acc[i][j] = v_add(acc[i][j], v_mul(xe[j], we[i]));
+          acc[i][j] = v_add(acc[i][j], v_mul(xo[j], wo[i]));
+        }
+    }
+  } else {
+    for (int64_t k = 0; k < whole; k += LANES) {
+      v8 xs[4], ws[4];
+      for (int j = 0; j < MR; j++) xs[j] = v_load(x + (m0 + j) * K + k);
+      for (int i = 0; i < NR; i++) ws[i] = load_w(w + (n0 + i) * wrow, k, type);
+      for (int i = 0; i < NR; i++)
+        for (int j = 0; j < MR; j++) acc[i][j] = v_add(acc[i][j], v_mul(xs[j], ws[i]));
+    }
   }
   for (int i = 0; i < NR; i++)
     for (int j = 0; j < MR; j++) {
@@ -119,38 +172,40 @@ static inline __attribute__((always_inline)) void tile(
     }
 }
 
-#define ROWS_AT(n0, NR, type)                                                      \
-  do {                                                                            \
-    int64_t m0 = 0;                                                               \
-    for (; m0 + 4 <= M; m0 += 4) tile(x, w, wrow, N, K, y, n0, m0, NR, 4, type); \
-    switch (M - m0) {                                                             \
-      case 3: tile(x, w, wrow, N, K, y, n0, m0, NR, 3, type); break;              \
-      case 2: tile(x, w, wrow, N, K, y, n0, m0, NR, 2, type); break;              \
-      case 1: tile(x, w, wrow, N, K, y, n0, m0, NR, 1, type); break;              \
-    }                                                                             \
+#define ROWS(NR, type)                                                                \
+  do {                                                                                \
+    int64_t m0 = 0;                                                                   \
+    for (; m0 + 4 <= M; m0 += 4) tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 4, type);  \
+    switch (M - m0) {                                                                 \
+      case 3: tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 3, type); break;              \
+      case 2: tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 2, type); break;              \
+      case 1: tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 1, type); break;              \
+    }                                                                                 \
   } while (0)
-#define ROWS(NR, type) ROWS_AT(n0, NR, type)
 
-/* y [M, N] = x [M, K] times weight [N, K] (rows ldw values apart), float32 sums. */
-#define KERNEL(name, type)                                                       \
-  void name(const float *x, int64_t M, const void *weight, int64_t N, int64_t K,  \
-            int64_t ldw, float *y, int threads) {                                 \
-    const char *w = (const char *)weight;                                        \
-    const int64_t wrow = ldw * (type == F32 ? 4 : 2), tiles = (N + 3) / 4;       \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")            \
-    for (int64_t t = 0; t < tiles; t++) {                                        \
-      const int64_t n0 = t * 4;                                                  \
-      if (M <= 4) { /* (a weight row at a time streams faster: the same sums) */ \
-        for (int64_t n = n0; n < n0 + 4 && n < N; n++) ROWS_AT(n, 1, type);           \
-        continue;                                                                \
-      }                                                                          \
-      switch (N - n0 >= 4 ? 4 : N - n0) {                                        \
-        case 4: ROWS(4, type); break;                                            \
-        case 3: ROWS(3, type); break;                                            \
-        case 2: ROWS(2, type); break;                                            \
-        default: ROWS(1, type); break;                                           \
-      }                                                                          \
-    }                                                                            \
+/* y [M, N] = x [M, K] times weight [N, K] (rows ldw values apart), float32 sums; 4 weight
+   rows at a time at every m (four streams from memory, four independent sums). 0, or -1
+   where no memory was left for x's pairs. */
+#define KERNEL(name, type)                                                            \
+  int name(const float *x, int64_t M, const void *weight, int64_t N, int64_t K,       \
+           int64_t ldw, float *y, int threads) {                                      \
+    const char *w = (const char *)weight;                                             \
+    float *pairs = type == BF16 ? pair_rows(x, M, K) : NULL;                          \
+    if (type == BF16 && !pairs) return -1;                                            \
+    const float *xp = pairs ? pairs : x;                                              \
+    const int64_t wrow = ldw * (type == F32 ? 4 : 2), tiles = (N + 3) / 4;            \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                 \
+    for (int64_t t = 0; t < tiles; t++) {                                             \
+      const int64_t n0 = t * 4;                                                       \
+      switch (N - n0 >= 4 ? 4 : N - n0) {                                             \
+        case 4: ROWS(4, type); break;                                                 \
+        case 3: ROWS(3, type); break;                                                 \
+        case 2: ROWS(2, type); break;                                                 \
+        default: ROWS(1, type); break;                                                \
+      }                                                                               \
+    }                                                                                 \
+    free(pairs);                                                                      \
+    return 0;                                                                         \
   }
 
 int rowdot_lanes(void) { return LANES; }

@@ -5,11 +5,12 @@ default, on a CPU).
 BLAS kernels pick their method by the row count (MKL's float32 `F.linear` rounds a row
 three ways, oneDNN's bf16 rounds a lone row apart: `engine/invariant.py`), and the compiled
 step's one-row loop is yet another order. The kernels of `row_dot.c` compute each output
-as 16-wide partial sums over the inputs in turn, then a fixed tree over the 16 lanes:
-for weights of float32, bfloat16 and float16 (widened in registers, as stored), and the
-q8 block columns of `quant/layouts.py`. They read the weight once per call, a tile of
-rows at a time across the OpenMP threads (torch's own runtime: the same `libgomp.so.1`),
-so one row runs at the memory's rate and a few rows cost about what one does.
+as 16-wide (AVX-512; 8-wide elsewhere) partial sums over the inputs in turn, then a fixed
+tree over the lanes: for weights of float32, bfloat16 and float16 (widened in registers,
+as stored), and the q8 block columns of `quant/layouts.py`. They read the weight once per
+call, 4 rows at a time across the OpenMP threads (torch's own runtime: the same
+`libgomp.so.1`), so one row runs near the memory's rate and a few rows cost about what
+one does.
 
 The library is compiled once per machine (`cc -O3 -march=native`, a few seconds) into the
 offload cache, signed with the cache's key (`memory/cache_digest`), and loaded from a
@@ -46,11 +47,10 @@ FLOAT_TYPES = {
     torch.bfloat16: "rowdot_bf16",
     torch.float16: "rowdot_f16",
 }
-# The weight dtypes a product takes these kernels for: float32 (and what de-quantizes to it).
-# bfloat16 and float16 weights keep oneDNN's and the compiled one-row loop: there the kernels
-# cost 0.70x of a lone answer's speed on a 2.7 GiB bf16 model (docs/benchmarks.md); their
-# answers are batch-invariant with `batch_invariant=True`.
-USED_TYPES = (torch.float32,)
+# The weight dtypes a product takes these kernels for: every float (and what de-quantizes to
+# float32). From memory they read bfloat16 and float16 at 0.8x float32's rate (widening
+# costs), above oneDNN's kernels for them at any row count (docs/benchmarks.md).
+USED_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 ENV = "OFFLOAD_ROW_DOT"  # "0": not used (the BLAS kernels, as before)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -69,6 +69,7 @@ def library() -> ctypes.CDLL | None:
         return None
     for name in FLOAT_TYPES.values():
         getattr(lib, name).argtypes = [_P, _I, _P, _I, _I, _I, _P, ctypes.c_int]
+        getattr(lib, name).restype = ctypes.c_int  # (-1: no memory for x's pairs)
     lib.rowdot_q8.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int]
     return lib
 
@@ -154,7 +155,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     out = torch.empty(rows.shape[0], weight.shape[0])
     if rows.shape[0]:
         function = getattr(library(), FLOAT_TYPES[weight.dtype])
-        function(
+        failed = function(
             rows.data_ptr(),
             rows.shape[0],
             weight.data_ptr(),
@@ -164,6 +165,8 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
             out.data_ptr(),
             torch.get_num_threads(),
         )
+        if failed:
+            raise MemoryError(f"no memory for a product's {rows.shape[0]} input rows")
     out = out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     return out if bias is None else out + bias
 
