@@ -11,6 +11,7 @@ import pytest
 from streams import answer_of, check_invariant, random_prompts, streamed_apart
 
 from offload import LLM, SamplingParams
+from offload.engine import cpu_linear
 from offload.quant import row_dot
 
 PARAMS = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
@@ -63,5 +64,20 @@ def test_the_compiled_step_answers_alike_alone_and_in_any_batch(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
     with LLM(max_model_len=256, enable_prefix_caching=False) as llm:
         prompts = random_prompts(llm.model.config.vocab_size, (3, 30, 61, 120), seed=3)
+        check_invariant(llm, prompts, params)
+        assert llm._cpu_step is not None and set(llm._cpu_step.graphs) == {("rows",)}
+
+
+def test_a_compiled_step_of_de_quantized_products_answers_alike(tmp_path, monkeypatch):
+    """A packed form (and a GGUF kind kept as its blocks) de-quantizes for `F.linear`
+    inside its opaque op: in a compiled step too that product is the row-invariant one
+    (with `F.linear` there, this GPTQ model's answers parted)."""
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("OFFLOAD_CPU_COMPILE", "wait")
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)  # (the tiny model's step compiles)
+    path, _ = packed_zoo.save_pair(tmp_path, "gptq")
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    with LLM(path, device="cpu", max_model_len=128, enable_prefix_caching=False) as llm:
+        prompts = random_prompts(llm.model.config.vocab_size, (1, 3, 9, 30, 70), seed=4)
         check_invariant(llm, prompts, params)
         assert llm._cpu_step is not None and set(llm._cpu_step.graphs) == {("rows",)}

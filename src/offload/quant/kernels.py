@@ -161,6 +161,14 @@ def gguf_linear(
     return F.linear(x, dequantize(raw, kind).to(x.dtype), bias)
 
 
+def _gguf_step_linear(
+    x: torch.Tensor, raw: torch.Tensor, kind: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`gguf_linear` in a compiled step: its product as the eager decode step's
+    (`row_dot.step_linear`)."""
+    return row_dot.step_linear(x, dequantize(raw, kind).to(x.dtype), bias)
+
+
 def q8_rows(
     ids: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None
 ) -> torch.Tensor:
@@ -226,7 +234,7 @@ _PRODUCTS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tens
         define_op(
             "gguf_linear",
             "(Tensor x, Tensor raw, str kind, Tensor? bias) -> Tensor",
-            gguf_linear,
+            _gguf_step_linear,
             _gguf_fake,
         ),
     ),

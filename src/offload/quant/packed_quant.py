@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.offloader.ops import define_op
+from offload.quant import row_dot
 from offload.quant.kinds import PackedKind
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column each nibble of an AWQ word holds
@@ -235,6 +236,15 @@ def packed_linear(
     return torch.nn.functional.linear(x, weight, None if bias is None else bias.to(x.dtype))
 
 
+def _packed_step_linear(
+    x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`packed_linear` in a compiled step: its product as the eager decode step's
+    (`row_dot.step_linear`)."""
+    weight = dequantize_packed(form, tensors).to(x.dtype)
+    return row_dot.step_linear(x, weight, None if bias is None else bias.to(x.dtype))
+
+
 def _packed_fake(
     x: torch.Tensor, tensors: list[torch.Tensor], form: str, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -245,6 +255,6 @@ def _packed_fake(
 packed_linear_op = define_op(
     "packed_linear",
     "(Tensor x, Tensor[] tensors, str form, Tensor? bias) -> Tensor",
-    packed_linear,
+    _packed_step_linear,
     _packed_fake,
 )

@@ -171,6 +171,16 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return out if bias is None else out + bias
 
 
+def step_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """`F.linear(x, weight, bias)` inside a compiled decode step's opaque products (the GGUF
+    kinds and packed forms that de-quantize for it): `row_linear` where it fits and x
+    holds 1 to `MAX_ROWS` rows, as the eager step's products are (`cpu_linear`), so a
+    row's bits do not depend on its batch there either; else `F.linear`."""
+    if 1 <= x.numel() // max(x.shape[-1], 1) <= MAX_ROWS and fits(x, weight):
+        return row_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as float32 rows [n, width], contiguous (a copy only where it is not so)."""
     return x.reshape(-1, x.shape[-1]).to(torch.float32).contiguous()
