@@ -219,3 +219,35 @@ def test_the_program_ends_without_finalizing_while_a_compile_runs(monkeypatch):
     assert jobs.wait(timeout_s=30)
     cli_main._leave_compiles(3)
     assert exits == [0]
+
+
+EXITS_MID_JOB = """
+import sys, time, torch
+from offload.engine import step_jobs
+def job():  # (inside torch's C++ most of the time, the GIL released, as inductor's compile)
+    a = torch.randn(384, 384)
+    end = time.monotonic() + 3
+    while time.monotonic() < end:
+        a = torch.mm(a, a).clamp_(-1, 1)
+    return "done"
+jobs = step_jobs.StepJobs()
+jobs.submit("step", job)
+time.sleep(0.5)
+print("the answer", flush=True)
+"""
+
+
+def test_a_script_that_ends_mid_compile_waits_for_it_and_exits_cleanly():
+    """CPython aborts a process whose daemon thread is inside torch's C++ at exit (134,
+    "terminate called without an active exception"): the job is waited for, said on
+    stderr, and the script's status is its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_MID_JOB], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-500:]
+    assert done.stdout == "the answer\n"
+    assert "waiting for the decode step's compile" in done.stderr
+    assert "terminate" not in done.stderr

@@ -39,6 +39,7 @@ def _leave_compiles(status: int) -> None:
     jobs = sys.modules.get("offload.engine.step_jobs")  # (imported only where steps compile)
     if jobs is None or not jobs.busy():
         return
+    atexit.unregister(jobs.finish_at_exit)  # (it would wait for the compile)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):

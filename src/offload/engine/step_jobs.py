@@ -4,9 +4,10 @@ A step's compile (or the load of a kept one) takes from a few seconds to minutes
 the model, inductor's C++ compiles. The decode loop asks for a step's shape, gets nothing
 while its job runs, and decodes that step eagerly; once the job is done, its next steps
 run compiled. The jobs of one `CompiledCpuStep` run one after another on one daemon
-thread: two compiles at once would only share the cores. The thread is a daemon, so a
-process that ends mid-compile does not wait for it; a kept step is written whole or not
-at all (`step_cache.save`), and `wait` lets a command finish the job first.
+thread: two compiles at once would only share the cores. At the interpreter's exit a
+running job is waited for (`finish_at_exit`: CPython would abort the process otherwise);
+the `offload` command ends without it, and a kept step is written whole or not at all
+(`step_cache.save`).
 
 Whether the model a job traced was whole: `close()` is called before its model is torn
 down, and a job that finishes after it keeps nothing (a trace may have read the model
@@ -15,7 +16,10 @@ while it was being taken apart; its step must not be kept under the intact model
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import logging
+import os
 import queue
 import sys
 import threading
@@ -29,11 +33,40 @@ log = logging.getLogger(__name__)
 
 _SWITCH_S = 1e-5  # the GIL's switch interval while a job runs
 _ALL: weakref.WeakSet = weakref.WeakSet()  # every StepJobs, for `busy`
+_EXITING = threading.Event()  # the interpreter exits: queued jobs do not start
 
 
 def busy() -> bool:
     """Whether a job is running or queued in any `StepJobs` of the process."""
     return any(jobs._pending for jobs in list(_ALL))
+
+
+def finish_at_exit() -> None:
+    """At the interpreter's exit, wait for a running compile to end (queued ones do not
+    start): CPython ends a daemon thread that is inside torch's C++ by aborting the
+    process (status 134, "terminate called without an active exception"), after a
+    script's answers were out. Ctrl-C ends the wait, and the process, at once (status
+    130). The `offload` command ends itself instead (`cli.main._leave_compiles`)."""
+    _EXITING.set()
+    if not busy():
+        return
+    print(
+        "offload: waiting for the decode step's compile to end before exiting "
+        "(Ctrl-C: exit now, the step is not kept)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        for jobs in list(_ALL):
+            jobs.wait()
+    except KeyboardInterrupt:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(130)
+
+
+atexit.register(finish_at_exit)
 
 
 class StepJobs:
@@ -110,7 +143,8 @@ class StepJobs:
                 # (the inputs were made in inference mode: a step's guards check their
                 # dispatch keys, and the mode is a thread's own)
                 with torch.inference_mode(), self.running:
-                    result = None if self.closed.is_set() else job()
+                    stop = self.closed.is_set() or _EXITING.is_set()
+                    result = None if stop else job()
             except Exception as error:  # the step stays eager; only slower
                 log.info("the decode step's compile failed (%s); it runs eagerly", error)
                 result = None

@@ -31,12 +31,19 @@ def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
     CPU is written out (`q8_one_row`), so that inductor reads the int8 weight once in one
     loop instead of widening each block column to float32 for MKL."""
     if torch.compiler.is_compiling():
-        if op == "q8" and x.shape[0] == 1 and x.device.type == "cpu" and not row_dot.library():
+        if op == "q8" and x.shape[0] == 1 and x.device.type == "cpu" and not _row_dot_built():
             return q8_one_row(x, *stored)
         if op == "int4":  # (its casts fused into the kernels around: docs/benchmarks.md)
             return _OPAQUE[op](x.to(torch.bfloat16), *stored).to(x.dtype)
         return _OPAQUE[op](x, *stored)
     return _EAGER[op](x, *stored)
+
+
+@torch.compiler.assume_constant_result
+def _row_dot_built() -> bool:
+    """Whether the row-invariant products are built (a constant to a trace: dynamo warns
+    when it traces into `row_dot.library`'s functools cache)."""
+    return row_dot.library() is not None
 
 
 def q8_one_row(
