@@ -228,49 +228,65 @@ static inline float scalar_of(const void *values, int64_t i, int half) {
 #define Q8_SUMS 1024 /* 8-wide sums a thread keeps at once (32 KiB: in L1/L2) */
 #define Q8_MAX_GROUP 256 /* values in a block, at most (row_dot.py checks) */
 
-void rowdot_q8(const float *x, int64_t M, const int8_t *q, const void *scales,
-               const void *offsets, int half, int64_t N, int64_t blocks, int64_t g,
-               float *y, int threads) {
+/* The products of the outputs n0..n1 - 1 of rows 0..M - 1, block by block (G values a block:
+   a constant where inlined with one, so that the block's widened weights stay in registers);
+   `sums` [m][b]: each row's block of x summed (8-wide, over the block's pieces in turn),
+   for the offsets. */
+static inline __attribute__((always_inline)) void q8_outputs(
+    const float *x, int64_t M, const int8_t *q, const void *scales, const void *offsets,
+    const v8 *sums, int half, int64_t N, int64_t blocks, const int64_t G, int64_t n0,
+    int64_t n1, v8 *acc) {
+  const int64_t K = blocks * G;
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t n = n0; n < n1; n++) {
+      const int8_t *qs = q + (b * N + n) * G;
+      v8 qv[Q8_MAX_GROUP / LANES]; /* the block's weights widened once for every row */
+      for (int64_t k = 0; k < G; k += LANES) qv[k / LANES] = v_i8(qs + k);
+      const v8 scale = v_set1(scalar_of(scales, b * N + n, half));
+      const v8 offset = offsets ? v_set1(scalar_of(offsets, b * N + n, half)) : v_zero();
+      v8 *a = acc + (n - n0) * M;
+      for (int64_t m = 0; m < M; m++) {
+        const float *xs = x + m * K + b * G;
+        v8 part = v_zero();
+        for (int64_t k = 0; k < G; k += LANES) part = v_add(part, v_mul(v_load(xs + k), qv[k / LANES]));
+        a[m] = v_add(a[m], v_mul(part, scale));
+        if (offsets) a[m] = v_add(a[m], v_mul(sums[m * blocks + b], offset));
+      }
+    }
+}
+
+int rowdot_q8(const float *x, int64_t M, const int8_t *q, const void *scales,
+              const void *offsets, int half, int64_t N, int64_t blocks, int64_t g,
+              float *y, int threads) {
   /* Outputs a thread takes at once: many where the rows are few, so that each block
      column is read in long runs (the order of each output's sums is the same). */
   const int64_t chunk = M >= 64 ? 16 : Q8_SUMS / M;
   const int64_t K = blocks * g, chunks = (N + chunk - 1) / chunk;
+  v8 *sums = NULL;
+  if (offsets) { /* (once a call: they do not depend on the output) */
+    sums = (v8 *)aligned_alloc(64, ((M * blocks * sizeof(v8) + 63) / 64) * 64 + 64);
+    if (!sums) return -1;
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t b = 0; b < blocks; b++) {
+        v8 whole = v_zero();
+        for (int64_t k = 0; k < g; k += LANES) whole = v_add(whole, v_load(x + m * K + b * g + k));
+        sums[m * blocks + b] = whole;
+      }
+  }
   _Pragma("omp parallel num_threads(threads)") {
     v8 acc[Q8_SUMS]; /* [n - n0][m] */
     _Pragma("omp for schedule(static)")
     for (int64_t c = 0; c < chunks; c++) {
       const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
       for (int64_t i = 0; i < (n1 - n0) * M; i++) acc[i] = v_zero();
-      for (int64_t b = 0; b < blocks; b++)
-        for (int64_t n = n0; n < n1; n++) {
-          const int8_t *qs = q + (b * N + n) * g;
-          v8 qv[Q8_MAX_GROUP / LANES]; /* the block's weights widened once for every row */
-          for (int64_t k = 0; k < g; k += LANES) qv[k / LANES] = v_i8(qs + k);
-          const v8 scale = v_set1(scalar_of(scales, b * N + n, half));
-          v8 *a = acc + (n - n0) * M;
-          if (offsets) {
-            const v8 offset = v_set1(scalar_of(offsets, b * N + n, half));
-            for (int64_t m = 0; m < M; m++) {
-              const float *xs = x + m * K + b * g;
-              v8 part = v_zero(), whole = v_zero();
-              for (int64_t k = 0; k < g; k += LANES) {
-                v8 xv = v_load(xs + k);
-                part = v_add(part, v_mul(xv, qv[k / LANES]));
-                whole = v_add(whole, xv);
-              }
-              a[m] = v_add(v_add(a[m], v_mul(part, scale)), v_mul(whole, offset));
-            }
-          } else {
-            for (int64_t m = 0; m < M; m++) {
-              const float *xs = x + m * K + b * g;
-              v8 part = v_zero();
-              for (int64_t k = 0; k < g; k += LANES) part = v_add(part, v_mul(v_load(xs + k), qv[k / LANES]));
-              a[m] = v_add(a[m], v_mul(part, scale));
-            }
-          }
-        }
+      if (g == 32)
+        q8_outputs(x, M, q, scales, offsets, sums, half, N, blocks, 32, n0, n1, acc);
+      else
+        q8_outputs(x, M, q, scales, offsets, sums, half, N, blocks, g, n0, n1, acc);
       for (int64_t n = n0; n < n1; n++)
         for (int64_t m = 0; m < M; m++) y[m * N + n] = v_sum(acc[(n - n0) * M + m]);
     }
   }
+  free(sums);
+  return 0;
 }

@@ -71,6 +71,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = [_P, _I, _P, _I, _I, _I, _P, ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int  # (-1: no memory for x's pairs)
     lib.rowdot_q8.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int]
+    lib.rowdot_q8.restype = ctypes.c_int  # (-1: no memory for x's block sums)
     return lib
 
 
@@ -210,7 +211,7 @@ def q8_linear(
     out = torch.empty(rows.shape[0], outs)
     for start in range(0, rows.shape[0], MAX_ROWS):  # (rows apart: the same bits in pieces)
         part = rows[start : start + MAX_ROWS]
-        library().rowdot_q8(
+        failed = library().rowdot_q8(
             part.data_ptr(),
             part.shape[0],
             values.data_ptr(),
@@ -223,6 +224,8 @@ def q8_linear(
             out[start:].data_ptr(),
             torch.get_num_threads(),
         )
+        if failed:
+            raise MemoryError(f"no memory for a product's {part.shape[0]} input rows' sums")
     return out.to(x.dtype)
 
 
