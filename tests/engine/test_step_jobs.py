@@ -3,6 +3,8 @@ for a compile or a load; steps run eagerly until it is ready, compiled after; a 
 that finishes after its LLM closed keeps nothing."""
 
 import importlib
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -241,9 +243,6 @@ def test_a_script_that_ends_mid_compile_waits_for_it_and_exits_cleanly():
     """CPython aborts a process whose daemon thread is inside torch's C++ at exit (134,
     "terminate called without an active exception"): the job is waited for, said on
     stderr, and the script's status is its own."""
-    import subprocess
-    import sys
-
     done = subprocess.run(
         [sys.executable, "-c", EXITS_MID_JOB], capture_output=True, text=True, timeout=120
     )

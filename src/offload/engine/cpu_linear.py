@@ -184,7 +184,7 @@ def row_invariant(model: torch.nn.Module) -> bool:
     (`quant/row_dot`: float weights here, q8 ones in `quant/kernels`; torch's CPU int4
     kernel rounds a row alike at any count), so that a row's bits do not depend on its
     batch: where the kernels are built and the model computes in a dtype they take
-    (`row_dot.USED_TYPES`: float32, as the stored and packed forms do, and bfloat16)."""
+    (`row_dot.USED_TYPES`: float32, as the stored and packed forms do, bfloat16, float16)."""
     known = _ROW_INVARIANT.get(model)
     if known is None:  # (once per model: asked at every decode step)
         known = _ROW_INVARIANT[model] = compute_dtype(model) in row_dot.USED_TYPES

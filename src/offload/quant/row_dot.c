@@ -12,9 +12,6 @@
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
-#ifndef SMALLM
-#define SMALLM 4
-#endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
