@@ -15,7 +15,6 @@ from tests.engine.test_cpu_step import (  # noqa: F401 (`compiles`: a fixture)
     GREEDY,
     LONE,
     OFFLOADS,
-    _assert_close_logprobs,
     _run,
     _run_batch,
     compiles,
@@ -70,14 +69,9 @@ def test_a_halves_model_compiles_and_offloaded_gives_the_resident_bits(halves, m
     batches = tuple(sorted({rows for each in settings.values() for rows in each}))
     with torch._inductor.config.patch(force_disable_caches=True):
         expected, _ = _compiled_runs(resident, batches, count=True)
-    # The eager step's function: the same tokens, logprobs to the dtype's roundings.
+    # The eager step's bits: tokens and logprobs (`engine/step_order`).
     eager = LLM(halves, device="cpu", enforce_eager=True)
-    for result, rows in zip(expected, batches, strict=True):
-        for (tokens, logprobs), (eager_tokens, eager_logprobs) in zip(
-            result, _rows_run(eager, rows), strict=True
-        ):
-            assert tokens == eager_tokens
-            _assert_close_logprobs(logprobs, eager_logprobs, tolerance=0.05)
+    assert expected == [_rows_run(eager, rows) for rows in batches]
     for setting, rows in settings.items():
         llm = LLM(halves, device="cpu", **OFFLOADS[setting])
         result, moved = _compiled_runs(llm, rows)

@@ -54,10 +54,7 @@ def _run(llm):
 def test_steps_run_eagerly_while_the_step_compiles_then_compiled(checkpoint, gate, monkeypatch):
     llm = LLM(checkpoint, device="cpu", dtype="float32")
     eager = _run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
-    tokens, logprobs = _run(llm)  # the compile held: every step eager, none waited for it
-    # (eager steps over the cache rounded up for the compiled step: other bits than an
-    # eager LLM's own exact cache, the same tokens)
-    assert tokens == eager[0] and len(logprobs) == len(eager[1])
+    assert _run(llm) == eager  # the compile held: every step eager, none waited for it
     assert llm.transfer_stats().num_compiled_steps == 0 and llm._cpu_step.compiling
     assert llm.transfer_stats().compile_s == 0  # (no step waited)
     gate.set()
@@ -65,6 +62,7 @@ def test_steps_run_eagerly_while_the_step_compiles_then_compiled(checkpoint, gat
     assert not llm._cpu_step.compiling and len(list(step_cache.folder().glob("*.pt2"))) == 1
     result = _run(llm)
     assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
+    assert result == eager  # the compiled step's bits are the eager step's (step_order)
     monkeypatch.setenv(cpu_step.ENV, "wait")
     compiled = LLM(checkpoint, device="cpu", dtype="float32")
     assert _run(compiled) == result  # the compiled step's bits
@@ -78,26 +76,50 @@ def test_steps_run_eagerly_while_the_step_compiles_then_compiled(checkpoint, gat
     assert counters["stats"]["unique_graphs"] == graphs
 
 
-def test_an_answer_begun_eagerly_ends_eagerly_when_its_step_becomes_ready(
-    checkpoint, gate, monkeypatch
-):
-    """The compiled step's bits may differ from the eager step's: an answer that began
-    while its step compiled runs every step eagerly, even once the step is ready (a
-    switch midway made an answer depend on when the compile ended); the next answer runs
-    compiled."""
+def _compile_ready_in_the_first_decode_step(llm, gate, monkeypatch) -> list:
+    """Hold the compile until the first eager decode step (the second call of the eager
+    kernels: the first is the prompt's prefill), then let it end before that step runs."""
     from offload.engine.step_runner import StepRunner
 
-    llm = LLM(checkpoint, device="cpu", dtype="float32")
     kernels, calls = StepRunner._kernels, []
 
     def compile_done_during_the_first_eager_step(runner):
         calls.append(1)
-        if len(calls) == 2:  # (the first: the prompt's prefill)
+        if len(calls) == 2:
             gate.set()
             assert llm._cpu_step.wait(60)
         return kernels(runner)
 
     monkeypatch.setattr(StepRunner, "_kernels", compile_done_during_the_first_eager_step)
+    return calls
+
+
+def test_an_answer_begun_eagerly_takes_its_step_once_ready_with_the_same_bits(
+    checkpoint, gate, monkeypatch
+):
+    """The compiled step gives the eager step's bits (engine/step_order.py), so an answer
+    begun while its step compiled takes it from the next step on, and is the eager
+    answer bit for bit: tokens and logprobs."""
+    eager = _run(LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True))
+    llm = LLM(checkpoint, device="cpu", dtype="float32")
+    calls = _compile_ready_in_the_first_decode_step(llm, gate, monkeypatch)
+    assert _run(llm) == eager
+    assert len(calls) == 2 and not llm._cpu_step.compiling
+    assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 2
+
+
+def test_where_the_bits_may_differ_an_answer_begun_eagerly_ends_eagerly(
+    checkpoint, gate, monkeypatch
+):
+    """Without the row-invariant products (no C compiler: the eager step's products are
+    MKL's, the compiled step's inductor's) an answer that began while its step compiled
+    runs every step eagerly even once it is ready (a switch midway made an answer depend
+    on when the compile ended); the next answer runs compiled."""
+    from offload.engine.step_runner import StepRunner
+
+    monkeypatch.setattr(cpu_linear, "row_invariant", lambda model: False)
+    llm, kernels = LLM(checkpoint, device="cpu", dtype="float32"), StepRunner._kernels
+    calls = _compile_ready_in_the_first_decode_step(llm, gate, monkeypatch)
     _run(llm)
     assert not llm._cpu_step.compiling  # (ready from the second step on)
     assert llm.transfer_stats().num_compiled_steps == 0 and len(calls) == GREEDY.max_tokens

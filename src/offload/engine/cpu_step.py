@@ -11,9 +11,10 @@ memory's rate (compiled as it is, the step is barely faster than eager; with the
 so written, far faster, near llama.cpp on the same float32 bytes: docs/benchmarks.md,
 "2026-11-27 (twelfth session): the set-up's torch in 3 s; where a CPU decode step goes").
 
-Each output element is one row's sum in that loop, so the bits depend on the kernel, not on
+Each output element is one row's sum in one kernel, so the bits depend on the kernel, not on
 where the weight lives: a compiled step offloaded (prefetch slots, the disk tier) gives
-the same bits as the compiled step resident. They may differ from the eager step's.
+the same bits as the compiled step resident; and where the row-invariant products are
+built, the eager step's bits (`step_order`: its sums and library functions are ATen's).
 
 The graph is specialised to its shapes (`dynamic=False`: kernels with constant sizes); the
 cache's length is one of them, so `LLM` rounds it up to a power of two (`cache_length`):
@@ -37,8 +38,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from offload.engine import cpu_linear, step_attention, step_linears
-from offload.engine.step_attention import rewrite_attention
+from offload.engine import cpu_linear, graph_edits, step_linears, step_order
 from offload.engine.step_linears import step_products
 from offload.quant import row_dot
 from offload.quant.quantized import Int4Linear, Q8Linear
@@ -88,13 +88,14 @@ def pays(model: torch.nn.Module) -> bool:
 
 
 class _ProductsPass(CustomGraphPass):
-    """`step_products` and `step_attention.rewrite_attention` as inductor's pass over
-    dynamo's graph (before autograd)."""
+    """`step_order.eager_order` and `step_products` as inductor's pass over dynamo's graph
+    (before autograd)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # (counted beside dynamo's own counters: what a compile wrote out, for the tests)
+        # (the eager step's calls first: the products written out after are inductor's)
+        counters["offload"]["eager_order"] += step_order.eager_order(graph)
         counters["offload"]["products_rewritten"] += step_products(graph)
-        counters["offload"]["attention_rewritten"] += rewrite_attention(graph)
 
     def uuid(self) -> str:
         return rewrite_digest()
@@ -103,7 +104,8 @@ class _ProductsPass(CustomGraphPass):
 @functools.cache
 def rewrite_digest() -> str:
     """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
-    source = inspect.getsource(step_linears) + inspect.getsource(step_attention)
+    modules = (step_linears, step_order, graph_edits)
+    source = "".join(inspect.getsource(module) for module in modules)
     source += f"row_dot={row_dot.library() is not None}"  # (which products it writes)
     return hashlib.sha256(source.encode()).hexdigest()
 
@@ -115,4 +117,6 @@ COMPILE_OPTIONS = {
     "pre_grad_custom_pass": _ProductsPass(),
     "size_asserts": False,
     "alignment_asserts": False,
+    # (each elementwise result rounded to its dtype, as eager rounds it: `step_order`)
+    "emulate_precision_casts": True,
 }

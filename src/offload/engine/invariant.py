@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from offload.engine import step_order
 from offload.errors import ConfigError
 from offload.sizes import compute_dtype
 
@@ -193,13 +194,14 @@ def _padded(forward, multiple: int, x: torch.Tensor) -> torch.Tensor:
 
 class RowByRow(TorchFunctionMode):
     """Attention (`F.scaled_dot_product_attention`) of a batch run one sequence at a time,
-    each as it runs alone: the mode a batch-invariant forward runs in."""
+    each as it runs alone (but in ATen's CPU flash kernel, where a row's bits do not depend
+    on its batch: `step_order.flash`): the mode a batch-invariant forward runs in."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args and args[0].dim() == 4:
             rows = args[0].shape[0]
-            if rows > 1:
+            if rows > 1 and not step_order.flash(*args, **kwargs):
                 return torch.cat(
                     [
                         func(

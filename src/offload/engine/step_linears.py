@@ -24,7 +24,7 @@ are the fallback where no C compiler works).
 
 Each output element is one row's sum in one kernel, so the bits depend on the kernel, not
 on where the weight lives: offloaded (prefetch slots, the disk tier) gives the resident
-compiled step's bits. They may differ from the eager step's.
+compiled step's bits; with `row_dot`'s products, the eager step's (`step_order`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch._inductor.inductor_prims import force_stride_order
 from torch._subclasses.fake_tensor import FakeTensor
 
 from offload.engine import cpu_linear
-from offload.engine.step_attention import Emitter
+from offload.engine.graph_edits import Emitter
 from offload.quant import row_dot
 
 # The dtypes whose products the step writes out: activations and weight alike.

@@ -253,12 +253,11 @@ class StepRunner:
         compiled, logits, counted = self.model.compiled, None, False
         wanted = compiled is not None and step.compiled and compiled.usable(step)
         # With `keep_form`, an answer runs in one form: one begun eagerly while its step
-        # compiled in the background ends eagerly, and so do the steps it shares (the
-        # compiled step's bits may differ from the eager step's: a switch midway made an
-        # answer depend on when the compile ended). Off for a server: there an answer's
-        # bits depend on its batch anyway, and eager rows made every row that shared a
-        # step with them eager too, so steady traffic never reached the compiled step
-        # (docs/benchmarks.md).
+        # compiled in the background ends eagerly, and so do the steps it shares (set
+        # where the compiled step's bits may differ from the eager step's, `llm/cores.py`:
+        # a switch midway made an answer depend on when the compile ended). Off for a
+        # server: eager rows made every row that shared a step with them eager too, so
+        # steady traffic never reached the compiled step (docs/benchmarks.md).
         eager_rows = self.keep_form and any(row.eager for row in rows if row.is_live)
         if wanted and not eager_rows:
             # (None while it compiles in the background; a kept step's guards checked once
@@ -272,7 +271,9 @@ class StepRunner:
             for row in rows:
                 row.eager = True
         if logits is None:
-            with invariant.decoding(len(rows)) if self.invariant else self._decoding(len(rows)):
+            # (padding rows count: the compiled step's attention runs a batch row by row)
+            batch = step.columns.shape[0]
+            with invariant.decoding(batch) if self.invariant else self._decoding(batch):
                 logits = step()
         return logits, counted
 

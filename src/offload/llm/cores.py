@@ -10,6 +10,8 @@ import logging
 import threading
 from typing import Any
 
+import torch
+
 from offload.engine import cpu_linear, cpu_step
 from offload.engine.compiled_step import CompiledCpuStep
 from offload.engine.core import EngineCore
@@ -96,7 +98,10 @@ def engine_core(
                 "trying %d", rows, length, rows // 2,
             )  # fmt: skip
             rows //= 2
-    core.runner.keep_form = generate
+    # (on a CPU with the row-invariant products the compiled step gives the eager step's
+    # bits, `engine/step_order`: an answer may switch to it midway)
+    same_bits = torch.device(llm.device).type == "cpu" and cpu_linear.row_invariant(llm.model)
+    core.runner.keep_form = generate and not same_bits
     return core
 
 
