@@ -59,17 +59,31 @@ def attention(module, query, key, value, attention_mask, scaling=None, **kwargs)
     """Attention of a mixed forward (registered as `NAME`): query [1, heads, R + C, dim]
     over the cache's keys and values [rows held, kv heads, columns, dim]; the output
     [1, R + C, heads, dim], as transformers' attention functions return it. Each part is
-    the product transformers' SDPA attention computes, its KV heads shared by their query
-    heads in the kernel (`enable_gqa`: the same bits as repeating them, without the copy)."""
+    the product transformers' SDPA attention computes: the decode rows' called as their
+    own decode step calls it (`_decode_sdpa`), the chunk's with its KV heads shared by
+    their query heads in the kernel (`enable_gqa`: the same bits as repeating them)."""
     window: MixedWindow = _current.window
     rows, width = window.num_rows, window.row_mask.shape[-1]
     queries = query[0, :, :rows].transpose(0, 1).unsqueeze(2)  # [R, heads, 1, dim]
     kept = key[:rows, :, :width], value[:rows, :, :width]
-    decoded = _sdpa(queries, *kept, window.row_mask, scaling)  # [R, heads, 1, dim]
+    decoded = _decode_sdpa(queries, *kept, window.row_mask, scaling)  # [R, heads, 1, dim]
     row, chunk_width = window.chunk_row, window.chunk_mask.shape[-1]
     kept = key[row : row + 1, :, :chunk_width], value[row : row + 1, :, :chunk_width]
     chunk = _sdpa(query[:, :, rows:], *kept, window.chunk_mask, scaling)  # [1, heads, C, dim]
     return torch.cat([decoded.transpose(0, 2), chunk], dim=2).transpose(1, 2), None
+
+
+def _decode_sdpa(query, key, value, mask, scale):
+    """The decode rows' attention as their own decode step calls it eagerly, so that a
+    row's bits are the same beside a chunk as without one: transformers' `pack_gqa`, each
+    KV head's query heads as its queries ([R, kv heads, groups, dim]; ATen sums that call
+    otherwise than `enable_gqa`'s)."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads == kv_heads:
+        return _sdpa(query, key, value, mask, scale)
+    packed = query.reshape(query.shape[0], kv_heads, heads // kv_heads, query.shape[-1])
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
+    return out.reshape(query.shape[0], heads, 1, value.shape[-1])
 
 
 def _sdpa(query, key, value, mask, scale):
