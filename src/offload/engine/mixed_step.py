@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import pack_gqa
 
 NAME = "offload_mixed"
 _current = threading.local()  # (the window of the mixed forward running on this thread)
@@ -81,7 +82,7 @@ def _decode_sdpa(query, key, value, mask, scale):
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads == kv_heads:
         return _sdpa(query, key, value, mask, scale)
-    packed = query.reshape(query.shape[0], kv_heads, heads // kv_heads, query.shape[-1])
+    packed = pack_gqa(query, heads // kv_heads)  # (transformers' own: the same call)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
     return out.reshape(query.shape[0], heads, 1, value.shape[-1])
 

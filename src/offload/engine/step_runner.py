@@ -271,7 +271,7 @@ class StepRunner:
             for row in rows:
                 row.eager = True
         if logits is None:
-            # (padding rows count: the compiled step's attention runs a batch row by row)
+            # (padding rows count: a batch's attention splits as the compiled step's does)
             batch = step.columns.shape[0]
             with invariant.decoding(batch) if self.invariant else self._decoding(batch):
                 logits = step()
