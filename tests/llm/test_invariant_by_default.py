@@ -35,6 +35,35 @@ def test_the_default_model_answers_alike_alone_and_in_any_batch(dtype):
         _check_invariant(llm, llm.model.config.vocab_size)
 
 
+def _sharing_prompts(vocab: int, seed: int) -> list[dict]:
+    """Prompts of random token ids, most beginning with one of two shared prefixes (one
+    past 64 tokens: more than `cpu_linear.MAX_ROWS`), so that held prefixes are reused."""
+    shared = [p["prompt_token_ids"] for p in random_prompts(vocab, (20, 90), seed)]
+    tails = [p["prompt_token_ids"] for p in random_prompts(vocab, (1, 3, 17, 40), seed + 1)]
+    ids = [s + t for s in shared for t in tails] + tails[2:] + [shared[1] * 2]
+    return [{"prompt_token_ids": p} for p in ids]
+
+
+@pytest.mark.parametrize("dtype", ["stored", "float32", "bfloat16"])
+def test_a_prompt_answers_alike_after_a_held_prefix_and_in_chunks(dtype):
+    """With prefix caching on (the default) and prompts prefilled in chunks of 16 tokens
+    (riding in decode steps), each prompt's answer is bit for bit its answer alone with
+    no cache: a position's attention and products do not depend on where its prompt was
+    cut (`engine/prompt_attention`; ATen's attention parted after a held prefix)."""
+    kwargs = {} if dtype == "stored" else {"dtype": dtype}
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    with LLM(max_model_len=256, enable_prefix_caching=False, enforce_eager=True, **kwargs) as llm:
+        prompts = _sharing_prompts(llm.model.config.vocab_size, seed=5)
+        alone = [answer_of(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+    with LLM(max_model_len=256, max_num_batched_tokens=16, enforce_eager=True, **kwargs) as llm:
+        together = [answer_of(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+        held = llm.generate(prompts[::-1], params, use_tqdm=False)[::-1]  # (all held now)
+        hits = llm._generator.core.scheduler.prefixes.hits
+    assert together == alone
+    assert [answer_of(o) for o in held] == alone
+    assert hits >= sum(len(p["prompt_token_ids"]) - 1 for p in prompts) > 600
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
 def test_a_gguf_as_stored_answers_alike_alone_and_in_any_batch(tmp_path, kind):
     path = gguf_files.write_llama_gguf(tmp_path / f"tiny-{kind}.gguf", kind=kind)

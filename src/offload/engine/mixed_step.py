@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import pack_gqa
 
+from offload.engine import prompt_attention
+
 NAME = "offload_mixed"
 _current = threading.local()  # (the window of the mixed forward running on this thread)
 
@@ -70,7 +72,7 @@ def attention(module, query, key, value, attention_mask, scaling=None, **kwargs)
     decoded = _decode_sdpa(queries, *kept, window.row_mask, scaling)  # [R, heads, 1, dim]
     row, chunk_width = window.chunk_row, window.chunk_mask.shape[-1]
     kept = key[row : row + 1, :, :chunk_width], value[row : row + 1, :, :chunk_width]
-    chunk = _sdpa(query[:, :, rows:], *kept, window.chunk_mask, scaling)  # [1, heads, C, dim]
+    chunk = _chunk_sdpa(query[:, :, rows:], *kept, window.chunk_mask, scaling)  # [1, heads, C, dim]
     return torch.cat([decoded.transpose(0, 2), chunk], dim=2).transpose(1, 2), None
 
 
@@ -85,6 +87,14 @@ def _decode_sdpa(query, key, value, mask, scale):
     packed = pack_gqa(query, heads // kv_heads)  # (transformers' own: the same call)
     out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
     return out.reshape(query.shape[0], heads, 1, value.shape[-1])
+
+
+def _chunk_sdpa(query, key, value, mask, scale):
+    """The chunk's attention as its prefill alone computes it: `prompt_attention` where
+    it applies (each position's bits its own), else ATen's."""
+    grouped = query.shape[1] != key.shape[1]
+    out = prompt_attention.attention(query, key, value, mask, scale=scale, enable_gqa=grouped)
+    return _sdpa(query, key, value, mask, scale) if out is None else out
 
 
 def _sdpa(query, key, value, mask, scale):

@@ -13,6 +13,7 @@ from offload.engine import cpu_linear, invariant
 from offload.engine.cpu_linear import kernels_for, row_invariant
 from offload.engine.kv_room import Keep, Moves
 from offload.engine.mixed_step import MixedWindow, can_mix, mixing
+from offload.engine.prompt_attention import prompt_kernels
 from offload.engine.requests import EngineModel, Group, Row
 from offload.engine.row_graphs import RowGraphs
 from offload.engine.rows import MIN_ROWS, RowCache, RowStep, read_width
@@ -98,7 +99,7 @@ class StepRunner:
             mask = self.cache.masks(
                 model, mask, end - start, shift, self.cache.cache, self.cache.dtype
             )
-        with torch.inference_mode(), self._kernels():
+        with torch.inference_mode(), prompt_kernels(model, device):
             out = model(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -122,8 +123,7 @@ class StepRunner:
         starts = [row.start for row in rows]
         row_columns, row_starts, row_mask = _rows_reading(at, starts, width, device)
         ids, columns, chunk_positions = self._chunk(group, start, end)
-        # (the chunk reads the columns up to its end, not all its prompt's as alone: its
-        # bits depend on the rows beside it anyway, and it runs eagerly: no shape to reuse)
+        # (each chunk position reads its own columns: the bits of its prefill alone)
         every = torch.arange(end, device=device)
         chunk_mask = (every >= group.rows[0].start) & (every <= columns[:, None])
         input_ids = [row.input_token for row in rows] + ids
@@ -142,7 +142,7 @@ class StepRunner:
             self.cache.forward_writes(max(max(at) + 1, end))
             self.cache.window.mixed = window
             try:
-                with self._kernels():
+                with prompt_kernels(model, device, attention=False):
                     out = model(
                         input_ids=torch.tensor([input_ids], device=device),
                         position_ids=positions[None, :],

@@ -171,9 +171,9 @@ static inline __attribute__((always_inline)) void tile(
 
 #define ROWS(NR, type)                                                                \
   do {                                                                                \
-    int64_t m0 = 0;                                                                   \
-    for (; m0 + 4 <= M; m0 += 4) tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 4, type);  \
-    switch (M - m0) {                                                                 \
+    int64_t m0 = mb;                                                                  \
+    for (; m0 + 4 <= me; m0 += 4) tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 4, type); \
+    switch (me - m0) {                                                                \
       case 3: tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 3, type); break;              \
       case 2: tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 2, type); break;              \
       case 1: tile(x, xp, w, wrow, N, K, y, n0, m0, NR, 1, type); break;              \
@@ -181,8 +181,10 @@ static inline __attribute__((always_inline)) void tile(
   } while (0)
 
 /* y [M, N] = x [M, K] times weight [N, K] (rows ldw values apart), float32 sums; 4 weight
-   rows at a time at every m (four streams from memory, four independent sums). 0, or -1
-   where no memory was left for x's pairs. */
+   rows at a time at every m (four streams from memory, four independent sums), the rows
+   ROW_BLOCK at a time (a prompt's many rows: each block stays in the cache while the weight
+   passes). 0, or -1 where no memory was left for x's pairs. */
+#define ROW_BLOCK 64
 #define KERNEL(name, type)                                                            \
   int name(const float *x, int64_t M, const void *weight, int64_t N, int64_t K,       \
            int64_t ldw, float *y, int threads) {                                      \
@@ -191,14 +193,17 @@ static inline __attribute__((always_inline)) void tile(
     if (type == BF16 && !pairs) return -1;                                            \
     const float *xp = pairs ? pairs : x;                                              \
     const int64_t wrow = ldw * (type == F32 ? 4 : 2), tiles = (N + 3) / 4;            \
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")                 \
-    for (int64_t t = 0; t < tiles; t++) {                                             \
-      const int64_t n0 = t * 4;                                                       \
-      switch (N - n0 >= 4 ? 4 : N - n0) {                                             \
-        case 4: ROWS(4, type); break;                                                 \
-        case 3: ROWS(3, type); break;                                                 \
-        case 2: ROWS(2, type); break;                                                 \
-        default: ROWS(1, type); break;                                                \
+    for (int64_t mb = 0; mb < M; mb += ROW_BLOCK) {                                   \
+      const int64_t me = mb + ROW_BLOCK < M ? mb + ROW_BLOCK : M;                     \
+      _Pragma("omp parallel for schedule(static) num_threads(threads)")               \
+      for (int64_t t = 0; t < tiles; t++) {                                           \
+        const int64_t n0 = t * 4;                                                     \
+        switch (N - n0 >= 4 ? 4 : N - n0) {                                           \
+          case 4: ROWS(4, type); break;                                               \
+          case 3: ROWS(3, type); break;                                               \
+          case 2: ROWS(2, type); break;                                               \
+          default: ROWS(1, type); break;                                              \
+        }                                                                             \
       }                                                                               \
     }                                                                                 \
     free(pairs);                                                                      \

@@ -72,11 +72,18 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int  # (-1: no memory for x's pairs)
     lib.rowdot_q8.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int]
     lib.rowdot_q8.restype = ctypes.c_int  # (-1: no memory for x's block sums)
+    lib.rowdot_attention.argtypes = [_P, _I, _I, _I, _P, _P, ctypes.c_int, *[_I] * 5]
+    lib.rowdot_attention.argtypes += [_P, _P, _I, ctypes.c_float, _P, ctypes.c_int]
+    lib.rowdot_attention.restype = ctypes.c_int  # (-1: no memory for the scores)
     return lib
 
 
+SOURCES = ("row_dot.c", "row_attention.c")  # (one unit: the second uses the first's helpers)
+
+
 def _source() -> bytes:
-    return resources.files("offload.quant").joinpath("row_dot.c").read_bytes()
+    folder = resources.files("offload.quant")
+    return b"\n".join(folder.joinpath(name).read_bytes() for name in SOURCES)
 
 
 def _compiler() -> str:
