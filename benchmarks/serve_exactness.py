@@ -2,11 +2,13 @@
 alone, and whether offloading changes a single bit of what the server answers.
 
     python benchmarks/serve_exactness.py [--max-tokens 32] [--model PATH] [--dtype float32]
+        [--clients 16]
 
 1. Each of the serving benchmark's 16 chat prompts alone through `LLM.chat` (greedy).
-2. The same 16 through `LLM.stream` from 16 threads that start 0-50 ms apart (so they
-   join a running batch at different steps, as clients do): the fraction whose tokens
-   equal (1). Batched kernels may round differently from batch 1; this says how often.
+2. The same 16 (repeated to `--clients`) through a server's stream from as many threads
+   that start 0-50 ms apart (so they join a running batch at different steps, and hit
+   the system prompt held by whoever came first, as clients do): how many got the tokens
+   of (1), and how many its tokens and logprobs bit for bit (the promise on a CPU).
 3. The 16 queued at once (one schedule, whatever the timing) on a resident server, one with
    every decoder layer prefetched, and one with every decoder layer read from the disk
    tier: tokens and logprobs must be bitwise equal (the promise), and bytes must move.
@@ -49,14 +51,21 @@ def prompt_ids(llm: LLM) -> list[list[int]]:
     )[1]  # fmt: skip
 
 
-def staggered(llm: LLM, ids: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    serving, results = llm.serving(max_num_seqs=16), [None] * len(ids)
+def answer(output) -> tuple:
+    """A completion's tokens and the logprobs of each step."""
+    completion = output.outputs[0]
+    logprobs = [{t: lp.logprob for t, lp in e.items()} for e in completion.logprobs or []]
+    return completion.token_ids, logprobs
+
+
+def staggered(llm: LLM, ids: list[list[int]], params: SamplingParams) -> list[tuple]:
+    serving, results = llm.serving(max_num_seqs=len(ids)), [None] * len(ids)
     delays = [random.Random(i).uniform(0, 0.05) for i in range(len(ids))]
 
     def client(index: int) -> None:
         threading.Event().wait(delays[index])
         for output in serving.stream(None, ids[index], params):
-            results[index] = output.outputs[0].token_ids
+            results[index] = answer(output)
 
     common.in_threads(client, len(ids))
     return results
@@ -82,21 +91,27 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--clients", type=int, default=16, help="staggered clients (the 16 prompts repeated)"
+    )
     args = parser.parse_args()
     model = args.model or str(default_model_path())
-    greedy = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    with LLM(model, dtype=args.dtype) as llm:
-        ids = prompt_ids(llm)
-        alone = [
-            llm.generate([{"prompt_token_ids": i}], greedy, use_tqdm=False)[0].outputs[0].token_ids
-            for i in ids
-        ]
-        joined = staggered(llm, ids, greedy)
-    same = sum(a == b for a, b in zip(alone, joined, strict=True))
-    print(f"{same}/{len(ids)} prompts served in a running batch got their tokens alone")
     with_logprobs = SamplingParams(
         temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=2
     )
+    with LLM(model, dtype=args.dtype) as llm:  # (prefix caching on: the system prompt held)
+        ids = prompt_ids(llm)
+        alone = [
+            answer(llm.generate([{"prompt_token_ids": i}], with_logprobs, use_tqdm=False)[0])
+            for i in ids
+        ]
+        clients = [ids[i % len(ids)] for i in range(args.clients)]
+        joined = staggered(llm, clients, with_logprobs)
+    expected = [alone[i % len(ids)] for i in range(args.clients)]
+    same = sum(a[0] == b[0] for a, b in zip(expected, joined, strict=True))
+    bitwise_alone = sum(a == b for a, b in zip(expected, joined, strict=True))
+    print(f"{same}/{args.clients} prompts served in a running batch got their tokens alone; "
+          f"{bitwise_alone}/{args.clients} their tokens and logprobs bit for bit")  # fmt: skip
     answers, moved, compiled = {}, {}, {}
     for name, flags in SETTINGS.items():
         with LLM(model, dtype=args.dtype, **flags) as llm:
@@ -112,7 +127,8 @@ def main() -> None:
     path = common.save("serve-exactness", torch.device("cpu"), {
         "model": model, "dtype": args.dtype, "max_tokens": args.max_tokens, "prompts": len(ids),
         "compiled_steps": compiled,
-        "same_as_alone": same, "bitwise_equal_to_resident": bitwise, "bytes_moved": moved,
+        "clients": args.clients, "same_as_alone": same, "bitwise_as_alone": bitwise_alone,
+        "bitwise_equal_to_resident": bitwise, "bytes_moved": moved,
     })  # fmt: skip
     print(f"saved {path}")
 

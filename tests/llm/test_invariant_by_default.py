@@ -64,6 +64,20 @@ def test_a_prompt_answers_alike_after_a_held_prefix_and_in_chunks(dtype):
     assert hits >= sum(len(p["prompt_token_ids"]) - 1 for p in prompts) > 600
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_step_of_more_than_64_rows_answers_as_alone(dtype):
+    """70 prompts at once (the server's default `max_num_seqs` is 256): each answer is its
+    answer alone (MKL's and oneDNN's products above `cpu_linear.MAX_ROWS` rows parted
+    every one of them in float32)."""
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+    with LLM(max_model_len=64, enforce_eager=True, dtype=dtype, enable_prefix_caching=False) as llm:
+        lengths = [2 + i % 20 for i in range(70)]
+        prompts = random_prompts(llm.model.config.vocab_size, lengths, seed=6)
+        together = [answer_of(o) for o in llm.generate(prompts, params, use_tqdm=False)]
+        alone = [answer_of(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts[:5]]
+    assert together[:5] == alone
+
+
 @pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
 def test_a_gguf_as_stored_answers_alike_alone_and_in_any_batch(tmp_path, kind):
     path = gguf_files.write_llama_gguf(tmp_path / f"tiny-{kind}.gguf", kind=kind)

@@ -84,17 +84,22 @@ def test_concurrent_streams_in_room_for_8_are_preempted_and_answer_as_alone(inva
 
 def test_with_prefix_caching_a_preempted_request_restarts_from_its_held_prompt(checkpoint):
     """On the default setting (prefix caching on): every request completes, some are
-    preempted, and a preempted request's prompt is found held when it comes back."""
+    preempted, a preempted request's prompt is found held when it comes back, and each
+    answer is bit for bit its answer alone (a held prompt's positions have the bits of
+    its prefill: `engine/prompt_attention`)."""
     room = _room_for(checkpoint, 4)
+    params = SamplingParams(temperature=0, max_tokens=90, logprobs=1, ignore_eos=True)
     with LLM(checkpoint, max_model_len=LENGTH, kv_cache_memory_bytes=room) as llm:
         vocab = llm.model.config.vocab_size
         prompts = random_prompts(vocab, [17 + i % 8 for i in range(16)], seed=6)  # (a block +)
-        params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         scheduler = llm._generator.core.scheduler
         assert scheduler.num_preemptions > 0
         assert all(len(o.outputs[0].token_ids) == 90 for o in outputs)
         assert scheduler.prefixes.hits > 0  # (no two of these prompts share a beginning)
+    with LLM(checkpoint, max_model_len=LENGTH, enable_prefix_caching=False) as llm:
+        alone = [_answers(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+    assert [_answers(o) for o in outputs] == alone
 
 
 def test_a_request_longer_than_the_whole_room_is_refused_in_one_line(checkpoint):

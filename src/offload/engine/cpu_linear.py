@@ -1,6 +1,6 @@
-"""A linear layer over 1 to `MAX_ROWS` rows on a CPU: the row-invariant product
-(`quant/row_dot`) where it is built, so that a row's bits do not depend on its batch; else
-as below, `weight @ x.T` for a few rows and a batch of matrix-vector products for one.
+"""A linear layer on a CPU: the row-invariant product (`quant/row_dot`) at any row count
+where it is built, so that a row's bits do not depend on its batch; else as below, for 1 to
+`MAX_ROWS` rows, `weight @ x.T` for a few rows and a batch of matrix-vector products for one.
 
 `F.linear` asks MKL for `x @ weight.T`; for 2 to ~64 rows MKL's sgemm then repacks the
 whole weight at every call, so a decode step of 4 rows costs twice one of 1 row though
@@ -31,23 +31,24 @@ from offload.offloader.ops import define_op
 from offload.quant import row_dot
 from offload.sizes import compute_dtype
 
-MAX_ROWS = 64  # above this the two agree in speed, and F.linear is kept
+MAX_ROWS = 64  # above this `weight @ x.T` and F.linear agree in speed (F.linear is kept)
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor | None:
-    """`F.linear(x, weight, bias)` of 1 to `MAX_ROWS` rows on a CPU: `row_dot.row_linear`
-    where it fits (float weights, plain tensors); else, for float32, `weight @ x.T` (2 or
-    more rows) or a batch of matrix-vector products (1 row), where that is faster; None
-    where `F.linear` should run."""
+    """`F.linear(x, weight, bias)` on a CPU: `row_dot.row_linear` at any row count where it
+    fits (float weights, plain tensors: a decode step of more than `MAX_ROWS` rows, a
+    prompt's forward, each row's bits its own); else, for float32 and 1 to `MAX_ROWS` rows,
+    `weight @ x.T` (2 or more rows) or a batch of matrix-vector products (1 row), where that
+    is faster; None where `F.linear` should run."""
     if type(weight) not in (torch.Tensor, torch.nn.Parameter) or type(x) is not torch.Tensor:
         return None  # a tensor subclass (a quantized weight) keeps its own kernel
     if x.device.type != "cpu" or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     num_rows = x.numel() // max(x.shape[-1], 1)
+    if num_rows and row_dot.fits(x, weight):  # (each row's bits whatever the rows beside it)
+        return row_dot.row_linear(x, weight, bias)
     if not 1 <= num_rows <= MAX_ROWS:
         return None
-    if row_dot.fits(x, weight):  # (each row's bits whatever the rows beside it)
-        return row_dot.row_linear(x, weight, bias)
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return None
     flat = x.reshape(num_rows, x.shape[-1])  # [rows, in]

@@ -17,13 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from offload.engine.cpu_linear import (
-    FewRowsLinear,
-    LinearMode,
-    few_rows_linear,
-    kernels_for,
-    row_invariant,
-)
+from offload.engine import cpu_linear
+from offload.engine.cpu_linear import FewRowsLinear, kernels_for
 from offload.quant import row_dot
 
 _TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # (row_dot.c's enum)
@@ -91,61 +86,58 @@ def _takes(query, key, value) -> bool:
 def _bounds(mask, batch, heads, tokens, width):
     """Each query's columns [lo, hi) as two int64 tensors [batch, 1 or heads, tokens]
     (every column where `mask` is None); None where a query's readable columns are not
-    one run, or a float mask holds values other than 0 and "never" (a bias)."""
+    one run, or a float mask holds values other than 0 and "never" (a bias). The mask is
+    read `_PIECE` queries at a time (its copies stay small beside a long prompt's)."""
     if mask is None:
         lo = torch.zeros(batch, 1, tokens, dtype=torch.int64)
         return lo, torch.full_like(lo, width)
     if mask.dim() > 4 or mask.shape[-1] != width:
         return None
     mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    if mask.shape[1] not in (1, heads) or mask.shape[0] not in (1, batch):
+    if mask.shape[0] not in (1, batch) or mask.shape[1] not in (1, heads):
         return None
-    if mask.dtype != torch.bool:
-        never = mask <= torch.finfo(mask.dtype).min / 2
-        if not ((mask == 0) | never).all():
-            return None
-        mask = ~never
+    if mask.shape[2] not in (1, tokens):
+        return None
     mask = mask.expand(batch, mask.shape[1], tokens, width)
-    count = mask.sum(-1)
-    first = mask.to(torch.uint8).argmax(-1)
-    last = width - 1 - mask.flip(-1).to(torch.uint8).argmax(-1)
-    some = count > 0
-    if not (~some | (count == last - first + 1)).all():
-        return None
-    zero = torch.zeros_like(first)
-    return torch.where(some, first, zero).contiguous(), torch.where(
-        some, last + 1, zero
-    ).contiguous()
+    lo = torch.zeros(batch, mask.shape[1], tokens, dtype=torch.int64)
+    hi = torch.zeros_like(lo)
+    for start in range(0, tokens, _PIECE):
+        part = mask[:, :, start : start + _PIECE]
+        if part.dtype != torch.bool:
+            never = part <= torch.finfo(part.dtype).min / 2
+            if not ((part == 0) | never).all():
+                return None
+            part = ~never
+        count = part.sum(-1)
+        first = part.to(torch.uint8).argmax(-1)
+        last = width - 1 - part.flip(-1).to(torch.uint8).argmax(-1)
+        some = count > 0
+        if not (~some | (count == last - first + 1)).all():
+            return None
+        lo[:, :, start : start + _PIECE] = torch.where(some, first, 0)
+        hi[:, :, start : start + _PIECE] = torch.where(some, last + 1, 0)
+    return lo, hi
 
 
-class PromptKernels(LinearMode):
-    """A prompt's forward on a CPU: every `F.linear` through the row-invariant products at
-    any row count where they apply (`few_rows_linear` below `cpu_linear.MAX_ROWS` rows
-    otherwise), and, with `attention`, every `F.scaled_dot_product_attention` through
-    `attention` above; so a position's bits do not depend on how its prompt was cut."""
+_PIECE = 256  # queries whose mask rows are read at once
 
-    def __init__(self, attention: bool = True):
-        super().__init__()
-        self.attention = attention
 
-    def linear(self, x, weight, bias=None) -> torch.Tensor | None:
-        if row_dot.fits(x, weight) and x.numel():
-            return row_dot.row_linear(x, weight, bias)
-        return few_rows_linear(x, weight, bias)
+class PromptKernels(FewRowsLinear):
+    """A prompt's forward on a CPU: `FewRowsLinear`'s products (the row-invariant ones at
+    any row count), and every `F.scaled_dot_product_attention` through `attention` above;
+    so a position's bits do not depend on how its prompt was cut."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention and self.attention:
+        if func is F.scaled_dot_product_attention:
             out = attention(*args, **(kwargs or {}))
             if out is not None:
                 return out
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def prompt_kernels(model: torch.nn.Module, device: torch.device, attention: bool = True):
-    """The context a forward of `model` that carries a prompt's tokens runs in (a prefill,
-    a chunk beside decode rows: `attention` False, the caller runs the chunk's): on a CPU
-    where the row-invariant products are built, `PromptKernels`; else `kernels_for`'s."""
-    usual = kernels_for(model, device)
-    if device.type != "cpu" or not row_invariant(model):
-        return usual
-    return PromptKernels(attention) if attention or isinstance(usual, FewRowsLinear) else usual
+def prompt_kernels(model: torch.nn.Module, device: torch.device):
+    """The context a prefill of `model` runs in: on a CPU where the row-invariant products
+    are built, `PromptKernels`; else `kernels_for`'s."""
+    if device.type != "cpu" or not cpu_linear.row_invariant(model):
+        return kernels_for(model, device)
+    return PromptKernels()

@@ -142,7 +142,7 @@ class StepRunner:
             self.cache.forward_writes(max(max(at) + 1, end))
             self.cache.window.mixed = window
             try:
-                with prompt_kernels(model, device, attention=False):
+                with self._kernels():  # (the chunk's attention: `mixed_step`)
                     out = model(
                         input_ids=torch.tensor([input_ids], device=device),
                         position_ids=positions[None, :],

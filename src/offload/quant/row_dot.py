@@ -8,9 +8,10 @@ step's one-row loop is yet another order. The kernels of `row_dot.c` compute eac
 as 16-wide (AVX-512; 8-wide elsewhere) partial sums over the inputs in turn, then a fixed
 tree over the lanes: for weights of float32, bfloat16 and float16 (widened in registers,
 as stored), and the q8 block columns of `quant/layouts.py`. They read the weight once per
-call, 4 rows at a time across the OpenMP threads (torch's own runtime: the same
-`libgomp.so.1`), so one row runs near the memory's rate and a few rows cost about what
-one does.
+64 rows of x, 4 weight rows at a time across the OpenMP threads (torch's own runtime: the
+same `libgomp.so.1`), so one row runs near the memory's rate and a few rows cost about what
+one does; `row_attention.c`, in the same library, is a prompt's attention
+(`engine/prompt_attention`).
 
 The library is compiled once per machine (`cc -O3 -march=native`, a few seconds) into the
 offload cache, signed with the cache's key (`memory/cache_digest`), and loaded from a
