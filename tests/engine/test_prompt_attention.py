@@ -126,3 +126,19 @@ def test_prompt_kernels_take_every_row_count():
         part = F.linear(x[150:153], weight)
     assert torch.equal(part, whole[150:153])
     assert torch.equal(whole, row_dot.row_linear(x, weight))
+
+
+def test_a_forward_reads_its_mask_once_and_again_when_it_changes():
+    """`PromptKernels` keeps the last mask's columns (every layer of a forward gets the same
+    mask tensor); a mask changed in place, or another one, is read again."""
+    q, k, v = _qkv(12)
+    mask = _causal_from(0, 12, 12).clone()
+    with prompt_attention.PromptKernels() as kernels:
+        first = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+        assert kernels.known["mask"] is mask
+        mask[..., :4] = False  # (queries 0-3 now read nothing, the others from column 4)
+        mask[..., 0:4, 0] = True
+        second = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    assert torch.equal(first, attention(q, k, v, _causal_from(0, 12, 12), enable_gqa=True))
+    assert torch.equal(second, attention(q, k, v, mask, enable_gqa=True))
+    assert not torch.equal(first[:, :, 4:], second[:, :, 4:])

@@ -34,12 +34,15 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    known: dict | None = None,
 ) -> torch.Tensor | None:
     """`F.scaled_dot_product_attention` of query [batch, heads, tokens, dim] over key and
     value [batch, kv heads, columns, dim], each query over the columns its mask lets it
     read; None where the kernel does not take the call (not a CPU, another dtype, dropout,
     a mask that is not one run of columns per query, a head wider than `MAX_DIM`): then
-    ATen's runs."""
+    ATen's runs. `known`: the last mask's columns, kept there (a forward's layers share
+    one mask: read once)."""
     lib = row_dot.library()
     if lib is None or dropout_p or not _takes(query, key, value):
         return None
@@ -48,8 +51,10 @@ def attention(
     if heads % kv_heads or (heads != kv_heads and not enable_gqa):
         return None
     if is_causal and attn_mask is None:  # (SDPA's: query t reads columns 0..t)
-        attn_mask = torch.ones(tokens, width, dtype=torch.bool).tril()
-    bounds = _bounds(attn_mask, batch, heads, tokens, width)
+        hi = torch.arange(1, tokens + 1).clamp(max=width).expand(batch, 1, tokens)
+        bounds = torch.zeros(batch, 1, tokens, dtype=torch.int64), hi.contiguous()
+    else:
+        bounds = _known_bounds(attn_mask, (batch, heads, tokens, width), known)
     if bounds is None:
         return None
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -81,6 +86,18 @@ def _takes(query, key, value) -> bool:
         return False
     dim = query.shape[-1]
     return key.shape[-1] == dim <= MAX_DIM and key.stride(-1) == value.stride(-1) == 1
+
+
+def _known_bounds(mask, shape, known: dict | None):
+    """`_bounds` of `mask`, from `known` where it holds this very mask (the same tensor,
+    unchanged since: an inference tensor keeps no count of its changes, but `known` lives
+    for one forward, which changes no mask) for the same shape; kept there."""
+    if known is None or mask is None:
+        return _bounds(mask, *shape)
+    key = (id(mask), None if mask.is_inference() else mask._version, shape)
+    if known.get("key") != key:
+        known.update(key=key, mask=mask, bounds=_bounds(mask, *shape))  # (kept: ids reused)
+    return known["bounds"]
 
 
 def _bounds(mask, batch, heads, tokens, width):
@@ -127,9 +144,13 @@ class PromptKernels(FewRowsLinear):
     any row count), and every `F.scaled_dot_product_attention` through `attention` above;
     so a position's bits do not depend on how its prompt was cut."""
 
+    def __init__(self):
+        super().__init__()
+        self.known: dict = {}  # (`attention`'s: the last mask's columns)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is F.scaled_dot_product_attention:
-            out = attention(*args, **(kwargs or {}))
+            out = attention(*args, **(kwargs or {}), known=self.known)
             if out is not None:
                 return out
         return super().__torch_function__(func, types, args, kwargs)

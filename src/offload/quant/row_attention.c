@@ -6,13 +6,13 @@
    helpers, LANES and load_w).
 
    For query (h, t), reading columns j in [lo, hi) of KV head h / group:
-   - s_j = scale * sum_e q_e k_je, the sum over e in turn (one lane per column: the lanes of
-     a tile of columns never meet, so where a tile starts does not matter);
+   - s_j = scale * sum_e q_e k_je, the sum over e in turn, a fused multiply-add each (one
+     lane per column: the lanes of a tile of columns never meet, so where a tile starts does
+     not matter);
    - p_j = exp(s_j - max s) (the polynomial below, the same arithmetic in every lane);
    - l = sum p_j: lane i takes j = lo + i mod LANES, in turn, then the lanes as row_dot.c's
      v_sum does;
-   - out_e = (sum_j p_j v_je, over j in turn) / l. */
-#include <math.h>
+   - out_e = (sum_j p_j v_je, over j in turn, fused multiply-adds) / l. */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 static inline v8 v_sub(v8 a, v8 b) { return _mm512_sub_ps(a, b); }
@@ -24,7 +24,7 @@ static inline v8 v_pow2(v8 n) { /* 2^n, n whole in [-126, 127] */
   __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
   return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
 }
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 static inline v8 v_sub(v8 a, v8 b) { return _mm256_sub_ps(a, b); }
 static inline v8 v_max(v8 a, v8 b) { return _mm256_max_ps(a, b); }
 static inline v8 v_div(v8 a, v8 b) { return _mm256_div_ps(a, b); }
@@ -70,9 +70,14 @@ static inline v8 v_exp(v8 x) {
 /* The scores s[0, n) of one query made its softmax's numerators p in place (zeros up to n
    rounded up to LANES); their sum l. */
 static float att_softmax(float *s, int64_t n) {
-  float m = s[0];
-  for (int64_t j = 1; j < n; j++) m = s[j] > m ? s[j] : m;
-  const int64_t pieces = (n + LANES - 1) / LANES;
+  const int64_t pieces = (n + LANES - 1) / LANES, whole = n - n % LANES;
+  v8 top = v_set1(s[0]); /* (a max is the same in any order) */
+  for (int64_t j = 0; j < whole; j += LANES) top = v_max(top, v_load(s + j));
+  float lanes[LANES], m;
+  v_store(lanes, top);
+  m = lanes[0];
+  for (int l = 1; l < LANES; l++) m = lanes[l] > m ? lanes[l] : m;
+  for (int64_t j = whole; j < n; j++) m = s[j] > m ? s[j] : m;
   v8 sum = v_zero();
   const v8 mv = v_set1(m);
   for (int64_t i = 0; i < pieces; i++) {
@@ -93,7 +98,7 @@ static inline __attribute__((always_inline)) void att_dots(
     v8 *acc, const float *const *qs, const float *kt, int64_t stride, int64_t d, const int count) {
   for (int64_t e = 0; e < d; e++) {
     const v8 x = v_load(kt + e * stride);
-    for (int c = 0; c < count; c++) acc[c] = v_add(acc[c], v_mul(v_set1(qs[c][e]), x));
+    for (int c = 0; c < count; c++) acc[c] = v_fma(v_set1(qs[c][e]), x, acc[c]);
   }
 }
 
@@ -113,10 +118,10 @@ static inline __attribute__((always_inline)) void att_values_(
     const char *vj = v + j * vc * size;
     for (int64_t e = 0; e < whole; e += LANES) {
       const v8 x = load_w(vj, e, type);
-      for (int i = 0; i < count; i++) acc[i][e / LANES] = v_add(acc[i][e / LANES], v_mul(v_set1(p[i][j]), x));
+      for (int i = 0; i < count; i++) acc[i][e / LANES] = v_fma(v_set1(p[i][j]), x, acc[i][e / LANES]);
     }
     for (int64_t e = whole; e < d; e++)
-      for (int i = 0; i < count; i++) tail[i][e - whole] = tail[i][e - whole] + p[i][j] * load_w1(vj, e, type);
+      for (int i = 0; i < count; i++) tail[i][e - whole] = fmaf(p[i][j], load_w1(vj, e, type), tail[i][e - whole]);
   }
   for (int i = 0; i < count; i++) {
     const v8 lv = v_set1(l[i]);

@@ -2,13 +2,15 @@
    rows m beside it, the thread count, or the tile it falls in (quant/row_dot.py).
 
    The order: LANES-wide partial sums (lane l takes inputs k = l mod LANES) added in input
-   order, a multiply and an add each (no fused multiply-add: -ffp-contract=off), then the
-   lanes summed pairwise, halves first (16: l + l8; 8: ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)));
-   inputs past the last whole LANES are added one at a time after that. bfloat16 weights
+   order, a fused multiply-add each (one rounding: v_fma, fmaf; nothing else is contracted:
+   -ffp-contract=off), then the lanes summed pairwise, halves first (16: l + l8; 8:
+   ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))); inputs past the last whole LANES are added one
+   at a time after that (fmaf). The q8 kernel below multiplies and adds apart. bfloat16 weights
    take 2*LANES inputs a step (one load, widened by a shift and a mask, not a shuffle):
    lane l adds input 2l of the piece, then input 2l+1. LANES is 16 with AVX-512, 8 with
    AVX2 (one register each), 8 elsewhere (the same arithmetic lane by lane): the bits are
    the same for every m within one build, and a build is per machine. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <stdlib.h>
@@ -23,6 +25,7 @@ static inline v8 v_zero(void) { return _mm512_setzero_ps(); }
 static inline v8 v_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline v8 v_add(v8 a, v8 b) { return _mm512_add_ps(a, b); }
 static inline v8 v_mul(v8 a, v8 b) { return _mm512_mul_ps(a, b); }
+static inline v8 v_fma(v8 a, v8 b, v8 c) { return _mm512_fmadd_ps(a, b, c); }
 static inline v8 v_set1(float a) { return _mm512_set1_ps(a); }
 static inline v8 v_bf16(const uint16_t *p) {
   __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
@@ -43,7 +46,7 @@ static inline float v_sum(v8 v) { /* lane l + l8, then as the 8 lanes below */
   __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
   return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
 }
-#elif defined(__AVX2__) && defined(__F16C__)
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define LANES 8
 typedef __m256 v8;
@@ -51,6 +54,7 @@ static inline v8 v_zero(void) { return _mm256_setzero_ps(); }
 static inline v8 v_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline v8 v_add(v8 a, v8 b) { return _mm256_add_ps(a, b); }
 static inline v8 v_mul(v8 a, v8 b) { return _mm256_mul_ps(a, b); }
+static inline v8 v_fma(v8 a, v8 b, v8 c) { return _mm256_fmadd_ps(a, b, c); }
 static inline v8 v_set1(float a) { return _mm256_set1_ps(a); }
 static inline v8 v_bf16(const uint16_t *p) {
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
@@ -77,6 +81,7 @@ static inline v8 v_zero(void) { v8 r = {{0}}; return r; }
 static inline v8 v_load(const float *p) { v8 r; memcpy(r.l, p, 32); return r; }
 static inline v8 v_add(v8 a, v8 b) { for (int i = 0; i < 8; i++) a.l[i] = a.l[i] + b.l[i]; return a; }
 static inline v8 v_mul(v8 a, v8 b) { for (int i = 0; i < 8; i++) a.l[i] = a.l[i] * b.l[i]; return a; }
+static inline v8 v_fma(v8 a, v8 b, v8 c) { for (int i = 0; i < 8; i++) c.l[i] = fmaf(a.l[i], b.l[i], c.l[i]); return c; }
 static inline v8 v_set1(float a) { v8 r; for (int i = 0; i < 8; i++) r.l[i] = a; return r; }
 static inline v8 v_bf16(const uint16_t *p) {
   v8 r;
@@ -147,8 +152,8 @@ static inline __attribute__((always_inline)) void tile(
         v_bf16_pair((const uint16_t *)(w + (n0 + i) * wrow) + k, &we[i], &wo[i]);
       for (int i = 0; i < NR; i++)
         for (int j = 0; j < MR; j++) {
-          acc[i][j] = v_add(acc[i][j], v_mul(xe[j], we[i]));
-          acc[i][j] = v_add(acc[i][j], v_mul(xo[j], wo[i]));
+          acc[i][j] = v_fma(xe[j], we[i], acc[i][j]);
+          acc[i][j] = v_fma(xo[j], wo[i], acc[i][j]);
         }
     }
   } else {
@@ -157,14 +162,14 @@ static inline __attribute__((always_inline)) void tile(
       for (int j = 0; j < MR; j++) xs[j] = v_load(x + (m0 + j) * K + k);
       for (int i = 0; i < NR; i++) ws[i] = load_w(w + (n0 + i) * wrow, k, type);
       for (int i = 0; i < NR; i++)
-        for (int j = 0; j < MR; j++) acc[i][j] = v_add(acc[i][j], v_mul(xs[j], ws[i]));
+        for (int j = 0; j < MR; j++) acc[i][j] = v_fma(xs[j], ws[i], acc[i][j]);
     }
   }
   for (int i = 0; i < NR; i++)
     for (int j = 0; j < MR; j++) {
       float sum = v_sum(acc[i][j]);
       for (int64_t k = whole; k < K; k++)
-        sum = sum + x[(m0 + j) * K + k] * load_w1(w + (n0 + i) * wrow, k, type);
+        sum = fmaf(x[(m0 + j) * K + k], load_w1(w + (n0 + i) * wrow, k, type), sum);
       y[(m0 + j) * N + n0 + i] = sum;
     }
 }
