@@ -6,13 +6,16 @@
    helpers, LANES and load_w).
 
    For query (h, t), reading columns j in [lo, hi) of KV head h / group:
-   - s_j = scale * sum_e q_e k_je, the sum over e in turn, a fused multiply-add each (one
+   - s_j = scale * sum_e q_e k_je, the sum over e in turn, a multiply and an add each (one
      lane per column: the lanes of a tile of columns never meet, so where a tile starts does
      not matter);
    - p_j = exp(s_j - max s) (the polynomial below, the same arithmetic in every lane);
    - l = sum p_j: lane i takes j = lo + i mod LANES, in turn, then the lanes as row_dot.c's
      v_sum does;
-   - out_e = (sum_j p_j v_je, over j in turn, fused multiply-adds) / l. */
+   - out_e = (sum_j p_j v_je, over j in turn, multiplies and adds) / l.
+   (Fused multiply-adds here, 1.2x as fast at 2000 tokens, turned the default model's
+   greedy first token from "The" to "L": its two first tokens lie 0.06-0.11 nat apart as stored,
+   within what the last bits of attention move.) */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 static inline v8 v_sub(v8 a, v8 b) { return _mm512_sub_ps(a, b); }
@@ -98,7 +101,7 @@ static inline __attribute__((always_inline)) void att_dots(
     v8 *acc, const float *const *qs, const float *kt, int64_t stride, int64_t d, const int count) {
   for (int64_t e = 0; e < d; e++) {
     const v8 x = v_load(kt + e * stride);
-    for (int c = 0; c < count; c++) acc[c] = v_fma(v_set1(qs[c][e]), x, acc[c]);
+    for (int c = 0; c < count; c++) acc[c] = v_add(acc[c], v_mul(v_set1(qs[c][e]), x));
   }
 }
 
@@ -118,10 +121,10 @@ static inline __attribute__((always_inline)) void att_values_(
     const char *vj = v + j * vc * size;
     for (int64_t e = 0; e < whole; e += LANES) {
       const v8 x = load_w(vj, e, type);
-      for (int i = 0; i < count; i++) acc[i][e / LANES] = v_fma(v_set1(p[i][j]), x, acc[i][e / LANES]);
+      for (int i = 0; i < count; i++) acc[i][e / LANES] = v_add(acc[i][e / LANES], v_mul(v_set1(p[i][j]), x));
     }
     for (int64_t e = whole; e < d; e++)
-      for (int i = 0; i < count; i++) tail[i][e - whole] = fmaf(p[i][j], load_w1(vj, e, type), tail[i][e - whole]);
+      for (int i = 0; i < count; i++) tail[i][e - whole] = tail[i][e - whole] + p[i][j] * load_w1(vj, e, type);
   }
   for (int i = 0; i < count; i++) {
     const v8 lv = v_set1(l[i]);
