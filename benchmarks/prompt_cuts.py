@@ -5,10 +5,10 @@ bit with each one's answer alone on an engine without prefix caching:
   batch+prefix  all 9 in one `generate` with prefix caching on (the default): some find
                 the system text held by another
   again         the 9 again, in reverse order: every prompt held whole but its last token
-  chunked16     all 9 with `max_num_batched_tokens=16`: prompts cut into chunks of 16
-                tokens riding in the running rows' decode steps
+  chunked16     all 9 with `max_num_batched_tokens=16` (`--chunk`): prompts cut into chunks
+                of 16 tokens riding in the running rows' decode steps
 
-    python benchmarks/prompt_cuts.py [--forms stored float32 bfloat16] [--eager]
+    python benchmarks/prompt_cuts.py [--forms stored float32 bfloat16] [--eager] [--chunk 16]
 
 Results: benchmarks/results/prompt-cuts-cpu-<date>.json (machine, date, counts per form).
 """
@@ -44,7 +44,7 @@ def answer(output) -> tuple:
     return completion.token_ids, logprobs
 
 
-def runs(form: str, eager: bool) -> dict[str, list]:
+def runs(form: str, eager: bool, chunk: int) -> dict[str, list]:
     kwargs = {} if form == "stored" else {"dtype": form}
     kwargs |= {"max_model_len": 512, "enforce_eager": eager}
     out = {}
@@ -54,8 +54,8 @@ def runs(form: str, eager: bool) -> dict[str, list]:
         out["batch+prefix"] = [answer(o) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         again = llm.generate(PROMPTS[::-1], PARAMS, use_tqdm=False)[::-1]
         out["again"] = [answer(o) for o in again]
-    with LLM(max_num_batched_tokens=16, **kwargs) as llm:
-        out["chunked16"] = [answer(o) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    with LLM(max_num_batched_tokens=chunk, **kwargs) as llm:
+        out[f"chunked{chunk}"] = [answer(o) for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     return out
 
 
@@ -63,10 +63,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--forms", nargs="+", default=["stored", "float32", "bfloat16"])
     parser.add_argument("--eager", action="store_true", help="no compiled decode step")
+    parser.add_argument("--chunk", type=int, default=16, help="max_num_batched_tokens")
     args = parser.parse_args()
     rows = []
     for form in args.forms:
-        answers = runs(form, args.eager)
+        answers = runs(form, args.eager, args.chunk)
         alone = answers.pop("alone")
         for name, got in answers.items():
             tokens = sum(a[0] == b[0] for a, b in zip(got, alone, strict=True))
@@ -77,7 +78,7 @@ def main() -> None:
                 f"{tokens}/{len(PROMPTS)}, tokens and logprobs bit for bit {bitwise}/{len(PROMPTS)}",
                 flush=True,
             )
-    payload = {"eager": args.eager, "prompts": len(PROMPTS), "rows": rows}
+    payload = {"eager": args.eager, "chunk": args.chunk, "prompts": len(PROMPTS), "rows": rows}
     print("saved", common.save("prompt-cuts", torch.device("cpu"), payload))
 
 
