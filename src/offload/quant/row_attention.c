@@ -159,14 +159,15 @@ int rowdot_attention(const float *q, int64_t Hq, int64_t T, int64_t d, const flo
     /* queries i = (t - t0) * group + head in the group: a token's heads side by side */
     const int64_t g = task / blocks, t0 = (task % blocks) * ATT_TOKENS;
     const int64_t t1 = t0 + ATT_TOKENS < T ? t0 + ATT_TOKENS : T, queries = (t1 - t0) * group;
-#define AT(i) ((Hm == 1 ? 0 : g * group + (i) % group) * T + t0 + (i) / group)
+#define QAT(i) ((g * group + (i) % group) * T + t0 + (i) / group) /* query i's row of q, out */
+#define AT(i) (Hm == 1 ? t0 + (i) / group : QAT(i))               /* its lo, hi */
     int64_t first = INT64_MAX, end = 0; /* the columns any query of the task reads */
     for (int64_t i = 0; i < queries; i++)
       if (hi[AT(i)] > lo[AT(i)]) {
         first = lo[AT(i)] < first ? lo[AT(i)] : first;
         end = hi[AT(i)] > end ? hi[AT(i)] : end;
       }
-    const int64_t width = end > first ? end - first : 0, room = width + 2 * LANES;
+    const int64_t width = end > first ? end - first : 0, room = width + LANES;
     float *scores = (float *)malloc(sizeof(float) * (size_t)(queries * room));
     if (!scores) { failed = 1; continue; }
     const float *kg = kt + g * kh;
@@ -182,14 +183,14 @@ int rowdot_attention(const float *q, int64_t Hq, int64_t T, int64_t d, const flo
         for (int c = 0; c < count; c++) {
           const int64_t i = i0 + take[c];
           acc[c] = v_zero();
-          qs[c] = q + ((g * group + i % group) * T + t0 + i / group) * d;
+          qs[c] = q + QAT(i) * d;
         }
         if (count == ATT_QK)
           att_dots(acc, qs, kg + c0, kc, d, ATT_QK);
         else
           att_dots(acc, qs, kg + c0, kc, d, count);
         for (int c = 0; c < count; c++)
-          v_store(scores + (i0 + take[c]) * room + LANES + (c0 - first), v_mul(acc[c], v_set1(scale)));
+          v_store(scores + (i0 + take[c]) * room + (c0 - first), v_mul(acc[c], v_set1(scale)));
       }
     }
     for (int64_t i0 = 0; i0 < queries; i0 += group) { /* a token's heads */
@@ -199,8 +200,8 @@ int rowdot_attention(const float *q, int64_t Hq, int64_t T, int64_t d, const flo
         const int64_t at = AT(i0 + h0), n = hi[at] > lo[at] ? hi[at] - lo[at] : 0;
         for (int64_t h = h0; h < group && h < h0 + ATT_HEADS; h++, count++) {
           const int64_t i = i0 + h, ai = AT(i), ni = hi[ai] > lo[ai] ? hi[ai] - lo[ai] : 0;
-          o[count] = out + ((g * group + h) * T + t0 + i / group) * d;
-          p[count] = scores + i * room + LANES + (ni ? lo[ai] - first : 0);
+          o[count] = out + QAT(i) * d;
+          p[count] = scores + i * room + (ni ? lo[ai] - first : 0);
           if (ni != n || (ni && lo[ai] != lo[at])) { /* (a mask per head: each alone) */
             l[count] = ni ? att_softmax(p[count], ni) : 1.0f;
             att_values(&p[count], &l[count], 1, ni, vg + (ni ? lo[ai] : 0) * vc * size, vc, d, type, &o[count]);
@@ -213,6 +214,7 @@ int rowdot_attention(const float *q, int64_t Hq, int64_t T, int64_t d, const flo
       }
     }
 #undef AT
+#undef QAT
     free(scores);
   }
   return failed ? -1 : 0;
