@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from references import References
 
 from offload import SamplingParams
 from offload.cli.main import main
@@ -152,16 +153,25 @@ def drafted():
     return {"model": str(gguf_path()), "num_speculative_tokens": 4}
 
 
+@pytest.fixture(scope="module")
+def plain(smollm2_path):
+    """The float32 default model resident without speculation: its answers, once each."""
+    references = References(smollm2_path)
+    yield references
+    references.close()
+
+
 @pytest.fixture(scope="module", params=list(SETTINGS))
 def llms(request, smollm2_path, tmp_path_factory, drafted):
-    """The float32 default model without speculation, with n-gram lookup and with the
-    stored model drafting, offloaded alike."""
+    """The float32 default model with n-gram lookup and with the stored model drafting,
+    offloaded alike (without speculation, offloaded or not, it answers bit for bit as
+    resident: tests/llm/test_llm.py; `plain` is that answer)."""
     setting = dict(SETTINGS[request.param])
     if "cpu_memory_gb" in setting:
         setting["offload_folder"] = str(tmp_path_factory.mktemp("disk"))
     made = [
         LLM(smollm2_path, dtype="float32", **setting, **more)
-        for more in ({}, {"speculative_config": NGRAM}, {"speculative_config": drafted})
+        for more in ({"speculative_config": NGRAM}, {"speculative_config": drafted})
     ]
     yield request.param, *made
     for llm in made:
@@ -169,10 +179,10 @@ def llms(request, smollm2_path, tmp_path_factory, drafted):
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(llms, method):
-    setting, plain, *specs = llms
+def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(plain, llms, method):
+    setting, *specs = llms
     spec = specs[method == "draft_model"]
-    expected = [plain.generate(prompt, GREEDY, use_tqdm=False)[0] for prompt in PROMPTS]
+    expected = plain.generate(PROMPTS, GREEDY, alone=True)
     spec.generate(PROMPTS[2], SamplingParams(max_tokens=1), use_tqdm=False)  # (KV offload's probe)
     before = spec.transfer_stats()
     alone = [spec.generate(prompt, GREEDY, use_tqdm=False)[0] for prompt in PROMPTS]
@@ -202,19 +212,18 @@ def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(llm
         assert moved.kv_moved_bytes > 0
 
 
-def test_seeded_sampling_draws_the_tokens_decoding_alone_draws(smollm2_path):
+def test_seeded_sampling_draws_the_tokens_decoding_alone_draws(smollm2_path, plain):
     """A guess is kept where the row's own generator, drawing from the model's
     distribution, picks it: the same draws in the same order as without speculation."""
-    plain = LLM(smollm2_path, dtype="float32")
     spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
-    expected = plain.generate(PROMPTS, SAMPLED, use_tqdm=False)
+    expected = plain.generate(PROMPTS, SAMPLED)
     got = spec.generate(PROMPTS, SAMPLED, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
     moved = spec.transfer_stats()
     assert moved.num_spec_accepted_tokens > 0  # (the repeated text is guessed and drawn)
 
 
-def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, monkeypatch):
+def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, plain, monkeypatch):
     """Every guess wrong: the tokens are still the model's own; and where guessing is
     left to pay its way (`Pace`), it is soon left off (plain steps win here)."""
 
@@ -224,8 +233,7 @@ def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, monkeypat
             for row, count in zip(rows, counts, strict=True)
         ]
 
-    plain = LLM(smollm2_path, dtype="float32")
-    expected = plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+    expected = plain.generate(PROMPTS, GREEDY)
     monkeypatch.setattr(speculative.NgramProposer, "propose", wrong)
     paced = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
     got = paced.generate(PROMPTS, GREEDY, use_tqdm=False)
@@ -289,18 +297,16 @@ def test_left_to_itself_the_pace_measures_each_depth_then_keeps_the_fastest():
     assert len(tried) >= 3 * trial
 
 
-def test_left_out_k_gives_the_model_s_tokens_and_guesses(smollm2_path):
-    plain = LLM(smollm2_path, dtype="float32")
+def test_left_out_k_gives_the_model_s_tokens_and_guesses(smollm2_path, plain):
     spec = LLM(smollm2_path, dtype="float32", speculative_config={"method": "ngram"})
     assert _tokens(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
-        plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+        plain.generate(PROMPTS, GREEDY)
     )
     assert spec.transfer_stats().num_spec_accepted_tokens > 0
 
 
-def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path):
+def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path, plain):
     spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
-    plain = LLM(smollm2_path, dtype="float32")
     prompt = PROMPTS[0]
     for params in (
         SamplingParams(temperature=0, max_tokens=7),
@@ -310,29 +316,28 @@ def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path):
         ),
     ):
         [mine] = spec.generate(prompt, params, use_tqdm=False)
-        [theirs] = plain.generate(prompt, params, use_tqdm=False)
+        [theirs] = plain.generate(prompt, params)
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
         assert mine.outputs[0].text == theirs.outputs[0].text
         assert mine.outputs[0].finish_reason == theirs.outputs[0].finish_reason
     assert len(mine.outputs[0].token_ids) <= 40
     streamed = list(spec.stream(prompt, GREEDY))
-    [whole] = plain.generate(prompt, GREEDY, use_tqdm=False)
+    [whole] = plain.generate(prompt, GREEDY)
     assert streamed[-1].finished and streamed[-1].outputs[0].token_ids == whole.outputs[0].token_ids
     texts = [item.outputs[0].text for item in streamed]
     assert all(later.startswith(earlier) for earlier, later in itertools.pairwise(texts))
     assert spec.transfer_stats().num_spec_accepted_tokens > 0
 
 
-def test_rows_that_finish_at_other_steps_keep_the_drafts_rows_in_step(smollm2_path, drafted):
+def test_rows_that_finish_at_other_steps_keep_the_drafts_rows_in_step(smollm2_path, plain, drafted):
     """Rows leave the batch at other steps (the engine packs the rest, moving rows); the
     draft's rows follow them (moved, or fed again from the start): the same tokens as
     without, and the guesses still mostly kept (a draft row holding another sequence's
     keys would guess wrong: the tokens would still be right, but few guesses kept)."""
-    plain = LLM(smollm2_path, dtype="float32")
     spec = LLM(smollm2_path, dtype="float32", speculative_config=drafted)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 24, 9, 16)]
     prompts = [*PROMPTS, "Tell me about the moon."]
-    expected = plain.generate(prompts, params, use_tqdm=False)
+    expected = plain.generate(prompts, params)
     assert _tokens(spec.generate(prompts, params, use_tqdm=False)) == _tokens(expected)
     moved = spec.transfer_stats()
     assert moved.num_spec_accepted_tokens > 0.8 * moved.num_spec_draft_tokens  # (0.95 here)
@@ -395,7 +400,7 @@ def test_the_server_answers_as_without_it_and_counts_in_metrics(smollm2_path):
 
 
 def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
-    smollm2_path, tmp_path, monkeypatch
+    smollm2_path, plain, tmp_path, monkeypatch
 ):
     """A draft model of random weights with the model's own tokenizer: its guesses are
     almost all refused, and the tokens are still the model's own."""
@@ -419,9 +424,8 @@ def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
         smollm2_path, dtype="float32",
         speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3},
     )  # fmt: skip
-    plain = LLM(smollm2_path, dtype="float32")
     assert _tokens(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
-        plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+        plain.generate(PROMPTS, GREEDY)
     )
     moved = spec.transfer_stats()
     assert moved.num_spec_draft_tokens > 50

@@ -4,6 +4,7 @@ and in a batch — keeps more guesses than the chain alone, and on the default m
 stored every kept token carries the decode step's bits."""
 
 import pytest
+from references import References
 
 from offload import SamplingParams
 from offload.engine import speculative, step_runner
@@ -23,6 +24,15 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip
 TREE = {**NGRAM, "tree_budget": 12}
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2_path):
+    """The float32 default model resident without speculation: its answers, once each
+    (offloaded, it answers bit for bit alike: tests/llm/test_llm.py)."""
+    references = References(smollm2_path)
+    yield references
+    references.close()
 
 
 @pytest.fixture
@@ -53,30 +63,28 @@ def test_the_tree_budget_is_read_and_bounded():
     ids=["resident", "disk", "kv offload"],
 )
 def test_a_tree_gives_the_model_s_tokens_alone_and_batched(
-    smollm2_path, tmp_path, always_guess, setting
+    smollm2_path, plain, tmp_path, always_guess, setting
 ):
     if "cpu_memory_gb" in setting:
         setting = {**setting, "offload_folder": str(tmp_path)}
-    plain = LLM(smollm2_path, dtype="float32", **setting)
     chain = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM, **setting)
     tree = LLM(smollm2_path, dtype="float32", speculative_config=TREE, **setting)
-    expected = [plain.generate(p, GREEDY, use_tqdm=False)[0] for p in PROMPTS]
+    expected = plain.generate(PROMPTS, GREEDY, alone=True)
     for llm in (chain, tree):
         assert _tokens(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)) == _tokens(expected[:1])
     kept = [llm.transfer_stats().num_spec_accepted_tokens for llm in (chain, tree)]
     assert kept[1] > kept[0]  # (a sibling's guess kept where the chain's was wrong)
     eight = (PROMPTS * 3)[:8]
     assert _tokens(tree.generate(eight, GREEDY, use_tqdm=False)) == _tokens((expected * 3)[:8])
-    for llm in (plain, chain, tree):
+    for llm in (chain, tree):
         llm.close()
 
 
-def test_a_draft_s_tree_gives_the_model_s_tokens(smollm2_path, always_guess):
-    plain = LLM(smollm2_path, dtype="float32")
+def test_a_draft_s_tree_gives_the_model_s_tokens(smollm2_path, plain, always_guess):
     draft = {"model": str(gguf_path()), "num_speculative_tokens": 4, "tree_budget": 8}
     tree = LLM(smollm2_path, dtype="float32", speculative_config=draft)
     assert _tokens(tree.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
-        plain.generate(PROMPTS, GREEDY, use_tqdm=False)
+        plain.generate(PROMPTS, GREEDY)
     )
     moved = tree.transfer_stats()
     assert moved.num_spec_draft_tokens > 4 * moved.num_spec_drafts  # (trees: more than k each)
