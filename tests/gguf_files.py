@@ -91,3 +91,32 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
         tensors[name] = torch.empty(stored.shape, dtype=stored.dtype)
         read_into(stored, tensors[name])
     return tensors
+
+
+def first_layers_of(source: Path, path: Path, layers: int) -> Path:
+    """`source` (a .gguf) cut to its first `layers` blocks: the same metadata (tokenizer,
+    chat template), embedding, norms and block kinds, the real weights of those blocks."""
+    reader = gguf.GGUFReader(source)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(path, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # (the writer's own)
+        value = layers if name == f"{arch}.block_count" else field.contents()
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, vtype, sub_type=sub)
+    for tensor in reader.tensors:
+        if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
+            continue
+        if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, tensor.data)
+        else:  # (its blocks' bytes, a row of them per row)
+            writer.add_tensor(
+                tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
