@@ -122,6 +122,9 @@ _SLOW = (
     "distributed/test_pipeline.py",  # (2026-11-30: pipeline ranks as processes, ~70 s)
     "distributed/test_micro_batches.py",  # (2026-11-30: micro-batches over ranks, ~90 s)
     "server/test_replicas.py",  # (2026-11-30: two replicas and a front, ~50 s)
+    # (2026-12-01: the quick subset had grown to 2:51)
+    "llm/test_invariant_by_default.py",  # (~110 s: every form, held prefixes, 70 rows)
+    "engine/test_step_order.py",  # (~20 s: compiled steps against eager ones)
 )  # fmt: skip
 
 
