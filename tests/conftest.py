@@ -215,6 +215,17 @@ def smollm2_path():
     return default_model_path()
 
 
+@pytest.fixture(scope="module")
+def plain(smollm2_path):
+    """The float32 default model's own answers, resident and without speculation, each
+    computed once per module (`references.References`)."""
+    from references import References
+
+    references = References(smollm2_path)
+    yield references
+    references.close()
+
+
 @pytest.fixture(autouse=True)
 def _copy_thread_protocol(monkeypatch):
     """Tests run the CPU copies on a copy thread, as if torch left a core free: the thread

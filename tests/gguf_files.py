@@ -109,12 +109,9 @@ def first_layers_of(source: Path, path: Path, layers: int) -> Path:
     for tensor in reader.tensors:
         if tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) >= layers:
             continue
-        if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(tensor.name, tensor.data)
-        else:  # (its blocks' bytes, a row of them per row)
-            writer.add_tensor(
-                tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type
-            )
+        writer.add_tensor(
+            tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type
+        )
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

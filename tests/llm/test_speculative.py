@@ -8,7 +8,6 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from references import References
 
 from offload import SamplingParams
 from offload.cli.main import main
@@ -151,14 +150,6 @@ def _top_logprobs(outputs) -> list[list[float]]:
 def drafted():
     """Speculation by the default model as stored (Q4_1, resident) for its float32 self."""
     return {"model": str(gguf_path()), "num_speculative_tokens": 4}
-
-
-@pytest.fixture(scope="module")
-def plain(smollm2_path):
-    """The float32 default model resident without speculation: its answers, once each."""
-    references = References(smollm2_path)
-    yield references
-    references.close()
 
 
 @pytest.fixture(scope="module", params=list(SETTINGS))

@@ -4,7 +4,6 @@ and in a batch — keeps more guesses than the chain alone, and on the default m
 stored every kept token carries the decode step's bits."""
 
 import pytest
-from references import References
 
 from offload import SamplingParams
 from offload.engine import speculative, step_runner
@@ -24,15 +23,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}  # fmt: skip
 TREE = {**NGRAM, "tree_budget": 12}
 GREEDY = SamplingParams(temperature=0, max_tokens=32)
-
-
-@pytest.fixture(scope="module")
-def plain(smollm2_path):
-    """The float32 default model resident without speculation: its answers, once each
-    (offloaded, it answers bit for bit alike: tests/llm/test_llm.py)."""
-    references = References(smollm2_path)
-    yield references
-    references.close()
 
 
 @pytest.fixture
