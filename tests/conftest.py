@@ -52,7 +52,9 @@ def pytest_configure(config):
         "from offload.model.sources import resolve_model; "
         "from offload.probes.layout_choice import LayoutChooser; "
         "resolve_model(None, quantization='gguf', layout_chooser=LayoutChooser); "
-        "from offload.quant.row_dot import library; library()"  # (its C, built once)
+        "from offload.quant.row_dot import library; library(); "  # (its C, built once)
+        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+        "import short_model; short_model.prepare()"  # (the cut model: tests/short_model.py)
     )
     config.offload_converting = subprocess.Popen(
         [sys.executable, "-c", convert],
@@ -215,13 +217,29 @@ def smollm2_path():
     return default_model_path()
 
 
+@pytest.fixture(scope="session")
+def short_gguf():
+    """The default model cut to its first 4 blocks, as stored (tests/short_model.py)."""
+    import short_model
+
+    return short_model.short_gguf()
+
+
+@pytest.fixture(scope="session")
+def short_path(short_gguf):
+    """The cut model's float32 folder (as `smollm2_path` is the whole model's)."""
+    from offload.model.sources import resolve_model
+
+    return resolve_model(short_gguf)
+
+
 @pytest.fixture(scope="module")
-def plain(smollm2_path):
-    """The float32 default model's own answers, resident and without speculation, each
+def plain(short_path):
+    """The float32 cut model's own answers, resident and without speculation, each
     computed once per module (`references.References`)."""
     from references import References
 
-    references = References(smollm2_path)
+    references = References(short_path)
     yield references
     references.close()
 

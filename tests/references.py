@@ -1,4 +1,4 @@
-"""The float32 default model's own answers, resident and without speculation: the
+"""A float32 model's own answers, resident and without speculation: the
 reference many exactness tests compare with. Each answer is computed once per test module
 (`References`, a module-scoped fixture's value) instead of once per test; offloaded and
 batched answers are held bit for bit equal to it elsewhere (tests/llm/test_llm.py,

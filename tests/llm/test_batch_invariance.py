@@ -1,7 +1,8 @@
 """Batch invariance (`LLM(batch_invariant=True)`, vLLM's VLLM_BATCH_INVARIANT=1): a prompt's
 tokens and logprobs are bit for bit the same alone and in any batch, whatever the other
 prompts' lengths and order, on every weight form (float32, bfloat16, GGUF as stored,
-packed checkpoints), in `generate` and among concurrent streams (what `serve` runs)."""
+packed checkpoints), in `generate` and among concurrent streams (what `serve` runs). The
+default model is cut to its first blocks (tests/short_model.py)."""
 
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ def _check_invariant(llm: LLM, vocab: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "stored"])
-def test_the_default_model_answers_alike_alone_and_in_any_batch(dtype):
+def test_the_default_model_answers_alike_alone_and_in_any_batch(short_gguf, dtype):
     kwargs = {} if dtype == "stored" else {"dtype": dtype}
-    with LLM(batch_invariant=True, max_model_len=128, **kwargs) as llm:
+    with LLM(short_gguf, batch_invariant=True, max_model_len=128, **kwargs) as llm:
         _check_invariant(llm, llm.model.config.vocab_size)
 
 
@@ -51,11 +52,12 @@ def test_a_packed_checkpoint_answers_alike_alone_and_in_any_batch(tmp_path, fmt)
         _check_invariant(llm, llm.model.config.vocab_size)
 
 
-def test_an_offloaded_model_answers_as_resident_alone_and_in_batches():
+def test_an_offloaded_model_answers_as_resident_alone_and_in_batches(short_gguf):
     prompts = _prompts(49152)[1:]
-    with LLM(dtype="float32", batch_invariant=True, max_model_len=128) as llm:
+    with LLM(short_gguf, dtype="float32", batch_invariant=True, max_model_len=128) as llm:
         resident = [_answer(o) for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     offloaded = LLM(
+        short_gguf,
         dtype="float32",
         batch_invariant=True,
         max_model_len=128,
@@ -70,10 +72,10 @@ def test_an_offloaded_model_answers_as_resident_alone_and_in_batches():
     assert together == resident and alone == resident[:3]
 
 
-def test_concurrent_streams_answer_as_generate_does_alone():
+def test_concurrent_streams_answer_as_generate_does_alone(short_gguf):
     """What `offload serve` runs: requests from several threads, joining the batch at
     different steps, each answered as `generate` answers it alone."""
-    with LLM(dtype="float32", batch_invariant=True, max_model_len=128) as llm:
+    with LLM(short_gguf, dtype="float32", batch_invariant=True, max_model_len=128) as llm:
         prompts = _prompts(llm.model.config.vocab_size, seed=2)
         alone = [_answer(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts]
         assert streamed_apart(llm, prompts, PARAMS, _answer) == alone

@@ -1,7 +1,8 @@
 """Batch invariance by default on a CPU (`quant/row_dot`): with no flag, a prompt's tokens
 and logprobs are bit for bit the same alone and in any batch, whatever the other prompts'
 lengths and order, on every weight form, eager and compiled, in `generate` and among
-concurrent streams (what `serve` runs)."""
+concurrent streams (what `serve` runs). The default model is cut to its first blocks
+(tests/short_model.py): its kinds, shapes and products are the whole model's."""
 
 from __future__ import annotations
 
@@ -30,9 +31,9 @@ def _kernels_built():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "stored", "bfloat16", "float16"])
-def test_the_default_model_answers_alike_alone_and_in_any_batch(dtype):
+def test_the_default_model_answers_alike_alone_and_in_any_batch(short_gguf, dtype):
     kwargs = {} if dtype == "stored" else {"dtype": dtype}
-    with LLM(max_model_len=128, enable_prefix_caching=False, **kwargs) as llm:
+    with LLM(short_gguf, max_model_len=128, enable_prefix_caching=False, **kwargs) as llm:
         _check_invariant(llm, llm.model.config.vocab_size)
 
 
@@ -46,17 +47,21 @@ def _sharing_prompts(vocab: int, seed: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("dtype", ["stored", "float32", "bfloat16"])
-def test_a_prompt_answers_alike_after_a_held_prefix_and_in_chunks(dtype):
+def test_a_prompt_answers_alike_after_a_held_prefix_and_in_chunks(short_gguf, dtype):
     """With prefix caching on (the default) and prompts prefilled in chunks of 16 tokens
     (riding in decode steps), each prompt's answer is bit for bit its answer alone with
     no cache: a position's attention and products do not depend on where its prompt was
     cut (`engine/prompt_attention`; ATen's attention parted after a held prefix)."""
     kwargs = {} if dtype == "stored" else {"dtype": dtype}
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
-    with LLM(max_model_len=256, enable_prefix_caching=False, enforce_eager=True, **kwargs) as llm:
+    with LLM(
+        short_gguf, max_model_len=256, enable_prefix_caching=False, enforce_eager=True, **kwargs
+    ) as llm:
         prompts = _sharing_prompts(llm.model.config.vocab_size, seed=5)
         alone = [answer_of(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
-    with LLM(max_model_len=256, max_num_batched_tokens=16, enforce_eager=True, **kwargs) as llm:
+    with LLM(
+        short_gguf, max_model_len=256, max_num_batched_tokens=16, enforce_eager=True, **kwargs
+    ) as llm:
         together = [answer_of(o) for o in llm.generate(prompts, params, use_tqdm=False)]
         held = llm.generate(prompts[::-1], params, use_tqdm=False)[::-1]  # (all held now)
         hits = llm._generator.core.scheduler.prefixes.hits
@@ -66,12 +71,14 @@ def test_a_prompt_answers_alike_after_a_held_prefix_and_in_chunks(dtype):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_step_of_more_than_64_rows_answers_as_alone(dtype):
+def test_a_step_of_more_than_64_rows_answers_as_alone(short_gguf, dtype):
     """70 prompts at once (the server's default `max_num_seqs` is 256): each answer is its
     answer alone (MKL's and oneDNN's products above `cpu_linear.MAX_ROWS` rows parted
     every one of them in float32)."""
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
-    with LLM(max_model_len=64, enforce_eager=True, dtype=dtype, enable_prefix_caching=False) as llm:
+    with LLM(
+        short_gguf, max_model_len=64, enforce_eager=True, dtype=dtype, enable_prefix_caching=False
+    ) as llm:
         lengths = [2 + i % 20 for i in range(70)]
         prompts = random_prompts(llm.model.config.vocab_size, lengths, seed=6)
         together = [answer_of(o) for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -93,8 +100,8 @@ def test_a_packed_checkpoint_answers_alike_alone_and_in_any_batch(tmp_path, fmt)
         _check_invariant(llm, llm.model.config.vocab_size)
 
 
-def test_concurrent_streams_answer_as_generate_does_alone():
-    with LLM(max_model_len=128, enable_prefix_caching=False) as llm:
+def test_concurrent_streams_answer_as_generate_does_alone(short_gguf):
+    with LLM(short_gguf, max_model_len=128, enable_prefix_caching=False) as llm:
         prompts = random_prompts(llm.model.config.vocab_size, LENGTHS, seed=2)
         alone = [answer_of(llm.generate([p], PARAMS, use_tqdm=False)[0]) for p in prompts]
         assert streamed_apart(llm, prompts, PARAMS, answer_of) == alone

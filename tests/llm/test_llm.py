@@ -1,4 +1,5 @@
-"""LLM.generate / chat on the real SmolLM2, with and without offloading."""
+"""LLM.generate / chat on the real SmolLM2, with and without offloading (the offloaded
+forms' bits are checked on its first blocks alone: tests/short_model.py)."""
 
 import re
 
@@ -34,11 +35,16 @@ def resident(smollm2_path):
 
 
 @pytest.fixture(scope="module")
-def greedy(resident):
-    """The resident model's greedy tokens for PROMPTS, batched and each prompt alone
-    (computed once: many tests compare with them)."""
-    batched = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, GREEDY)]
-    alone = [resident.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+def short_resident(short_path):
+    return LLM(short_path)
+
+
+@pytest.fixture(scope="module")
+def greedy(short_resident):
+    """The resident cut model's greedy tokens for PROMPTS, batched and each prompt alone
+    (computed once: the offloaded forms' tests compare with them)."""
+    batched = [o.outputs[0].token_ids for o in short_resident.generate(PROMPTS, GREEDY)]
+    alone = [short_resident.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
     return batched, alone
 
 
@@ -67,8 +73,8 @@ def test_unbatched_greedy_matches_transformers_generate(resident):
 
 
 @pytest.mark.parametrize("setting", list(OFFLOADS))
-def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, greedy, setting):
-    llm = _llm(smollm2_path, setting)
+def test_offloaded_greedy_is_identical_batched_and_unbatched(short_path, greedy, setting):
+    llm = _llm(short_path, setting)
     assert llm.offloader.offloaded_bytes > 0 or setting == "kv-cache"
     batched = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in batched] == greedy[0]
@@ -79,10 +85,10 @@ def test_offloaded_greedy_is_identical_batched_and_unbatched(smollm2_path, greed
         assert moved.kv_copied_bytes > 0 and moved.kv_written_back_bytes > 0
 
 
-def test_seeded_sampling_is_reproducible(resident, greedy):
+def test_seeded_sampling_is_reproducible(short_resident, greedy):
     params = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=11, max_tokens=10)
-    first = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
-    again = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
+    first = [o.outputs[0].token_ids for o in short_resident.generate(PROMPTS, params)]
+    again = [o.outputs[0].token_ids for o in short_resident.generate(PROMPTS, params)]
     assert first == again
     assert first != [g[:10] for g in greedy[0]]  # it really sampled
 
@@ -132,9 +138,9 @@ def test_kv_offload_sampling_is_reproducible(smollm2_path, resident):
 
 
 def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(
-    smollm2_path, resident, greedy
+    short_path, short_resident, greedy
 ):
-    llm = LLM(smollm2_path, kv_offload=True)
+    llm = LLM(short_path, kv_offload=True)
     pool = llm._kv_pool
     expected = greedy[0]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
@@ -146,7 +152,7 @@ def test_kv_host_memory_is_reused_across_calls_and_grows_when_needed(
     assert [slab.buffer.data_ptr() for slab in pool._slabs] == held and pool.num_bytes == size
     # ... and a larger one grows them (its prompt past 128 positions).
     longer = [{"prompt_token_ids": list(range(300, 430))}]
-    want = [o.outputs[0].token_ids for o in resident.generate(longer, GREEDY)]
+    want = [o.outputs[0].token_ids for o in short_resident.generate(longer, GREEDY)]
     assert [o.outputs[0].token_ids for o in llm.generate(longer, GREEDY)] == want
     assert pool.num_bytes > size
 
@@ -312,9 +318,10 @@ MIXED = [GREEDY, PENALISED, SamplingParams(temperature=0, max_tokens=12, logprob
 
 
 @pytest.fixture(scope="module")
-def penalised(resident):
-    """The resident model's tokens and log-probabilities for PROMPTS with MIXED params,
+def penalised(short_resident):
+    """The resident cut model's tokens and log-probabilities for PROMPTS with MIXED params,
     checked once: the penalised row's are those of the row alone."""
+    resident = short_resident
     expected = _tokens_and_logprobs(resident.generate(PROMPTS, MIXED))
     alone = _tokens_and_logprobs(resident.generate(PROMPTS[1], PENALISED))
     # The other rows' tokens are not counted against it (the log-probabilities differ in
@@ -330,10 +337,10 @@ def penalised(resident):
 
 @pytest.mark.parametrize("setting", ["prefetch", "uva+kv-cache"])
 def test_penalties_and_logprobs_are_per_row_and_unchanged_by_offloading(
-    smollm2_path, penalised, setting
+    short_path, penalised, setting
 ):
     mixed, expected = MIXED, penalised
-    llm = _llm(smollm2_path, setting)
+    llm = _llm(short_path, setting)
     assert _tokens_and_logprobs(llm.generate(PROMPTS, mixed)) == expected  # bit for bit
     assert llm.offloader.stats().bytes_copied > 0 or setting != "prefetch"
 
@@ -533,11 +540,11 @@ def _decode_sizes(monkeypatch) -> list[int]:
 
 
 def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(
-    smollm2_path, greedy, monkeypatch
+    short_path, greedy, monkeypatch
 ):
-    chunked = LLM(smollm2_path, max_num_batched_tokens=9)
+    chunked = LLM(short_path, max_num_batched_tokens=9)
     offloaded = LLM(
-        smollm2_path, max_num_batched_tokens=9, offload_group_size=1, offload_prefetch_step=2,
+        short_path, max_num_batched_tokens=9, offload_group_size=1, offload_prefetch_step=2,
         swap_space=0.5,
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2, logprobs=2)
@@ -553,7 +560,7 @@ def test_chunked_prefill_is_unchanged_by_offloading_and_keeps_the_tokens(
     # Once the first prompt's rows decode, the next prompts' chunks share their steps.
     assert any(e[0] == "mixed" for e in events) and ("apart",) not in events
     # Each forward (plus, at the first call, the one that probes the KV shapes) brings in
-    # every offloaded layer once (30 layers over 2 slots).
+    # every offloaded layer once (4 layers over 2 slots).
     forwards = after.num_forwards - before.num_forwards
     assert forwards == 1 + len(events)
     copied = after.weight_copied_bytes - before.weight_copied_bytes

@@ -1,7 +1,8 @@
 """A prompt's prefill does not depend on its batch, in the default mode: its prompt
 logprobs and its first token's logprobs are bit for bit the same alone and beside prompts
 of any lengths, on every weight form, offloaded or not, in `generate` and among
-concurrent streams (what `serve` runs). (The decode steps after it are batched: their
+concurrent streams (what `serve` runs); the default model cut to its first blocks
+(tests/short_model.py). (The decode steps after it are batched: their
 products may round apart by the batch; `batch_invariant=True` covers those,
 `test_batch_invariance.py`.)"""
 
@@ -51,9 +52,9 @@ def _check_alike(llm: LLM, vocab: int, params: SamplingParams = FIRST) -> list[t
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "stored"])
-def test_the_default_model_prefills_alike_alone_and_in_any_batch(dtype):
+def test_the_default_model_prefills_alike_alone_and_in_any_batch(short_gguf, dtype):
     kwargs = {} if dtype == "stored" else {"dtype": dtype}
-    with LLM(max_model_len=128, **kwargs) as llm:
+    with LLM(short_gguf, max_model_len=128, **kwargs) as llm:
         _check_alike(llm, llm.model.config.vocab_size)
 
 
@@ -71,24 +72,24 @@ def test_a_packed_checkpoint_prefills_alike_alone_and_in_any_batch(tmp_path, fmt
         _check_alike(llm, llm.model.config.vocab_size)
 
 
-def test_offloaded_weights_and_kv_prefill_as_resident_alone():
-    with LLM(dtype="float32", max_model_len=128) as llm:
+def test_offloaded_weights_and_kv_prefill_as_resident_alone(short_gguf):
+    with LLM(short_gguf, dtype="float32", max_model_len=128) as llm:
         resident = _check_alike(llm, 49152)
     for kwargs in (
         {"offload_backend": "prefetch", "offload_group_size": 2, "offload_num_in_group": 1},
         {"kv_offload": True},
     ):
-        with LLM(dtype="float32", max_model_len=128, **kwargs) as llm:
+        with LLM(short_gguf, dtype="float32", max_model_len=128, **kwargs) as llm:
             assert _check_alike(llm, 49152) == resident
             stats = llm.transfer_stats()
             assert stats.weight_copied_bytes + stats.kv_copied_bytes > 0
 
 
-def test_concurrent_streams_begin_as_generate_does_alone():
+def test_concurrent_streams_begin_as_generate_does_alone(short_gguf):
     """Requests from several threads, joining the running batch at different steps: each
     one's first token and its logprobs as `generate` gives them alone."""
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=4, ignore_eos=True)
-    with LLM(dtype="bfloat16", max_model_len=128) as llm:
+    with LLM(short_gguf, dtype="bfloat16", max_model_len=128) as llm:
         prompts = _prompts(llm.model.config.vocab_size, seed=2)
 
         def first(output) -> tuple:

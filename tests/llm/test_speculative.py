@@ -15,7 +15,6 @@ from offload.engine import speculative
 from offload.engine.speculative import SpeculativeConfig, lookup
 from offload.errors import ConfigError
 from offload.llm.llm import LLM
-from offload.model.default import gguf_path
 
 NGRAM = {
     "method": "ngram",
@@ -147,13 +146,13 @@ def _top_logprobs(outputs) -> list[list[float]]:
 
 
 @pytest.fixture(scope="module")
-def drafted():
-    """Speculation by the default model as stored (Q4_1, resident) for its float32 self."""
-    return {"model": str(gguf_path()), "num_speculative_tokens": 4}
+def drafted(short_gguf):
+    """Speculation by the cut model as stored (Q4_1, resident) for its float32 self."""
+    return {"model": str(short_gguf), "num_speculative_tokens": 4}
 
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
-def llms(request, smollm2_path, tmp_path_factory, drafted):
+def llms(request, short_path, tmp_path_factory, drafted):
     """The float32 default model with n-gram lookup and with the stored model drafting,
     offloaded alike (without speculation, offloaded or not, it answers bit for bit as
     resident: tests/llm/test_llm.py; `plain` is that answer)."""
@@ -161,7 +160,7 @@ def llms(request, smollm2_path, tmp_path_factory, drafted):
     if "cpu_memory_gb" in setting:
         setting["offload_folder"] = str(tmp_path_factory.mktemp("disk"))
     made = [
-        LLM(smollm2_path, dtype="float32", **setting, **more)
+        LLM(short_path, dtype="float32", **setting, **more)
         for more in ({"speculative_config": NGRAM}, {"speculative_config": drafted})
     ]
     yield request.param, *made
@@ -203,10 +202,10 @@ def test_greedy_tokens_equal_the_model_without_speculation_alone_and_batched(pla
         assert moved.kv_moved_bytes > 0
 
 
-def test_seeded_sampling_draws_the_tokens_decoding_alone_draws(smollm2_path, plain):
+def test_seeded_sampling_draws_the_tokens_decoding_alone_draws(short_path, plain):
     """A guess is kept where the row's own generator, drawing from the model's
     distribution, picks it: the same draws in the same order as without speculation."""
-    spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+    spec = LLM(short_path, dtype="float32", speculative_config=NGRAM)
     expected = plain.generate(PROMPTS, SAMPLED)
     got = spec.generate(PROMPTS, SAMPLED, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
@@ -214,7 +213,7 @@ def test_seeded_sampling_draws_the_tokens_decoding_alone_draws(smollm2_path, pla
     assert moved.num_spec_accepted_tokens > 0  # (the repeated text is guessed and drawn)
 
 
-def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, plain, monkeypatch):
+def test_a_proposer_that_is_always_wrong_changes_nothing(short_path, plain, monkeypatch):
     """Every guess wrong: the tokens are still the model's own; and where guessing is
     left to pay its way (`Pace`), it is soon left off (plain steps win here)."""
 
@@ -226,13 +225,13 @@ def test_a_proposer_that_is_always_wrong_changes_nothing(smollm2_path, plain, mo
 
     expected = plain.generate(PROMPTS, GREEDY)
     monkeypatch.setattr(speculative.NgramProposer, "propose", wrong)
-    paced = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+    paced = LLM(short_path, dtype="float32", speculative_config=NGRAM)
     got = paced.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
     trials = paced.transfer_stats().num_spec_verifies
     assert 0 < trials <= 2 * speculative.Pace.TRIAL  # (its first trial; the next at turn 64)
     monkeypatch.setattr(speculative.Pace, "guesses", lambda self: max(self.depths))
-    spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+    spec = LLM(short_path, dtype="float32", speculative_config=NGRAM)
     got = spec.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(got) == _tokens(expected)
     moved = spec.transfer_stats()
@@ -288,30 +287,31 @@ def test_left_to_itself_the_pace_measures_each_depth_then_keeps_the_fastest():
     assert len(tried) >= 3 * trial
 
 
-def test_left_out_k_gives_the_model_s_tokens_and_guesses(smollm2_path, plain):
-    spec = LLM(smollm2_path, dtype="float32", speculative_config={"method": "ngram"})
+def test_left_out_k_gives_the_model_s_tokens_and_guesses(short_path, plain):
+    spec = LLM(short_path, dtype="float32", speculative_config={"method": "ngram"})
     assert _tokens(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
         plain.generate(PROMPTS, GREEDY)
     )
     assert spec.transfer_stats().num_spec_accepted_tokens > 0
 
 
-def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path, plain):
-    spec = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM)
+def test_max_tokens_stop_strings_and_streaming_hold(short_path, plain):
+    spec = LLM(short_path, dtype="float32", speculative_config=NGRAM)
     prompt = PROMPTS[0]
+    [free] = plain.generate(prompt, SamplingParams(temperature=0, max_tokens=40))
+    late = _first_seen_late(free.outputs[0].text)  # (a stop past guesses kept)
     for params in (
         SamplingParams(temperature=0, max_tokens=7),
-        SamplingParams(temperature=0, max_tokens=40, stop=["dog"]),
-        SamplingParams(
-            temperature=0, max_tokens=40, stop=[" on the"], include_stop_str_in_output=True
-        ),
+        SamplingParams(temperature=0, max_tokens=40, stop=[late]),
+        SamplingParams(temperature=0, max_tokens=40, stop=[late], include_stop_str_in_output=True),
     ):
         [mine] = spec.generate(prompt, params, use_tqdm=False)
         [theirs] = plain.generate(prompt, params)
         assert mine.outputs[0].token_ids == theirs.outputs[0].token_ids
         assert mine.outputs[0].text == theirs.outputs[0].text
         assert mine.outputs[0].finish_reason == theirs.outputs[0].finish_reason
-    assert len(mine.outputs[0].token_ids) <= 40
+        assert theirs.outputs[0].finish_reason == ("length" if params.stop is None else "stop")
+    assert mine.outputs[0].text.endswith(late) and len(mine.outputs[0].token_ids) < 40
     streamed = list(spec.stream(prompt, GREEDY))
     [whole] = plain.generate(prompt, GREEDY)
     assert streamed[-1].finished and streamed[-1].outputs[0].token_ids == whole.outputs[0].token_ids
@@ -320,12 +320,21 @@ def test_max_tokens_stop_strings_and_streaming_hold(smollm2_path, plain):
     assert spec.transfer_stats().num_spec_accepted_tokens > 0
 
 
-def test_rows_that_finish_at_other_steps_keep_the_drafts_rows_in_step(smollm2_path, plain, drafted):
+def _first_seen_late(text: str) -> str:
+    """A piece of `text` that first occurs in its second half."""
+    for start in range(len(text) // 2, len(text)):
+        for end in range(start + 1, min(start + 8, len(text)) + 1):
+            if text[start:end].strip() and text.find(text[start:end]) == start:
+                return text[start:end]
+    raise AssertionError(f"no piece of {text!r} first occurs in its second half")
+
+
+def test_rows_that_finish_at_other_steps_keep_the_drafts_rows_in_step(short_path, plain, drafted):
     """Rows leave the batch at other steps (the engine packs the rest, moving rows); the
     draft's rows follow them (moved, or fed again from the start): the same tokens as
     without, and the guesses still mostly kept (a draft row holding another sequence's
     keys would guess wrong: the tokens would still be right, but few guesses kept)."""
-    spec = LLM(smollm2_path, dtype="float32", speculative_config=drafted)
+    spec = LLM(short_path, dtype="float32", speculative_config=drafted)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 24, 9, 16)]
     prompts = [*PROMPTS, "Tell me about the moon."]
     expected = plain.generate(prompts, params)
@@ -334,17 +343,17 @@ def test_rows_that_finish_at_other_steps_keep_the_drafts_rows_in_step(smollm2_pa
     assert moved.num_spec_accepted_tokens > 0.8 * moved.num_spec_draft_tokens  # (0.95 here)
 
 
-def test_a_draft_with_another_tokenizer_is_refused_by_name(smollm2_path, tmp_path):
+def test_a_draft_with_another_tokenizer_is_refused_by_name(short_path, tmp_path):
     from http_server import chat_checkpoint
 
     other = chat_checkpoint(tmp_path / "other")
     config = {"model": str(other), "num_speculative_tokens": 2}
     with pytest.raises(ConfigError, match="has another tokenizer") as caught:
-        LLM(smollm2_path, dtype="float32", speculative_config=config)
+        LLM(short_path, dtype="float32", speculative_config=config)
     assert str(other) in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_the_server_answers_as_without_it_and_counts_in_metrics(smollm2_path):
+def test_the_server_answers_as_without_it_and_counts_in_metrics(short_path):
     """`offload serve`'s app with n-gram speculation, 4 openai clients at once: the
     answers of the app without it; vLLM's spec_decode counters in /metrics."""
     from concurrent.futures import ThreadPoolExecutor
@@ -374,8 +383,8 @@ def test_the_server_answers_as_without_it_and_counts_in_metrics(smollm2_path):
     # (rows of a server's length: its app's closures outlive the test, holding its rows'
     # address space, which past the RAM made a later fork in the worker refused)
     small = dict(dtype="float32", max_num_seqs=8, max_model_len=1024)
-    plain, _ = answers(LLM(smollm2_path, **small))
-    texts, metrics = answers(LLM(smollm2_path, speculative_config=NGRAM, **small))
+    plain, _ = answers(LLM(short_path, **small))
+    texts, metrics = answers(LLM(short_path, speculative_config=NGRAM, **small))
     assert texts == plain
     counts = {
         line.split("{")[0]: float(line.rsplit(" ", 1)[1])
@@ -391,7 +400,7 @@ def test_the_server_answers_as_without_it_and_counts_in_metrics(smollm2_path):
 
 
 def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
-    smollm2_path, plain, tmp_path, monkeypatch
+    short_path, plain, tmp_path, monkeypatch
 ):
     """A draft model of random weights with the model's own tokenizer: its guesses are
     almost all refused, and the tokens are still the model's own."""
@@ -406,13 +415,13 @@ def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
     )  # fmt: skip
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (smollm2_path / name).exists():
-            shutil.copy(smollm2_path / name, tmp_path / name)
+        if (short_path / name).exists():
+            shutil.copy(short_path / name, tmp_path / name)
     monkeypatch.setattr(
         speculative.Pace, "guesses", lambda self: max(self.depths)
     )  # (always guess)
     spec = LLM(
-        smollm2_path, dtype="float32",
+        short_path, dtype="float32",
         speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3},
     )  # fmt: skip
     assert _tokens(spec.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
@@ -423,14 +432,14 @@ def test_a_random_tiny_draft_is_almost_never_kept_and_changes_nothing(
     assert moved.num_spec_accepted_tokens < 0.1 * moved.num_spec_draft_tokens
 
 
-def test_the_stored_model_s_kept_tokens_carry_the_decode_steps_bits(monkeypatch):
+def test_the_stored_model_s_kept_tokens_carry_the_decode_steps_bits(short_gguf, monkeypatch):
     """The default model as stored, one prompt at a time: every token and every logprob
     bit for bit those of decoding without speculation (each verify position's attention
     and q8 products as a lone row's decode step computes them: `verify_attention`)."""
     monkeypatch.setattr(
         speculative.Pace, "guesses", lambda self: max(self.depths)
     )  # (always guess)
-    plain, spec = LLM(), LLM(speculative_config=NGRAM)
+    plain, spec = LLM(short_gguf), LLM(short_gguf, speculative_config=NGRAM)
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
     for prompt in (PROMPTS[0], PROMPTS[1]):
         [mine] = spec.generate(prompt, params, use_tqdm=False)

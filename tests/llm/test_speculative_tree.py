@@ -10,7 +10,6 @@ from offload.engine import speculative, step_runner
 from offload.engine.speculative import SpeculativeConfig
 from offload.errors import ConfigError
 from offload.llm.llm import LLM
-from offload.model.default import gguf_path
 
 # (a text that repeats with changes: lookup finds several continuations of a suffix)
 PROMPTS = [
@@ -53,12 +52,12 @@ def test_the_tree_budget_is_read_and_bounded():
     ids=["resident", "disk", "kv offload"],
 )
 def test_a_tree_gives_the_model_s_tokens_alone_and_batched(
-    smollm2_path, plain, tmp_path, always_guess, setting
+    short_path, plain, tmp_path, always_guess, setting
 ):
     if "cpu_memory_gb" in setting:
         setting = {**setting, "offload_folder": str(tmp_path)}
-    chain = LLM(smollm2_path, dtype="float32", speculative_config=NGRAM, **setting)
-    tree = LLM(smollm2_path, dtype="float32", speculative_config=TREE, **setting)
+    chain = LLM(short_path, dtype="float32", speculative_config=NGRAM, **setting)
+    tree = LLM(short_path, dtype="float32", speculative_config=TREE, **setting)
     expected = plain.generate(PROMPTS, GREEDY, alone=True)
     for llm in (chain, tree):
         assert _tokens(llm.generate(PROMPTS[0], GREEDY, use_tqdm=False)) == _tokens(expected[:1])
@@ -70,9 +69,9 @@ def test_a_tree_gives_the_model_s_tokens_alone_and_batched(
         llm.close()
 
 
-def test_a_draft_s_tree_gives_the_model_s_tokens(smollm2_path, plain, always_guess):
-    draft = {"model": str(gguf_path()), "num_speculative_tokens": 4, "tree_budget": 8}
-    tree = LLM(smollm2_path, dtype="float32", speculative_config=draft)
+def test_a_draft_s_tree_gives_the_model_s_tokens(short_path, short_gguf, plain, always_guess):
+    draft = {"model": str(short_gguf), "num_speculative_tokens": 4, "tree_budget": 8}
+    tree = LLM(short_path, dtype="float32", speculative_config=draft)
     assert _tokens(tree.generate(PROMPTS, GREEDY, use_tqdm=False)) == _tokens(
         plain.generate(PROMPTS, GREEDY)
     )
@@ -80,12 +79,14 @@ def test_a_draft_s_tree_gives_the_model_s_tokens(smollm2_path, plain, always_gue
     assert moved.num_spec_draft_tokens > 4 * moved.num_spec_drafts  # (trees: more than k each)
 
 
-def test_the_stored_model_s_tree_tokens_carry_the_decode_steps_bits(always_guess, monkeypatch):
+def test_the_stored_model_s_tree_tokens_carry_the_decode_steps_bits(
+    short_gguf, always_guess, monkeypatch
+):
     """Where a kept path is not the first branch, its nodes attend to their path laid out
     as the decode step's columns (`verify_attention`'s gathers), and their KV columns move
     to the row's next columns (`StepRunner.keep_paths`): tokens and logprobs bit for bit."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
-    plain, tree = LLM(), LLM(speculative_config=TREE)
+    plain, tree = LLM(short_gguf), LLM(short_gguf, speculative_config=TREE)
     moved = []
     keep = step_runner.StepRunner.keep_paths
 

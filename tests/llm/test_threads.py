@@ -67,8 +67,8 @@ def test_threads_sharing_one_llm_get_the_sequential_outputs(tmp_path, setting):
     assert llm.transfer_stats().kv_copied_bytes > 0
 
 
-def test_threads_on_the_default_model_with_prefetch_and_kv_offload(smollm2_path):
-    llm = LLM(smollm2_path, **SETTINGS["prefetch+kv"])
+def test_threads_on_the_default_model_with_prefetch_and_kv_offload(short_path):
+    llm = LLM(short_path, **SETTINGS["prefetch+kv"])  # (its first blocks: short_model.py)
     requests = [
         ("The capital of France is", SamplingParams(temperature=0, max_tokens=3)),
         ("1, 2, 3,", SamplingParams(temperature=0.7, seed=5, max_tokens=2)),
