@@ -12,7 +12,7 @@ import zoo
 from offload import SamplingParams
 from offload.llm.llm import LLM
 
-LOOPS = 5  # flat from the second on (20 by hand: the same figures)
+LOOPS = 3  # each one checked; flat from the second on (20 by hand: the same figures)
 
 
 def _held(path, before=frozenset()):

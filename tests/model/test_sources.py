@@ -238,11 +238,12 @@ def test_a_file_size_limit_during_conversion_is_named_and_leaves_nothing(tmp_pat
     assert sources.resolve_model(folder).is_dir()  # and it converts once there is room
 
 
-def test_a_gguf_file_gives_transformers_tokens(tmp_path):
+def test_a_gguf_file_gives_transformers_tokens(short_gguf):
     """With a dtype, a .gguf is converted by transformers' own GGUF reader and saved: its
     model, loaded back by transformers, is the one to agree with (reading the GGUF through
-    transformers a second time would take 15 s more)."""
-    gguf = gguf_path()
+    transformers a second time would take 15 s more). The default model's first blocks
+    (tests/short_model.py): the whole model's conversion took 20 s here."""
+    gguf = short_gguf
     converted = sources.resolve_model(gguf)
     assert converted.parent.name == "converted"
     prompt_ids, expected = _transformers_tokens(converted, "The capital of France is")
