@@ -1,5 +1,6 @@
 import contextlib
 import functools
+import gc
 import os
 import shutil
 import signal
@@ -132,6 +133,13 @@ _SLOW = (
 
 def pytest_sessionstart(session):
     interrupts.install()  # (after pytest's own hook, which it wraps: set at configure)
+
+
+def pytest_collection_finish(session):
+    """What the imports and the collection made lives as long as the run: frozen, the
+    collector no longer walks it at every full collection (~1.5% of a run's time)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(wrapper=True)

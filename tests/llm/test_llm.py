@@ -130,10 +130,10 @@ def test_max_model_len_bounds_prompt_plus_output(smollm2_path):
     assert out.outputs[0].finish_reason == "length"
 
 
-def test_kv_offload_sampling_is_reproducible(smollm2_path, resident):
+def test_kv_offload_sampling_is_reproducible(short_path, short_resident):
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=10)
-    llm = LLM(smollm2_path, kv_offload=True)
-    expected = [o.outputs[0].token_ids for o in resident.generate(PROMPTS, params)]
+    llm = LLM(short_path, kv_offload=True)
+    expected = [o.outputs[0].token_ids for o in short_resident.generate(PROMPTS, params)]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected
 
 
@@ -227,8 +227,8 @@ def _copy_of(path, tmp_path, drop=(), **generation):
     return tmp_path
 
 
-def test_each_row_may_use_max_model_len_whatever_else_is_batched(smollm2_path):
-    llm = LLM(smollm2_path, max_model_len=40)
+def test_each_row_may_use_max_model_len_whatever_else_is_batched(short_path):
+    llm = LLM(short_path, max_model_len=40)
     short, long = [5, 6, 7], list(range(100, 130))  # 3 and 30 tokens
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     [alone] = llm.generate({"prompt_token_ids": short}, params)
@@ -474,13 +474,13 @@ def test_tokenizer_may_come_from_another_folder(smollm2_path, tmp_path, resident
     assert out.outputs[0].token_ids == resident.generate(PROMPTS[0], GREEDY)[0].outputs[0].token_ids
 
 
-def test_max_num_seqs_splits_the_batch(smollm2_path, resident, monkeypatch):
-    llm = LLM(smollm2_path, max_num_seqs=2, cpu_offload_gb=0.1)
+def test_max_num_seqs_splits_the_batch(short_path, short_resident, monkeypatch):
+    llm = LLM(short_path, max_num_seqs=2, cpu_offload_gb=0.1)
     sizes = _decode_sizes(monkeypatch)
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=5, n=2), GREEDY]
     got = llm.generate(PROMPTS, params)
     assert max(sizes) == 2 and sizes.count(2) > 1  # four sequences, two at a time
-    expected = resident.generate(PROMPTS, params)
+    expected = short_resident.generate(PROMPTS, params)
     assert [[c.token_ids for c in o.outputs] for o in got] == [
         [c.token_ids for c in o.outputs] for o in expected
     ]
