@@ -53,10 +53,13 @@ def pytest_configure(config):
         "from offload.model.sources import resolve_model; "
         "from offload.probes.layout_choice import LayoutChooser; "
         "resolve_model(None, quantization='gguf', layout_chooser=LayoutChooser); "
-        "from offload.quant.row_dot import library; library(); "  # (its C, built once)
-        f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
-        "import short_model; short_model.prepare()"  # (the cut model: tests/short_model.py)
+        "from offload.quant.row_dot import library; library()"  # (its C, built once)
     )
+    if "not slow" not in (config.getoption("markexpr", "") or ""):  # (slow tests use it)
+        convert += (
+            f"; import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+            "import short_model; short_model.prepare()"  # (the cut model: short_model.py)
+        )
     config.offload_converting = subprocess.Popen(
         [sys.executable, "-c", convert],
         stdout=subprocess.DEVNULL,
