@@ -13,7 +13,6 @@ from streams import answer_of, check_invariant, random_prompts, streamed_apart
 
 from offload import LLM, SamplingParams
 from offload.engine import cpu_linear
-from offload.model.default import gguf_path
 from offload.quant import row_dot
 
 PARAMS = SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
@@ -107,17 +106,16 @@ def test_concurrent_streams_answer_as_generate_does_alone(short_gguf):
         assert streamed_apart(llm, prompts, PARAMS, answer_of) == alone
 
 
-def test_the_compiled_step_answers_alike_alone_and_in_any_batch(tmp_path, monkeypatch):
+def test_the_compiled_step_answers_alike_alone_and_in_any_batch(short_gguf, monkeypatch):
     """One compiled graph for every batch (a lone row beside a padding row), waited for:
-    the default model as stored, cut to its first 3 layers (its own blocks and kinds, its
+    the default model as stored, cut to its first 4 layers (its own blocks and kinds, its
     q8 head; the whole model's step takes ~60 s to compile here, and the graph's kinds do
     not change with its depth), answers alike alone and batched, bit for bit, over widths
     up to 256 columns (a lone row's own graph parted from a batch's in every answer's
     logprobs, on the whole model)."""
     monkeypatch.setenv("OFFLOAD_CPU_COMPILE", "wait")
-    path = gguf_files.first_layers_of(gguf_path(), tmp_path / "first-3.gguf", layers=3)
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=2, ignore_eos=True)
-    with LLM(str(path), max_model_len=256, enable_prefix_caching=False) as llm:
+    with LLM(short_gguf, max_model_len=256, enable_prefix_caching=False) as llm:
         prompts = random_prompts(llm.model.config.vocab_size, (3, 30, 61, 120), seed=3)
         check_invariant(llm, prompts, params)
         assert llm._cpu_step is not None and set(llm._cpu_step.graphs) == {("rows",)}
