@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from offload.engine import cpu_step, step_order
+from offload.engine import compile_options, step_order
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -72,7 +72,7 @@ def _compiled(function, options):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_compiled_steps_norms_activations_and_attention_keep_the_eager_bits(dtype):
     inputs = _inputs(dtype)
-    compiled_parts = _compiled(_decoder_parts, cpu_step.COMPILE_OPTIONS)
+    compiled_parts = _compiled(_decoder_parts, compile_options.COMPILE_OPTIONS)
     before = counters["offload"]["eager_order"]
     with torch.inference_mode():
         eager = _decoder_parts(*inputs)
@@ -87,7 +87,7 @@ def test_without_the_pass_inductor_gives_other_float32_bits():
     """What the pass is for (and that the test above can tell): inductor's own sums and
     library functions part from ATen's in the last bits."""
     inputs = _inputs(torch.float32)
-    options = {**cpu_step.COMPILE_OPTIONS, "pre_grad_custom_pass": None}
+    options = {**compile_options.COMPILE_OPTIONS, "pre_grad_custom_pass": None}
     with torch.inference_mode():
         eager = _decoder_parts(*inputs)
         compiled = _compiled(_decoder_parts, options)(*inputs)

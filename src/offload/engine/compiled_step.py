@@ -18,7 +18,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from offload.engine import step_cache
-from offload.engine.cpu_step import COMPILE_OPTIONS, ENV, rewrite_digest
+from offload.engine.compile_options import COMPILE_OPTIONS, rewrite_digest
+from offload.engine.cpu_step import ENV
 from offload.engine.step_jobs import Announced, StepJobs
 from offload.memory.cache_trust import check_inductor_cache
 

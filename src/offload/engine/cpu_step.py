@@ -28,19 +28,12 @@ process, and inductor's own cache spares the compile.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import inspect
 import logging
 import os
 
 import torch
-from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from offload.engine import cpu_linear, graph_edits, step_linears, step_order
-from offload.engine.step_linears import step_products
-from offload.quant import row_dot
+from offload.engine import cpu_linear
 from offload.quant.quantized import Int4Linear, Q8Linear
 
 log = logging.getLogger(__name__)
@@ -85,38 +78,3 @@ def pays(model: torch.nn.Module) -> bool:
     )
     floats = sum(m.in_features * m.out_features * 4 for m in counted)
     return floats >= cpu_linear.PAYS_BYTES
-
-
-class _ProductsPass(CustomGraphPass):
-    """`step_order.eager_order` and `step_products` as inductor's pass over dynamo's graph
-    (before autograd)."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        # (counted beside dynamo's own counters: what a compile wrote out, for the tests)
-        # (the eager step's calls first: the products written out after are inductor's)
-        counters["offload"]["eager_order"] += step_order.eager_order(graph)
-        counters["offload"]["products_rewritten"] += step_products(graph)
-
-    def uuid(self) -> str:
-        return rewrite_digest()
-
-
-@functools.cache
-def rewrite_digest() -> str:
-    """The rewrite's source: inductor's cache keys and the saved steps' names hold it."""
-    modules = (step_linears, step_order, graph_edits)
-    source = "".join(inspect.getsource(module) for module in modules)
-    source += f"row_dot={row_dot.library() is not None}"  # (which products it writes)
-    return hashlib.sha256(source.encode()).hexdigest()
-
-
-# (Without inductor's checks of its buffers' sizes, strides and alignment in the step's
-# wrapper: they are Python calls, a share of the step's time at batch 1 (docs/benchmarks.md).
-# The guards check the inputs.)
-COMPILE_OPTIONS = {
-    "pre_grad_custom_pass": _ProductsPass(),
-    "size_asserts": False,
-    "alignment_asserts": False,
-    # (each elementwise result rounded to its dtype, as eager rounds it: `step_order`)
-    "emulate_precision_casts": True,
-}

@@ -14,7 +14,7 @@ the background (`step_jobs`), so a greedy answer depended on when it was asked.
 In the compiled step, then, each such call of dynamo's graph becomes an opaque
 `offload::eager_*` op that makes the eager step's ATen call (attention in its eager form),
 and inductor rounds each elementwise result to its dtype as eager does
-(`emulate_precision_casts`, `cpu_step.COMPILE_OPTIONS`). The products are the same kernels
+(`emulate_precision_casts`, `compile_options.COMPILE_OPTIONS`). The products are the same kernels
 in both (`quant/row_dot`, `step_linears`). Left to inductor: casts, adds, products and
 quotients of two values, `x * x`, rsqrt, silu, sigmoid, each one IEEE rounding or
 measured the same (8M values a function and dtype). Costs the default model's lone step

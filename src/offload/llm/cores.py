@@ -8,12 +8,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from offload.engine import cpu_linear, cpu_step
-from offload.engine.compiled_step import CompiledCpuStep
 from offload.engine.core import EngineCore
 from offload.engine.micro_batches import MicroBatches
 from offload.engine.requests import EngineModel
@@ -29,6 +28,9 @@ from offload.memory.kv_shape import check_host_kv, kv_shape_of
 from offload.offloader.hooks import attach_boundaries
 from offload.offloader.layers import find_layers
 from offload.sizes import compute_dtype
+
+if TYPE_CHECKING:
+    from offload.engine.compiled_step import CompiledCpuStep
 
 _logger = logging.getLogger("offload")
 
@@ -136,6 +138,9 @@ def compiled_step(llm: Any) -> CompiledCpuStep | None:
     if cpu_linear.MAX_ROWS < MIN_ROWS:  # (its batches' graph writes no product)
         return None
     if llm._cpu_step is None:
+        # (imported here: a process that never compiles never imports dynamo, 1 s of a start)
+        from offload.engine.compiled_step import CompiledCpuStep
+
         llm._cpu_step = CompiledCpuStep()
         with contextlib.suppress(ModelError):  # (no layer stack: nothing offloads either)
             attach_boundaries(find_layers(llm.model))
