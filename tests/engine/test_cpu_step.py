@@ -366,6 +366,32 @@ def test_two_offloaded_llms_side_by_side_keep_a_step_each(checkpoint, resident_c
     assert len(list(step_cache.folder().glob("*.pt2"))) == 2
 
 
+def test_a_step_compiled_beside_a_live_compile_of_it_keeps_its_name(
+    checkpoint, compiles, monkeypatch, tmp_path
+):
+    """dynamo keeps a graph in its traced function's globals by name while it lives; each
+    LLM's step has globals of its own, so a second compile of the same step (nothing kept
+    to load) while the first lives is named after its fingerprint too, and inductor's
+    caches serve it (a `_2` name would miss them in every process that did not compile
+    it twice) -- with the first's bits."""
+    from torch._dynamo.utils import counters
+
+    first = LLM(checkpoint, device="cpu", dtype="float32")
+    expected = _run(first)
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "other"))  # (no kept step)
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    second = LLM(checkpoint, device="cpu", dtype="float32")
+    assert _run(second) == expected and second._cpu_step.loaded == 0
+    assert counters["aot_autograd"]["autograd_cache_hit"] > hits
+    names = {
+        step._compiled._artifacts.backend_id
+        for llm in (first, second)
+        for step in llm._cpu_step._steps.values()
+    }
+    [kept] = step_cache.folder().glob("*.pt2")
+    assert names == {f"__compiled_fn_{kept.stem}"}
+
+
 def test_the_folder_keeps_the_most_recently_used_steps(tmp_path):
     """Old steps and marks go (every new version names its steps anew); other files
     stay."""

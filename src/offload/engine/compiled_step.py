@@ -44,7 +44,10 @@ class CompiledCpuStep:
         # recompiles) per code object, so each LLM's steps neither meet another model's
         # guards nor use up a shared recompile limit.
         code = _run.__code__.replace()
-        self._function = types.FunctionType(code, _run.__globals__, "step")
+        # And globals of its own: dynamo puts each graph it compiles there by name while
+        # the graph lives, so a step compiled here keeps its one name (`_graph_named`)
+        # while another LLM's compile of the same step lives on in this process.
+        self._function = types.FunctionType(code, dict(_run.__globals__), "step")
         self._traced_step: Callable | None = None  # (made at the first shape: `_traced`)
         self._steps: dict[tuple[int, ...], Callable] = {}
         self._jobs = StepJobs()
@@ -201,7 +204,7 @@ class CompiledCpuStep:
         options = {**COMPILE_OPTIONS, "guard_filter_fn": torch.compiler.keep_portable_guards_unsafe}
         whole = torch.compile(self._function, fullgraph=True, dynamic=False, options=options)
         try:
-            with _graph_named(path.stem):
+            with _graph_named(path.stem, self._function.__globals__):
                 compiled = whole.aot_compile(((step,), {}))
         except Exception as error:  # traced as before; only slower to start
             # (A graph break, or state its guards would keep that does not pickle: the
@@ -218,31 +221,33 @@ class CompiledCpuStep:
 
 _naming = threading.local()  # (`_graph_named`: the name of the graph this thread compiles)
 _naming_lock = threading.Lock()
-_named: dict[str, int] = {}  # how often each name was given in this process
+_PREFIX = "__compiled_fn"  # (what dynamo names a compiled graph's global after)
 
 
 @contextlib.contextmanager
-def _graph_named(name: str):
+def _graph_named(name: str, scope: dict):
     """Compile with dynamo naming the graph after `name` (the step's fingerprint), not a
     counter and a random uuid: AOTAutograd's cache key holds that name for a step compiled
     ahead of time (`aot_compile`), so no later compile of the same graph ever hit the
     cache of AOTAutograd and inductor (measured: a 3-layer model's step, 10.2 s to
-    compile, 5.4 s with a hit; docs/benchmarks.md). A name stays taken in this process
-    while its graph lives, so a second compile of the same step here is named `name_2`
-    (and hits the cache of a process that compiled it twice). Other threads' compiles keep
-    dynamo's names; without the hook (another torch) nothing changes but the time."""
+    compile, 5.4 s with a hit; docs/benchmarks.md). dynamo puts the graph in `scope`, the
+    traced function's globals, under that name while it lives: each `CompiledCpuStep` has
+    globals of its own, so a name is taken again only by a second compile of the same
+    step in the same one (then `name_2`). Other threads' compiles keep dynamo's names;
+    without the hook (another torch) nothing changes but the time."""
     from torch._dynamo import output_graph
 
     with _naming_lock:
-        _named[name] = _named.get(name, 0) + 1
-        if _named[name] > 1:
-            name = f"{name}_{_named[name]}"
+        taken, count = name, 1
+        while f"{_PREFIX}_{name}" in scope:
+            count += 1
+            name = f"{taken}_{count}"
         original = getattr(output_graph, "unique_id", None)
         if original is not None and not hasattr(original, "offload_named"):
 
             def unique_id(prefix: str, *args, **kwargs) -> str:
                 named = getattr(_naming, "name", None)
-                if named is not None and prefix == "__compiled_fn":
+                if named is not None and prefix == _PREFIX:
                     return f"{prefix}_{named}"
                 return original(prefix, *args, **kwargs)
 
