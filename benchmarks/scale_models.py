@@ -168,10 +168,11 @@ def _write_gguf(folder: Path, shape: dict) -> list[Path]:
     import gguf
 
     from offload.model.default import gguf_path
+    from offload.model.gguf_fast import FastReader
 
     path = folder / "model-Q4_0.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    _copy_tokenizer_fields(gguf.GGUFReader(gguf_path()), writer)
+    _copy_tokenizer_fields(FastReader(gguf_path()), writer)
     _add_shape_fields(writer, shape)
     specs = tensor_specs(shape)
     q4_0 = gguf.GGMLQuantizationType.Q4_0

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from offload.memory.safetensors import checkpoint_tensors, read_into
+from offload.model.gguf_fast import FastReader
 
 _BLOCKS = {"Q4_0": (32, 18), "Q8_0": (32, 34)}  # values and bytes a block; scale first
 
@@ -96,7 +97,7 @@ def folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
 def first_layers_of(source: Path, path: Path, layers: int) -> Path:
     """`source` (a .gguf) cut to its first `layers` blocks: the same metadata (tokenizer,
     chat template), embedding, norms and block kinds, the real weights of those blocks."""
-    reader = gguf.GGUFReader(source)
+    reader = FastReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(path, arch)
     for name, field in reader.fields.items():

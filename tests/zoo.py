@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import transformers as tf
 
+from offload.model.gguf_fast import FastReader
+
 VOCAB = 128
 _DECODER = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4)
 
@@ -308,7 +310,7 @@ def save_cut_gguf(source, path, layers: int = 6):
     Its answers are not the model's, but every stored format of the file is there."""
     import gguf
 
-    reader = gguf.GGUFReader(source)
+    reader = FastReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(path, arch)
     for key, field in reader.fields.items():
@@ -401,7 +403,7 @@ def save_random_gguf(path, arch: str, kind: str = "Q8_0", hidden: int = 256, lay
         for name, parameter in model.named_parameters():
             if parameter.dim() == 2 or name.endswith("bias"):
                 parameter.normal_(0, 0.05)
-    source = gguf.GGUFReader(gguf_path())
+    source = FastReader(gguf_path())
     writer = gguf.GGUFWriter(path, arch)
     for key, field in source.fields.items():
         if key.startswith(("GGUF.", "general.architecture", "llama.")):

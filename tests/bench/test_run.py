@@ -17,6 +17,7 @@ from offload.bench.predict import predict_latest, run_probes
 from offload.bench.records import BenchResult
 from offload.bench.results import ESTIMATED_COMPUTE, RESIDENT_COMPUTE
 from offload.bench.workload import prepare
+from offload.model.gguf_fast import FastReader
 from offload.planner import layouts
 from offload.probes.limits import TIER_WAY, measure_limits
 
@@ -418,7 +419,7 @@ def test_llama_cpp_reads_the_bytes_ours_read(tmp_path, monkeypatch):
     written = write_f32(source)
     assert written == tmp_path / "cache" / "cut.F32.gguf"
     assert write_f32(source).stat().st_mtime_ns == written.stat().st_mtime_ns  # (once)
-    stored, f32 = gguf.GGUFReader(source), gguf.GGUFReader(written)
+    stored, f32 = FastReader(source), FastReader(written)
     assert [t.name for t in f32.tensors] == [t.name for t in stored.tensors]
     assert {t.tensor_type for t in f32.tensors} == {gguf.GGMLQuantizationType.F32}
     assert {t.tensor_type for t in stored.tensors} != {gguf.GGMLQuantizationType.F32}

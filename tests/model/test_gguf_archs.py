@@ -13,6 +13,7 @@ import torch
 import zoo
 
 from offload import LLM, SamplingParams
+from offload.model.gguf_fast import FastReader
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
 PROMPT = {"prompt_token_ids": [1, 5, 9, 14, 3, 27, 100, 2000]}
@@ -58,7 +59,7 @@ def test_a_gguf_of_a_type_not_read_as_stored_runs_as_its_float32_conversion(qwen
 
     from offload.errors import OffloadError
 
-    reader = gguf.GGUFReader(qwen2[0])
+    reader = FastReader(qwen2[0])
     writer = gguf.GGUFWriter(tmp_path / "iq.gguf", "qwen2")
     for key, field in reader.fields.items():
         if not key.startswith(("GGUF.", "general.architecture")):

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -29,6 +28,7 @@ from offload.memory.safetensors import (
 )
 from offload.model import gguf_write
 from offload.model.default import gguf_path
+from offload.model.gguf_fast import FastReader
 from offload.model.gguf_plan import forward_order
 from offload.model.loader import load_model
 from offload.model.sources import resolve_model
@@ -53,7 +53,7 @@ def _dict_based(source, layouts: dict[str, str]) -> dict[str, torch.Tensor]:
     config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
     names = _hf_names("llama", config)
     tensors = {}
-    for tensor in gguf.GGUFReader(source).tensors:
+    for tensor in FastReader(source).tensors:
         name, kind = names[tensor.name], tensor.tensor_type.name
         data = torch.from_numpy(np.array(tensor.data))
         if ".attn_q." in tensor.name or ".attn_k." in tensor.name:
@@ -117,7 +117,7 @@ def test_the_default_models_blocks_are_read_from_its_file_not_copied():
     (the cache grows by the config and tokenizer: under 5% of the file), the query's and
     key's rows as llama.cpp ordered them, reordered by their module."""
     blocks = resolve_model(None, quantization="gguf", kernels="gguf")
-    file_tensors = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(gguf_path()).tensors}
+    file_tensors = {t.name: np.asarray(t.data) for t in FastReader(gguf_path()).tensors}
     stored = checkpoint_tensors(blocks)
     assert {entry.path for entry in stored.values()} == {gguf_path()}
     tensors = folder_tensors(blocks)

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import textwrap
 
-import gguf
 import numpy as np
 import pytest
 import torch
@@ -30,6 +29,7 @@ from offload.errors import ConfigError, ModelError
 from offload.memory.safetensors import REFERENCES
 from offload.model.build import build_empty
 from offload.model.default import gguf_path
+from offload.model.gguf_fast import FastReader
 from offload.model.loader import load_model
 from offload.model.sources import resolve_model, stored_unless_asked
 from offload.planner.shape import shape_of
@@ -65,7 +65,7 @@ def stored():
 
 @pytest.fixture(scope="module")
 def file_tensors():
-    return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(gguf_path()).tensors}
+    return {t.name: np.asarray(t.data) for t in FastReader(gguf_path()).tensors}
 
 
 @pytest.fixture(scope="module")

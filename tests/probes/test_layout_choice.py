@@ -4,18 +4,18 @@ is timed as the compiled CPU step runs it."""
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
 from offload.model.default import gguf_path
+from offload.model.gguf_fast import FastReader
 from offload.probes import layout_choice
 
 
 @pytest.fixture(scope="module")
 def file_tensors():
-    return {t.name: np.asarray(t.data) for t in gguf.GGUFReader(gguf_path()).tensors}
+    return {t.name: np.asarray(t.data) for t in FastReader(gguf_path()).tensors}
 
 
 def test_a_slower_kernel_is_not_chosen(file_tensors, monkeypatch):

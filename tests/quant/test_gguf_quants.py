@@ -9,6 +9,7 @@ import torch
 
 from offload.errors import ModelError
 from offload.model.default import gguf_path
+from offload.model.gguf_fast import FastReader
 from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, FORMATS, dequantize
 from offload.quant.layouts import pack_q8, q8_values
 
@@ -59,7 +60,7 @@ def test_the_cpus_8_bit_layout_holds_the_reference_values_bit_for_bit(type_name)
 
 def test_the_default_models_tensors_equal_the_reference():
     """The first tensor of each type in the file, and a whole decoder layer."""
-    reader = gguf.GGUFReader(gguf_path())
+    reader = FastReader(gguf_path())
     seen = set()
     for tensor in reader.tensors:
         name = tensor.tensor_type.name

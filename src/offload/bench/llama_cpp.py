@@ -117,7 +117,9 @@ def write_f32(source: Path) -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".part")
-    reader = gguf.GGUFReader(source)
+    from offload.model.gguf_fast import FastReader
+
+    reader = FastReader(source)
     arch = reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(str(part), arch=arch)
     for field in reader.fields.values():
