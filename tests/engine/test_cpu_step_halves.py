@@ -3,6 +3,7 @@ it compiles with its products written out, and offloaded it gives the resident s
 
 import pytest
 import torch
+from compiling import graphs_compiled_anew
 from streams import check_invariant, random_prompts
 from torch._dynamo.utils import counters
 
@@ -67,7 +68,7 @@ def test_a_halves_model_compiles_and_offloaded_gives_the_resident_bits(halves, m
     resident = LLM(halves, device="cpu")
     settings = SETTINGS[resident.model.get_input_embeddings().weight.dtype]
     batches = tuple(sorted({rows for each in settings.values() for rows in each}))
-    with torch._inductor.config.patch(force_disable_caches=True):
+    with graphs_compiled_anew():
         expected, _ = _compiled_runs(resident, batches, count=True)
     # The eager step's bits: tokens and logprobs (`engine/step_order`).
     eager = LLM(halves, device="cpu", enforce_eager=True)

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from compiling import graphs_compiled_anew
 from torch._dynamo.utils import counters
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -57,13 +58,13 @@ def _inputs(dtype: torch.dtype, rows: int = 3) -> tuple:
 
 
 def _compiled(function, options):
-    """`function` compiled at its first call, with inductor's caches off (so that the pass
-    runs, counted), after dynamo's reset (which clears its counters)."""
+    """`function` compiled at its first call, missing the caches of whole graphs (so that
+    the pass runs, counted), after dynamo's reset (which clears its counters)."""
     torch._dynamo.reset()
     compiled = torch.compile(function, dynamic=False, options=options)
 
     def call(*args):
-        with torch._inductor.config.patch(force_disable_caches=True):
+        with graphs_compiled_anew():
             return compiled(*args)
 
     return call
