@@ -7,6 +7,7 @@ import pytest
 
 from offload import cli
 from offload.cli import commands
+from offload.llm import process_exit
 
 
 def _interrupted(args):
@@ -14,9 +15,11 @@ def _interrupted(args):
 
 
 def test_ctrl_c_is_one_line_and_status_130(monkeypatch, capsys):
+    left: list[int] = []  # (the program ends the process with its status: recorded here)
+    monkeypatch.setattr(process_exit, "leave_now", left.append)
     monkeypatch.setattr(commands, "generate", _interrupted)
     monkeypatch.setattr(sys, "argv", ["offload", "generate"])
-    assert cli.main() == 130
+    assert cli.main() == 130 and left == [130]
     captured = capsys.readouterr()
     assert captured.err == "offload: interrupted\n" and not captured.out
 
