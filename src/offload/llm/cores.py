@@ -138,7 +138,7 @@ def compiled_step(llm: Any) -> CompiledCpuStep | None:
     if cpu_linear.MAX_ROWS < MIN_ROWS:  # (its batches' graph writes no product)
         return None
     if llm._cpu_step is None:
-        # (imported here: a process that never compiles never imports dynamo, 1 s of a start)
+        # (imported here: importing the package imports no dynamo, `compile_options`)
         from offload.engine.compiled_step import CompiledCpuStep
 
         llm._cpu_step = CompiledCpuStep()
