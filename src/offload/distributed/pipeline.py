@@ -184,6 +184,10 @@ class Pipeline:
             if self.broken is None:
                 with contextlib.suppress(PipelineError):
                     self._broadcast(Stop())
+                    # (written out before the group is left: a process that ends at once,
+                    # `process_exit`, would close its sockets with the Stop unsent, and a
+                    # torchrun rank would find its connection reset instead)
+                    self.member.channel.flush()
             self.broken = self.broken or "this LLM is closed"
         leave(self.member)
 
