@@ -289,6 +289,27 @@ def test_prompts_of_other_lengths_reuse_the_compiled_step(checkpoint, compiles):
     assert llm.transfer_stats().num_compiled_steps == 4 * (GREEDY.max_tokens - 1) + 129
 
 
+def test_an_llm_made_after_one_dropped_without_close_loads_its_kept_step(checkpoint, compiles):
+    """A model lives on after it is dropped (its reference cycles wait for a collection),
+    holding its offloader's id, which a compiled step holds as a constant: the next LLM of
+    the same model and setting still takes that id, so it loads the step the dropped one
+    kept instead of compiling another."""
+    offloaded = {"cpu_memory_gb": 0}
+    enabled = gc.isenabled()
+    gc.disable()  # (no collection of Python's own between the two: only the LLM's)
+    try:
+        first = LLM(checkpoint, device="cpu", dtype="float32", **offloaded)
+        result = _run(first)
+        assert first._cpu_step.loaded == 0
+        del first
+        second = LLM(checkpoint, device="cpu", dtype="float32", **offloaded)
+        assert _run(second) == result
+        assert second._cpu_step.loaded == 1 and second._cpu_step.compile_s < 5
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_a_second_llm_loads_the_kept_step_and_gives_its_bits(checkpoint, compiles):
     """The step compiled ahead of time is kept on disk; the next LLM of the same model and
     setting loads it (no trace) and computes the same bits. Another setting, a model

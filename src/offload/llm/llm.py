@@ -38,6 +38,7 @@ from offload.llm.start import start_llm
 from offload.memory.host import trim_after_collection, trim_freed_memory
 from offload.memory.placement import AUTO
 from offload.memory.threads import check_not_forked
+from offload.offloader import ops
 
 
 class LLM:
@@ -140,6 +141,7 @@ class LLM:
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         spec = args.model_spec()
         self.device = spec.device
+        ops.free_dropped()  # (their ids: this model's steps are then the kept ones)
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         start_llm(self, args, spec)
 

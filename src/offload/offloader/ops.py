@@ -23,6 +23,7 @@ inductor (aot_eager), the mutation clones every weight and writes it back at gra
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import weakref
@@ -55,6 +56,17 @@ def register(offloader: _Steps) -> int:
         key = next(key for key in itertools.count() if key not in _offloaders)
         _offloaders[key] = offloader
     return key
+
+
+def free_dropped() -> None:
+    """The ids held by offloaders of models dropped but not yet collected (a model holds
+    reference cycles, so it lives until Python's next full collection) freed, by collecting
+    now where any id is held. Called once a model, before its offloaders register: a model
+    made after another was dropped then takes the id the dropped one held, and loads its
+    step kept on disk instead of compiling the step again (the id is a constant of the
+    graph and names its file)."""
+    if len(_offloaders):  # (outside the lock: a collected offloader's finalizer unregisters)
+        gc.collect()
 
 
 def unregister(offloader_id: int) -> None:
