@@ -117,13 +117,19 @@ def test_each_rank_reports_the_time_its_stage_computed(attentive):
     """`Pipeline.busy`: each rank's seconds computing forwards, growing with the work
     and within the wall time it took (waits for the rank before are not work)."""
     with LLM(attentive, device="cpu", enforce_eager=True, pipeline_parallel_size=3) as llm:
+        # (a first call's one-time costs out of the wall time: they are no rank's forward)
+        llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False)
         before = llm._pipeline.busy()
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
         wall = time.perf_counter() - start
         spent = [b - a for a, b in zip(before, llm._pipeline.busy(), strict=True)]
     assert len(spent) == 3 and all(0 < s < wall for s in spent)
-    assert sum(spent) < wall  # (one forward on the ranks at a time: turns, no overlap)
+    # One forward on the ranks at a time, so the ranks' seconds sum to 0.7-0.8 of the wall
+    # time; counting a rank's waits for the hidden states as work gives ~1.5. The margin
+    # is for ranks descheduled mid-forward on a loaded machine (their intervals then
+    # overlap): 1.10 was seen once with a suite beside it on 2 cores.
+    assert sum(spent) < 1.25 * wall
 
 
 def test_generate_runs_micro_batches_in_flight_too(attentive):
