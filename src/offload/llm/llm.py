@@ -15,6 +15,7 @@ import torch
 
 from offload.config import OffloadConfig
 from offload.config.limits import GPU_MEMORY_UTILIZATION
+from offload.engine import cpu_step
 from offload.engine.grammars import Grammars
 from offload.engine.sampling_params import SamplingParams
 from offload.engine.sequences import CompletionOutput, RequestOutput, SequenceState, per_prompt
@@ -141,7 +142,8 @@ class LLM:
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         spec = args.model_spec()
         self.device = spec.device
-        ops.free_dropped()  # (their ids: this model's steps are then the kept ones)
+        if self.device.type == "cpu" and not args.enforce_eager and cpu_step.enabled():
+            ops.free_dropped()  # (their ids: a compiled step of this model is a kept one)
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         start_llm(self, args, spec)
 
