@@ -89,7 +89,9 @@ def main() -> None:
 def _row(width: int) -> SimpleNamespace:
     """A row that has written `width - 1` columns and writes its next token at the last."""
     sequence = SimpleNamespace(tokens=[42])
-    return SimpleNamespace(sequence=sequence, start=0, column=width - 1, is_live=True)
+    return SimpleNamespace(
+        sequence=sequence, start=0, column=width - 1, is_live=True, input_token=42
+    )
 
 
 if __name__ == "__main__":
