@@ -16,7 +16,7 @@ cancel. Modes: "graphs" (CUDA-graph replays, the default engine) and "eager" (wh
 `enforce_eager=True` runs; by default on the same loaded model, with the engine's graph
 switch turned off, so each shape is filled once; `--separate-loads` builds a second
 `LLM(enforce_eager=True)` instead). The engine's counters check that graphs replayed in
-the one and not in the other. "replay ms" is a graph replay alone (`DecodeGraphs.run`
+the one and not in the other. "replay ms" is a graph replay alone (`RowGraphs.run`
 wrapped here, the device synchronised around it; the capturing call left out), from one
 extra generate.
 
@@ -44,7 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-from offload.engine.graphs import DecodeGraphs
+from offload.engine.row_graphs import RowGraphs
 from offload.engine.sampling_params import SamplingParams
 from offload.llm.llm import LLM
 from offload.model.configs import resolve
@@ -130,25 +130,25 @@ def generate_seconds(llm: LLM, prompts, tokens: int, device: torch.device) -> fl
 
 @contextlib.contextmanager
 def timed_replays(times: list[float]):
-    """`DecodeGraphs.run` timed, the device synchronised before and after; the call that
+    """`RowGraphs.run` timed, the device synchronised before and after; the call that
     captures (its instance's graph count grows) is left out."""
-    original = DecodeGraphs.run
+    original = RowGraphs.run
 
-    def run(self, num_positions):
-        before = len(self._graphs)
+    def run(self, step, warm_up):
+        before = self.num_graphs
         torch.cuda.synchronize()
         started = time.perf_counter()
-        logits = original(self, num_positions)
+        logits = original(self, step, warm_up)
         torch.cuda.synchronize()
-        if len(self._graphs) == before:
+        if self.num_graphs == before:
             times.append(time.perf_counter() - started)
         return logits
 
-    DecodeGraphs.run = run
+    RowGraphs.run = run
     try:
         yield
     finally:
-        DecodeGraphs.run = original
+        RowGraphs.run = original
 
 
 def measure(llm: LLM, mode: str, batch: int, args, device: torch.device) -> dict:
@@ -220,7 +220,9 @@ def run_shape(shape: str, model: str, args, device: torch.device, hbm: float) ->
             )
             for mode in modes:
                 if mode == "eager":
-                    llm._use_graphs = False  # what enforce_eager=True sets (llm.py)
+                    llm._use_graphs = False  # what enforce_eager=True sets (llm/loading.py)
+                    if llm._generator is not None:  # (its core, kept across calls, has graphs)
+                        llm._generator.close()
                 for batch in args.batch_sizes:
                     kv = kv_bytes(
                         llm.model.config, batch, PROMPT_TOKENS + SHORT + args.tokens, element_size
