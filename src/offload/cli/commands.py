@@ -289,7 +289,7 @@ def _budget_lines(
     context_len = args.max_model_len or model_len_limit(model.config)
     shape = shape_of(model, context_len)
     ram_bytes = int(config.disk.cpu_memory_gb * GIB) if config.disk.is_active else None
-    compiles = not getattr(args, "enforce_eager", False) and cpu_step.enabled()
+    compiles = cpu_step.may_compile(device, getattr(args, "enforce_eager", False))
     overhead = fixed_overhead(model, path if path.is_dir() else None, compiles=compiles)
     return [f"  {line}" for line in describe_budget(shape, overhead, ram_bytes, context_len)]
 

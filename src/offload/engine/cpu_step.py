@@ -49,6 +49,11 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+def may_compile(device: torch.device, enforce_eager: bool = False) -> bool:
+    """Whether a model on `device` may compile its CPU decode step (where it pays)."""
+    return device.type == "cpu" and not enforce_eager and enabled()
+
+
 def cache_length(length: int, max_model_len: int) -> int:
     """The static cache's length for a compiled step of `length` positions: the next
     power of two (at least `MIN_CACHE_LENGTH`), never past `max_model_len`, never short."""

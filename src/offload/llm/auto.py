@@ -236,7 +236,7 @@ def plan_for(
         trust_remote_code=trust_remote_code,
         progress=progress,
     )
-    compiles = device.type == "cpu" and cpu_step.enabled()  # (as the planned run's steps)
+    compiles = cpu_step.may_compile(device)  # (as the planned run's steps)
     overhead = fixed_overhead(empty, path if path.is_dir() else None, compiles=compiles)
     return make_plan(shape, measured, budgets, batch_sizes, path, overhead=overhead)
 

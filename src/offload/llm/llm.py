@@ -142,7 +142,7 @@ class LLM:
         self.kv_cache_memory_bytes = limits.kv_cache_memory_bytes
         spec = args.model_spec()
         self.device = spec.device
-        if self.device.type == "cpu" and not args.enforce_eager and cpu_step.enabled():
+        if cpu_step.may_compile(self.device, args.enforce_eager):
             ops.free_dropped()  # (their ids: a compiled step of this model is a kept one)
         trim_freed_memory()  # what models dropped without close() left in malloc's heaps
         start_llm(self, args, spec)
