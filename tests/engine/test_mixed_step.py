@@ -14,7 +14,7 @@ from forwards import record_forwards
 from streams import last_output
 
 from offload import LLM, SamplingParams
-from offload.engine import step_jobs, step_runner
+from offload.engine import mixed_step, step_jobs, step_runner
 from offload.engine.step_runner import StepRunner
 
 LONG = " ".join(f"t{i % 40 + 3}" for i in range(37))  # 37 tokens: 10 chunks of 4
@@ -101,9 +101,9 @@ def test_a_turn_runs_its_forwards_apart_while_a_compile_traces_the_model(
     which a mixed forward swaps: while one of the model's jobs runs (holding
     `StepJobs.running`, which the runner passes), the turn's two forwards run apart."""
     events = record_forwards(monkeypatch)
-    busy, mixing = threading.Lock(), step_runner.mixing
+    busy, mixing = threading.Lock(), mixed_step.mixing
     monkeypatch.setattr(
-        step_runner, "mixing", lambda model, window, jobs: mixing(model, window, busy)
+        mixed_step, "mixing", lambda model, window, jobs: mixing(model, window, busy)
     )
     with busy:
         got = _generate(checkpoint)

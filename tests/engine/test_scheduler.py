@@ -143,30 +143,56 @@ def _next_token(history: list[int]) -> int:
     return hash(tuple(history)) % 5
 
 
-def _turn_over_columns(scheduler: Scheduler, cache: _Columns) -> int:
+def _turn_over_columns(scheduler: Scheduler, cache: _Columns, packs: bool = False) -> int:
     """One turn as `EngineCore._turn` runs it, over a cache of tokens: each token picked
-    from the row's columns, none picked while a row replays; the tokens prefilled."""
+    from the row's columns, none picked while a row replays; the tokens prefilled. `packs`:
+    the prompts that end this turn are admitted first and written later, all at once (one
+    forward), at the rows they were admitted into."""
     scheduler.begin_turn()
-    prefilled = 0
+    prefilled, packed = 0, []
+
+    def computed(group, start: int, end: int) -> None:
+        prompt = group.rows[0].sequence.prompt_ids
+        for column in range(start, end):
+            cache.write(group.first, column, prompt[column])
+
+    def picked(group, end: int) -> None:
+        for index in range(1, len(group.rows)):
+            cache.move([(group.first, group.first + index, group.width)])
+        if not group.resumed:
+            for index, row in enumerate(group.rows):
+                row.sequence.tokens.append(_next_token(cache.rows[group.first + index][:end]))
+
+    def flush() -> None:
+        for chunk in packed:
+            computed(*chunk)
+        scheduler.computed()
+        for group, _, end in packed:
+            picked(group, end)
+        packed.clear()
+
     while True:
         group, moves = scheduler.next_group()
         cache.move(moves)
+        if group is None and packed:
+            flush()
+            continue
         if group is None:
             break
         start, end = scheduler.next_chunk(group)
         prompt = group.rows[0].sequence.prompt_ids
         # (what the prefix cache gave: the prompt's columns before the first chunk)
         assert cache.rows[group.first][:start] == prompt[:start]
-        for column in range(start, end):
-            cache.write(group.first, column, prompt[column])
         prefilled += end - start
+        if packs and end == group.width:
+            scheduler.prefilled(group, end, computed=False)
+            packed.append((group, start, end))
+            continue
+        flush()
+        computed(group, start, end)
         if not scheduler.prefilled(group, end):
             break
-        for index in range(1, len(group.rows)):
-            cache.move([(group.first, group.first + index, group.width)])
-        if not group.resumed:
-            for index, row in enumerate(group.rows):
-                row.sequence.tokens.append(_next_token(cache.rows[group.first + index][:end]))
+        picked(group, end)
     cache.move(scheduler.make_room())
     rows = scheduler.decoding()
     replaying = [row.replaying for row in rows]
@@ -200,14 +226,16 @@ def _turn_over_columns(scheduler: Scheduler, cache: _Columns) -> int:
         max_size=14,
     ),
     cancels=st.lists(st.integers(0, 20), max_size=3),
+    packs=st.booleans(),
 )
 def test_with_prefix_caching_every_row_holds_its_tokens_and_reuse_happens(
-    max_rows, chunk, arrivals, cancels
+    max_rows, chunk, arrivals, cancels, packs
 ):
     """With prefix caching, requests whose prompts share beginnings arrive at random turns
-    (some cancelled): the columns a prompt starts from are its own tokens, every running row holds its own
-    sequence's tokens before its column, packing and admission's moves included, and
-    every request runs to its end."""
+    (some cancelled): the columns a prompt starts from are its own tokens, every running
+    row holds its own sequence's tokens before its column, packing and admission's moves
+    included (with `packs`, while prompts admitted wait for their one forward), and every
+    request runs to its end."""
 
     beginnings = [[b * 10 + i % 7 for i in range(70)] for b in range(4)]
     scheduler, cache = Scheduler(max_rows, chunk, prefix_caching=True), _Columns(max_rows)
@@ -222,7 +250,7 @@ def test_with_prefix_caching_every_row_holds_its_tokens_and_reuse_happens(
         for index in cancels:
             if index < len(requests) and requests[index][0] + 1 == turn:
                 requests[index][1].cancelled = True
-        prefilled = _turn_over_columns(scheduler, cache)
+        prefilled = _turn_over_columns(scheduler, cache, packs)
         assert chunk is None or prefilled <= max(chunk, 1)
         for index, row in enumerate(scheduler.running):
             written = (row.sequence.prompt_ids + row.sequence.tokens)[: row.column]

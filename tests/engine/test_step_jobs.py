@@ -82,7 +82,7 @@ def _compile_ready_in_the_first_decode_step(llm, gate, monkeypatch) -> list:
     runs."""
     from offload.engine.step_runner import StepRunner
 
-    kernels, calls = StepRunner._kernels, []
+    kernels, calls = StepRunner.kernels, []
 
     def compile_done_during_the_first_eager_step(runner):
         calls.append(1)
@@ -91,7 +91,7 @@ def _compile_ready_in_the_first_decode_step(llm, gate, monkeypatch) -> list:
             assert llm._cpu_step.wait(60)
         return kernels(runner)
 
-    monkeypatch.setattr(StepRunner, "_kernels", compile_done_during_the_first_eager_step)
+    monkeypatch.setattr(StepRunner, "kernels", compile_done_during_the_first_eager_step)
     return calls
 
 
@@ -119,12 +119,12 @@ def test_where_the_bits_may_differ_an_answer_begun_eagerly_ends_eagerly(
     from offload.engine.step_runner import StepRunner
 
     monkeypatch.setattr(cpu_linear, "row_invariant", lambda model: False)
-    llm, kernels = LLM(checkpoint, device="cpu", dtype="float32"), StepRunner._kernels
+    llm, kernels = LLM(checkpoint, device="cpu", dtype="float32"), StepRunner.kernels
     calls = _compile_ready_in_the_first_decode_step(llm, gate, monkeypatch)
     _run(llm)
     assert not llm._cpu_step.compiling  # (ready from the second step on)
     assert llm.transfer_stats().num_compiled_steps == 0 and len(calls) == GREEDY.max_tokens - 1
-    monkeypatch.setattr(StepRunner, "_kernels", kernels)
+    monkeypatch.setattr(StepRunner, "kernels", kernels)
     _run(llm)
     assert llm.transfer_stats().num_compiled_steps == GREEDY.max_tokens - 1
 

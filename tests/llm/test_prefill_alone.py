@@ -20,6 +20,8 @@ from offload import LLM, SamplingParams
 pytestmark = pytest.mark.slow
 
 FIRST = SamplingParams(temperature=0, max_tokens=1, logprobs=4, prompt_logprobs=2)
+# (without prompt logprobs, prompts admitted together prefill in one forward on a CPU)
+PACKED = SamplingParams(temperature=0, max_tokens=1, logprobs=4)
 LENGTHS = (7, 1, 30, 3, 12, 2)  # prompt lengths in tokens, the longest not last
 
 
@@ -32,7 +34,7 @@ def _first(output) -> tuple:
     completion = output.outputs[0]
     prompt = tuple(
         None if step is None else tuple(sorted((t, e.logprob) for t, e in step.items()))
-        for step in output.prompt_logprobs
+        for step in output.prompt_logprobs or ()
     )
     first = tuple(sorted((t, e.logprob) for t, e in completion.logprobs[0].items()))
     return prompt, completion.token_ids[0], first
@@ -48,6 +50,9 @@ def _check_alike(llm: LLM, vocab: int, params: SamplingParams = FIRST) -> list[t
     some = order[: len(order) - 2]  # another mix: shuffled, two left out, one twice
     mixed = llm.generate([prompts[i] for i in [*some, some[0]]], params, use_tqdm=False)
     assert [_first(o) for o in mixed] == [alone[i] for i in [*some, some[0]]]
+    if params is FIRST:
+        packed = llm.generate([prompts[i] for i in [*some, some[0]]], PACKED, use_tqdm=False)
+        assert [_first(o)[1:] for o in packed] == [alone[i][1:] for i in [*some, some[0]]]
     return alone
 
 

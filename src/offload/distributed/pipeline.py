@@ -284,6 +284,7 @@ class PipelinedRunner(StepRunner):
 
     def __init__(self, pipeline: Pipeline, model, max_rows, max_len, kv_dims, invariant, host_pool):
         super().__init__(model, max_rows, max_len, kv_dims, invariant, host_pool, None)
+        self.packs = False  # (no message runs several prompts' forward on the stages yet)
         self._pipeline, self._id = pipeline, pipeline.new_id()
         self._closed = False
         dims = list(kv_dims) if kv_dims is not None else None

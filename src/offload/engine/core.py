@@ -15,7 +15,6 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
-import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -24,8 +23,8 @@ import torch
 
 from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
 from offload.engine.scheduler import Scheduler
-from offload.engine.spec_tree import Tree, walk
-from offload.engine.speculative import Pace, depths_of, guesses_for
+from offload.engine.spec_turn import SpecTurn
+from offload.engine.speculative import Pace, depths_of
 from offload.engine.step_runner import StepRunner
 from offload.errors import ConfigError, OffloadError
 
@@ -69,7 +68,9 @@ class EngineCore:
         # (`speculator`: guesses of the rows' next tokens, scored in one forward:
         # `speculative`; it guesses only where rows decode apart from a prompt's chunk)
         self.speculator = speculator
-        self._pace = pace or Pace(depths_of(getattr(speculator, "config", None)))  # (an LLM's)
+        pace = pace or Pace(depths_of(getattr(speculator, "config", None)))  # (an LLM's)
+        spec = speculator is not None  # (else plain decode steps)
+        self._spec = SpecTurn(self, speculator, pace, model.on_verified) if spec else None
         self.runner.mixes = self.runner.mixes and speculator is None
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
         self._wake = threading.Condition()
@@ -192,21 +193,31 @@ class EngineCore:
         return bool(self._inbox) or self.scheduler.has_work
 
     def _turn(self) -> None:
-        """Prefills (each waiting request alone, one after another, while rows are free
-        and the turn's `max_num_batched_tokens` last), then one decode step of every
-        running sequence: requests that arrive together decode together. With chunked
-        prefill while rows decode, the turn's one chunk rides in the decode step's
-        forward instead (`mixed_step`: the weights read once)."""
+        """Prefills (the waiting requests admitted one after another, while rows are free
+        and the turn's `max_num_batched_tokens` last; those whose prompts end this turn
+        in one forward where the runner `packs`, else each alone), then one decode step
+        of every running sequence: requests that arrive together decode together. With
+        chunked prefill while rows decode, the turn's one chunk rides in the decode
+        step's forward instead (`mixed_step`: the weights read once)."""
         scheduler = self.scheduler
         scheduler.begin_turn()
         mixes = self.runner.mixes and scheduler.chunk_tokens is not None
         mixes = mixes and bool(scheduler.decoding())
+        packed: list[tuple[Group, int, int]] = []  # (whole prompts: one forward for all)
         while True:
             group, moves = scheduler.next_group()
             self.runner.move_rows(moves)  # (packed whether or not a request is admitted)
+            if group is None and packed:  # (the next may wait for their prefixes: again)
+                packed = self._prefill_packed(packed)
+                continue
             if group is None or mixes:
                 break
             start, end = scheduler.next_chunk(group)
+            if self.runner.packs and end == group.width and not group.every_position:
+                scheduler.prefilled(group, end, computed=False)
+                packed.append((group, start, end))
+                continue
+            packed = self._prefill_packed(packed)
             if not self._run_forward(group.rows, self._prefill, group, start, end):
                 scheduler.drop_group()  # (its requests failed; the next one may start)
             elif group.done_columns < group.width:
@@ -223,7 +234,7 @@ class EngineCore:
                 scheduler.drop_group()  # (its requests failed, with the rows')
             self._stepped()
         elif rows:
-            decode = self._decode if self.speculator is None else self._speculate
+            decode = self.decode if self._spec is None else self._spec
             self._run_forward(rows, decode, rows)
             self._stepped()
 
@@ -245,13 +256,34 @@ class EngineCore:
         self._pick(rows, both[0], replaying)
         self._prefilled(group, end, both[1])
 
+    def _prefill_packed(self, packed: list[tuple[Group, int, int]]) -> list:
+        """The forward of whole prompts admitted this turn (`packed`, their rows already
+        running): one for all where the runner can (`StepRunner.packs`), else one each;
+        their first tokens picked. An empty list, for the caller's next ones."""
+        rows = [row for group, _, _ in packed for row in group.rows]
+        if packed and not self._run_forward(rows, self._packed_forward, packed):
+            self.scheduler.computed(done=False)  # (their requests failed: the rows leave)
+        return []
+
+    def _packed_forward(self, packed: list[tuple[Group, int, int]]) -> None:
+        found = (len(packed) > 1 and self.runner.prefill_packed(packed)) or [
+            self.runner.prefill(*chunk) for chunk in packed
+        ]  # (alone, or not now: a compile is tracing the model)
+        self.scheduler.computed()
+        for (group, _, _), logits in zip(packed, found, strict=True):
+            self._whole(group, logits)
+
     def _prefilled(self, group: Group, end: int, logits: torch.Tensor) -> None:
         """The tokens of a prefill (or its chunk) up to column `end` are in; `logits` of
         its last column, or of every column (prompt logprobs)."""
         if group.every_position:  # [1, tokens, vocab]: kept till the prompt is whole
             group.chunks.append(logits)
-        if not self.scheduler.prefilled(group, end):
-            return
+        if self.scheduler.prefilled(group, end):
+            self._whole(group, logits)
+
+    def _whole(self, group: Group, logits: torch.Tensor) -> None:
+        """`group`'s whole prompt is in its first row: copied to its others, and its first
+        tokens picked (not a preempted request's: it has them)."""
         self.runner.copy_prompt(group)
         if group.resumed:  # (its tokens are known: its rows feed them back, `replaying`)
             return
@@ -264,38 +296,10 @@ class EngineCore:
             logits = every[:, -1, :]
         self._pick(group.rows, logits.expand(num, -1))
 
-    def _decode(self, rows: list[Row]) -> None:
+    def decode(self, rows: list[Row]) -> None:
+        """One decode step of `rows` and their tokens."""
         replaying = [row.replaying for row in rows]  # (before the step moves their columns)
         self._pick(rows, self.runner.decode(rows), replaying)
-
-    def _speculate(self, rows: list[Row]) -> None:
-        """A turn of `rows` scoring the guesses that pay here (`Pace`), or a plain step."""
-        start, before = time.perf_counter(), sum(len(row.sequence.tokens) for row in rows)
-        depth = self._pace.guesses()
-        guesses = guesses_for(self.speculator, rows, self.max_len, depth, self.runner.takes_trees)
-        if guesses is None:
-            self._decode(rows)
-        else:
-            self._verify(rows, guesses)
-        tokens = sum(len(row.sequence.tokens) for row in rows) - before
-        self._pace.record(depth if guesses else 0, tokens, time.perf_counter() - start)
-
-    def _verify(self, rows: list[Row], trees: list[Tree]) -> None:
-        """A verify forward of `rows` with their guesses' `trees`, and the tokens it
-        gives (`speculative`, `spec_tree`): each row moves past the tokens it kept."""
-        logits = self.runner.verify(rows, trees)  # [rows, queries, vocab]
-        before = [len(row.sequence.tokens) for row in rows]
-
-        def choose(live, picking):
-            return self._choose([rows[i] for i in live], picking)
-
-        paths = walk(trees, rows, logits, choose)
-        self.runner.keep_paths(rows, paths)
-        for row, count in zip(rows, before, strict=True):
-            row.column += len(row.sequence.tokens) - count
-        drafts = sum(bool(len(tree)) for tree in trees)
-        self._model.on_verified(drafts, sum(map(len, trees)), sum(map(len, paths)))
-        self._emit(rows)
 
     def _run_forward(self, rows: list[Row], forward, *args) -> bool:
         """One forward and its tokens; if it fails (a disk fault, a sampling error), its
@@ -321,10 +325,10 @@ class EngineCore:
             live = [i for i in live if not replaying[i]]
         if not live:
             return
-        self._choose([rows[i] for i in live], logits[live])
-        self._emit([rows[i] for i in live])
+        self.choose([rows[i] for i in live], logits[live])
+        self.emit([rows[i] for i in live])
 
-    def _choose(self, rows: list[Row], logits) -> list[int | None]:
+    def choose(self, rows: list[Row], logits) -> list[int | None]:
         """The next token of each of `rows` (live) from `logits` [rows, vocab], appended to
         its sequence; None for a row whose sampling failed (its request fails)."""
         sequences = [row.sequence for row in rows]
@@ -344,7 +348,7 @@ class EngineCore:
                     tokens.append(None)
             return tokens
 
-    def _emit(self, rows: list[Row]) -> None:
+    def emit(self, rows: list[Row]) -> None:
         for request in {id(row.request): row.request for row in rows}.values():
             if not request.failed:
                 request.emit(request.output())

@@ -4,11 +4,13 @@ forwards it decides.
 
 A turn (`EngineCore.step`): cancelled requests leave; then, while the turn's
 `max_num_batched_tokens` last, the request being prefilled gets its next chunk (chunks cut
-from the prompt's start, so the same whatever else runs), or (none being prefilled) the running rows are packed to the front and the first waiting request
-is admitted into the free rows after them, its prompt at column 0 of each of its `n` rows
+from the prompt's start, so the same whatever else runs), or (none being prefilled) the
+running rows are packed to the front and the first waiting request is admitted into the free rows after them, its prompt at column 0 of each of its `n` rows
 (prefilled in the first, copied to the others);
 then every running row decodes one token. Requests admitted in one turn decode together
-from the next step. With chunked prefill while rows decode, the core runs the turn's one
+from the next step; those whose prompts end in that turn may be prefilled in one forward
+(`EngineCore._turn`): admitted first (`prefilled` with `computed=False`), computed after,
+and held for prefix caching only then. With chunked prefill while rows decode, the core runs the turn's one
 chunk inside the decode step (`EngineCore._turn`, `mixed_step`).
 
 With prefix caching (`prefixes.PrefixRows`), an admitted request whose prompt begins as
@@ -25,8 +27,13 @@ from collections import deque
 from collections.abc import Iterable
 
 from offload.engine.kv_room import KVRoom, Moves, prompt_written
-from offload.engine.prefixes import PrefixRows
+from offload.engine.prefixes import BLOCK, PrefixRows
 from offload.engine.requests import Group, Row, Submitted
+
+# Prompt tokens worth a forward of their own: a request whose prompt shares this many more
+# with a prompt not yet computed than with the rows' waits for that prompt's forward, so
+# that it reuses its prefix (see `_waits_for_unheld`).
+SHARED = 32
 
 
 class Scheduler(KVRoom):
@@ -52,6 +59,9 @@ class Scheduler(KVRoom):
         self.waiting: deque[Submitted] = deque()
         self.running: list[Row] = []  # rows [0, len)
         self.group: Group | None = None  # being prefilled, in the rows after `running`
+        # Admitted whole and running, their prompts' forward not yet run (`prefilled` with
+        # `computed=False`): their prefixes are held once it has (`computed`).
+        self.unheld: list[Group] = []
         self.turn_tokens: int | None = None  # prefill tokens left this turn (None: any)
 
     @property
@@ -90,7 +100,9 @@ class Scheduler(KVRoom):
         prompt alone, not on what was prefilled before it."""
         moves: Moves = []
         if self.group is None:
-            moves = self._pack()
+            # (not while `unheld` prompts wait for their forward: their rows stay put, and
+            # a request that finds no free row waits for it)
+            moves = self._pack() if not self.unheld else []
             self._trim(moves)
             self.group = self._admit(moves)
             self._trim(moves)
@@ -112,9 +124,11 @@ class Scheduler(KVRoom):
             self.turn_tokens -= end - start
         return start, end
 
-    def prefilled(self, group: Group, end: int) -> bool:
+    def prefilled(self, group: Group, end: int, computed: bool = True) -> bool:
         """Columns up to `end` of `group` are in the cache; True once its whole prompt is
-        (its rows then run, and the next group may be admitted this turn)."""
+        (its rows then run, and the next group may be admitted this turn). `computed`
+        False: they will be once a forward of several prompts runs (`computed`), and no
+        row holds its prompt for prefix caching until then."""
         group.done_columns = end
         self.committed[group.first] = max(self.committed[group.first], end)
         if end < group.width:
@@ -123,11 +137,24 @@ class Scheduler(KVRoom):
         for index in range(1, len(group.rows)):  # (the others copy the first row's prompt)
             row = group.first + index
             self.committed[row] = max(self.committed[row], group.width)
+        if computed:
+            self._hold(group)
+        else:
+            self.unheld.append(group)
+        self.running.extend(group.rows)
+        return True
+
+    def computed(self, done: bool = True) -> None:
+        """The forward of the `unheld` groups' prompts ran (`done`: their rows hold their
+        prompts; else it failed, and their requests with it)."""
+        for group in self.unheld if done else ():
+            self._hold(group)
+        self.unheld.clear()
+
+    def _hold(self, group: Group) -> None:
         if self.prefixes is not None:
             for index, row in enumerate(group.rows):
                 self.prefixes.hold(group.first + index, row.sequence.prompt_ids)
-        self.running.extend(group.rows)
-        return True
 
     def drop_group(self) -> None:
         """The group's prefill failed (its requests are failed by the caller)."""
@@ -146,6 +173,7 @@ class Scheduler(KVRoom):
     def clear(self) -> None:
         self.waiting.clear()
         self.running, self.group = [], None
+        self.unheld.clear()
         self.forget_prefixes()
 
     def held_columns(self) -> list[int] | None:
@@ -188,9 +216,9 @@ class Scheduler(KVRoom):
         return moves
 
     def _admit(self, moves: Moves) -> Group | None:
-        """The first waiting request into the free rows, its prompt at column 0, to be
-        prefilled alone: prompts prefilled together are padded to one width, which moves
-        a prompt's logits. (`check_fits` saw that it fits a row.) With prefix caching, the
+        """The first waiting request into the free rows, its prompt at column 0 of its own
+        rows (prompts prefilled in one forward are packed, never padded to one width,
+        which would move a prompt's logits). (`check_fits` saw that it fits a row.) With prefix caching, the
         longest prefix of its prompt some row holds is copied into its first row first
         (added to `moves`), and only the rest is prefilled. With a KV room, only where
         its rows fit it (held prefixes given back to make room); a preempted request
@@ -201,6 +229,8 @@ class Scheduler(KVRoom):
             return None
         if not self._room_for(self.waiting[0], moves):
             return None
+        if self._waits_for_unheld(self.waiting[0]):
+            return None
         request = self.waiting.popleft()
         width, first = len(request.prompt_ids), len(self.running)
         rows = [Row(request, sequence, 0, width) for sequence in request.sequences]
@@ -209,6 +239,17 @@ class Scheduler(KVRoom):
             held = self._reuse(request, first, len(rows), moves)
         resumed = any(sequence.tokens for sequence in request.sequences)
         return Group(first, rows, width, done_columns=held, resumed=resumed)
+
+    def _waits_for_unheld(self, request: Submitted) -> bool:
+        """Whether `request`'s prompt begins as an `unheld` group's does for `SHARED` or
+        more tokens past what the rows hold: admitted after their forward, it prefills
+        only the rest (as it would have, one prompt a forward)."""
+        prefixes = self.prefixes
+        if prefixes is None or not self.unheld:
+            return False
+        prompt = request.prompt_ids
+        shared = max(_common(prompt[:-1], g.rows[0].sequence.prompt_ids) for g in self.unheld)
+        return shared // BLOCK * BLOCK - prefixes.held_blocks(prompt) >= SHARED
 
     def _reuse(self, request: Submitted, first: int, num_rows: int, moves: Moves) -> int:
         """Copy the longest held prefix of `request`'s prompt into row `first` (after
@@ -245,3 +286,9 @@ class Scheduler(KVRoom):
         self._move(moves, row, target, columns)
         prefixes.copy(row, target, columns)
         return True
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the prefix `a` and `b` share."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)

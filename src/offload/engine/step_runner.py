@@ -12,7 +12,7 @@ import torch
 from offload.engine import cpu_linear, invariant
 from offload.engine.cpu_linear import kernels_for, row_invariant
 from offload.engine.kv_room import Keep, Moves
-from offload.engine.mixed_step import MixedWindow, can_mix, mixing
+from offload.engine.mixed_step import can_mix, packed_forward, rows_reading
 from offload.engine.prompt_attention import prompt_kernels
 from offload.engine.requests import EngineModel, Group, Row
 from offload.engine.row_graphs import RowGraphs
@@ -56,6 +56,10 @@ class StepRunner:
             self.graphs = graphs(self.cache.held)
         # (not batch invariant: its prompts are prefilled alone, by the prefill's products)
         self.mixes = not invariant and can_mix(model.model, self.cache)
+        # Prompts admitted in one turn prefill in one forward where that gives each the bits
+        # of its prefill alone: a CPU's row-invariant products (`prompt_kernels`).
+        cpu = torch.device(model.device).type == "cpu"
+        self.packs = self.mixes and cpu and row_invariant(model.model)
 
     def move_rows(self, moves: Moves) -> None:
         """What the scheduler decided, in order: row moves, memory given back."""
@@ -86,9 +90,9 @@ class StepRunner:
         column [1, tokens, vocab] where the request asks for its prompt's logprobs."""
         device = self.model.device
         row = group.rows[0]
-        ids, columns, positions = self._chunk(group, start, end)
+        ids, columns, positions = self.chunk_of(group, start, end)
         input_ids = torch.tensor([ids], device=device)  # [1, tokens]
-        width = self._read_width(group.width)
+        width = self.reading_width(group.width)
         every = torch.arange(width, device=device)
         mask = ((every >= row.start) & (every < group.width)).long()[None, :]  # [1, width]
         self.cache.select(group.first, group.first + 1, columns[None, :], start, width)
@@ -117,48 +121,15 @@ class StepRunner:
         [start, end) of `group`'s prompt (`mixed_step`): the rows' logits [rows, vocab]
         and the chunk's as `prefill` returns them; None where the two cannot share a
         forward now (a compile is tracing the model: the caller runs them apart)."""
-        device, model = self.model.device, self.model.model
-        at = [min(row.column, self.max_len - 1) for row in rows]
-        width = self._read_width(max(at) + 1)
-        starts = [row.start for row in rows]
-        row_columns, row_starts, row_mask = _rows_reading(at, starts, width, device)
-        ids, columns, chunk_positions = self._chunk(group, start, end)
-        # (each chunk position reads its own columns: the bits of its prefill alone)
-        every = torch.arange(end, device=device)
-        chunk_mask = (every >= group.rows[0].start) & (every <= columns[:, None])
-        input_ids = [row.input_token for row in rows] + ids
-        positions = torch.cat([(row_columns - row_starts)[:, 0], chunk_positions])
-        window = MixedWindow(
-            len(rows), row_columns, row_mask[:, None, None, :], group.first, slice(start, end),
-            chunk_mask[None, None, :, :],
-        )  # fmt: skip
-        tokens = len(input_ids)
-        keep = [*range(len(rows)), *(range(len(rows), tokens - 1) if group.every_position else ())]
-        keep = torch.tensor([*keep, tokens - 1], device=device)
-        compiled = self.model.compiled
-        with mixing(model, window, None if compiled is None else compiled.running) as mixes:
-            if not mixes:
-                return None
-            self.cache.forward_writes(max(max(at) + 1, end))
-            self.cache.window.mixed = window
-            try:
-                with self._kernels():  # (the chunk's attention: `mixed_step`)
-                    out = model(
-                        input_ids=torch.tensor([input_ids], device=device),
-                        position_ids=positions[None, :],
-                        **cache_argument(model, self.cache.cache),
-                        cache_position=torch.arange(tokens, device=device),
-                        use_cache=True,
-                        logits_to_keep=keep,
-                    )
-            finally:
-                self.cache.window.mixed = None
-        self.model.on_forward(False)
-        for row in rows:
-            row.column += row.is_live
-        logits = out.logits[0]  # [rows + kept, vocab]
-        chunk = logits[len(rows) :]
-        return logits[: len(rows)], chunk[None] if group.every_position else chunk
+        out = packed_forward(self, rows, [(group, start, end)])
+        return None if out is None else (out[0], out[1][0])
+
+    def prefill_packed(self, chunks: list[tuple[Group, int, int]]) -> list[torch.Tensor] | None:
+        """Columns [start, end) of several groups' prompts in one forward (`packs`): each
+        group's logits as `prefill` returns them, in order; None where they cannot share
+        a forward now (the caller prefills them apart)."""
+        out = packed_forward(self, [], chunks)
+        return None if out is None else out[1]
 
     @torch.inference_mode()
     def verify(self, rows: list[Row], guesses: list) -> torch.Tensor:
@@ -170,7 +141,7 @@ class StepRunner:
         mean nothing); a row whose guesses are None is fed nothing (padding only). Eager."""
         device, model = self.model.device, self.model.model
         trees = [g if g is None or isinstance(g, Tree) else Tree.chain(g) for g in guesses]
-        laid = verify_layout(rows, trees, self.max_len, self._read_width, device)
+        laid = verify_layout(rows, trees, self.max_len, self.reading_width, device)
         num, width = laid.reading.shape[1], laid.mask.shape[-1]
         self.cache.select(0, len(rows), laid.columns, width - num, width)  # (the 4D mask rules)
         self.cache.forward_writes(laid.high)
@@ -180,7 +151,7 @@ class StepRunner:
         jobs = None if compiled is None else compiled.running
         masks = self._verify_masks(laid.mask, laid.reading)  # (before `verifying` renames it)
         tree = (laid.decode_mask[:, None], laid.gathers, [row.column for row in rows])
-        with self._kernels(), rows_apart(), verifying(model, widths, jobs, tree):
+        with self.kernels(), rows_apart(), verifying(model, widths, jobs, tree):
             out = model(
                 input_ids=torch.tensor(laid.ids, device=device),
                 attention_mask=masks,
@@ -295,12 +266,12 @@ class StepRunner:
         # (a finished row still in the batch rewrites its last column: never past the end)
         at = [min(row.column, self.max_len - 1) for row in rows]
         starts = [row.start for row in rows]
-        width = self._read_width(max(at, default=0) + 1)
+        width = self.reading_width(max(at, default=0) + 1)
         pad = max(pad_to - len(rows), 0)
         compiled = len(rows) + pad <= cpu_linear.MAX_ROWS
         compiled = compiled and self.model.compiled is not None and not self.invariant
         last, at, starts = ([*values, *(values or [0])[:1] * pad] for values in (last, at, starts))
-        columns, start, mask = _rows_reading(at, starts, width, device)
+        columns, start, mask = rows_reading(at, starts, width, device)
         mask = mask.long()
         positions = columns - start
         columns[len(rows) :] = self.max_len  # padding rows write past what is read
@@ -337,7 +308,7 @@ class StepRunner:
         compiled = self.model.compiled is not None and not self.invariant
         return MIN_ROWS if compiled and cpu and row_invariant(self.model.model) else 0
 
-    def _chunk(self, group: Group, start: int, end: int):
+    def chunk_of(self, group: Group, start: int, end: int):
         """Columns [start, end) of `group`'s prompt as its first row takes them: their
         token ids, columns [tokens] and positions [tokens]."""
         row = group.rows[0]
@@ -345,31 +316,21 @@ class StepRunner:
         columns = torch.arange(start, end, device=self.model.device)
         return ids[start:end], columns, (columns - row.start).clamp(min=0)
 
-    def _read_width(self, num_columns: int) -> int:
+    def reading_width(self, num_columns: int) -> int:
         """The columns attention reads; every one in batch-invariant mode (how many there
         are changes how its sums group, and the others' lengths would set it)."""
         return self.max_len if self.invariant else read_width(num_columns, self.max_len)
 
     @contextlib.contextmanager
     def _decoding(self, rows: int):
-        """An eager decode step of `rows` rows: `_kernels`, with attention one sequence at a
+        """An eager decode step of `rows` rows: `kernels`, with attention one sequence at a
         time where the products are row-invariant (ATen's kernel splits work by batch)."""
         apart = rows > 1 and self.model.device.type == "cpu" and row_invariant(self.model.model)
-        with self._kernels(), invariant.RowByRow() if apart else contextlib.nullcontext():
+        with self.kernels(), invariant.RowByRow() if apart else contextlib.nullcontext():
             yield
 
-    def _kernels(self):
+    def kernels(self):
         """On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
         weight for a few rows) where the float32 weights are large enough for it to pay.
         (A batch-invariant decode step runs in `invariant.decoding` instead.)"""
         return kernels_for(self.model.model, self.model.device)
-
-
-def _rows_reading(at: list[int], starts: list[int], width: int, device):
-    """Decode rows at columns `at` whose prompts begin at `starts`: their columns and
-    starts [rows, 1], and which of the first `width` columns each reads [rows, width]
-    (from its start up to its own column)."""
-    columns = torch.tensor(at, device=device)[:, None]
-    start = torch.tensor(starts, device=device)[:, None]
-    every = torch.arange(width, device=device)
-    return columns, start, (every >= start) & (every <= columns)
