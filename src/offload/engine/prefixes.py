@@ -48,7 +48,7 @@ class PrefixRows:
         """Row `row` now holds `tokens` (what it held before is gone)."""
         self.clear(row)
         self.tokens[row] = list(tokens)
-        hashes = _block_hashes(tokens)
+        hashes = block_hashes(tokens)
         self._hashes[row] = hashes
         for value in hashes:
             self._index.setdefault(value, set()).add(row)
@@ -77,7 +77,7 @@ class PrefixRows:
 
     def _blocks_held(self, prompt: list[int]) -> tuple[set[int] | None, int]:
         rows, length = None, 0
-        for blocks, value in enumerate(_block_hashes(prompt[: len(prompt) - 1]), start=1):
+        for blocks, value in enumerate(block_hashes(prompt[: len(prompt) - 1]), start=1):
             if value not in self._index:
                 break
             rows, length = self._index[value], blocks * BLOCK  # (they hold every block before)
@@ -128,7 +128,7 @@ class PrefixRows:
         return min(candidates, key=lambda row: (not self.is_spare(row), self._used[row]))
 
 
-def _block_hashes(tokens: list[int]) -> list[int]:
+def block_hashes(tokens: list[int]) -> list[int]:
     """One hash per whole block of `tokens`, each of the whole prefix it ends."""
     hashes, previous = [], 0
     for start in range(0, len(tokens) - BLOCK + 1, BLOCK):

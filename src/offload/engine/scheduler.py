@@ -5,13 +5,14 @@ forwards it decides.
 A turn (`EngineCore.step`): cancelled requests leave; then, while the turn's
 `max_num_batched_tokens` last, the request being prefilled gets its next chunk (chunks cut
 from the prompt's start, so the same whatever else runs), or (none being prefilled) the
-running rows are packed to the front and the first waiting request is admitted into the free rows after them, its prompt at column 0 of each of its `n` rows
-(prefilled in the first, copied to the others);
-then every running row decodes one token. Requests admitted in one turn decode together
-from the next step; those whose prompts end in that turn may be prefilled in one forward
-(`EngineCore._turn`): admitted first (`prefilled` with `computed=False`), computed after,
-and held for prefix caching only then. With chunked prefill while rows decode, the core runs the turn's one
-chunk inside the decode step (`EngineCore._turn`, `mixed_step`).
+running rows are packed to the front and the first waiting request is admitted into the
+free rows after them, its prompt at column 0 of each of its `n` rows (prefilled in the
+first, copied to the others); then every running row decodes one token. Requests admitted
+in one turn decode together from the next step; those whose prompts end in that turn may
+be prefilled in one forward (`EngineCore._turn`): admitted first (`prefilled` with
+`computed=False`), computed after, and held for prefix caching only then. With chunked
+prefill while rows decode, the core runs the turn's one chunk inside the decode step
+(`EngineCore._turn`, `mixed_step`).
 
 With prefix caching (`prefixes.PrefixRows`), an admitted request whose prompt begins as
 some row holds has those columns copied into its row and prefills only the rest; packing
@@ -27,7 +28,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from offload.engine.kv_room import KVRoom, Moves, prompt_written
-from offload.engine.prefixes import BLOCK, PrefixRows
+from offload.engine.prefixes import BLOCK, PrefixRows, block_hashes
 from offload.engine.requests import Group, Row, Submitted
 
 # Prompt tokens worth a forward of their own: a request whose prompt shares this many more
@@ -62,6 +63,7 @@ class Scheduler(KVRoom):
         # Admitted whole and running, their prompts' forward not yet run (`prefilled` with
         # `computed=False`): their prefixes are held once it has (`computed`).
         self.unheld: list[Group] = []
+        self._unheld_blocks: set[int] = set()  # (their prompts' block hashes)
         self.turn_tokens: int | None = None  # prefill tokens left this turn (None: any)
 
     @property
@@ -141,6 +143,7 @@ class Scheduler(KVRoom):
             self._hold(group)
         else:
             self.unheld.append(group)
+            self._unheld_blocks.update(block_hashes(group.rows[0].sequence.prompt_ids))
         self.running.extend(group.rows)
         return True
 
@@ -150,6 +153,7 @@ class Scheduler(KVRoom):
         for group in self.unheld if done else ():
             self._hold(group)
         self.unheld.clear()
+        self._unheld_blocks.clear()
 
     def _hold(self, group: Group) -> None:
         if self.prefixes is not None:
@@ -173,7 +177,7 @@ class Scheduler(KVRoom):
     def clear(self) -> None:
         self.waiting.clear()
         self.running, self.group = [], None
-        self.unheld.clear()
+        self.computed(done=False)
         self.forget_prefixes()
 
     def held_columns(self) -> list[int] | None:
@@ -218,18 +222,18 @@ class Scheduler(KVRoom):
     def _admit(self, moves: Moves) -> Group | None:
         """The first waiting request into the free rows, its prompt at column 0 of its own
         rows (prompts prefilled in one forward are packed, never padded to one width,
-        which would move a prompt's logits). (`check_fits` saw that it fits a row.) With prefix caching, the
-        longest prefix of its prompt some row holds is copied into its first row first
-        (added to `moves`), and only the rest is prefilled. With a KV room, only where
-        its rows fit it (held prefixes given back to make room); a preempted request
-        (`resumed`) needs room for the tokens it decoded too."""
+        which would move a prompt's logits). (`check_fits` saw that it fits a row.) With
+        prefix caching, the longest prefix of its prompt some row holds is copied into its
+        first row first (added to `moves`), and only the rest is prefilled. With a KV room,
+        only where its rows fit it (held prefixes given back to make room); a preempted
+        request (`resumed`) needs room for the tokens it decoded too."""
         if not self.waiting:
             return None
         if len(self.waiting[0].sequences) > self.max_rows - len(self.running):
             return None
-        if not self._room_for(self.waiting[0], moves):
-            return None
         if self._waits_for_unheld(self.waiting[0]):
+            return None
+        if not self._room_for(self.waiting[0], moves):
             return None
         request = self.waiting.popleft()
         width, first = len(request.prompt_ids), len(self.running)
@@ -242,14 +246,17 @@ class Scheduler(KVRoom):
 
     def _waits_for_unheld(self, request: Submitted) -> bool:
         """Whether `request`'s prompt begins as an `unheld` group's does for `SHARED` or
-        more tokens past what the rows hold: admitted after their forward, it prefills
-        only the rest (as it would have, one prompt a forward)."""
+        more tokens (whole blocks) past what the rows hold: admitted after their forward,
+        it prefills only the rest (as it would have, one prompt a forward)."""
         prefixes = self.prefixes
         if prefixes is None or not self.unheld:
             return False
-        prompt = request.prompt_ids
-        shared = max(_common(prompt[:-1], g.rows[0].sequence.prompt_ids) for g in self.unheld)
-        return shared // BLOCK * BLOCK - prefixes.held_blocks(prompt) >= SHARED
+        prompt, shared = request.prompt_ids, 0
+        for value in block_hashes(prompt[: len(prompt) - 1]):  # (as `lookup` counts them)
+            if value not in self._unheld_blocks:
+                break
+            shared += BLOCK
+        return shared - prefixes.held_blocks(prompt) >= SHARED
 
     def _reuse(self, request: Submitted, first: int, num_rows: int, moves: Moves) -> int:
         """Copy the longest held prefix of `request`'s prompt into row `first` (after
@@ -286,9 +293,3 @@ class Scheduler(KVRoom):
         self._move(moves, row, target, columns)
         prefixes.copy(row, target, columns)
         return True
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    """The length of the prefix `a` and `b` share."""
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
