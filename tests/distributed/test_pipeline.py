@@ -22,6 +22,7 @@ import zoo
 from offload import LLM, SamplingParams
 from offload.distributed.channel import Channel, PipelineError
 from offload.distributed.cut import NoHead
+from offload.distributed.pipeline import PipelinedRunner
 
 PROMPTS = [
     {"prompt_token_ids": [1, 5, 9, 14, 3]},
@@ -53,8 +54,14 @@ def _streamed(llm):
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_ranks_give_one_process_s_tokens_and_logprobs(attentive, size):
+def test_ranks_give_one_process_s_tokens_and_logprobs(attentive, size, monkeypatch):
     kwargs = dict(device="cpu", enforce_eager=True, dtype="float32")
+    packed, prefill_packed = [], PipelinedRunner.prefill_packed
+    monkeypatch.setattr(
+        PipelinedRunner,
+        "prefill_packed",
+        lambda self, chunks: (packed.append(len(chunks)), prefill_packed(self, chunks))[1],
+    )
     with LLM(attentive, **kwargs) as llm:
         expected, streamed = _answers(llm), _streamed(llm)
     # (3 ranks: with the KV cache in host memory, each rank its layers')
@@ -64,6 +71,7 @@ def test_ranks_give_one_process_s_tokens_and_logprobs(attentive, size):
         _holds_its_stage_alone(llm, attentive, size)
         assert _answers(llm) == expected
         assert _streamed(llm) == streamed  # (the serving core: `LLM.serving`)
+        assert max(packed) == len(PROMPTS)  # (the prompts in one forward on every stage)
         assert channel.sent_bytes[Channel.HIDDEN] > 0
         assert channel.received_bytes[Channel.LOGITS] > 0
         assert (llm.transfer_stats().kv_copied_bytes > 0) == bool(kv)

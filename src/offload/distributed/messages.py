@@ -181,6 +181,25 @@ class Prefill(RunnerCall):
 
 
 @dataclass
+class PrefillPacked(RunnerCall):
+    """Whole prompts' columns in one forward (`StepRunner.prefill_packed`)."""
+
+    forward: ClassVar[bool] = True
+    groups: list[GroupView]
+    spans: list[list[int]]  # each group's [start, end)
+
+    def __post_init__(self):
+        self.groups = [_group(group) for group in self.groups]
+
+    def apply(self, worker):
+        chunks = [(g, s, e) for g, (s, e) in zip(self.groups, self.spans, strict=True)]
+        out = worker.runners[self.runner].prefill_packed(chunks)
+        if out is None:  # (no compiled step on a stage: its forwards always mix)
+            raise PipelineError("a stage could not run a packed prefill")
+        return out
+
+
+@dataclass
 class Mixed(RunnerCall):
     forward: ClassVar[bool] = True
     rows: list[RowView]
@@ -255,7 +274,7 @@ _KINDS = {
     cls.__name__: cls
     for cls in (
         Hello, Layout, Ready, Open, Close, Release, MoveRows, CopyPrompt, ForgetStep,
-        KeepPaths, Prefill, Mixed, Decode, Verify, Ping, Stop, Report, Busy,
+        KeepPaths, Prefill, PrefillPacked, Mixed, Decode, Verify, Ping, Stop, Report, Busy,
     )
 }  # fmt: skip
 

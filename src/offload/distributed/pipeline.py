@@ -42,6 +42,7 @@ from offload.distributed.messages import (
     Open,
     Ping,
     Prefill,
+    PrefillPacked,
     Ready,
     Release,
     Report,
@@ -284,7 +285,6 @@ class PipelinedRunner(StepRunner):
 
     def __init__(self, pipeline: Pipeline, model, max_rows, max_len, kv_dims, invariant, host_pool):
         super().__init__(model, max_rows, max_len, kv_dims, invariant, host_pool, None)
-        self.packs = False  # (no message runs several prompts' forward on the stages yet)
         self._pipeline, self._id = pipeline, pipeline.new_id()
         self._closed = False
         dims = list(kv_dims) if kv_dims is not None else None
@@ -302,6 +302,12 @@ class PipelinedRunner(StepRunner):
     def prefill(self, group, start: int, end: int) -> torch.Tensor:
         message = Prefill(self._id, GroupView.of(group), start, end)
         return self._run(message, lambda: super(PipelinedRunner, self).prefill(group, start, end))
+
+    def prefill_packed(self, chunks):
+        views = [GroupView.of(group) for group, _, _ in chunks]
+        message = PrefillPacked(self._id, views, [[start, end] for _, start, end in chunks])
+        local = super().prefill_packed
+        return self._run(message, lambda: _packed(local(chunks)))
 
     def mixed(self, rows, group, start: int, end: int):
         message = Mixed(self._id, _views(rows), GroupView.of(group), start, end)
@@ -341,6 +347,12 @@ class PipelinedRunner(StepRunner):
 
 def _views(rows) -> list[RowView]:
     return [RowView.of(row) for row in rows]
+
+
+def _packed(out):
+    if out is None:  # (no compiled step on a stage: a packed forward always runs)
+        raise PipelineError("a packed prefill could not run on rank 0's stage")
+    return out
 
 
 def _mixed(out):
