@@ -70,14 +70,12 @@ class PrefixRows:
         """Row `source`'s first `num_columns` columns were copied into row `target`."""
         self.hold(target, self.tokens[source][:num_columns])
 
-    def held_blocks(self, prompt: list[int]) -> int:
-        """The tokens of `prompt`'s whole blocks that some row holds (by their hashes, as
-        `lookup` first finds them), not counted as a query."""
-        return self._blocks_held(prompt)[1]
-
-    def _blocks_held(self, prompt: list[int]) -> tuple[set[int] | None, int]:
+    def held_blocks(self, hashes: list[int]) -> tuple[set[int] | None, int]:
+        """The rows holding the longest run of a prompt's first blocks (`hashes`, its
+        `block_hashes`), and that run's tokens (None and 0: none), not counted as a query:
+        what `lookup` first finds."""
         rows, length = None, 0
-        for blocks, value in enumerate(block_hashes(prompt[: len(prompt) - 1]), start=1):
+        for blocks, value in enumerate(hashes, start=1):
             if value not in self._index:
                 break
             rows, length = self._index[value], blocks * BLOCK  # (they hold every block before)
@@ -87,7 +85,7 @@ class PrefixRows:
         """A row holding the longest prefix of `prompt` of a whole block or more, at most
         all but its last token, and that prefix's length (0 and None: none), counted."""
         self.queries += len(prompt)
-        rows, length = self._blocks_held(prompt)
+        rows, length = self.held_blocks(block_hashes(prompt[: len(prompt) - 1]))
         if rows is None:
             return None, 0
         row = max(rows, key=self._used.__getitem__)  # (the latest made or read of them)

@@ -252,11 +252,12 @@ class Scheduler(KVRoom):
         if prefixes is None or not self.unheld:
             return False
         prompt, shared = request.prompt_ids, 0
-        for value in block_hashes(prompt[: len(prompt) - 1]):  # (as `lookup` counts them)
+        hashes = block_hashes(prompt[: len(prompt) - 1])  # (as `lookup` counts them)
+        for value in hashes:
             if value not in self._unheld_blocks:
                 break
             shared += BLOCK
-        return shared - prefixes.held_blocks(prompt) >= SHARED
+        return shared - prefixes.held_blocks(hashes)[1] >= SHARED
 
     def _reuse(self, request: Submitted, first: int, num_rows: int, moves: Moves) -> int:
         """Copy the longest held prefix of `request`'s prompt into row `first` (after
