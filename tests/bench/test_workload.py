@@ -12,7 +12,8 @@ from offload.bench.workload import Workload, prepare, resolve_checkpoint
 from offload.errors import ConfigError
 from offload.model.loader import load_model
 from offload.quant.gguf_quants import dequantize
-from offload.quant.quantized import Int4Linear
+from offload.quant.layouts import layout_for
+from offload.quant.quantized import Int4Linear, Q4Linear
 
 
 @pytest.mark.parametrize(
@@ -109,7 +110,7 @@ def test_a_quantized_shape_keeps_its_matrices_as_q4_0_blocks(tmp_path, monkeypat
 
 
 def test_a_quantized_shape_is_laid_out_for_the_devices_kernels(tmp_path, monkeypatch):
-    """On the CPU the 4-bit matrices go to torch's int4 packing, as a .gguf would; the
+    """On the CPU the 4-bit matrices go to the CPU's 4-bit layout, as a .gguf would; the
     model built from them computes finite logits."""
     shape = _tiny_shape(tmp_path, monkeypatch)
     prepared = prepare(
@@ -118,11 +119,12 @@ def test_a_quantized_shape_is_laid_out_for_the_devices_kernels(tmp_path, monkeyp
     assert prepared.name == "tiny-shape (Q4_0, random weights)"
     settings = json.loads((prepared.path / "config.json").read_text())["quantization_config"]
     layouts = settings["weight_layouts"]
-    assert layouts["model.layers.1.mlp.up_proj.weight"] == "int4"
+    four_bit = layout_for("Q4_0", "model.layers.1.mlp.up_proj.weight", "cpu")
+    assert layouts["model.layers.1.mlp.up_proj.weight"] == four_bit
     assert "model.embed_tokens.weight" not in layouts  # (looked up by row: GGUF's blocks)
     model, offloader = load_model(prepared.path, device="cpu", dtype=prepared.dtype)
     offloader.close()
-    assert isinstance(model.model.layers[1].mlp.up_proj, Int4Linear)
+    assert isinstance(model.model.layers[1].mlp.up_proj, {"q4": Q4Linear}.get(four_bit, Int4Linear))
     with torch.no_grad():
         logits = model(prepared.prompt_ids(2)[:, :4]).logits
     assert torch.isfinite(logits).all() and float(logits.std()) > 0

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from offload.cli import build_parser, commands, main
 from offload.engine.sampling import find_stop
 from offload.llm.streaming import TextStream, settled
+from offload.quant.layouts import packing_of
 
 
 def _subparsers(parser):
@@ -154,7 +155,7 @@ def test_inspect_without_a_path_is_the_default_model_against_a_budget(capsys, sm
     # As stored (the default on a CPU): 92 MiB of weights fit the budget as they are.
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert ".Q4_1.stored-int4cpu-" in out.splitlines()[0]
+    assert f".Q4_1.stored-{packing_of('cpu')}-" in out.splitlines()[0]
     assert "92.1 MiB of parameters (GGUF Q4_1, Q8_0 as stored, computing in float32)" in out
     assert "fits the cpu budget 276.5 MiB (max_model_len 512) without offloading" in out
     # The float32 conversion does not.

@@ -11,6 +11,7 @@ import torch
 from offload.model.default import gguf_path
 from offload.model.gguf_fast import FastReader
 from offload.probes import layout_choice
+from offload.quant.layouts import layout_for
 
 
 @pytest.fixture(scope="module")
@@ -20,14 +21,15 @@ def file_tensors():
 
 def test_a_slower_kernel_is_not_chosen(file_tensors, monkeypatch):
     """Where the kernel's product times slower than de-quantizing GGUF's blocks (a CPU
-    without the vector units torch's int4 kernel is written for), the blocks are kept."""
+    without the vector units the 4-bit kernels are written for), the blocks are kept."""
     name, raw = "model.layers.0.mlp.up_proj.weight", file_tensors["blk.0.ffn_up.weight"]
     chooser = layout_choice.LayoutChooser("cpu")
-    assert chooser.choose(name, raw, "Q4_1") == "int4"  # (as measured on this machine)
-    _times_slower(monkeypatch, "int4")
+    four_bit = layout_for("Q4_1", name, "cpu")  # (q4 where the CPU has VNNI, else int4)
+    assert chooser.choose(name, raw, "Q4_1") == four_bit  # (as measured on this machine)
+    _times_slower(monkeypatch, four_bit)
     slow = layout_choice.LayoutChooser("cpu")
     assert slow.choose(name, raw, "Q4_1") == "gguf"
-    assert slow.seconds == {"Q4_1 1536x576": {"int4": 2e-3, "gguf": 1e-3}}
+    assert slow.seconds == {"Q4_1 1536x576": {four_bit: 2e-3, "gguf": 1e-3}}
     assert layout_choice.LayoutChooser("cuda").choose(name, raw, "Q4_1") in ("gguf", "int4_cuda")
 
 

@@ -34,7 +34,7 @@ import os
 import torch
 
 from offload.engine import cpu_linear
-from offload.quant.quantized import Int4Linear, Q8Linear
+from offload.quant.quantized import Int4Linear, Q4Linear, Q8Linear
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def cache_length(length: int, max_model_len: int) -> int:
 def pays(model: torch.nn.Module) -> bool:
     """Whether a compiled step pays for `model`: where its float32 linears are large enough
     that a step is their reading (`cpu_linear.pays`), or where its bfloat16 and float16
-    linears (written out as the float32 ones are, `step_linears`), or its int4 and q8
+    linears (written out as the float32 ones are, `step_linears`), or its 4-bit and q8
     weights kept as stored, would be as large in float32 (stored products stay opaque
     ops, the rest of the step fuses around them; a q8 product of one row becomes one loop,
     `kernels.q8_one_row`). The default model as stored decodes faster compiled than eager
@@ -78,7 +78,7 @@ def pays(model: torch.nn.Module) -> bool:
     counted = (
         m
         for m in model.modules()
-        if isinstance(m, (Int4Linear, Q8Linear))
+        if isinstance(m, (Int4Linear, Q4Linear, Q8Linear))
         or (type(m) is torch.nn.Linear and m.weight.dtype in halves)
     )
     floats = sum(m.in_features * m.out_features * 4 for m in counted)

@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from offload.offloader.ops import define_op
 from offload.quant import row_dot
 from offload.quant.gguf_quants import FORMATS, dequantize
-from offload.quant.layouts import GROUP, q8_values
+from offload.quant.layouts import GROUP, q4_values, q8_values
 from offload.quant.packed_quant import packed_linear, packed_linear_op
 
 
 def stored_op(op: str, x: torch.Tensor, *stored: object) -> torch.Tensor:
     """What a module computes from its stored weight, by `op`: a product of x [rows, in]
-    ("int4", "q8"; "gguf": GGUF's blocks (with the type's name and the bias) de-quantized,
+    ("q4", "int4", "q8"; "gguf": GGUF's blocks (with the type's name and the bias) de-quantized,
     then `F.linear` on x of any shape; "packed": a safetensors format's tensors, its form
     and the bias, `packed_quant`), or the float32 rows of a table that ids [...] look
     up ("q8_rows", "gguf_rows"). Under torch.compile each is one opaque op: inductor may
@@ -78,6 +78,17 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor)
     kernel takes them; the result in x's dtype."""
     out = torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, GROUP, scale_zero)
     return out.to(x.dtype)
+
+
+def q4_matmul(
+    x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """x [rows, in] times a q4 weight: the integer products of `row_dot.q4_linear` (each
+    row's bits whatever the rows beside it), or where its library is missing (a folder
+    converted on a machine with it), `F.linear` of the weight's float32 values."""
+    if row_dot.library() is not None and x.device.type == "cpu":
+        return row_dot.q4_linear(x, nibbles, scales, offsets)
+    return F.linear(x, q4_values(nibbles, scales, offsets).to(x.dtype))
 
 
 def int4_cuda_matmul(
@@ -199,6 +210,12 @@ def _int4_fake(x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor) 
     return x.new_empty(x.shape[0], packed.shape[0])
 
 
+def _q4_fake(
+    x: torch.Tensor, nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales.shape[1])
+
+
 def _int4_cuda_fake(
     x: torch.Tensor, packed: torch.Tensor, scale_zero: torch.Tensor
 ) -> torch.Tensor:
@@ -235,6 +252,15 @@ _Q8 = "(Tensor x, Tensor weight, Tensor scales, Tensor? offsets) -> Tensor"
 _PRODUCTS: dict[str, tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]] = {
     "packed": (packed_linear, packed_linear_op),
     "int4": (int4_matmul, define_op("int4_matmul", _PRODUCT, int4_matmul, _int4_fake)),
+    "q4": (
+        q4_matmul,
+        define_op(
+            "q4_matmul",
+            "(Tensor x, Tensor weight, Tensor scales, Tensor offsets) -> Tensor",
+            q4_matmul,
+            _q4_fake,
+        ),
+    ),
     "int4_cuda": (
         int4_cuda_matmul,
         define_op("int4_cuda_matmul", _PRODUCT, int4_cuda_matmul, _int4_cuda_fake),

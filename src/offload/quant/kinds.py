@@ -14,6 +14,7 @@ import enum
 class QuantLayout(enum.StrEnum):
     """How a GGUF weight is kept (`layouts.py`; config.json's `weight_layouts`)."""
 
+    Q4 = "q4"  # 4-bit values by 16 outputs, for the integer products of `row_q4.c`
     INT4 = "int4"  # torch's CPU int4 packing
     INT4_CUDA = "int4_cuda"  # torch's GPU int4 packing (tinygemm's tiles)
     Q8 = "q8"  # int8 by block column, with scales (and offsets)

@@ -2,7 +2,12 @@
 entry is written, so that no forward has to re-arrange bytes (the disk tier streams the
 laid-out bytes as they lie in the file).
 
-- `int4`: GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) in torch's CPU int4 packing
+- `q4`: GGUF's 4-bit types (Q4_0, Q4_1, Q4_K) as `d * q + m` for the CPU's integer
+  products (`row_dot.q4_linear`, where it has AVX-512 VNNI): uint8 [out / 16, in / 32, 256],
+  16 outputs' 32 values of a group two a byte, in the order `row_q4.c` reads them; scales
+  and offsets [in / 32, out] exactly as the file gives them (float16 for Q4_0 and Q4_1,
+  float32 for Q4_K's products of two scales). 4 bits a weight plus 1 (float16) or 2.
+- `int4`: the same types in torch's CPU int4 packing (where the CPU lacks VNNI)
   (`_weight_int4pack_mm_for_cpu`): uint8 [out, in / 2] and, per group of 32 inputs, a
   bfloat16 scale and zero point ([in / 32, out, 2]), the value being (q - 8) * scale + zero.
   Same bits a weight as the file (4 + 32/32); the scales round from float16 to bfloat16.
@@ -36,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.errors import ModelError
+from offload.quant import row_dot
 from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, affine_4bit, affine_8bit
 from offload.quant.kinds import QuantLayout
 
@@ -83,9 +90,17 @@ def int4_cuda_layout() -> str | None:
 
 
 def packing_of(kernels: str) -> str | None:
-    """The name of the int4 packing that `kernels` ("cpu", "cuda", "gguf") lay weights out
-    in here, or None (GGUF's blocks, or no such kernel)."""
-    return {"cpu": int4_cpu_layout, "cuda": int4_cuda_layout}.get(kernels, lambda: None)()
+    """The name of the 4-bit layout that `kernels` ("cpu", "cuda", "gguf") lay weights out
+    in here (a converted folder's name carries it), or None (GGUF's blocks, or no such
+    kernel)."""
+    return {"cpu": _cpu_packing, "cuda": int4_cuda_layout}.get(kernels, lambda: None)()
+
+
+Q4_NAME = "q4v1"  # (a new form of the q4 layout gets a new name: folders are converted anew)
+
+
+def _cpu_packing() -> str | None:
+    return Q4_NAME if row_dot.q4_fast() else int4_cpu_layout()
 
 
 def inner_k_tiles(in_features: int) -> int:
@@ -109,6 +124,8 @@ def layout_for(type_name: str, name: str, kernels: str, rows: int = 8) -> QuantL
     four_bit = type_name in INT4_TYPES and "embed_tokens" not in name
     if kernels == "cpu" and type_name in EIGHT_BIT_GROUPS:
         return QuantLayout.Q8
+    if kernels == "cpu" and four_bit and row_dot.q4_fast():
+        return QuantLayout.Q4
     if kernels == "cpu" and four_bit and int4_cpu_layout() is not None:
         return QuantLayout.INT4
     if kernels == "cuda" and four_bit and rows % 8 == 0 and int4_cuda_layout() is not None:
@@ -168,6 +185,52 @@ def _int4(raw: torch.Tensor, kind: str, high_first: bool | None) -> tuple[torch.
         packed = _pack_cuda(q, high_first).cpu()
     zero = offset + 8 * scale  # (q - 8) * scale + zero == scale * q + offset
     return packed, torch.stack([scale, zero], dim=-1).transpose(0, 1).to(torch.bfloat16)
+
+
+def q4_scale_dtype(kind: str) -> torch.dtype:
+    """The dtype of a q4 weight's scales and offsets: the file's float16 where a group's
+    scale is one float16 (Q4_0's offset, -8 d, is one too), float32 for Q4_K's products."""
+    return torch.float32 if kind == "Q4_K" else torch.float16
+
+
+def q4_tensors(raw: torch.Tensor, kind: str) -> tuple[torch.Tensor, ...]:
+    """4-bit rows (uint8 [rows, bytes]) in the q4 layout: (nibbles, scales, offsets)."""
+    dtype = q4_scale_dtype(kind)
+    pieces = [
+        _q4(raw[at : at + _PIECE_ROWS], kind, dtype) for at in range(0, len(raw), _PIECE_ROWS)
+    ]
+    nibbles = torch.cat([p[0] for p in pieces])
+    scales, offsets = (torch.cat([p[i] for p in pieces], 1).contiguous() for i in (1, 2))
+    return nibbles, scales, offsets
+
+
+def _q4(raw: torch.Tensor, kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    q, scale, offset = affine_4bit(raw, kind)
+    rows, values = q.shape
+    padded = torch.zeros((rows + 15) // 16 * 16, values, dtype=torch.uint8)
+    padded[:rows] = q
+    # value k = 32 g + 8 p + 4 h + i of output 16 t + n -> byte [t, g, p, n, i], half h
+    v = padded.reshape(-1, 16, values // GROUP, 4, 2, 4)
+    nibbles = (v[..., 0, :] | v[..., 1, :] << 4).permute(0, 2, 3, 1, 4)
+    exact = [t.to(dtype) for t in (scale, offset)]
+    kept = (
+        torch.allclose(t.float(), f, rtol=0, atol=0, equal_nan=True)
+        for t, f in zip(exact, (scale, offset), strict=True)
+    )
+    if not all(kept):  # (Q4_0's -8 d past float16's range: no file has such scales)
+        raise ModelError(
+            f"a {kind} weight's scales do not fit {dtype} (the q4 layout keeps them so)"
+        )
+    return nibbles.reshape(-1, values // GROUP, 256), *(t.T for t in exact)
+
+
+def q4_values(nibbles: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The float32 values [out, in] of a q4 weight (`d * q + m`)."""
+    tiles, groups, _ = nibbles.shape
+    pairs = nibbles.reshape(tiles, groups, 4, 16, 4)
+    q = torch.stack([pairs & 15, pairs >> 4], dim=3)  # [t, g, p, h, n, i]
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(tiles * 16, groups, GROUP)[: scales.shape[1]]
+    return (q.float() * scales.T.float()[..., None] + offsets.T.float()[..., None]).flatten(1)
 
 
 def pack_q8(raw: torch.Tensor, kind: str = "Q8_0") -> tuple[torch.Tensor, ...]:

@@ -19,7 +19,7 @@ from torch import nn
 from offload.errors import ConfigError, ModelError
 from offload.quant.gguf_quants import EIGHT_BIT_GROUPS, FORMATS
 from offload.quant.kernels import stored_op
-from offload.quant.layouts import GROUP, inner_k_tiles
+from offload.quant.layouts import GROUP, inner_k_tiles, q4_scale_dtype
 from offload.quant.packed_modules import method_of
 
 ROW_ORDERS_KEY = "rotary_rows"  # quantization_config: weights in llama.cpp's row order
@@ -116,6 +116,31 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = stored_op(self.op, x.reshape(-1, self.in_features), self.weight, self.scale_zero)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    extra_repr = GGUFLinear.extra_repr
+
+
+class Q4Linear(nn.Module):
+    """`nn.Linear` with a 4-bit weight in the q4 layout (`quant/layouts.py`): `weight` uint8
+    [out / 16, in / 32, 256], `scales` and `offsets` [in / 32, out]."""
+
+    holds_stored_weights = True
+
+    def __init__(self, linear: nn.Linear, kind: str):
+        super().__init__()
+        self.in_features, self.out_features, self.kind = _sizes(linear, kind)
+        groups = _groups(linear.in_features, linear)
+        tiles = (linear.out_features + 15) // 16
+        self.weight = _meta((tiles, groups, 256), torch.uint8)
+        self.scales = _meta((groups, linear.out_features), q4_scale_dtype(kind))
+        self.offsets = _meta((groups, linear.out_features), q4_scale_dtype(kind))
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = stored_op("q4", rows, self.weight, self.scales, self.offsets)
         out = out.reshape(*x.shape[:-1], self.out_features)
         return out if self.bias is None else out + self.bias
 

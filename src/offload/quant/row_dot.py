@@ -11,7 +11,8 @@ as stored), and the q8 block columns of `quant/layouts.py`. They read the weight
 64 rows of x, 4 weight rows at a time across the OpenMP threads (torch's own runtime: the
 same `libgomp.so.1`), so one row runs near the memory's rate and a few rows cost about what
 one does; `row_attention.c`, in the same library, is a prompt's attention
-(`engine/prompt_attention`).
+(`engine/prompt_attention`), and `row_q4.c` the 4-bit weights' integer products
+(`q4_linear`).
 
 The library is compiled once per machine (`cc -O3 -march=native`, a few seconds) into the
 offload cache, signed with the cache's key (`memory/cache_digest`), and loaded from a
@@ -76,10 +77,13 @@ def library() -> ctypes.CDLL | None:
     lib.rowdot_attention.argtypes = [_P, _I, _I, _I, _P, _P, ctypes.c_int, *[_I] * 5]
     lib.rowdot_attention.argtypes += [_P, _P, _I, ctypes.c_float, _P, ctypes.c_int]
     lib.rowdot_attention.restype = ctypes.c_int  # (-1: no memory for the scores)
+    lib.rowdot_q4.argtypes = [_P, _I, _I, _P, _P, _P, ctypes.c_int, _I, _P, ctypes.c_int]
+    lib.rowdot_q4_plain.argtypes = [_P, _I, _I, _P, _P, _P, ctypes.c_int, _I, _P]
+    lib.rowdot_q4.restype = lib.rowdot_q4_plain.restype = ctypes.c_int  # (-1: no memory)
     return lib
 
 
-SOURCES = ("row_dot.c", "row_attention.c")  # (one unit: the second uses the first's helpers)
+SOURCES = ("row_dot.c", "row_attention.c", "row_q4.c")  # (one unit: row_dot.c's helpers)
 
 
 def _source() -> bytes:
@@ -235,6 +239,44 @@ def q8_linear(
         if failed:
             raise MemoryError(f"no memory for a product's {part.shape[0]} input rows' sums")
     return out.to(x.dtype)
+
+
+def q4_fast() -> bool:
+    """Whether the 4-bit products (`row_q4.c`) run vectorised here (AVX-512 VNNI): else a
+    4-bit weight keeps torch's int4 kernel (`layouts.layout_for`)."""
+    return library() is not None and bool(library().rowdot_q4_vnni())
+
+
+def q4_linear(
+    x: torch.Tensor,
+    nibbles: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    plain: bool = False,
+) -> torch.Tensor:
+    """x [rows, in] times a q4 weight (`layouts.q4_tensors`: `nibbles` uint8 [out / 16,
+    in / 32, 256], `scales` and `offsets` [in / 32, out]), in x's dtype; `plain`: the
+    kernel's one-output-at-a-time sums, the same bits (for the tests). (Called ~200 times
+    a decode step: nothing is converted or copied where nothing needs to be.)"""
+    plain_rows = x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()
+    rows = x if plain_rows else _rows(x)
+    groups, outs = scales.shape
+    fits = offsets.dtype is scales.dtype and rows.shape[1] == groups * 32
+    if not fits or nibbles.shape != ((outs + 15) // 16, groups, 256):
+        raise ValueError(f"a q4 weight {tuple(nibbles.shape)} does not take {tuple(x.shape)}")
+    if not (nibbles.is_contiguous() and scales.is_contiguous() and offsets.is_contiguous()):
+        nibbles, scales, offsets = (t.contiguous() for t in (nibbles, scales, offsets))
+    out = torch.empty(rows.shape[0], outs)
+    args = (rows.data_ptr(), rows.shape[0], rows.shape[1], nibbles.data_ptr())
+    args += (scales.data_ptr(), offsets.data_ptr(), scales.dtype is torch.float16, outs)
+    lib = library()
+    if plain:
+        failed = lib.rowdot_q4_plain(*args, out.data_ptr())
+    else:
+        failed = lib.rowdot_q4(*args, out.data_ptr(), torch.get_num_threads())
+    if failed:
+        raise MemoryError(f"no memory for a product's {rows.shape[0]} input rows")
+    return out if x.dtype is torch.float32 else out.to(x.dtype)
 
 
 def _row_linear_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

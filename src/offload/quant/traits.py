@@ -22,12 +22,14 @@ from offload.quant.layouts import (
     int4_cpu_tensors,
     int4_cuda_tensors,
     pack_q8,
+    q4_tensors,
 )
 from offload.quant.quantized import (
     GGUFEmbedding,
     GGUFLinear,
     Int4CudaLinear,
     Int4Linear,
+    Q4Linear,
     Q8Embedding,
     Q8Linear,
 )
@@ -53,6 +55,7 @@ class LayoutTraits:
 
 
 LAYOUTS: dict[QuantLayout, LayoutTraits] = {
+    QuantLayout.Q4: LayoutTraits(("scales", "offsets"), q4_tensors, Q4Linear, None, "q4"),
     QuantLayout.INT4: LayoutTraits(
         ("scale_zero",), int4_cpu_tensors, Int4Linear, None, "int4", packing=CPU_PACKING
     ),
