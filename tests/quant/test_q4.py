@@ -11,7 +11,7 @@ import torch
 
 from offload.model.default import gguf_path
 from offload.model.gguf_fast import FastReader
-from offload.quant import row_dot
+from offload.quant import kernels, row_dot
 from offload.quant.gguf_quants import FORMATS, dequantize
 from offload.quant.layouts import q4_tensors, q4_values
 
@@ -104,3 +104,14 @@ def test_a_weight_that_does_not_take_the_rows_is_refused(file_rows):
         row_dot.q4_linear(_rows(2, 544), *weight)
     with pytest.raises(ValueError, match="does not take"):
         row_dot.q4_linear(_rows(2, 576), weight[0], weight[1], weight[2].float())
+
+
+def test_without_the_library_a_q4_weight_multiplies_its_float_values(file_rows, monkeypatch):
+    """A folder laid out where the kernels were built, read where they are not (no
+    compiler, OFFLOAD_ROW_DOT=0): `F.linear` of the weight's float32 values."""
+    raw = file_rows["blk.2.ffn_up.weight"][:48]
+    weight = q4_tensors(raw, "Q4_1")
+    rows = _rows(5, 576)
+    monkeypatch.setattr(row_dot, "library", lambda: None)
+    out = kernels.q4_matmul(rows, *weight)
+    assert torch.equal(out, torch.nn.functional.linear(rows, dequantize(raw, "Q4_1")))
