@@ -78,8 +78,8 @@ def library() -> ctypes.CDLL | None:
     lib.rowdot_attention.argtypes += [_P, _P, _I, ctypes.c_float, _P, ctypes.c_int]
     lib.rowdot_attention.restype = ctypes.c_int  # (-1: no memory for the scores)
     lib.rowdot_q4.argtypes = [_P, _I, _I, _P, _P, _P, ctypes.c_int, _I, _P, ctypes.c_int]
-    lib.rowdot_q4_plain.argtypes = [_P, _I, _I, _P, _P, _P, ctypes.c_int, _I, _P]
-    lib.rowdot_q4.restype = lib.rowdot_q4_plain.restype = ctypes.c_int  # (-1: no memory)
+    lib.rowdot_q4.argtypes += [ctypes.c_int]
+    lib.rowdot_q4.restype = ctypes.c_int  # (-1: no memory for x's integers)
     return lib
 
 
@@ -269,11 +269,7 @@ def q4_linear(
     out = torch.empty(rows.shape[0], outs)
     args = (rows.data_ptr(), rows.shape[0], rows.shape[1], nibbles.data_ptr())
     args += (scales.data_ptr(), offsets.data_ptr(), scales.dtype is torch.float16, outs)
-    lib = library()
-    if plain:
-        failed = lib.rowdot_q4_plain(*args, out.data_ptr())
-    else:
-        failed = lib.rowdot_q4(*args, out.data_ptr(), torch.get_num_threads())
+    failed = library().rowdot_q4(*args, out.data_ptr(), torch.get_num_threads(), plain)
     if failed:
         raise MemoryError(f"no memory for a product's {rows.shape[0]} input rows")
     return out if x.dtype is torch.float32 else out.to(x.dtype)

@@ -63,10 +63,6 @@ static void q4_rows_in(const float *x, int64_t M, int64_t K, int8_t *high, int8_
     }
 }
 
-static inline float q4_scale(const void *values, int64_t i, int half) {
-  return scalar_of(values, i, half);
-}
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4_VNNI 1
 static inline __m512 q4_scales(const void *values, int64_t at, __mmask16 mask, int half) {
@@ -133,8 +129,8 @@ static void q4_output(const uint8_t *nib, const void *scales, const void *offset
         sum += q * x;
       }
       const float part = (float)sum * dx[m * groups + g];
-      acc = fmaf(q4_scale(scales, g * N + n, half), part, acc);
-      acc = fmaf(q4_scale(offsets, g * N + n, half), sx[m * groups + g], acc);
+      acc = fmaf(scalar_of(scales, g * N + n, half), part, acc);
+      acc = fmaf(scalar_of(offsets, g * N + n, half), sx[m * groups + g], acc);
     }
     y[m * N + n] = acc;
   }
@@ -142,49 +138,39 @@ static void q4_output(const uint8_t *nib, const void *scales, const void *offset
 
 int rowdot_q4_vnni(void) { return Q4_VNNI; }
 
-/* y [M, N] = x [M, K] times the weight; 0, or -1 where no memory was left for x's integers. */
+/* y [M, N] = x [M, K] times the weight; `plain`: the one-output-at-a-time sums on one thread
+   (the tests compare both where VNNI is built). 0, or -1 where no memory was left for x's
+   integers. */
 int rowdot_q4(const float *x, int64_t M, int64_t K, const uint8_t *nib, const void *scales,
-              const void *offsets, int half, int64_t N, float *y, int threads) {
+              const void *offsets, int half, int64_t N, float *y, int threads, int plain) {
   const int64_t groups = K / 32;
   int8_t *high = malloc(M * K + 1), *low = malloc(M * K + 1);
   float *dx = malloc(sizeof(float) * (M * groups + 1)), *sx = malloc(sizeof(float) * (M * groups + 1));
   int failed = !high || !low || !dx || !sx;
   if (!failed) {
+    threads = plain ? 1 : threads;
     q4_rows_in(x, M, K, high, low, dx, sx, threads);
 #if Q4_VNNI
-    const int64_t tiles = (N + 15) / 16;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t t = 0; t < tiles; t++) {
-      int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4)
-        q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 4, y);
-      switch (M - m0) {
-        case 3: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 3, y); break;
-        case 2: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 2, y); break;
-        case 1: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 1, y); break;
+    if (!plain) {
+      const int64_t tiles = (N + 15) / 16;
+      _Pragma("omp parallel for schedule(static) num_threads(threads)")
+      for (int64_t t = 0; t < tiles; t++) {
+        int64_t m0 = 0;
+        for (; m0 + 4 <= M; m0 += 4)
+          q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 4, y);
+        switch (M - m0) {
+          case 3: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 3, y); break;
+          case 2: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 2, y); break;
+          case 1: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 1, y); break;
+        }
       }
-    }
-#else
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int64_t n = 0; n < N; n++)
-      q4_output(nib, scales, offsets, half, N, K, high, low, dx, sx, n, M, y);
+    } else
 #endif
-  }
-  free(high); free(low); free(dx); free(sx);
-  return failed ? -1 : 0;
-}
-
-/* The scalar sums on any CPU (the tests compare both where VNNI is built). */
-int rowdot_q4_plain(const float *x, int64_t M, int64_t K, const uint8_t *nib,
-                    const void *scales, const void *offsets, int half, int64_t N, float *y) {
-  const int64_t groups = K / 32;
-  int8_t *high = malloc(M * K + 1), *low = malloc(M * K + 1);
-  float *dx = malloc(sizeof(float) * (M * groups + 1)), *sx = malloc(sizeof(float) * (M * groups + 1));
-  int failed = !high || !low || !dx || !sx;
-  if (!failed) {
-    q4_rows_in(x, M, K, high, low, dx, sx, 1);
-    for (int64_t n = 0; n < N; n++)
-      q4_output(nib, scales, offsets, half, N, K, high, low, dx, sx, n, M, y);
+    {
+      _Pragma("omp parallel for schedule(static) num_threads(threads)")
+      for (int64_t n = 0; n < N; n++)
+        q4_output(nib, scales, offsets, half, N, K, high, low, dx, sx, n, M, y);
+    }
   }
   free(high); free(low); free(dx); free(sx);
   return failed ? -1 : 0;
