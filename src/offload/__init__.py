@@ -6,7 +6,15 @@ Configs, flags and the offloader API follow vLLM's (`OffloadConfig`, `UVAOffload
 """
 
 import importlib
+import os
 from typing import TYPE_CHECKING
+
+# MKL's products in ATen's CPU attention (a decode step's) round a sequence's sums by where
+# its thread's buffer lies on some CPUs (measured: an AMD EPYC, 2 threads), so a row's bits
+# then depend on its batch; its conditional reproducibility removes that. Read at MKL's
+# first call: set here, before this package runs one (`engine/step_order.mkl_reproducible`
+# checks it took effect). A user's own setting wins.
+os.environ.setdefault("MKL_CBWR", "AUTO")
 
 # Where each public name lives: imported on first use (PEP 562), so that `offload --help`
 # and the command's one-line errors start without torch (seconds on a small machine).

@@ -23,7 +23,10 @@ measured the same (8M values a function and dtype). Costs the default model's lo
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import operator
+import os
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +65,37 @@ def flash(query, *args, **kwargs) -> bool:
     """Whether ATen runs attention of these arguments (`F.scaled_dot_product_attention`'s)
     in its CPU flash kernel, which computes each sequence's heads apart in one order
     whatever the batch (measured: 756 shapes at 1, 2 and 16 threads, batched and row by row
-    the same bits), so that a batch needs no split."""
+    the same bits), so that a batch needs no split: where MKL's sums there do not depend on
+    which thread makes them (`mkl_reproducible`)."""
     choice = torch._fused_sdp_choice(query, *args, **kwargs)
-    return query.device.type == "cpu" and choice == SDPBackend.FLASH_ATTENTION.value
+    return (
+        query.device.type == "cpu"
+        and choice == SDPBackend.FLASH_ATTENTION.value
+        and mkl_reproducible()
+    )
+
+
+@functools.cache
+def mkl_reproducible() -> bool:
+    """Whether MKL runs in a conditional-reproducibility mode (`MKL_CBWR`, set by
+    `offload/__init__.py` before MKL's first call), in which its sums do not depend on their
+    buffers' alignment. Without it, on an AMD EPYC, ATen's flash kernel gave a sequence other
+    bits at 2 threads in a batch than alone (its per-thread buffers lie elsewhere): a batch
+    is then attended one sequence at a time, which gives a sequence's bits alone. False
+    where torch has no MKL or its mode cannot be read (unknown: split)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:  # (MKL is linked into libtorch_cpu; its service call answers the mode in effect)
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", _TORCH_CPU))
+        get = lib.mkl_serv_cbwr_get
+    except (OSError, AttributeError):
+        return False
+    get.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
+    return get(_CBWR_BRANCH) not in (_CBWR_OFF, _CBWR_BRANCH_OFF)
+
+
+_TORCH_CPU = "libtorch_cpu.so"
+_CBWR_BRANCH, _CBWR_OFF, _CBWR_BRANCH_OFF = 1, 0, 1  # (mkl_cbwr.h)
 
 
 def _row(x, rows: int, index: int):
