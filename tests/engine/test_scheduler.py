@@ -305,6 +305,28 @@ def test_prefix_caching_reuses_a_finished_prompt_and_keeps_it_through_packing():
     assert scheduler.prefixes.hits == 32 + 40
 
 
+def test_requests_one_at_a_time_leave_their_prompts_for_later_ones():
+    """Requests that come one at a time all start in row 0; what row 0 held beyond the
+    next prompt's reused prefix moves to a free row first: after A, B and C (one shared
+    block, then each its own), A again starts from all its whole blocks, as does B."""
+    scheduler, cache = Scheduler(4, None, prefix_caching=True), _Columns(4)
+    shared = [5] * 16
+    prompts = {name: shared + list(range(base, base + 24)) for name, base in
+               (("a", 100), ("b", 200), ("c", 300))}  # fmt: skip
+    hits = []
+    for name in ("a", "b", "c", "a", "b"):
+        before = scheduler.prefixes.hits
+        params = SamplingParams(max_tokens=2)
+        prompt = prompts[name]
+        scheduler.add(
+            [Submitted(name, None, prompt, [SequenceState(prompt, params, None, 2)], print)]
+        )
+        while scheduler.has_work:
+            _turn_over_columns(scheduler, cache)
+        hits.append(scheduler.prefixes.hits - before)
+    assert hits == [0, 16, 16, 32, 32]  # (a 40-token prompt: two whole blocks reused)
+
+
 def _alone(prompt: list[int], limit: int) -> list[int]:
     history = list(prompt)
     for _ in range(limit):

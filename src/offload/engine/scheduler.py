@@ -270,7 +270,10 @@ class Scheduler(KVRoom):
             s.params.prompt_logprobs is not None for s in request.sequences
         )
         source, held = (None, 0) if wants_logprobs else prefixes.lookup(prompt)
-        if source != first and not prefixes.is_spare(first):
+        # (row `first` holding more than the prefix reused, its own one included: requests
+        # one at a time all start in row 0, which then kept only the latest prompt)
+        overwritten = source != first or len(prefixes.tokens[first]) > held
+        if overwritten and not prefixes.is_spare(first):
             free = range(first + num_rows, self.max_rows)
             target = prefixes.victim(free, {source} if source is not None else set())
             self._save(moves, first, target)
