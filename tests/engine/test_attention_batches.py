@@ -76,4 +76,4 @@ def test_a_batch_is_split_where_mkl_ran_before_the_package_was_imported():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split("\n")[-2] == "False []"
+    assert done.stdout.strip().splitlines()[-1] == "False []"
