@@ -5,7 +5,7 @@ The default model in float32 (`--dtype auto`: as stored), a server's row cache (
 it attaches), rows made up at the given width (every row has written all but the last
 column it reads). A lone row ("1xW") has a compiled graph of its own (its width dynamic). The compiled step is the server's (two graphs, a lone row's and the batches', the
 rows and width dynamic: compiled or loaded from disk first, timed apart); the eager one is what the server runs
-otherwise (`weight @ x.T` products, transformers' attention). Per shape: a warm-up of each,
+otherwise (its products, and attention in the prefill's kernel, `StepAttention`). Per shape: a warm-up of each,
 then `--repeats` steps of each in turn; medians in ms. Saves JSON to benchmarks/results/.
 
     python benchmarks/row_step.py [--shapes 2x64 8x128 32x512 ...] [--repeats 7]
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 
 from offload import LLM
-from offload.engine.cpu_linear import kernels_for
+from offload.engine import prompt_attention
 
 SHAPES = ("1x64", "1x512", "1x2048", "2x64", "8x64", "32x64", "8x128", "32x128", "2x256", "8x256", "32x256", "8x512",
           "32x512", "16x1024", "16x2048")  # fmt: skip
@@ -55,10 +55,11 @@ def main() -> None:
             step = engine.row_step(rows)
 
             def compiled(step=step):
-                return runner.compiled(step)
+                with prompt_attention.one_forward():  # (as the engine's steps run)
+                    return runner.compiled(step)
 
-            def eager(step=step):
-                with kernels_for(runner.model, runner.device):
+            def eager(step=step, num_rows=num_rows):
+                with engine._decoding(num_rows), prompt_attention.one_forward():
                     return step()
 
             # (as stored, the int4 products round their inputs to bfloat16: the compiled

@@ -137,10 +137,10 @@ def bench_concurrency(url: str, n: int, rounds: int) -> dict:
     }
 
 
-def stream_ttft(url: str, messages: list[dict]) -> tuple[float, str]:
+def stream_ttft(talker: openai.OpenAI, messages: list[dict]) -> tuple[float, str]:
     started = time.perf_counter()
     first, text = None, []
-    stream = client(url).chat.completions.create(
+    stream = talker.chat.completions.create(
         model=SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
     )
     for chunk in stream:
@@ -153,18 +153,19 @@ def stream_ttft(url: str, messages: list[dict]) -> tuple[float, str]:
 
 def bench_turns(url: str) -> dict:
     before = scrape(url) or {}
+    talker = client(url)  # (one client for every turn, as a user keeps one: made untimed)
     turns = []
     for number, (first_question, second_question) in enumerate(QUESTIONS):
         messages = [
             {"role": "system", "content": f"You work at agency number {number}. {SYSTEM}"},
             {"role": "user", "content": first_question},
         ]
-        ttft_1, answer = stream_ttft(url, messages)
+        ttft_1, answer = stream_ttft(talker, messages)
         messages += [
             {"role": "assistant", "content": answer},
             {"role": "user", "content": second_question},
         ]
-        ttft_2, _ = stream_ttft(url, messages)
+        ttft_2, _ = stream_ttft(talker, messages)
         turns.append({"ttft_turn_1_s": ttft_1, "ttft_turn_2_s": ttft_2, "ratio": ttft_2 / ttft_1})
     after = scrape(url) or {}
     counters = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in PREFIX_COUNTERS}

@@ -135,10 +135,13 @@ def test_a_forward_reads_its_mask_once_and_again_when_it_changes():
     mask = _causal_from(0, 12, 12).clone()
     with prompt_attention.PromptKernels() as kernels:
         first = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
-        assert kernels.known["mask"] is mask
+        assert [held for held, _ in kernels.known.values()] == [mask]
+        F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+        assert len(kernels.known) == 1  # (read once)
         mask[..., :4] = False  # (queries 0-3 now read nothing, the others from column 4)
         mask[..., 0:4, 0] = True
         second = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+        assert len(kernels.known) == 2  # (changed: read again)
     assert torch.equal(first, attention(q, k, v, _causal_from(0, 12, 12), enable_gqa=True))
     assert torch.equal(second, attention(q, k, v, mask, enable_gqa=True))
     assert not torch.equal(first[:, :, 4:], second[:, :, 4:])

@@ -106,8 +106,9 @@ def test_enable_prefix_caching_is_checked(checkpoint):
 
 def test_generate_keeps_the_prompts_between_calls_and_gives_back_the_rest(checkpoint):
     """As vLLM's `LLM`: a call whose prompt begins with an earlier call's starts from it
-    (a chat's next turn); between calls the rows keep only those prompt columns, the rest
-    of what they wrote is given back (reads as zeros)."""
+    (a chat's next turn); between calls the rows keep only the columns a later prompt may
+    reuse (the prompt, and the answer where the decode steps computed it as a prefill
+    would), the rest of what they wrote is given back (reads as zeros)."""
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2)
     with LLM(checkpoint, enable_prefix_caching=False) as plain:
         expected = [plain.generate(p, params, use_tqdm=False)[0].outputs[0] for p in TURNS[:2]]
@@ -117,11 +118,64 @@ def test_generate_keeps_the_prompts_between_calls_and_gives_back_the_rest(checkp
         rows = core.runner.cache
         held = core.scheduler.held_columns()
         prompt_length = len(_ids(checkpoint)[0])
-        assert held[0] == prompt_length
+        written = prompt_length + len(first.token_ids) - 1  # (the last token is not fed)
+        assert held[0] == written
         keys = rows.cache.layers[0].all_keys  # [rows, heads, columns, dim]
-        assert keys[0, :, :prompt_length].abs().sum() > 0  # (kept)
-        assert not keys[0, :, prompt_length:].any()  # (its answer's columns given back)
+        assert keys[0, :, :written].abs().sum() > 0  # (kept)
+        assert not keys[0, :, written:].any()  # (the rest given back)
         second = llm.generate(TURNS[1], params, use_tqdm=False)[0].outputs[0]
+        # (it parts from the held answer: reused to the held prompt's end)
         assert core.scheduler.prefixes.hits == prompt_length
     for got, want in zip((first, second), expected, strict=True):
         assert got.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("setting", ["resident", *OFFLOADED])
+def test_a_next_turn_reuses_the_answer_and_gives_the_tokens_of_no_cache(checkpoint, setting):
+    """A decode step computes a token's keys and values with the prefill's attention
+    kernel (`prompt_attention.step_attention`), so a prompt that goes on from an answer
+    (a chat's next turn) reuses the answer's columns too, and its tokens and logprobs are
+    still bit for bit those of the engine without the cache."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    flags = OFFLOADED.get(setting, {})
+    outputs = {}
+    for caching in (True, False):
+        with LLM(checkpoint, enable_prefix_caching=caching, **flags) as llm:
+            first = llm.generate(TURNS[0], params, use_tqdm=False)[0]
+            ids = first.prompt_token_ids + list(first.outputs[0].token_ids) + [5, 7, 9]
+            second = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+            outputs[caching] = (first.outputs[0], second.outputs[0])
+            if caching:
+                # (all it wrote: the prompt and all but the answer's last token)
+                assert llm._generator.core.scheduler.prefixes.hits == len(ids) - 4
+    for got, want in zip(outputs[True], outputs[False], strict=True):
+        assert got.token_ids == want.token_ids
+        assert _logprobs(got) == _logprobs(want)
+
+
+def test_a_compiled_step_s_answer_is_reused_with_the_bits_of_no_cache(
+    checkpoint, monkeypatch, tmp_path
+):
+    """The same through the compiled decode step (its attention is an opaque op that
+    calls the same kernel: `step_order._attention`)."""
+    from offload.engine import cpu_linear, cpu_step
+
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(cpu_step.ENV, "wait")  # (the suite turns the compiled step off)
+    monkeypatch.setattr(cpu_linear, "PAYS_BYTES", 0)  # (the tiny model's step compiled too)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    prompt = {"prompt_token_ids": [5, 9, 14, 3, 27, 8, 11] * 3}
+    with LLM(checkpoint, device="cpu") as llm:
+        first = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        ids = prompt["prompt_token_ids"] + list(first.token_ids) + [5, 7, 9]
+        second = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
+        assert llm.transfer_stats().num_compiled_steps > 0
+        assert llm._generator.core.scheduler.prefixes.hits == len(ids) - 4
+    with LLM(checkpoint, device="cpu", enable_prefix_caching=False, enforce_eager=True) as plain:
+        expected = [
+            plain.generate(p, params, use_tqdm=False)[0].outputs[0]
+            for p in (prompt, {"prompt_token_ids": ids})
+        ]
+    for got, want in zip((first, second), expected, strict=True):
+        assert got.token_ids == want.token_ids
+        assert _logprobs(got) == _logprobs(want)

@@ -26,6 +26,9 @@ class RowView:
     eager: bool
     prompt_ids: list[int]
 
+    def advance(self, exact: bool) -> None:  # (`Row.advance`: rank 0's rows hold prefixes)
+        self.column += self.is_live
+
     @staticmethod
     def of(row: Any, prompt: bool = False) -> RowView:
         ids = list(row.prompt_ids) if prompt else []

@@ -283,6 +283,8 @@ class _Breaking:
 class PipelinedRunner(StepRunner):
     """A `StepRunner` on rank 0 whose every call the other ranks repeat on their stage."""
 
+    decodes_as_prefills = False  # (rank 0 sees its own stage's attention only)
+
     def __init__(self, pipeline: Pipeline, model, max_rows, max_len, kv_dims, invariant, host_pool):
         super().__init__(model, max_rows, max_len, kv_dims, invariant, host_pool, None)
         self._pipeline, self._id = pipeline, pipeline.new_id()

@@ -36,6 +36,9 @@ class _DraftRow:
     eager: bool = False
     replaying: bool = False
 
+    def advance(self, exact: bool) -> None:  # (`Row.advance`; the draft holds no prefixes)
+        self.column += self.is_live
+
 
 class DraftProposer:
     """Greedy guesses by the draft `model` (an `EngineModel` of the draft) for an engine

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from offload.engine import step_order
+from offload.engine import prompt_attention, step_order
 from offload.errors import ConfigError
 from offload.sizes import compute_dtype
 
@@ -212,6 +212,26 @@ class RowByRow(TorchFunctionMode):
                     ]
                 )
         return func(*args, **kwargs)
+
+
+class StepAttention(RowByRow):
+    """A CPU decode step's attention: each query over its own columns in the kernel a
+    prompt's prefill takes (`prompt_attention.step_attention`), so a decoded token's keys
+    and values have its prefill's bits; where the kernel does not take a call, ATen's, one
+    sequence at a time if `apart` (`RowByRow`)."""
+
+    def __init__(self, apart: bool):
+        super().__init__()
+        self.apart = apart
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            out = prompt_attention.step_attention(*args, **(kwargs or {}))
+            if out is not None:
+                return out
+            if not self.apart:
+                return func(*args, **(kwargs or {}))
+        return super().__torch_function__(func, types, args, kwargs)
 
 
 def _row(value, rows: int, index: int):

@@ -213,7 +213,7 @@ class KVRoom:
         del self.running[first:]
         for index, row in enumerate(rows, start=first):
             if self.prefixes is not None:
-                self.prefixes.hold(index, prompt_written(row))
+                self.prefixes.hold(index, prompt_written(row), len(row.prompt_ids))
         if any(row.is_live for row in rows):
             self._requeue(youngest, moves)
         else:
@@ -241,12 +241,14 @@ def _begins(prompt: list[int], held: list[int]) -> bool:
 
 
 def prompt_written(row: Row) -> list[int]:
-    """The tokens of row `row` that prefix caching may reuse: its prompt's, which a
-    prefill computed. Not its decoded tokens: a decode step computes a token's keys and
-    values among other rows, which rounds otherwise than the prefill that computes them
-    without the cache (measured on the default model: one of four second chat turns then
-    changed its answer from its 17th token on). Nothing where its request failed: a
-    forward that failed may have written part of a column."""
+    """The tokens of row `row` that prefix caching may reuse: those whose columns have the
+    bits a prefill gives them (`Row.exact`): its prompt's, and its answer's where each
+    decode step took the prefill's attention kernel (a CPU's: `prompt_attention`). Not
+    otherwise: ATen's attention of a decode step rounds otherwise than a prefill (measured
+    on the default model: one of four second chat turns then changed its answer from its
+    17th token on), as does a speculative verify forward. Nothing where its request
+    failed: a forward that failed may have written part of a column."""
     if row.request.failed:
         return []
-    return row.sequence.prompt_ids[: row.column]
+    sequence = row.sequence
+    return (sequence.prompt_ids + sequence.tokens)[: min(row.exact, row.column)]

@@ -116,9 +116,12 @@ def _decode_sdpa(query, key, value, mask, scale):
     otherwise than `enable_gqa`'s)."""
     heads, kv_heads = query.shape[1], key.shape[1]
     if heads == kv_heads:
-        return _sdpa(query, key, value, mask, scale)
+        out = prompt_attention.step_attention(query, key, value, mask, scale=scale)
+        return _sdpa(query, key, value, mask, scale) if out is None else out
     packed = pack_gqa(query, heads // kv_heads)  # (transformers' own: the same call)
-    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
+    out = prompt_attention.step_attention(packed, key, value, mask, scale=scale)
+    if out is None:
+        out = F.scaled_dot_product_attention(packed, key, value, attn_mask=mask, scale=scale)
     return out.reshape(query.shape[0], heads, 1, value.shape[-1])
 
 
@@ -226,7 +229,7 @@ def packed_forward(runner, rows: list, chunks: list[tuple]):
         runner.cache.forward_writes(high)
         runner.cache.window.mixed = window
         try:
-            with kernels:  # (the chunks' attention: `mixed_step`)
+            with kernels, prompt_attention.one_forward() as forward:  # (`attention`)
                 out = model(
                     input_ids=torch.tensor([ids], device=device),
                     position_ids=torch.cat(positions)[None, :],
@@ -239,7 +242,7 @@ def packed_forward(runner, rows: list, chunks: list[tuple]):
             runner.cache.window.mixed = None
     runner.model.on_forward(False)
     for row in rows:
-        row.column += row.is_live
+        row.advance(forward.exact and runner.decodes_as_prefills)
     logits = out.logits[0]  # [rows + kept, vocab]
     found, at = [], len(rows)
     for group, start, end in chunks:

@@ -38,16 +38,23 @@ class PrefixRows:
     def __init__(self, max_rows: int):
         self.tokens: list[list[int]] = [[] for _ in range(max_rows)]
         self._hashes: list[list[int]] = [[] for _ in range(max_rows)]
+        self._ends: list[tuple[int, ...]] = [() for _ in range(max_rows)]  # (see `hold`)
         self._index: dict[int, set[int]] = {}  # block hash -> rows holding that prefix
         self._used = [0] * max_rows  # when each row's content was last made or read
         self._clock = itertools.count(1)
         self.queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.hits = 0  # of them found held (vLLM's prefix_cache_hits)
 
-    def hold(self, row: int, tokens: list[int]) -> None:
-        """Row `row` now holds `tokens` (what it held before is gone)."""
+    def hold(self, row: int, tokens: list[int], prompt_end: int = 0) -> None:
+        """Row `row` now holds `tokens` (what it held before is gone): a prompt's, and
+        where `prompt_end` is given, the answer it was followed by past that. A match past
+        the last whole block may end at either end (a chat's next turn begins with the
+        whole of the last, a request sent again with its prompt)."""
         self.clear(row)
         self.tokens[row] = list(tokens)
+        self._ends[row] = tuple(
+            {len(tokens), *([prompt_end] if 0 < prompt_end < len(tokens) else [])}
+        )
         hashes = block_hashes(tokens)
         self._hashes[row] = hashes
         for value in hashes:
@@ -60,7 +67,7 @@ class PrefixRows:
             rows.discard(row)
             if not rows:
                 del self._index[value]
-        self.tokens[row], self._hashes[row] = [], []
+        self.tokens[row], self._hashes[row], self._ends[row] = [], [], ()
 
     def clear_all(self) -> None:
         for row in range(len(self.tokens)):
@@ -68,7 +75,8 @@ class PrefixRows:
 
     def copy(self, source: int, target: int, num_columns: int) -> None:
         """Row `source`'s first `num_columns` columns were copied into row `target`."""
-        self.hold(target, self.tokens[source][:num_columns])
+        ends = [end for end in self._ends[source] if end < num_columns]
+        self.hold(target, self.tokens[source][:num_columns], max(ends, default=0))
 
     def held_blocks(self, hashes: list[int]) -> tuple[set[int] | None, int]:
         """The rows holding the longest run of a prompt's first blocks (`hashes`, its
@@ -95,11 +103,12 @@ class PrefixRows:
             length = same // BLOCK * BLOCK
             if not length:
                 return None, 0
-        else:  # (on to the end of a held prompt the new one begins with, if any)
+        else:  # (on to the end of a held prompt or answer the new one begins with, if any)
             for other in rows:
                 held = self.tokens[other]
-                if length < len(held) < len(prompt) and prompt[: len(held)] == held:
-                    row, length = other, len(held)
+                for end in self._ends[other]:
+                    if length < end < len(prompt) and prompt[:end] == held[:end]:
+                        row, length = other, end
         self.hits += length
         self._used[row] = next(self._clock)
         return row, length

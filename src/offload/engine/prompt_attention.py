@@ -1,5 +1,7 @@
 """A prompt's attention on a CPU with each position's bits its own: the same whether the
-prompt is prefilled whole, in chunks, after a cached prefix, or beside other tokens.
+prompt is prefilled whole, in chunks, after a cached prefix, or beside other tokens; and
+a decode step's, the same kernel, so that a decoded token's keys and values have the bits
+its prefill would give them (prefix caching then reuses an answer's columns too).
 
 ATen's CPU attention groups the queries into blocks by how many there are and multiplies
 each block by the keys in one product, so a position's sums round with the positions
@@ -13,6 +15,10 @@ run their linears through the row-invariant products at any row count.
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -59,20 +65,16 @@ def attention(
         return None
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     out = torch.empty(batch, heads, tokens, dim)
-    lanes = lib.rowdot_lanes()
-    for b in range(batch):
-        q = query[b].to(torch.float32).contiguous()
-        lo, hi = bounds[0][b], bounds[1][b]
-        keys = torch.zeros(kv_heads, dim, width + lanes)  # (transposed once: a column a lane)
-        keys[:, :, :width] = key[b].transpose(1, 2)
-        failed = lib.rowdot_attention(
-            q.data_ptr(), heads, tokens, dim, keys.data_ptr(), value[b].data_ptr(),
-            _TYPES[value.dtype], keys.stride(0), keys.stride(1), value.stride(1), value.stride(2),
-            heads // kv_heads, lo.data_ptr(), hi.data_ptr(), lo.shape[0], scale,
-            out[b].data_ptr(), torch.get_num_threads(),
-        )  # fmt: skip
-        if failed:
-            raise MemoryError(f"no memory for the attention scores of {tokens} tokens")
+    q = query.to(torch.float32).contiguous()
+    lo, hi = (b.contiguous() for b in bounds)
+    failed = lib.rowdot_attention(
+        q.data_ptr(), batch, heads, tokens, dim, key.data_ptr(), value.data_ptr(),
+        _TYPES[value.dtype], *key.stride()[:3], *value.stride()[:3], heads // kv_heads,
+        lo.data_ptr(), hi.data_ptr(), lo.shape[1], scale, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError(f"no memory for the attention scores of {tokens} tokens")
     return out.to(query.dtype)
 
 
@@ -91,13 +93,15 @@ def _takes(query, key, value) -> bool:
 def _known_bounds(mask, shape, known: dict | None):
     """`_bounds` of `mask`, from `known` where it holds this very mask (the same tensor,
     unchanged since: an inference tensor keeps no count of its changes, but `known` lives
-    for one forward, which changes no mask) for the same shape; kept there."""
+    for one forward, which changes no mask, and holds the mask, so its id is not reused)
+    for the same shape; kept there (a compiled step passes its layers two or three views
+    of one mask: each read once)."""
     if known is None or mask is None:
         return _bounds(mask, *shape)
     key = (id(mask), None if mask.is_inference() else mask._version, shape)
-    if known.get("key") != key:
-        known.update(key=key, mask=mask, bounds=_bounds(mask, *shape))  # (kept: ids reused)
-    return known["bounds"]
+    if key not in known:
+        known[key] = (mask, _bounds(mask, *shape))
+    return known[key][1]
 
 
 def _bounds(mask, batch, heads, tokens, width):
@@ -154,6 +158,49 @@ class PromptKernels(FewRowsLinear):
             if out is not None:
                 return out
         return super().__torch_function__(func, types, args, kwargs)
+
+
+@dataclass
+class Forward:
+    """One decode step's (or mixed forward's) attention calls: the mask's columns read
+    once for every layer (`known`: an op compiled into a step holds no state of its own),
+    and whether every call took the kernel (`exact`: its new columns then have the bits a
+    prefill gives them)."""
+
+    known: dict = field(default_factory=dict)
+    calls: int = 0
+    fell_back: bool = False
+
+    @property
+    def exact(self) -> bool:
+        return self.calls > 0 and not self.fell_back
+
+
+_current = threading.local()  # (a server's engine thread and a caller's `generate` apart)
+
+
+@contextmanager
+def one_forward() -> Iterator[Forward]:
+    """The `Forward` that `step_attention` calls record into while entered."""
+    record, before = Forward(), getattr(_current, "forward", None)
+    _current.forward = record
+    try:
+        yield record
+    finally:
+        _current.forward = before
+
+
+def step_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    """`attention` of a decode step's call (`F.scaled_dot_product_attention`'s arguments),
+    recorded in the current `one_forward`; None where the kernel does not take it (then
+    ATen's runs, and the forward is not exact)."""
+    record = getattr(_current, "forward", None)
+    known = None if record is None else record.known
+    out = attention(query, key, value, attn_mask, dropout_p, is_causal, **kwargs, known=known)
+    if record is not None:
+        record.calls += 1
+        record.fell_back |= out is None
+    return out
 
 
 def prompt_kernels(model: torch.nn.Module, device: torch.device):

@@ -51,6 +51,23 @@ class Row:
     start: int  # the column of its first prompt token
     column: int  # where its next token is written
     eager: bool = False  # decoded eagerly while the compiled step was not ready: stays so
+    # The columns [start, exact) hold keys and values with the bits a prefill of those
+    # tokens gives (its prompt's; then each decode step's that took the prefill's attention
+    # kernel): what prefix caching may hand to another request.
+    exact: int = -1
+
+    def __post_init__(self) -> None:
+        if self.exact < 0:
+            self.exact = self.column
+
+    def advance(self, exact: bool) -> None:
+        """Past a decode step: the next column, if the row is live; `exact`: the step
+        computed the row's keys and values as a prefill would."""
+        if not self.is_live:
+            return
+        if exact and self.exact == self.column:
+            self.exact += 1
+        self.column += 1
 
     @property
     def is_live(self) -> bool:

@@ -205,7 +205,7 @@ class Scheduler(KVRoom):
             for index, row in enumerate(self.running):
                 if row.is_live:
                     continue
-                prefixes.hold(index, prompt_written(row))
+                prefixes.hold(index, prompt_written(row), len(row.prompt_ids))
                 if index < len(keep) and not prefixes.is_spare(index):
                     target = prefixes.victim(free, taken)
                     if self._save(moves, index, target):
@@ -214,7 +214,7 @@ class Scheduler(KVRoom):
             if source != target:
                 self._move(moves, source, target, row.column)
                 if prefixes is not None:  # (the source row keeps a copy)
-                    prefixes.hold(source, prompt_written(row))
+                    prefixes.hold(source, prompt_written(row), len(row.prompt_ids))
                     prefixes.copy(source, target, row.column)
         self.running = keep
         return moves

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from offload.engine import prompt_attention
 from offload.engine.graph_edits import Emitter, erase_unused, unrepeated
 from offload.offloader.ops import define_op
 
@@ -53,6 +54,9 @@ def _norm(x, shape: list[int], weight, bias, eps: float, rms: bool):
 def _attention(query, key, value, mask, is_causal: bool, scale, enable_gqa: bool):
     rows = query.shape[0] if query.dim() == 4 else 1
     kwargs = {"is_causal": is_causal, "scale": scale, "enable_gqa": enable_gqa}
+    out = prompt_attention.step_attention(query, key, value, mask, **kwargs)
+    if out is not None:  # (each query over its own columns: the eager step's call too)
+        return out
     if rows == 1 or flash(query, key, value, mask, **kwargs):
         return F.scaled_dot_product_attention(query, key, value, mask, **kwargs)
     # One sequence at a time, as the eager step runs a batch (`invariant.RowByRow`): the

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from offload.engine import cpu_linear, invariant
+from offload.engine import cpu_linear, invariant, prompt_attention
 from offload.engine.cpu_linear import kernels_for, row_invariant
 from offload.engine.kv_room import Keep, Moves
 from offload.engine.mixed_step import can_mix, packed_forward, rows_reading
@@ -30,6 +30,11 @@ class StepRunner:
     model's linears were padded for (no kernel chosen by row count, no compiled step),
     reading every column. `graphs(held_rows)`: the `RowGraphs` its decode steps replay
     (CUDA graphs; not with KV offload, whose copies follow each step's columns)."""
+
+    # Whether a decode step that took the prefill's attention kernel in this process
+    # computed all of its rows' keys and values (so prefix caching may reuse an answer):
+    # not where other ranks compute some layers (`PipelinedRunner`).
+    decodes_as_prefills = True
 
     def __init__(
         self,
@@ -151,7 +156,9 @@ class StepRunner:
         jobs = None if compiled is None else compiled.running
         masks = self._verify_masks(laid.mask, laid.reading)  # (before `verifying` renames it)
         tree = (laid.decode_mask[:, None], laid.gathers, [row.column for row in rows])
-        with self.kernels(), rows_apart(), verifying(model, widths, jobs, tree):
+        cpu = device.type == "cpu"  # (attention as the decode steps': `_decoding`)
+        attention = invariant.StepAttention(False) if cpu else contextlib.nullcontext()
+        with self.kernels(), rows_apart(), verifying(model, widths, jobs, tree), attention:
             out = model(
                 input_ids=torch.tensor(laid.ids, device=device),
                 attention_mask=masks,
@@ -207,11 +214,14 @@ class StepRunner:
         if self.graphs is not None:  # (CUDA graphs: the rows padded to the graph's)
             step = self.row_step(rows, pad_to=self.graphs.rows_for(len(rows)))
             logits, counted = self.graphs.run(step, self._eager), False
+            exact = False
         else:
-            logits, counted = self._step(rows)
+            with prompt_attention.one_forward() as forward:
+                logits, counted = self._step(rows)
+            exact = forward.exact and self.decodes_as_prefills
         self.model.on_forward(counted)
         for row in rows:
-            row.column += row.is_live
+            row.advance(exact)
         return logits[: len(rows)]  # (less the padding rows)
 
     def _step(self, rows: list[Row]) -> tuple[torch.Tensor, bool]:
@@ -323,10 +333,13 @@ class StepRunner:
 
     @contextlib.contextmanager
     def _decoding(self, rows: int):
-        """An eager decode step of `rows` rows: `kernels`, with attention one sequence at a
-        time where the products are row-invariant (ATen's kernel splits work by batch)."""
-        apart = rows > 1 and self.model.device.type == "cpu" and row_invariant(self.model.model)
-        with self.kernels(), invariant.RowByRow() if apart else contextlib.nullcontext():
+        """An eager decode step of `rows` rows: `kernels`; on a CPU attention in the
+        prefill's kernel (`invariant.StepAttention`), or where it does not take a call, one
+        sequence at a time where the products are row-invariant (ATen's kernel splits work
+        by batch)."""
+        cpu = self.model.device.type == "cpu"
+        apart = rows > 1 and cpu and row_invariant(self.model.model)
+        with self.kernels(), invariant.StepAttention(apart) if cpu else contextlib.nullcontext():
             yield
 
     def kernels(self):

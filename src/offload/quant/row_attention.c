@@ -143,22 +143,46 @@ static void att_values(float *const *p, const float *l, int count, int64_t n, co
   att_values_(p, l, count, n, v, vc, d, type, out);
 }
 
-/* out [Hq, T, d] float32: each query (h, t) of q [Hq, T, d] (float32) over columns [lo, hi)
-   of KV head h / group: the keys transposed, float32, kt[g][e][j] at kt + g * kh + e * kc + j
-   (kc at least the columns read + LANES, the last LANES zeros); value j of head g at
-   v + g * vh + j * vc elements (of `type`, d contiguous). lo, hi [Hm, T]: Hm 1 (every head's) or Hq. 0, or -1 where no
-   memory was left for the scores. */
-int rowdot_attention(const float *q, int64_t Hq, int64_t T, int64_t d, const float *kt,
-                     const void *v, int type, int64_t kh, int64_t kc, int64_t vh, int64_t vc,
-                     int64_t group, const int64_t *lo, const int64_t *hi, int64_t Hm,
-                     float scale, float *out, int threads) {
+/* The keys of columns [c0, c0 + LANES) of one head as float32, a column a lane:
+   tile[e * LANES + lane] (zeros past `end`: their scores are never read). */
+static inline void att_tile(float *tile, const char *k, int type, int64_t kc, int64_t c0,
+                            int64_t end, int64_t d) {
+  for (int lane = 0; lane < LANES; lane++) {
+    if (c0 + lane >= end) {
+      for (int64_t e = 0; e < d; e++) tile[e * LANES + lane] = 0.0f;
+      continue;
+    }
+    const char *kj = k + (c0 + lane) * kc * (type == F32 ? 4 : 2);
+    if (type == F32)
+      for (int64_t e = 0; e < d; e++) tile[e * LANES + lane] = ((const float *)kj)[e];
+    else
+      for (int64_t e = 0; e < d; e++) tile[e * LANES + lane] = load_w1(kj, e, type);
+  }
+}
+
+/* out [B, Hq, T, d] float32: each query (b, h, t) of q [B, Hq, T, d] (float32) over
+   columns [lo, hi) of sequence b's KV head h / group. Key j of head g of sequence b at
+   k + b * kb + g * kh + j * kc elements, value j at v + b * vb + g * vh + j * vc (both of
+   `type`, d contiguous: a KV cache's rows as they lie, nothing transposed or copied by
+   the caller). lo, hi [B, Hm, T]: Hm 1 (every head's) or Hq. 0, or -1 where no memory was
+   left for the scores. One call takes a whole batch (a decode step's rows: one call a
+   layer). */
+int rowdot_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t d,
+                     const void *k, const void *v, int type, int64_t kb, int64_t kh,
+                     int64_t kc, int64_t vb, int64_t vh, int64_t vc, int64_t group,
+                     const int64_t *lo_all, const int64_t *hi_all, int64_t Hm, float scale,
+                     float *out_all, int threads) {
   const int64_t Hk = Hq / group, blocks = (T + ATT_TOKENS - 1) / ATT_TOKENS, size = type == F32 ? 4 : 2;
   int failed = 0;
   _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")
-  for (int64_t task = 0; task < Hk * blocks; task++) {
+  for (int64_t task = 0; task < B * Hk * blocks; task++) {
     /* queries i = (t - t0) * group + head in the group: a token's heads side by side */
-    const int64_t g = task / blocks, t0 = (task % blocks) * ATT_TOKENS;
+    const int64_t b = task / (Hk * blocks), g = task % (Hk * blocks) / blocks;
+    const int64_t t0 = (task % blocks) * ATT_TOKENS;
     const int64_t t1 = t0 + ATT_TOKENS < T ? t0 + ATT_TOKENS : T, queries = (t1 - t0) * group;
+    const int64_t *lo = lo_all + b * Hm * T, *hi = hi_all + b * Hm * T;
+    const float *qb = q + b * Hq * T * d;
+    float *out = out_all + b * Hq * T * d;
 #define QAT(i) ((g * group + (i) % group) * T + t0 + (i) / group) /* query i's row of q, out */
 #define AT(i) (Hm == 1 ? t0 + (i) / group : QAT(i))               /* its lo, hi */
     int64_t first = INT64_MAX, end = 0; /* the columns any query of the task reads */
@@ -170,9 +194,11 @@ int rowdot_attention(const float *q, int64_t Hq, int64_t T, int64_t d, const flo
     const int64_t width = end > first ? end - first : 0, room = width + LANES;
     float *scores = (float *)malloc(sizeof(float) * (size_t)(queries * room));
     if (!scores) { failed = 1; continue; }
-    const float *kg = kt + g * kh;
-    const char *vg = (const char *)v + g * vh * size;
+    const char *kg = (const char *)k + (b * kb + g * kh) * size;
+    const char *vg = (const char *)v + (b * vb + g * vh) * size;
+    float tile[ATT_MAX_DIM * LANES];
     for (int64_t c0 = first; c0 < end; c0 += LANES) {
+      att_tile(tile, kg, type, kc, c0, end, d);
       for (int64_t i0 = 0; i0 < queries; i0 += ATT_QK) {
         int take[ATT_QK], count = 0;
         for (int64_t i = i0; i < i0 + ATT_QK && i < queries; i++)
@@ -183,12 +209,12 @@ int rowdot_attention(const float *q, int64_t Hq, int64_t T, int64_t d, const flo
         for (int c = 0; c < count; c++) {
           const int64_t i = i0 + take[c];
           acc[c] = v_zero();
-          qs[c] = q + QAT(i) * d;
+          qs[c] = qb + QAT(i) * d;
         }
         if (count == ATT_QK)
-          att_dots(acc, qs, kg + c0, kc, d, ATT_QK);
+          att_dots(acc, qs, tile, LANES, d, ATT_QK);
         else
-          att_dots(acc, qs, kg + c0, kc, d, count);
+          att_dots(acc, qs, tile, LANES, d, count);
         for (int c = 0; c < count; c++)
           v_store(scores + (i0 + take[c]) * room + (c0 - first), v_mul(acc[c], v_set1(scale)));
       }
