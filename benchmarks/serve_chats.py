@@ -18,7 +18,8 @@ prompt (the same rules after a first line of its own, so that no first turn find
 prompt cached), two turns each, streamed; each turn's time to first token (the second
 turn's prompt holds the first turn's whole text) and their ratio beside issue 50's target
 (turn 2 in <= 1/4 of turn 1's time). Where the server reports vLLM's prefix-cache counters in
-/metrics, their deltas are recorded (the hit rate).
+/metrics, their deltas are recorded (the hit rate). Each turn's answer is saved: a run with
+`--flags --no-enable-prefix-caching` gives the answers to compare them with.
 
 The clients run on the server's machine; the load average before and after is recorded.
 """
@@ -165,8 +166,9 @@ def bench_turns(url: str) -> dict:
             {"role": "assistant", "content": answer},
             {"role": "user", "content": second_question},
         ]
-        ttft_2, _ = stream_ttft(talker, messages)
+        ttft_2, answer_2 = stream_ttft(talker, messages)
         turns.append({"ttft_turn_1_s": ttft_1, "ttft_turn_2_s": ttft_2, "ratio": ttft_2 / ttft_1})
+        turns[-1]["answers"] = [answer, answer_2]  # (against a server without the cache)
     after = scrape(url) or {}
     counters = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in PREFIX_COUNTERS}
     queries, hits = (counters[name] for name in PREFIX_COUNTERS)
