@@ -1,8 +1,9 @@
 """Preemption (vLLM's recompute): on a CPU the rows take memory only as they write, so an
 `LLM` runs more sequences than its KV room holds at full length, and when their rows
 outgrow it the youngest request gives its rows back and waits; admitted again, its prompt
-is prefilled and its tokens fed back through decode steps. Its answer is then bit for bit
-what it is alone (batch-invariant mode, where that is promised at all)."""
+and the tokens it had are prefilled (where its decode steps computed them as a prefill
+does), or its prompt is and its tokens are fed back through decode steps. Its answer is
+then bit for bit what it is alone."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,6 +101,36 @@ def test_with_prefix_caching_a_preempted_request_restarts_from_its_held_prompt(c
     with LLM(checkpoint, max_model_len=LENGTH, enable_prefix_caching=False) as llm:
         alone = [_answers(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
     assert [_answers(o) for o in outputs] == alone
+
+
+def test_a_preempted_request_prefills_its_tokens_again_and_answers_as_alone(
+    checkpoint, monkeypatch
+):
+    """vLLM's recompute: a decode step computes a token's keys and values as a prefill
+    does (`prompt_attention.step_attention`), so a preempted request (one sequence)
+    comes back by prefilling its prompt and the tokens it had in one forward, not by
+    feeding them through a decode step each; its answer is still bit for bit its answer
+    alone (without prefix caching here: nothing held helps)."""
+    from offload.engine import scheduler as scheduling
+
+    again = []
+    prefilled_again = scheduling._prefilled_again
+    monkeypatch.setattr(
+        scheduling, "_prefilled_again", lambda r: again.append(prefilled_again(r)) or again[-1]
+    )
+    room = _room_for(checkpoint, 4)
+    params = SamplingParams(temperature=0, max_tokens=90, logprobs=1, ignore_eos=True)
+    with LLM(checkpoint, max_model_len=LENGTH, enable_prefix_caching=False) as llm:
+        prompts = random_prompts(llm.model.config.vocab_size, [5 + i % 8 for i in range(16)], 8)
+        alone = [_answers(llm.generate([p], params, use_tqdm=False)[0]) for p in prompts]
+    again.clear()
+    with LLM(
+        checkpoint, max_model_len=LENGTH, kv_cache_memory_bytes=room, enable_prefix_caching=False
+    ) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm._generator.core.scheduler.num_preemptions > 0
+    assert [_answers(o) for o in outputs] == alone
+    assert max(again) > 1  # (a preempted one prefilled its tokens with its prompt)
 
 
 def test_a_request_longer_than_the_whole_room_is_refused_in_one_line(checkpoint):

@@ -195,7 +195,7 @@ class KVRoom:
             return False
         self.group = None
         if self.prefixes is not None and not group.every_position:
-            self.prefixes.hold(group.first, group.rows[0].sequence.prompt_ids[: group.done_columns])
+            self.prefixes.hold(group.first, group.rows[0].prompt_ids[: group.done_columns])
         self._requeue(group.rows[0].request, moves)
         return True
 
@@ -212,6 +212,8 @@ class KVRoom:
         rows = self.running[first:]
         del self.running[first:]
         for index, row in enumerate(rows, start=first):
+            sequence = row.sequence
+            sequence.exact_tokens = max(0, min(row.exact, row.column) - len(sequence.prompt_ids))
             if self.prefixes is not None:
                 self.prefixes.hold(index, prompt_written(row), len(row.prompt_ids))
         if any(row.is_live for row in rows):

@@ -55,6 +55,7 @@ class Row:
     # tokens gives (its prompt's; then each decode step's that took the prefill's attention
     # kernel): what prefix caching may hand to another request.
     exact: int = -1
+    resumed_tokens: int = 0  # of its tokens, those its prefill writes after its prompt
 
     def __post_init__(self) -> None:
         if self.exact < 0:
@@ -87,7 +88,10 @@ class Row:
 
     @property
     def prompt_ids(self) -> list[int]:
-        return self.sequence.prompt_ids
+        """What its prefill writes: its prompt, and where it resumes by prefilling, the
+        tokens it had (`resumed_tokens`)."""
+        sequence = self.sequence
+        return sequence.prompt_ids + sequence.tokens[: self.resumed_tokens]
 
     @property
     def input_token(self) -> int:

@@ -143,7 +143,7 @@ class Scheduler(KVRoom):
             self._hold(group)
         else:
             self.unheld.append(group)
-            self._unheld_blocks.update(block_hashes(group.rows[0].sequence.prompt_ids))
+            self._unheld_blocks.update(block_hashes(group.rows[0].prompt_ids))
         self.running.extend(group.rows)
         return True
 
@@ -158,7 +158,7 @@ class Scheduler(KVRoom):
     def _hold(self, group: Group) -> None:
         if self.prefixes is not None:
             for index, row in enumerate(group.rows):
-                self.prefixes.hold(group.first + index, row.sequence.prompt_ids)
+                self.prefixes.hold(group.first + index, row.prompt_ids)
 
     def drop_group(self) -> None:
         """The group's prefill failed (its requests are failed by the caller)."""
@@ -236,11 +236,12 @@ class Scheduler(KVRoom):
         if not self._room_for(self.waiting[0], moves):
             return None
         request = self.waiting.popleft()
-        width, first = len(request.prompt_ids), len(self.running)
-        rows = [Row(request, sequence, 0, width) for sequence in request.sequences]
+        first, again = len(self.running), _prefilled_again(request)
+        width = len(request.prompt_ids) + again
+        rows = [Row(request, s, 0, width, resumed_tokens=again) for s in request.sequences]
         held = 0
         if self.prefixes is not None:
-            held = self._reuse(request, first, len(rows), moves)
+            held = self._reuse(request, rows[0].prompt_ids, first, len(rows), moves)
         resumed = any(sequence.tokens for sequence in request.sequences)
         return Group(first, rows, width, done_columns=held, resumed=resumed)
 
@@ -259,12 +260,14 @@ class Scheduler(KVRoom):
             shared += BLOCK
         return shared - prefixes.held_blocks(hashes)[1] >= SHARED
 
-    def _reuse(self, request: Submitted, first: int, num_rows: int, moves: Moves) -> int:
-        """Copy the longest held prefix of `request`'s prompt into row `first` (after
-        moving that row's own content out, where it is worth keeping); the columns held.
-        Not for a request that asks its prompt's logprobs: they need every position's
-        logits (unless it was preempted: it has them)."""
-        prefixes, prompt = self.prefixes, request.prompt_ids
+    def _reuse(
+        self, request: Submitted, prompt: list[int], first: int, num_rows: int, moves: Moves
+    ) -> int:
+        """Copy the longest held prefix of `prompt` (what `request`'s rows prefill) into
+        row `first` (after moving that row's own content out, where it is worth keeping);
+        the columns held. Not for a request that asks its prompt's logprobs: they need
+        every position's logits (unless it was preempted: it has them)."""
+        prefixes = self.prefixes
         assert prefixes is not None
         wants_logprobs = not any(s.tokens for s in request.sequences) and any(
             s.params.prompt_logprobs is not None for s in request.sequences
@@ -297,3 +300,16 @@ class Scheduler(KVRoom):
         self._move(moves, row, target, columns)
         prefixes.copy(row, target, columns)
         return True
+
+
+def _prefilled_again(request: Submitted) -> int:
+    """How many of a preempted request's tokens its prefill writes again after its prompt
+    (vLLM's recompute), where their keys and values came from decode steps that computed
+    them as a prefill does (`SequenceState.exact_tokens`): all it fed (its last token is
+    fed by the next decode step, whose logits pick the token after). The rest (all of them
+    where its steps' bits differ from a prefill's, or it has several sequences) are fed
+    again through decode steps (`Row.replaying`)."""
+    if len(request.sequences) != 1:
+        return 0
+    sequence = request.sequences[0]
+    return max(0, min(sequence.exact_tokens, len(sequence.tokens) - 1))

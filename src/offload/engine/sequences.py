@@ -93,6 +93,9 @@ class SequenceState:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Preempted: how many of its tokens a decode step computed as a prefill would (their
+    # keys and values are then recomputed by a prefill on resuming, not replayed)
+    exact_tokens: int = 0
 
     @property
     def to_go(self) -> int:
