@@ -153,6 +153,7 @@ def test_a_next_turn_reuses_the_answer_and_gives_the_tokens_of_no_cache(checkpoi
         assert _logprobs(got) == _logprobs(want)
 
 
+@pytest.mark.slow  # (a compile: out of the quick subset)
 def test_a_compiled_step_s_answer_is_reused_with_the_bits_of_no_cache(
     checkpoint, monkeypatch, tmp_path
 ):
