@@ -91,6 +91,8 @@ class Row:
         """What its prefill writes: its prompt, and where it resumes by prefilling, the
         tokens it had (`resumed_tokens`)."""
         sequence = self.sequence
+        if not self.resumed_tokens:
+            return sequence.prompt_ids  # (no copy: read at every prefill chunk)
         return sequence.prompt_ids + sequence.tokens[: self.resumed_tokens]
 
     @property

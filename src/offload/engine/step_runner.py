@@ -156,8 +156,7 @@ class StepRunner:
         jobs = None if compiled is None else compiled.running
         masks = self._verify_masks(laid.mask, laid.reading)  # (before `verifying` renames it)
         tree = (laid.decode_mask[:, None], laid.gathers, [row.column for row in rows])
-        cpu = device.type == "cpu"  # (attention as the decode steps': `_decoding`)
-        attention = invariant.StepAttention(False) if cpu else contextlib.nullcontext()
+        attention = self._step_attention(apart=False)  # (as the decode steps')
         with self.kernels(), rows_apart(), verifying(model, widths, jobs, tree), attention:
             out = model(
                 input_ids=torch.tensor(laid.ids, device=device),
@@ -337,10 +336,15 @@ class StepRunner:
         prefill's kernel (`invariant.StepAttention`), or where it does not take a call, one
         sequence at a time where the products are row-invariant (ATen's kernel splits work
         by batch)."""
-        cpu = self.model.device.type == "cpu"
-        apart = rows > 1 and cpu and row_invariant(self.model.model)
-        with self.kernels(), invariant.StepAttention(apart) if cpu else contextlib.nullcontext():
+        apart = rows > 1 and row_invariant(self.model.model)
+        with self.kernels(), self._step_attention(apart):
             yield
+
+    def _step_attention(self, apart: bool):
+        """A decode step's attention: on a CPU the prefill's kernel (`StepAttention`)."""
+        if self.model.device.type != "cpu":
+            return contextlib.nullcontext()
+        return invariant.StepAttention(apart)
 
     def kernels(self):
         """On a CPU a batch's linears run as weight @ x.T (see cpu_linear: MKL repacks the
