@@ -20,6 +20,7 @@ os.environ["OFFLOAD_CPU_COMPILE"] = "0"
 
 import interrupts
 import pytest
+import tiers
 import torch
 from hypothesis import settings
 
@@ -192,12 +193,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.as_posix().endswith(_SLOW):
             item.add_marker(pytest.mark.slow)
+        if tiers.soaked(item.nodeid):
+            item.add_marker(pytest.mark.soak)
+            item.add_marker(pytest.mark.slow)  # (so `-m "not slow"` leaves them out too)
+    _leave_the_soak_tier(config, items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _leave_the_soak_tier(config, items) -> None:
+    """A plain run leaves out the soak tier (tests/tiers.py); `-m` (any expression: `-m
+    soak` runs it alone) or a test named by its id (`path::name`) runs what it selects."""
+    if config.getoption("markexpr", "") or any("::" in arg for arg in config.args):
+        return
+    tests = config.rootpath / "tests"
+    if [config.rootpath / arg for arg in config.args] == [tests]:  # (the whole suite: every
+        # entry must still name a test, else it is stale)
+        stale = [e for e in tiers.SOAK if not any(tiers.soaked_by(i.nodeid, e) for i in items)]
+        if stale:
+            raise pytest.UsageError(f"tests/tiers.py names tests that do not exist: {stale}")
+    kept = [item for item in items if "soak" not in item.keywords]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if "soak" in i.keywords])
+        items[:] = kept
 
 
 @pytest.fixture
