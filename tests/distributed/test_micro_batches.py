@@ -51,8 +51,13 @@ def test_micro_batches_in_flight_give_one_process_s_bits(attentive, size, micro)
     with LLM(attentive, pipeline_parallel_size=size, pipeline_micro_batches=micro, **kwargs) as llm:  # fmt: skip
         engine = llm.serving().core
         assert isinstance(engine, MicroBatches) and len(engine.cores) == micro
-        assert _streamed_together(llm, PROMPTS) == expected
-        assert llm._pipeline.most_in_flight >= 2  # (a core's forward launched during another's)
+        # A core's forward launched during another's: at least once in a few tries (the
+        # clients' threads start as the machine lets them; under load, one after another).
+        for _ in range(3):
+            assert _streamed_together(llm, PROMPTS) == expected
+            if llm._pipeline.most_in_flight >= 2:
+                break
+        assert llm._pipeline.most_in_flight >= 2
 
 
 def test_each_micro_batch_has_its_own_offloaded_kv_rows(attentive):
