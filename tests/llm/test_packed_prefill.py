@@ -8,7 +8,7 @@ import pytest
 import zoo
 
 from offload import OffloadError, SamplingParams
-from offload.engine import step_runner
+from offload.engine import prompt_attention, step_runner
 from offload.llm.llm import LLM
 from offload.quant import row_dot
 
@@ -52,6 +52,24 @@ def test_prompts_admitted_together_cross_the_link_once_and_answer_as_alone(check
         assert _answers(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == _alone(
             llm, PROMPTS, GREEDY
         )
+
+
+def test_each_prompt_s_mask_is_read_once_a_forward_not_once_a_layer(checkpoint, monkeypatch):
+    """Each prompt of a packed forward has a mask of its own, the same tensor in every
+    layer: its columns are read once (they were read per layer: ~15% of a packed prefill
+    of 14 short prompts)."""
+    reads = []
+    bounds = prompt_attention._bounds
+
+    def counted(mask, *shape):
+        reads.append(shape)
+        return bounds(mask, *shape)
+
+    with LLM(checkpoint, device="cpu", dtype="float32", enforce_eager=True) as llm:
+        alone = _alone(llm, PROMPTS, FIRST)
+        monkeypatch.setattr(prompt_attention, "_bounds", counted)
+        assert _answers(llm.generate(PROMPTS, FIRST, use_tqdm=False)) == alone
+    assert len(reads) == len(PROMPTS)  # (3 layers: 12 before)
 
 
 def test_a_prompt_sharing_a_new_beginning_waits_for_its_forward_and_reuses_it(checkpoint):

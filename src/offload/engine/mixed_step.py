@@ -129,7 +129,10 @@ def _chunk_sdpa(query, key, value, mask, scale):
     """The chunk's attention as its prefill alone computes it: `prompt_attention` where
     it applies (each position's bits its own), else ATen's."""
     grouped = query.shape[1] != key.shape[1]
-    out = prompt_attention.attention(query, key, value, mask, scale=scale, enable_gqa=grouped)
+    out = prompt_attention.attention(
+        query, key, value, mask, scale=scale, enable_gqa=grouped,
+        known=prompt_attention.forward_known(),  # (each chunk's mask read once, not a layer)
+    )  # fmt: skip
     return _sdpa(query, key, value, mask, scale) if out is None else out
 
 

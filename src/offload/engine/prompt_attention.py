@@ -190,12 +190,19 @@ def one_forward() -> Iterator[Forward]:
         _current.forward = before
 
 
+def forward_known() -> dict | None:
+    """The masks' columns read in the current `one_forward` (None outside one): a packed
+    prefill's chunks each have a mask of their own, the same tensor in every layer."""
+    record = getattr(_current, "forward", None)
+    return None if record is None else record.known
+
+
 def step_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
     """`attention` of a decode step's call (`F.scaled_dot_product_attention`'s arguments),
     recorded in the current `one_forward`; None where the kernel does not take it (then
     ATen's runs, and the forward is not exact)."""
     record = getattr(_current, "forward", None)
-    known = None if record is None else record.known
+    known = forward_known()
     out = attention(query, key, value, attn_mask, dropout_p, is_causal, **kwargs, known=known)
     if record is not None:
         record.calls += 1
