@@ -41,7 +41,8 @@ def test_a_qwen2_gguf_runs_as_stored(qwen2):
     tokens, logprobs = _run(stored)
     floats = _run(LLM(str(path), device="cpu", enforce_eager=True, dtype="float32"))
     assert tokens == floats[0]
-    assert max(abs(a - b) for a, b in zip(logprobs, floats[1], strict=True)) < 1e-4
+    # (a VNNI CPU's q8 products sum integers, the inputs rounded to 15 bits: 2.4e-4 seen)
+    assert max(abs(a - b) for a, b in zip(logprobs, floats[1], strict=True)) < 1e-3
     with torch.no_grad():  # (the model it was quantized from: Q8_0 moves little)
         ids = torch.tensor([PROMPT["prompt_token_ids"] + tokens[:-1]])
         expected = source(input_ids=ids).logits[0, -len(tokens) :].argmax(-1).tolist()

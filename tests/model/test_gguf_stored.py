@@ -337,7 +337,8 @@ def test_a_q8_product_of_many_rows_by_weight_slices_gives_the_whole_weights_bits
     monkeypatch.setattr(kernels, "Q8_FEW_ROWS", 64)
     whole = kernels.q8_matmul(x, values, scales, shifts)
     floats = layouts.q8_values(values, scales, shifts)
-    assert torch.allclose(whole, x @ floats.T, atol=1e-4)
+    exact = x.double() @ floats.double().T  # (a VNNI CPU's integer sums: inputs to 15 bits)
+    assert ((whole.double() - exact).norm() / exact.norm()) < 2e-4
     monkeypatch.setattr(kernels, "Q8_FEW_ROWS", 8)
     monkeypatch.setattr(kernels, "Q8_SLICE", 96)  # (the last slice shorter)
     assert torch.equal(kernels.q8_matmul(x, values, scales, shifts), whole)

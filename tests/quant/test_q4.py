@@ -1,4 +1,5 @@
-"""The q4 layout and its integer products (`quant/row_q4.c`, `row_dot.q4_linear`): the
+"""The q4 layout and its integer products (`quant/row_q4.c`, `row_dot.q4_linear`), and the
+q8 block columns' products on the same integers (`row_dot.q8_linear`, blocks of 32): the
 file's 4-bit values and scales kept exactly; each output the same bits whatever the rows
 beside it, the thread count, or the vector path; close to float64's product of the
 de-quantized weight (inputs rounded to 15 bits a group, not 8 as bfloat16 keeps)."""
@@ -13,7 +14,7 @@ from offload.model.default import gguf_path
 from offload.model.gguf_fast import FastReader
 from offload.quant import kernels, row_dot
 from offload.quant.gguf_quants import FORMATS, dequantize
-from offload.quant.layouts import q4_tensors, q4_values
+from offload.quant.layouts import pack_q8, q4_tensors, q4_values
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64, 70)
 
@@ -26,7 +27,7 @@ def file_rows():
     tensors = {t.name: t for t in FastReader(gguf_path()).tensors}
     return {
         name: torch.from_numpy(np.array(tensors[name].data))
-        for name in ("blk.0.ffn_down.weight", "blk.2.ffn_up.weight")
+        for name in ("blk.0.ffn_down.weight", "blk.2.ffn_up.weight", "token_embd.weight")
     }
 
 
@@ -68,6 +69,33 @@ def test_a_row_gets_the_same_bits_alone_among_any_rows_and_on_any_thread_count(f
         torch.set_num_threads(threads)
     # The one-output-at-a-time sums (a CPU without VNNI) give the same bits.
     assert torch.equal(row_dot.q4_linear(rows[:9], *weight, plain=True), every[:9])
+
+
+@pytest.mark.skipif(not row_dot.q4_fast(), reason="no AVX-512 VNNI: q8 keeps float sums")
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_1"])
+def test_a_q8_products_integers_are_its_rows_own_on_any_thread_count(file_rows, kind):
+    """The default model's Q8_0 head rows (and random Q5_1 ones, which have offsets) on
+    the integer sums: each row's bits alone, among any rows, on one thread or two, and
+    one output at a time; close to float64's product."""
+    head = file_rows["token_embd.weight"][:200]  # (200 outputs: the last 8 a part tile)
+    raw = head if kind == "Q8_0" else _random_blocks(kind, 200, 18)
+    weight = pack_q8(raw, kind)
+    rows = _rows(max(ROW_COUNTS), 576, seed=2)
+    every = row_dot.q8_linear(rows, *weight)
+    exact = rows.double() @ dequantize(raw, kind).double().T
+    assert ((every.double() - exact).norm() / exact.norm()) < 2e-4
+    for count in ROW_COUNTS:
+        assert torch.equal(row_dot.q8_linear(rows[:count], *weight), every[:count]), count
+    for index in (0, 5, 69):
+        alone = row_dot.q8_linear(rows[index : index + 1], *weight)
+        assert torch.equal(alone, every[index : index + 1]), index
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(row_dot.q8_linear(rows, *weight), every)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(row_dot.q8_linear(rows[:9], *weight, plain=True), every[:9])
 
 
 def test_bfloat16_rows_are_multiplied_in_float32(file_rows):

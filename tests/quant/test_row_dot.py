@@ -71,7 +71,8 @@ def test_a_q8_product_is_the_same_alone_and_among_any_rows(group, offsets, scale
     exact = rows.double().view(len(rows), blocks, group).flatten(1) @ weight.flatten(1).T
     if extra is not None:
         exact += rows.double().view(len(rows), blocks, group).sum(-1) @ extra.double()
-    assert torch.allclose(every.double(), exact, rtol=1e-4, atol=1e-3)
+    # (blocks of 32 on a VNNI CPU: integer sums of inputs rounded to 15 bits, ~4e-5)
+    assert ((every.double() - exact).norm() / exact.norm()) < 2e-4
     for count in ROW_COUNTS:
         assert torch.equal(row_dot.q8_linear(rows[:count], values, scales, extra), every[:count])
     assert torch.equal(row_dot.q8_linear(rows[100:101], values, scales, extra), every[100:101])

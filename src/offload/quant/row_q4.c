@@ -15,7 +15,8 @@
    Weights `nib` [ceil(N / 16), K / 32, 4, 64] bytes: for 16 outputs n and one group, piece
    p holds, at byte 4 * n + i, q[n, 8p + i] in its low half and q[n, 8p + 4 + i] in its
    high half (i < 4), so that a piece's halves are two vectors of 16 outputs x 4 inputs.
-   Outputs past N are zero. Scales and offsets [K / 32, N] (float16 where `half`). */
+   Outputs past N are zero. Scales and offsets [K / 32, N] (float16 where `half`).
+   `rowdot_q8i`, below, multiplies q8 block columns on the same integers. */
 
 /* One group of 32 inputs `v` -> its high and low bytes; returns dx, sets *sum to sum q_x. */
 static inline float q4_group(const float *v, int8_t *high, int8_t *low, int32_t *sum) {
@@ -51,7 +52,7 @@ static inline float q4_group(const float *v, int8_t *high, int8_t *low, int32_t 
 }
 
 static void q4_rows_in(const float *x, int64_t M, int64_t K, int8_t *high, int8_t *low,
-                       float *dx, float *sx, int threads) {
+                       float *dx, float *sx, int32_t *isum, int threads) {
   const int64_t groups = K / 32;
   _Pragma("omp parallel for schedule(static) num_threads(threads) if(M * K >= 16384)")
   for (int64_t m = 0; m < M; m++)
@@ -60,6 +61,7 @@ static void q4_rows_in(const float *x, int64_t M, int64_t K, int8_t *high, int8_
       const float d = q4_group(x + m * K + g * 32, high + m * K + g * 32, low + m * K + g * 32, &sum);
       dx[m * groups + g] = d;
       sx[m * groups + g] = d * (float)sum;
+      if (isum) isum[m * groups + g] = sum;
     }
 }
 
@@ -138,18 +140,124 @@ static void q4_output(const uint8_t *nib, const void *scales, const void *offset
 
 int rowdot_q4_vnni(void) { return Q4_VNNI; }
 
-/* y [M, N] = x [M, K] times the weight; `plain`: the one-output-at-a-time sums on one thread
-   (the tests compare both where VNNI is built). 0, or -1 where no memory was left for x's
-   integers. */
-int rowdot_q4(const float *x, int64_t M, int64_t K, const uint8_t *nib, const void *scales,
-              const void *offsets, int half, int64_t N, float *y, int threads, int plain) {
+/* q8 weights (quant/layouts.py: int8 [K / 32, N, 32] block columns, scales and offsets
+   [K / 32, N]) times float32 rows on the same integers: each output, over its blocks in turn,
+   t = (float) (sum q_w q_x) * dx; acc = fma(d, t, acc); with offsets acc = fma(m, s, acc).
+   For `vpdpbusd` (unsigned times signed) the weights are made unsigned (q_w + 128) and
+   128 * sum q_x is taken back off: the integer sum is exact either way, so both paths give
+   the same bits. A block column's 16 outputs lie in 512 bytes, output by output; a tile
+   transposes them in registers to 8 vectors of 16 outputs x 4 inputs. */
+#if Q4_VNNI
+#define Q8_AHEAD 4 /* tiles a block column is read ahead */
+static inline __attribute__((always_inline)) void q8i_tile(
+    const int8_t *q, const void *scales, const void *offsets, int half, int64_t N, int64_t K,
+    const int8_t *high, const int8_t *low, const float *dx, const float *sx,
+    const int32_t *isum, int64_t t, int64_t m0, const int R, float *y) {
+  const int64_t groups = K / 32, left = N - t * 16;
+  const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+  /* lane 4 j + i of the first (second) permute: input dword j (4 + j) of output i */
+  const __m512i first = _mm512_set_epi32(27, 19, 11, 3, 26, 18, 10, 2, 25, 17, 9, 1, 24, 16, 8, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(4));
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  int8_t tail[512];
+  __m512 acc[4];
+  for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    const int8_t *block = q + (g * N + t * 16) * 32;
+    if (left > 16 * Q8_AHEAD) /* (18 block columns 1.5 MB apart: the CPU's own streams lag) */
+      for (int line = 0; line < 512; line += 64)
+        _mm_prefetch((const char *)block + Q8_AHEAD * 512 + line, _MM_HINT_T0);
+    if (left < 16) { /* (the last outputs: no bytes past the weight are read) */
+      memset(tail, 0, sizeof tail);
+      memcpy(tail, block, left * 32);
+      block = tail;
+    }
+    __m512i a[4], b[4], w[8];
+    for (int p = 0; p < 4; p++) { /* outputs 4 p .. 4 p + 3 */
+      const __m512i lo = _mm512_loadu_si512((const void *)(block + p * 128));
+      const __m512i hi = _mm512_loadu_si512((const void *)(block + p * 128 + 64));
+      a[p] = _mm512_permutex2var_epi32(lo, first, hi);
+      b[p] = _mm512_permutex2var_epi32(lo, second, hi);
+    }
+    /* 128-bit chunk p of a[j'] holds dword j' of outputs 4 p..: a 4 x 4 transpose of chunks */
+    for (int half_ = 0; half_ < 2; half_++) {
+      const __m512i *s = half_ ? b : a;
+      const __m512i u0 = _mm512_shuffle_i32x4(s[0], s[1], 0x44), u1 = _mm512_shuffle_i32x4(s[0], s[1], 0xEE);
+      const __m512i u2 = _mm512_shuffle_i32x4(s[2], s[3], 0x44), u3 = _mm512_shuffle_i32x4(s[2], s[3], 0xEE);
+      w[4 * half_ + 0] = _mm512_xor_si512(_mm512_shuffle_i32x4(u0, u2, 0x88), flip);
+      w[4 * half_ + 1] = _mm512_xor_si512(_mm512_shuffle_i32x4(u0, u2, 0xDD), flip);
+      w[4 * half_ + 2] = _mm512_xor_si512(_mm512_shuffle_i32x4(u1, u3, 0x88), flip);
+      w[4 * half_ + 3] = _mm512_xor_si512(_mm512_shuffle_i32x4(u1, u3, 0xDD), flip);
+    }
+    const __m512 d = q4_scales(scales, g * N + t * 16, mask, half);
+    const __m512 m = offsets ? q4_scales(offsets, g * N + t * 16, mask, half) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+      const int64_t at = (m0 + r) * K + g * 32, row_group = (m0 + r) * groups + g;
+      const int32_t *hi = (const int32_t *)(high + at), *lo = (const int32_t *)(low + at);
+      __m512i sum_hi = _mm512_setzero_si512(), sum_lo = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j++) {
+        sum_hi = _mm512_dpbusd_epi32(sum_hi, w[j], _mm512_set1_epi32(hi[j]));
+        sum_lo = _mm512_dpbusd_epi32(sum_lo, w[j], _mm512_set1_epi32(lo[j]));
+      }
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sum_hi, 7), sum_lo),
+                                           _mm512_set1_epi32(128 * isum[row_group]));
+      const __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dx[row_group]));
+      acc[r] = _mm512_fmadd_ps(d, part, acc[r]);
+      if (offsets) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[row_group]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(y + (m0 + r) * N + t * 16, mask, acc[r]);
+}
+#endif
+
+static void q8i_output(const int8_t *q, const void *scales, const void *offsets, int half,
+                       int64_t N, int64_t K, const int8_t *high, const int8_t *low,
+                       const float *dx, const float *sx, int64_t n, int64_t M, float *y) {
+  const int64_t groups = K / 32;
+  for (int64_t m = 0; m < M; m++) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < groups; g++) {
+      const int8_t *w = q + (g * N + n) * 32;
+      int32_t sum = 0;
+      for (int k = 0; k < 32; k++)
+        sum += (int32_t)w[k] * (128 * high[m * K + g * 32 + k] + low[m * K + g * 32 + k]);
+      const float part = (float)sum * dx[m * groups + g];
+      acc = fmaf(scalar_of(scales, g * N + n, half), part, acc);
+      if (offsets) acc = fmaf(scalar_of(offsets, g * N + n, half), sx[m * groups + g], acc);
+    }
+    y[m * N + n] = acc;
+  }
+}
+
+enum { Q4 = 0, Q8 = 1 };
+
+/* One tile of either kind: `w` the q4 nibbles or the q8 values. */
+static inline __attribute__((always_inline)) void int_tile(
+    int kind, const void *w, const void *scales, const void *offsets, int half, int64_t N,
+    int64_t K, const int8_t *high, const int8_t *low, const float *dx, const float *sx,
+    const int32_t *isum, int64_t t, int64_t m0, const int R, float *y) {
+#if Q4_VNNI
+  if (kind == Q4)
+    q4_tile(w, scales, offsets, half, N, K, high, low, dx, sx, t, m0, R, y);
+  else
+    q8i_tile(w, scales, offsets, half, N, K, high, low, dx, sx, isum, t, m0, R, y);
+#endif
+}
+
+/* y [M, N] = x [M, K] times a weight of `kind` on the integer sums above; `plain`: one
+   output at a time on one thread (the same bits: the tests compare both where VNNI is
+   built). 0, or -1 where no memory was left for x's integers. */
+static int int_product(int kind, const float *x, int64_t M, int64_t K, const void *w,
+                       const void *scales, const void *offsets, int half, int64_t N, float *y,
+                       int threads, int plain) {
   const int64_t groups = K / 32;
   int8_t *high = malloc(M * K + 1), *low = malloc(M * K + 1);
   float *dx = malloc(sizeof(float) * (M * groups + 1)), *sx = malloc(sizeof(float) * (M * groups + 1));
-  int failed = !high || !low || !dx || !sx;
+  int32_t *isum = malloc(sizeof(int32_t) * (M * groups + 1));
+  int failed = !high || !low || !dx || !sx || !isum;
   if (!failed) {
     threads = plain ? 1 : threads;
-    q4_rows_in(x, M, K, high, low, dx, sx, threads);
+    q4_rows_in(x, M, K, high, low, dx, sx, isum, threads);
 #if Q4_VNNI
     if (!plain) {
       const int64_t tiles = (N + 15) / 16;
@@ -157,21 +265,36 @@ int rowdot_q4(const float *x, int64_t M, int64_t K, const uint8_t *nib, const vo
       for (int64_t t = 0; t < tiles; t++) {
         int64_t m0 = 0;
         for (; m0 + 4 <= M; m0 += 4)
-          q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 4, y);
+          int_tile(kind, w, scales, offsets, half, N, K, high, low, dx, sx, isum, t, m0, 4, y);
         switch (M - m0) {
-          case 3: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 3, y); break;
-          case 2: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 2, y); break;
-          case 1: q4_tile(nib, scales, offsets, half, N, K, high, low, dx, sx, t, m0, 1, y); break;
+          case 3: int_tile(kind, w, scales, offsets, half, N, K, high, low, dx, sx, isum, t, m0, 3, y); break;
+          case 2: int_tile(kind, w, scales, offsets, half, N, K, high, low, dx, sx, isum, t, m0, 2, y); break;
+          case 1: int_tile(kind, w, scales, offsets, half, N, K, high, low, dx, sx, isum, t, m0, 1, y); break;
         }
       }
     } else
 #endif
     {
       _Pragma("omp parallel for schedule(static) num_threads(threads)")
-      for (int64_t n = 0; n < N; n++)
-        q4_output(nib, scales, offsets, half, N, K, high, low, dx, sx, n, M, y);
+      for (int64_t n = 0; n < N; n++) {
+        if (kind == Q4)
+          q4_output(w, scales, offsets, half, N, K, high, low, dx, sx, n, M, y);
+        else
+          q8i_output(w, scales, offsets, half, N, K, high, low, dx, sx, n, M, y);
+      }
     }
   }
-  free(high); free(low); free(dx); free(sx);
+  free(high); free(low); free(dx); free(sx); free(isum);
   return failed ? -1 : 0;
+}
+
+int rowdot_q4(const float *x, int64_t M, int64_t K, const uint8_t *nib, const void *scales,
+              const void *offsets, int half, int64_t N, float *y, int threads, int plain) {
+  return int_product(Q4, x, M, K, nib, scales, offsets, half, N, y, threads, plain);
+}
+
+/* q8 block columns of 32 values (`rowdot_q8`'s layout). */
+int rowdot_q8i(const float *x, int64_t M, int64_t K, const int8_t *q, const void *scales,
+               const void *offsets, int half, int64_t N, float *y, int threads, int plain) {
+  return int_product(Q8, x, M, K, q, scales, offsets, half, N, y, threads, plain);
 }
