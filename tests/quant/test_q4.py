@@ -50,52 +50,37 @@ def _random_blocks(kind: str, rows: int, blocks: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", ["blk.0.ffn_down.weight", "blk.2.ffn_up.weight"])
 def test_a_row_gets_the_same_bits_alone_among_any_rows_and_on_any_thread_count(file_rows, name):
     raw = file_rows[name][:200]  # (200 outputs: the last 16 of them a part tile)
-    weight = q4_tensors(raw, "Q4_1")
-    width = weight[1].shape[0] * 32
-    rows = _rows(max(ROW_COUNTS), width)
-    every = row_dot.q4_linear(rows, *weight)
-    exact = rows.double() @ dequantize(raw, "Q4_1").double().T
-    assert ((every.double() - exact).norm() / exact.norm()) < 2e-4  # (measured 4e-5)
-    for count in ROW_COUNTS:
-        assert torch.equal(row_dot.q4_linear(rows[:count], *weight), every[:count]), count
-    for index in (0, 5, 69):
-        alone = row_dot.q4_linear(rows[index : index + 1], *weight)
-        assert torch.equal(alone, every[index : index + 1]), index
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(row_dot.q4_linear(rows, *weight), every)
-    finally:
-        torch.set_num_threads(threads)
-    # The one-output-at-a-time sums (a CPU without VNNI) give the same bits.
-    assert torch.equal(row_dot.q4_linear(rows[:9], *weight, plain=True), every[:9])
+    _check_rows_own(row_dot.q4_linear, q4_tensors(raw, "Q4_1"), dequantize(raw, "Q4_1"))
 
 
 @pytest.mark.skipif(not row_dot.q4_fast(), reason="no AVX-512 VNNI: q8 keeps float sums")
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_1"])
 def test_a_q8_products_integers_are_its_rows_own_on_any_thread_count(file_rows, kind):
     """The default model's Q8_0 head rows (and random Q5_1 ones, which have offsets) on
-    the integer sums: each row's bits alone, among any rows, on one thread or two, and
-    one output at a time; close to float64's product."""
+    the same integer sums."""
     head = file_rows["token_embd.weight"][:200]  # (200 outputs: the last 8 a part tile)
     raw = head if kind == "Q8_0" else _random_blocks(kind, 200, 18)
-    weight = pack_q8(raw, kind)
-    rows = _rows(max(ROW_COUNTS), 576, seed=2)
-    every = row_dot.q8_linear(rows, *weight)
-    exact = rows.double() @ dequantize(raw, kind).double().T
-    assert ((every.double() - exact).norm() / exact.norm()) < 2e-4
+    _check_rows_own(row_dot.q8_linear, pack_q8(raw, kind), dequantize(raw, kind))
+
+
+def _check_rows_own(product, weight, floats):
+    """`product`'s rows: close to float64's product with `floats`, each row's bits alone,
+    among any rows, on one thread or two, and one output at a time (a CPU without VNNI)."""
+    rows = _rows(max(ROW_COUNTS), floats.shape[1])
+    every = product(rows, *weight)
+    exact = rows.double() @ floats.double().T
+    assert ((every.double() - exact).norm() / exact.norm()) < 2e-4  # (measured 4e-5)
     for count in ROW_COUNTS:
-        assert torch.equal(row_dot.q8_linear(rows[:count], *weight), every[:count]), count
+        assert torch.equal(product(rows[:count], *weight), every[:count]), count
     for index in (0, 5, 69):
-        alone = row_dot.q8_linear(rows[index : index + 1], *weight)
-        assert torch.equal(alone, every[index : index + 1]), index
+        assert torch.equal(product(rows[index : index + 1], *weight), every[index : index + 1])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(row_dot.q8_linear(rows, *weight), every)
+        assert torch.equal(product(rows, *weight), every)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(row_dot.q8_linear(rows[:9], *weight, plain=True), every[:9])
+    assert torch.equal(product(rows[:9], *weight, plain=True), every[:9])
 
 
 def test_bfloat16_rows_are_multiplied_in_float32(file_rows):
