@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from junk import JUNK
 
 from offload import ConfigError, ModelError, OffloadError
+from offload.engine import sampling
 from offload.engine.logprobs import prompt_logprobs, token_logprobs
 from offload.engine.sampling import (
     SamplingParams,
@@ -408,3 +409,33 @@ def test_a_plain_greedy_row_of_nan_is_named_among_good_rows():
     params = [SamplingParams(temperature=0)] * 3 + [SamplingParams(temperature=1.0)]
     with pytest.raises(ModelError, match="model's logits for prompt 12 hold nan or inf"):
         sample(logits, params, [None] * 4, prompts=[10, 11, 12, 13])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    marks=st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 7), st.sampled_from(["nan", "inf", "-inf"])),
+        max_size=12,
+    ),
+    all_excluded=st.sets(st.integers(0, 3)),
+)
+def test_greedy_rows_flag_what_nothing_can_be_picked_from_as_the_full_check_does(
+    marks, all_excluded
+):
+    """The plain greedy rows' one pass (`_greedy`: the picked logit's finiteness) flags
+    exactly the rows `_unusable` flags, nan, +inf and every logit -inf alike."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(len(marks)))
+    for row in all_excluded:
+        logits[row] = -math.inf
+    for row, column, value in marks:
+        logits[row, column] = float(value)
+    tokens, unusable = sampling._greedy(logits)
+    assert torch.equal(unusable, sampling._unusable(logits))
+    assert torch.equal(tokens, torch.argmax(logits, dim=-1))
+
+
+def test_a_batch_of_plain_greedy_rows_names_its_nan_row():
+    logits = torch.randn(3, 16)
+    logits[1, 5] = float("nan")
+    with pytest.raises(ModelError, match="model's logits for prompt 7 hold nan or inf"):
+        sample(logits, [SamplingParams(temperature=0)] * 3, [None] * 3, prompts=[6, 7, 8])

@@ -137,11 +137,11 @@ def sample(
     unusable = torch.zeros(logits.shape[0], dtype=torch.bool, device=device)  # [batch]
     # Plain greedy rows (the server's usual batch) in one pass: the same argmax, row by row.
     plain = [row for row, p in enumerate(params) if p.is_greedy and not asks_adjustment(p)]
-    if plain:
+    if len(plain) == logits.shape[0]:  # (every row: no copy of the logits)
+        tokens, unusable = _greedy(logits)
+    elif plain:
         index = torch.tensor(plain, device=device)
-        rows = logits.index_select(0, index)  # [plain, vocab]
-        tokens[index] = torch.argmax(rows, dim=-1)
-        unusable[index] = _unusable(rows)
+        tokens[index], unusable[index] = _greedy(logits.index_select(0, index))
     for row, (request, generator) in enumerate(zip(params, generators, strict=True)):
         if request.is_greedy and not asks_adjustment(request):
             continue
@@ -162,6 +162,15 @@ def sample(
         prompt = row if prompts is None else prompts[row]
         raise _why_unusable(logits[row], params[row], counts[row], prompt)
     return tokens
+
+
+def _greedy(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The argmax of logits [rows, vocab], and `_unusable` of each row in the same pass:
+    argmax picks a nan where there is one and +inf before any finite value, so the
+    picked logit is finite exactly where the row has something to pick (16 rows of the
+    default model: one pass over 3 MB instead of five)."""
+    picked = torch.argmax(rows, dim=-1)
+    return picked, ~torch.isfinite(rows.gather(1, picked[:, None])[:, 0])
 
 
 def _unusable(values: torch.Tensor) -> torch.Tensor:
