@@ -134,30 +134,20 @@ class RowCache:
         return tensor
 
     def release(self, keep: list[int] | None = None) -> None:
-        """The memory the rows wrote, given back (they read as zeros again): once no row
-        runs, e.g. at the end of `LLM.generate`; all but each row's first `keep[row]`
-        columns where given (the prompts prefix caching holds)."""
-        if not keep or not any(keep):
-            for tensor in self._host:
-                give_back(tensor)
-            self._written = 0
-            return
-        for row in range(self._host[0].shape[0] if self._host else 0):
-            held = keep[row] if row < len(keep) else 0
-            self.keep(row, held)
-        self._written = max(keep)
+        """The memory the rows wrote given back (it reads as zeros again) once no row runs,
+        e.g. at the end of `LLM.generate`, but each row's first `keep[row]` columns (the
+        prompts prefix caching holds)."""
+        for row in range(len(self._host[0]) if self._host and keep and any(keep) else 0):
+            self.keep(row, keep[row] if row < len(keep) else 0)
+        for tensor in self._host if not keep or not any(keep) else ():
+            give_back(tensor)
+        self._written = max(keep or [0])
 
     def keep(self, row: int, num_columns: int) -> None:
-        """Row `row`'s columns past its first `num_columns` given back (see `_zeros`):
-        those below the highest any forward wrote (the rest were never written: their
-        pages were not taken). A few columns are written as zeros in one call a tensor
-        (a turn admitting 14 prompts spent 110 ms in 180 calls a row, most of them on
-        columns no forward had reached); longer runs of pages are handed back."""
-        end = self._written
-        if end <= num_columns:
-            return
-        for tensor in self._host:
-            tail = tensor[row, :, num_columns:end]  # [heads, columns, dim]
+        """Row `row`'s columns past its first `num_columns`, up to the highest a forward
+        wrote, given back (`_zeros`): a few as zeros in one call a tensor, more as pages."""
+        for tensor in self._host if self._written > num_columns else ():
+            tail = tensor[row, :, num_columns : self._written]  # [heads, columns, dim]
             if tail[0].nbytes < 4 * mmap.PAGESIZE:
                 tail.zero_()
                 continue
