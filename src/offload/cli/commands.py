@@ -49,6 +49,13 @@ _SAMPLING_FLAGS = (
 )
 
 
+# On a CPU an answer of fewer decode steps runs eagerly: a kept compiled step takes ~4 s
+# to load (a new one a minute or two to compile) and saves ~28 ms a step (the default
+# model: 57 against 29 ms), and loaded beside the decode it slowed the eager steps 3x
+# (docs/benchmarks.md, "the CLI's short answers eager").
+EAGER_STEPS = 160
+
+
 def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     """Load, generate and write the answers (streamed when there is one) and a line of
     figures to `out` (default: stdout)."""
@@ -69,6 +76,8 @@ def generate(args: argparse.Namespace, out: TextIO | None = None) -> None:
     spec = spec_of(args, args.model, config)
     if config.selected_backend == Backend.NONE and not args.no_offload:
         config = whole_stack_config(spec.empty)
+    if spec.device.type == "cpu" and (params.max_tokens or EAGER_STEPS) < EAGER_STEPS:
+        more["enforce_eager"] = True  # (a short answer: no compiled step to load or make)
     llm = llm_of(args, spec, config, **more)
     # With no prompt, the default question goes through the chat template, if there is one.
     chat = args.chat or (not args.prompt and bool(getattr(llm.tokenizer, "chat_template", None)))
