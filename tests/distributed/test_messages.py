@@ -32,7 +32,7 @@ GROUP = m.GroupView(first=1, width=4, every_position=True, rows=[ROW, ROW])
         m.KeepPaths(3, [ROW], [[0, 2]]),
         m.Prefill(3, GROUP, 0, 4),
         m.PrefillPacked(3, [GROUP, GROUP], [[0, 4], [2, 4]]),
-        m.Mixed(3, [ROW, ROW], GROUP, 4, 8),
+        m.Mixed(3, [ROW, ROW], [GROUP, GROUP], [[4, 8], [0, 3]]),
         m.Decode(3, [ROW]),
         m.Verify(3, [ROW, ROW], [Tree([4, 5, 6], [-1, 0, 0]), None]),
         m.Ping(),

@@ -114,15 +114,15 @@ def test_a_turn_runs_its_forwards_apart_while_a_compile_traces_the_model(
 def test_a_mixed_forward_that_fails_fails_its_requests_and_the_rest_go_on(checkpoint, monkeypatch):
     """A fault in a mixed forward (a disk error, say) fails the requests in it, the running
     rows' and the arriving prompt's, with that error; the core goes on with the others."""
-    calls, mixed_of = [], StepRunner.mixed
+    calls, mixed_of = [], StepRunner.packed
 
-    def failing(self, rows, group, start, end):
+    def failing(self, rows, chunks):
         calls.append(len(rows))
         if len(calls) == 3:
             raise OSError("injected read error")
-        return mixed_of(self, rows, group, start, end)
+        return mixed_of(self, rows, chunks)
 
-    monkeypatch.setattr(StepRunner, "mixed", failing)
+    monkeypatch.setattr(StepRunner, "packed", failing)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with LLM(checkpoint, max_num_batched_tokens=4) as llm:
         serving = llm.serving(8)

@@ -153,7 +153,8 @@ def _add_generate(commands: argparse._SubParsersAction) -> None:
         "--max-num-batched-tokens",
         type=int,
         help="prefill prompts in chunks of this many tokens, each riding in the running "
-        "sequences' decode step (default: each prompt whole)",
+        "sequences' decode step (default: on a CPU, as many a step as measured time "
+        "allows while sequences decode; else each prompt whole)",
     )
     generate.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_HELP)
     _run_flags(generate)

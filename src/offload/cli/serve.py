@@ -40,8 +40,9 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
                        help="sequences decoded together in one step")  # fmt: skip
     serve.add_argument("--max-num-batched-tokens", type=int,
                        help="prefill prompts in chunks of this many tokens, each "
-                       "riding in the running sequences' decode step (default: each "
-                       "prompt whole)")  # fmt: skip
+                       "riding in the running sequences' decode step (default: on a "
+                       "CPU, as many a step as measured time allows while sequences "
+                       "decode; else each prompt whole)")  # fmt: skip
     serve.add_argument("--max-waiting-requests", type=int,
                        help="requests that may wait beyond the running ones; more are "
                        "answered 503 at once (default: 8 x --max-num-seqs)")  # fmt: skip

@@ -204,17 +204,20 @@ class PrefillPacked(RunnerCall):
 
 @dataclass
 class Mixed(RunnerCall):
+    """The rows' decode step and prompts' columns in one forward (`StepRunner.packed`)."""
+
     forward: ClassVar[bool] = True
     rows: list[RowView]
-    group: GroupView
-    start: int
-    end: int
+    groups: list[GroupView]
+    spans: list[list[int]]  # each group's [start, end)
 
     def __post_init__(self):
-        self.rows, self.group = _rows(self.rows), _group(self.group)
+        self.rows = _rows(self.rows)
+        self.groups = [_group(group) for group in self.groups]
 
     def apply(self, worker):
-        out = worker.runners[self.runner].mixed(self.rows, self.group, self.start, self.end)
+        chunks = [(g, s, e) for g, (s, e) in zip(self.groups, self.spans, strict=True)]
+        out = worker.runners[self.runner].packed(self.rows, chunks)
         if out is None:  # (no compiled step on a stage: its forwards always mix)
             raise PipelineError("a stage could not run a mixed forward")
         return out

@@ -311,10 +311,11 @@ class PipelinedRunner(StepRunner):
         local = super().prefill_packed
         return self._run(message, lambda: _packed(local(chunks)))
 
-    def mixed(self, rows, group, start: int, end: int):
-        message = Mixed(self._id, _views(rows), GroupView.of(group), start, end)
-        local = super().mixed
-        return self._run(message, lambda: _mixed(local(rows, group, start, end)))
+    def packed(self, rows, chunks):
+        views = [GroupView.of(group) for group, _, _ in chunks]
+        message = Mixed(self._id, _views(rows), views, [[start, end] for _, start, end in chunks])
+        local = super().packed
+        return self._run(message, lambda: _mixed(local(rows, chunks)))
 
     def verify(self, rows, guesses) -> torch.Tensor:
         trees = [g if g is None or isinstance(g, Tree) else Tree.chain(g) for g in guesses]

@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 
+from offload.engine.chunk_pace import ChunkPace
+from offload.engine.mixed_turn import MixedTurn
 from offload.engine.requests import EngineModel, Group, Row, Submitted, check_fits
 from offload.engine.scheduler import Scheduler
 from offload.engine.spec_turn import SpecTurn
@@ -72,6 +74,7 @@ class EngineCore:
         spec = speculator is not None  # (else plain decode steps)
         self._spec = SpecTurn(self, speculator, pace, model.on_verified) if spec else None
         self.runner.mixes = self.runner.mixes and speculator is None
+        self._chunks = MixedTurn(self, ChunkPace())  # (chunked prefill's turns)
         self._inbox: deque[Submitted] = deque()  # (from any thread, into the scheduler's)
         self._wake = threading.Condition()
         self._stop = False
@@ -196,13 +199,19 @@ class EngineCore:
         """Prefills (the waiting requests admitted one after another, while rows are free
         and the turn's `max_num_batched_tokens` last; those whose prompts end this turn
         in one forward where the runner `packs`, else each alone), then one decode step
-        of every running sequence: requests that arrive together decode together. With
-        chunked prefill while rows decode, the turn's one chunk rides in the decode
-        step's forward instead (`mixed_step`: the weights read once)."""
+        of every running sequence: requests that arrive together decode together. While
+        rows decode, the turn's prompt tokens ride in their step (`mixed_turn`): with
+        `max_num_batched_tokens`, or where the runner `packs`, as `ChunkPace` measures."""
         scheduler = self.scheduler
-        scheduler.begin_turn()
-        mixes = self.runner.mixes and scheduler.chunk_tokens is not None
-        mixes = mixes and bool(scheduler.decoding())
+        decoding = scheduler.decoding()
+        fixed = scheduler.chunk_tokens is not None
+        mixes = self.runner.mixes and bool(decoding) and (fixed or self.runner.packs)
+        free = scheduler.max_rows - sum(row.is_live for row in decoding)
+        paced = self._chunks.pace.budget(min(scheduler.num_waiting, free))
+        scheduler.begin_turn(paced if mixes else None)
+        if mixes:
+            self._chunks()
+            return
         packed: list[tuple[Group, int, int]] = []  # (whole prompts: one forward for all)
         while True:
             group, moves = scheduler.next_group()
@@ -210,7 +219,7 @@ class EngineCore:
             if group is None and packed:  # (the next may wait for their prefixes: again)
                 packed = self._prefill_packed(packed)
                 continue
-            if group is None or mixes:
+            if group is None:
                 break
             start, end = scheduler.next_chunk(group)
             if self.runner.packs and end == group.width and not group.every_position:
@@ -224,18 +233,15 @@ class EngineCore:
                 break  # (its prompt's rest at the next turns)
         self._stepped()
         self.runner.move_rows(scheduler.make_room())  # (a KV room: preempting, if need be)
-        rows = scheduler.decoding()
-        group = scheduler.group if mixes else None  # (none if preempted to make room)
-        if group is not None and rows:
-            start, end = scheduler.next_chunk(group)
-            both = [*rows, *group.rows]
-            ran = self._run_forward(both, self._mixed, list(rows), group, start, end)
-            if not ran and scheduler.group is group:
-                scheduler.drop_group()  # (its requests failed, with the rows')
-            self._stepped()
-        elif rows:
+        self.decode_turn(scheduler.decoding())
+
+    def decode_turn(self, rows: list[Row]) -> None:
+        """`rows`' decode step (or speculative turn), a plain one timed for `ChunkPace`."""
+        if rows:
+            began = self._chunks.pace.start()
             decode = self.decode if self._spec is None else self._spec
-            self._run_forward(rows, decode, rows)
+            if self._run_forward(rows, decode, rows) and self._spec is None:
+                self._chunks.pace.decoded(began)
             self._stepped()
 
     def _stepped(self) -> None:
@@ -246,23 +252,17 @@ class EngineCore:
     def _prefill(self, group: Group, start: int, end: int) -> None:
         self._prefilled(group, end, self.runner.prefill(group, start, end))
 
-    def _mixed(self, rows: list[Row], group: Group, start: int, end: int) -> None:
-        replaying = [row.replaying for row in rows]  # (before the step moves their columns)
-        both = self.runner.mixed(rows, group, start, end)
-        if both is None:  # (not now: the two forwards apart)
-            self._pick(rows, self.runner.decode(rows), replaying)
-            self._prefill(group, start, end)
-            return
-        self._pick(rows, both[0], replaying)
-        self._prefilled(group, end, both[1])
-
     def _prefill_packed(self, packed: list[tuple[Group, int, int]]) -> list:
         """The forward of whole prompts admitted this turn (`packed`, their rows already
         running): one for all where the runner can (`StepRunner.packs`), else one each;
         their first tokens picked. An empty list, for the caller's next ones."""
         rows = [row for group, _, _ in packed for row in group.rows]
+        began = self._chunks.pace.start()
         if packed and not self._run_forward(rows, self._packed_forward, packed):
             self.scheduler.computed(done=False)  # (their requests failed: the rows leave)
+        elif packed:
+            tokens = sum(end - start for _, start, end in packed)
+            self._chunks.pace.prefilled(tokens, began)
         return []
 
     def _packed_forward(self, packed: list[tuple[Group, int, int]]) -> None:

@@ -65,6 +65,7 @@ class Scheduler(KVRoom):
         self.unheld: list[Group] = []
         self._unheld_blocks: set[int] = set()  # (their prompts' block hashes)
         self.turn_tokens: int | None = None  # prefill tokens left this turn (None: any)
+        self._turn_budget: int | None = None  # ... at the turn's start
 
     @property
     def has_work(self) -> bool:
@@ -81,14 +82,16 @@ class Scheduler(KVRoom):
     def add(self, requests: Iterable[Submitted]) -> None:
         self.waiting.extend(requests)
 
-    def begin_turn(self) -> None:
+    def begin_turn(self, paced: int | None = None) -> None:
         """Drop cancelled requests (a running one's rows finish as "abort") and refill the
-        turn's prefill budget."""
+        turn's prefill budget: `max_num_batched_tokens`, else `paced` (None: whole
+        prompts; a number: this turn's tokens, the last prompt cut where they end)."""
         self.waiting = deque(r for r in self.waiting if not r.cancelled)
         for row in self.running + self.group_rows():
             if row.request.cancelled and row.sequence.finish_reason is None:
                 row.sequence.finish_reason = "abort"
-        self.turn_tokens = self.chunk_tokens
+        self.turn_tokens = self.chunk_tokens if self.chunk_tokens is not None else paced
+        self._turn_budget = self.turn_tokens
 
     def group_rows(self) -> list[Row]:
         return self.group.rows if self.group is not None else []
@@ -111,16 +114,17 @@ class Scheduler(KVRoom):
         group, budget = self.group, self.turn_tokens
         if group is None or budget is None:
             return group, moves
-        started = budget < self.chunk_tokens  # (something was prefilled this turn)
-        if started and budget < min(self.chunk_tokens, group.width - group.done_columns):
+        started = budget < self._turn_budget  # (something was prefilled this turn)
+        unit = self.chunk_tokens or 1  # (a paced turn cuts its last prompt anywhere)
+        if started and budget < min(unit, group.width - group.done_columns):
             return None, moves
         return group, moves
 
     def next_chunk(self, group: Group) -> tuple[int, int]:
         """The columns [start, end) of `group`'s prompt that this forward prefills: the
-        rest, or `max_num_batched_tokens` of them (one row computes them: the request's
-        other rows copy its prompt once it is whole)."""
-        step = group.width if self.chunk_tokens is None else self.chunk_tokens
+        rest, or `max_num_batched_tokens` of them, or what a paced turn has left (one row
+        computes them: the request's other rows copy its prompt once it is whole)."""
+        step = self.chunk_tokens or self.turn_tokens or group.width
         start, end = group.done_columns, min(group.done_columns + step, group.width)
         if self.turn_tokens is not None:
             self.turn_tokens -= end - start

@@ -121,13 +121,12 @@ class StepRunner:
         self.model.on_forward(False)
         return out.logits if group.every_position else out.logits[:, -1, :]
 
-    def mixed(self, rows: list[Row], group: Group, start: int, end: int):
+    def packed(self, rows: list[Row], chunks: list[tuple[Group, int, int]]):
         """One forward of `rows`' decode step (rows [0, len) of the cache) and columns
-        [start, end) of `group`'s prompt (`mixed_step`): the rows' logits [rows, vocab]
-        and the chunk's as `prefill` returns them; None where the two cannot share a
-        forward now (a compile is tracing the model: the caller runs them apart)."""
-        out = packed_forward(self, rows, [(group, start, end)])
-        return None if out is None else (out[0], out[1][0])
+        [start, end) of each of `chunks`' groups' prompts (`mixed_step`): the rows' logits
+        [rows, vocab] and each chunk's as `prefill` returns them; None where they cannot
+        share a forward now (a compile is tracing the model: the caller runs them apart)."""
+        return packed_forward(self, rows, chunks)
 
     def prefill_packed(self, chunks: list[tuple[Group, int, int]]) -> list[torch.Tensor] | None:
         """Columns [start, end) of several groups' prompts in one forward (`packs`): each
