@@ -7,8 +7,9 @@ decode step is a stream and a chunk of hundreds costs little more. So the budget
 what the turns measure (`ChunkPace`): a turn's prompt tokens may take about as long as a
 plain decode step takes (`SHARE`), so the streams keep half their pace or more while a
 long prompt comes in, and the prompt takes about twice its prefill alone. Each request
-waiting for a free row gets that share: a burst of chats arriving while an answer decodes
-is admitted in a turn, as vLLM's token budget admits it, not one chunk at a time.
+waiting for a free row gets that share, and where as many wait as rows decode, the turn
+takes their prompts whole: a burst of chats arriving while an answer decodes is admitted
+in one forward, not one chunk at a time.
 
 The measured budget changes what each turn carries, never a token's bits: it is used only
 where every prompt position and every decode row computes the same bits however the prompt
@@ -65,9 +66,13 @@ class ChunkPace:
             return None
         return time.perf_counter() - began
 
-    def budget(self, waiting: int) -> int:
-        """The prompt tokens of a turn in which rows decode while `waiting` requests that
-        the free rows take wait (the one being prefilled included)."""
+    def budget(self, waiting: int, decoding: int) -> int | None:
+        """The prompt tokens of a turn in which `decoding` rows decode while `waiting`
+        requests that the free rows take wait (the one being prefilled included); None
+        (whole prompts) where as many wait as decode: a burst's stall is shared by fewer
+        than it admits."""
+        if waiting >= decoding:
+            return None
         if not self._steps or not self._prompts:
             return FLOOR  # (nothing measured yet: the least, measured from then on)
         # Seconds a token: the latest forwards' together, so that the large ones count

@@ -206,9 +206,9 @@ class EngineCore:
         decoding = scheduler.decoding()
         fixed = scheduler.chunk_tokens is not None
         mixes = self.runner.mixes and bool(decoding) and (fixed or self.runner.packs)
-        free = scheduler.max_rows - sum(row.is_live for row in decoding)
-        paced = self._chunks.pace.budget(min(scheduler.num_waiting, free))
-        scheduler.begin_turn(paced if mixes else None)
+        live = sum(row.is_live for row in decoding)
+        waiting = min(scheduler.num_waiting, scheduler.max_rows - live)
+        scheduler.begin_turn(self._chunks.pace.budget(waiting, live) if mixes else None)
         if mixes:
             self._chunks()
             return
