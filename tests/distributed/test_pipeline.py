@@ -275,6 +275,35 @@ def test_sliding_windows_and_chunked_prefills_over_the_pipeline(tmp_path):
     assert answers[0] == answers[1]
 
 
+def test_prompts_riding_in_decode_steps_over_the_pipeline_answer_as_one_process(
+    attentive, monkeypatch
+):
+    """By default on a CPU, prompts that arrive while rows decode ride in their steps
+    (`ChunkPace`; here a fixed budget of 9 tokens a turn): several in one forward, the
+    last cut, over two ranks as in one process (the stages send back the rows' logits and
+    each prompt's)."""
+    from forwards import record_forwards
+
+    from offload.engine.chunk_pace import ChunkPace
+
+    monkeypatch.setattr(ChunkPace, "budget", lambda self, waiting, decoding: 9)
+    prompts = [{"prompt_token_ids": [4 + (i * 13 + j * 5) % 90 for j in range(n)]}
+               for i, n in enumerate((3, 5, 4, 2, 6, 12))]  # fmt: skip
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=2)
+        for n in (2, 12, 2, 2, 5, 4)
+    ]
+    answers = []
+    for size in (1, 2):
+        kwargs = dict(max_model_len=64, max_num_seqs=3, enforce_eager=True, device="cpu")
+        with LLM(attentive, pipeline_parallel_size=size, **kwargs) as llm:
+            events = record_forwards(monkeypatch)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        answers.append([(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs])
+        assert any(e[0] == "mixed" and len(e) > 3 for e in events)
+    assert answers[0] == answers[1]
+
+
 def test_a_rank_with_a_slow_disk_takes_fewer_layers(attentive, monkeypatch):
     """Each rank's measured rates reach the split: rank 0 (made to say it is on a host of
     its own, whose probe finds a disk a thousand times slower than any) streams its

@@ -44,7 +44,9 @@ def test_any_paced_budget_answers_as_alone(short_gguf, seed, monkeypatch):
         ]
         budgets = random.Random(seed)
         monkeypatch.setattr(
-            ChunkPace, "budget", lambda self, waiting, decoding: budgets.choice((1, 3, 17, 40, 500, 500))
+            ChunkPace,
+            "budget",
+            lambda self, waiting, decoding: budgets.choice((1, 3, 17, 40, 500, 500)),
         )
         events = record_forwards(monkeypatch)
         together = [answer_of(o) for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -220,7 +220,7 @@ class Mixed(RunnerCall):
         out = worker.runners[self.runner].packed(self.rows, chunks)
         if out is None:  # (no compiled step on a stage: its forwards always mix)
             raise PipelineError("a stage could not run a mixed forward")
-        return out
+        return (out[0], *out[1])  # (tensors, as `PipelinedRunner.packed` takes them)
 
 
 @dataclass

@@ -315,7 +315,8 @@ class PipelinedRunner(StepRunner):
         views = [GroupView.of(group) for group, _, _ in chunks]
         message = Mixed(self._id, _views(rows), views, [[start, end] for _, start, end in chunks])
         local = super().packed
-        return self._run(message, lambda: _mixed(local(rows, chunks)))
+        flat = self._run(message, lambda: flat_mixed(_mixed(local(rows, chunks))))
+        return flat[0], list(flat[1:])
 
     def verify(self, rows, guesses) -> torch.Tensor:
         trees = [g if g is None or isinstance(g, Tree) else Tree.chain(g) for g in guesses]
@@ -356,6 +357,12 @@ def _packed(out):
     if out is None:  # (no compiled step on a stage: a packed forward always runs)
         raise PipelineError("a packed prefill could not run on rank 0's stage")
     return out
+
+
+def flat_mixed(out) -> tuple:
+    """A mixed forward's logits (the rows', each chunk's) as one tuple of tensors, as
+    the last rank sends them."""
+    return (out[0], *out[1])
 
 
 def _mixed(out):
