@@ -220,7 +220,13 @@ class Mixed(RunnerCall):
         out = worker.runners[self.runner].packed(self.rows, chunks)
         if out is None:  # (no compiled step on a stage: its forwards always mix)
             raise PipelineError("a stage could not run a mixed forward")
-        return (out[0], *out[1])  # (tensors, as `PipelinedRunner.packed` takes them)
+        return flat_logits(out)
+
+
+def flat_logits(out: tuple) -> tuple:
+    """A mixed forward's logits (the rows', then each chunk's) as one tuple of tensors,
+    as the last rank sends them (`PipelinedRunner.packed` takes them back apart)."""
+    return (out[0], *out[1])
 
 
 @dataclass

@@ -50,6 +50,7 @@ from offload.distributed.messages import (
     Stop,
     Verify,
     encode,
+    flat_logits,
 )
 from offload.engine.spec_tree import Tree
 from offload.engine.step_runner import StepRunner
@@ -315,7 +316,7 @@ class PipelinedRunner(StepRunner):
         views = [GroupView.of(group) for group, _, _ in chunks]
         message = Mixed(self._id, _views(rows), views, [[start, end] for _, start, end in chunks])
         local = super().packed
-        flat = self._run(message, lambda: flat_mixed(_mixed(local(rows, chunks))))
+        flat = self._run(message, lambda: flat_logits(_mixed(local(rows, chunks))))
         return flat[0], list(flat[1:])
 
     def verify(self, rows, guesses) -> torch.Tensor:
@@ -357,12 +358,6 @@ def _packed(out):
     if out is None:  # (no compiled step on a stage: a packed forward always runs)
         raise PipelineError("a packed prefill could not run on rank 0's stage")
     return out
-
-
-def flat_mixed(out) -> tuple:
-    """A mixed forward's logits (the rows', each chunk's) as one tuple of tensors, as
-    the last rank sends them."""
-    return (out[0], *out[1])
 
 
 def _mixed(out):

@@ -206,9 +206,7 @@ class EngineCore:
         decoding = scheduler.decoding()
         fixed = scheduler.chunk_tokens is not None
         mixes = self.runner.mixes and bool(decoding) and (fixed or self.runner.packs)
-        live = sum(row.is_live for row in decoding)
-        waiting = min(scheduler.num_waiting, scheduler.max_rows - live)
-        scheduler.begin_turn(self._chunks.pace.budget(waiting, live) if mixes else None)
+        scheduler.begin_turn(self._chunks.budget(decoding) if mixes and not fixed else None)
         if mixes:
             self._chunks()
             return

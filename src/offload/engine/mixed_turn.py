@@ -16,6 +16,13 @@ class MixedTurn:
     def __init__(self, core, pace):
         self.core, self.pace = core, pace  # (`pace`: a `ChunkPace`, measured here)
 
+    def budget(self, decoding: list[Row]) -> int | None:
+        """The paced prompt tokens of a turn in which `decoding` rows decode (`ChunkPace`),
+        for the requests that their free rows take."""
+        scheduler = self.core.scheduler
+        live = sum(row.is_live for row in decoding)
+        return self.pace.budget(min(scheduler.num_waiting, scheduler.max_rows - live), live)
+
     def __call__(self) -> None:
         """Admit the next waiting requests, make the running rows' KV room, and run one
         forward of the rows' decode step and the turn's prompt tokens."""
@@ -66,8 +73,8 @@ class MixedTurn:
             found = out[1]
         if whole:
             core.scheduler.computed()
-        for (group, _, end), logits in zip(chunks, found, strict=True):
-            if any(group is done for done in whole):
+        for index, ((group, _, end), logits) in enumerate(zip(chunks, found, strict=True)):
+            if index < len(whole):  # (the whole ones come first: `__call__`)
                 core._whole(group, logits)
             else:
                 core._prefilled(group, end, logits)
