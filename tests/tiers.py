@@ -43,7 +43,7 @@ SOAK = (
     "engine/test_cpu_step.py::test_compiled_offloaded_equals_compiled_resident_bitwise[kv-cache]",
     "engine/test_cpu_step.py::test_served_compiled_batches_offloaded_equal_them_resident_bitwise",
     "engine/test_cpu_step.py::test_served_compiled_steps_with_the_kv_cache_in_host_memory_give_its_device_bits",
-    "engine/test_cpu_step.py::test_served_steps_run_two_compiled_graphs_a_lone_row_s_and_the_batches",
+    "engine/test_cpu_step.py::test_served_steps_run_each_compiled_graph_once",
     "engine/test_cpu_step.py::test_two_offloaded_llms_side_by_side_keep_a_step_each",
     # halves compiled (their eager steps stay: tests/llm/test_invariant_by_default.py).
     "engine/test_cpu_step_halves.py::test_a_halves_model_compiled_answers_alike_alone_and_in_any_batch",

@@ -47,7 +47,7 @@ def test_large_forwards_weigh_most_in_a_token_s_cost():
     large one, the token's cost is near the large one's."""
     pace = _measured([0.04] * 5, [(10, 0.04 + 0.2), (400, 0.04 + 0.4)])
     # (0.6 s for 410 tokens: 1.46 ms a token; the small one's alone says 20 ms)
-    assert pace.budget(1, 99) == 16 * int(0.04 / (0.6 / 410) // 16)
+    assert pace.budget(1, 99) == FLOOR * int(0.04 / (0.6 / 410) // FLOOR)
 
 
 def test_nothing_is_measured_while_a_step_compiles_in_the_background(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from offload import SamplingParams
-from offload.engine import compiled_step, cpu_linear, cpu_step, step_cache
+from offload.engine import compiled_step, cpu_linear, cpu_step, mixed_step, step_cache
 from offload.engine.cpu_step import cache_length
 from offload.engine.step_linears import step_linear, step_products
 from offload.llm.llm import LLM
@@ -535,8 +535,10 @@ def _serve(llm, max_num_seqs=2):
 def test_cores_of_every_size_run_the_same_two_graphs(checkpoint, compiles):
     """`generate`'s cores (rows and length rounded per call) and a server's hold caches of
     other sizes: the cache's size is dynamic in the graphs, so after a lone row's and a
-    batch's graph nothing compiles again. (A kept step is named after the sizes it was
-    compiled at: a second LLM loads it where its first call has them.)"""
+    batch's graph nothing compiles again but the server's packed step (prompts riding in
+    its decode steps, `packed_step`), where the row-invariant products are built. (A kept
+    step is named after the sizes it was compiled at: a second LLM loads it where its
+    first call has them.)"""
     from torch._dynamo.utils import counters
 
     prompts = [{"prompt_token_ids": [5 + i, 9, 14, 3 + i]} for i in range(5)]
@@ -548,14 +550,16 @@ def test_cores_of_every_size_run_the_same_two_graphs(checkpoint, compiles):
     llm.generate(prompts, GREEDY, use_tqdm=False)  # 8 rows: every step compiled
     assert llm.transfer_stats().num_compiled_steps == made + GREEDY.max_tokens - 1
     _serve(llm, max_num_seqs=4)  # the server's core
-    assert counters["stats"]["unique_graphs"] == graphs
+    packed = int(row_dot.library() is not None)
+    assert counters["stats"]["unique_graphs"] == graphs + packed
+    assert (("packed",) in llm._cpu_step._steps) == bool(packed)
     assert llm.transfer_stats().num_compiled_steps > made + GREEDY.max_tokens - 1
     second = LLM(checkpoint, device="cpu", dtype="float32")
     _run(second)  # (the first call's sizes, as the first LLM's: its kept step's name)
     second.generate(prompts[:3], GREEDY, use_tqdm=False)
     second.generate(prompts, GREEDY, use_tqdm=False)
     assert second._cpu_step.loaded == len(GRAPHS)
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert counters["stats"]["unique_graphs"] == graphs + packed
 
 
 def _served_params(max_tokens: int) -> SamplingParams:
@@ -570,7 +574,8 @@ def served(checkpoint, tmp_path_factory):
     from offload.engine.step_runner import StepRunner
 
     batches = []  # the rows of each decode step
-    decode = StepRunner.decode
+    packed = []  # whether each turn that carried a chunk ran as the compiled packed step
+    decode, packed_logits = StepRunner.decode, mixed_step.packed_logits
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(cpu_step.ENV, "wait")
         patch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path_factory.mktemp("served")))
@@ -580,14 +585,23 @@ def served(checkpoint, tmp_path_factory):
             "decode",
             lambda self, rows: (batches.append(len(rows)), decode(self, rows))[1],
         )
+
+        def logits(*args):
+            out = packed_logits(*args)
+            packed.append(out is not None)
+            return out
+
+        patch.setattr(mixed_step, "packed_logits", logits)
         llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
         graphs = counters["stats"]["unique_graphs"]
         compiled = _serve(llm)
         made = counters["stats"]["unique_graphs"] - graphs
         steps = llm.transfer_stats().num_compiled_steps
-        # Every decode step compiled: of 2 rows, and of a lone row (one decodes while a
-        # group is prefilled beside it, in chunks of 4 tokens).
-        assert 1 in batches and 2 in batches and steps == len(batches)
+        # Every decode step compiled: of 2 rows, and of a lone row; and where the
+        # row-invariant products are built, the turns in which a lone row decodes while a
+        # group's prompt rides beside it, in chunks of 4 tokens (`packed_step`).
+        assert 1 in batches and 2 in batches and steps == len(batches) + sum(packed)
+        assert all(packed) and bool(packed) == (GRAPHS == ["rows"])
         # (the same schedule: a prompt prefilled in chunks beside a decoding row moves that
         # row's last bits, compiled or not)
         eager_llm = LLM(
@@ -595,13 +609,14 @@ def served(checkpoint, tmp_path_factory):
         )
         eager = _serve(eager_llm)
         assert eager_llm.transfer_stats().num_compiled_steps == 0
-    return compiled, eager, made, steps, llm
+    return compiled, eager, made, (steps, sum(packed)), llm  # (steps: of them, packed)
 
 
-def test_served_steps_run_two_compiled_graphs_a_lone_row_s_and_the_batches(served):
+def test_served_steps_run_each_compiled_graph_once(served):
     *_, made, _, llm = served
-    assert made == len(GRAPHS) and sorted(key[0] for key in llm._cpu_step._steps) == GRAPHS
-    assert list(llm._cpu_step.graphs.values()) == [1] * len(GRAPHS)
+    graphs = sorted(GRAPHS + (["packed"] if GRAPHS == ["rows"] else []))  # (and packed steps)
+    assert made == len(graphs) and sorted(key[0] for key in llm._cpu_step._steps) == graphs
+    assert list(llm._cpu_step.graphs.values()) == [1] * len(graphs)
 
 
 def test_the_served_compiled_step_gives_the_eager_steps_bits(served):
@@ -619,7 +634,7 @@ def test_served_compiled_batches_offloaded_equal_them_resident_bitwise(
         checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4, **OFFLOADS[setting]
     )
     assert _serve(llm) == served[0]
-    assert llm.transfer_stats().num_compiled_steps == served[3]
+    assert llm.transfer_stats().num_compiled_steps == served[3][0]
     moved = llm.transfer_stats()
     assert llm.offloader.offloaded_bytes > 0
     streamed = moved.weight_copied_bytes + moved.disk_read_bytes + moved.disk_mapped_bytes
@@ -633,7 +648,8 @@ def test_served_compiled_steps_with_the_kv_cache_in_host_memory_give_its_device_
     row's and the batches'), every decode step compiled, the resident server's bits."""
     llm = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4, kv_offload=True)
     assert _serve(llm) == served[0]
-    assert llm.transfer_stats().num_compiled_steps == served[3]
+    # (no packed step: the turns that carry a chunk run eagerly over host memory's rows)
+    assert llm.transfer_stats().num_compiled_steps == served[3][0] - served[3][1]
     assert {(key[0], key[1]) for key in llm._cpu_step._steps} == {
         (graph, "kv offload") for graph in GRAPHS
     }
@@ -650,8 +666,9 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
     rows = serving.core.runner.cache
     for layer in rows.cache.layers:  # (marked, to see what the warm-up writes)
         layer.all_keys.fill_(float("nan"))
-    serving.warm_up()
-    assert sorted(key[0] for key in first._cpu_step._steps) == GRAPHS
+    serving.warm_up()  # (and the packed step's graph, where the products are built)
+    graphs = sorted(GRAPHS + (["packed"] if GRAPHS == ["rows"] else []))
+    assert sorted(key[0] for key in first._cpu_step._steps) == graphs
     assert first._cpu_step.loaded == 0
     # Its padding rows wrote only the column past max_len, which no row reads (the first
     # layer's keys there are the tokens' own; the later ones' come from what the marks gave).
@@ -661,12 +678,12 @@ def test_a_warmed_up_server_keeps_its_step_and_the_next_one_loads_it(checkpoint,
         assert layer.all_keys[:, :, : rows.max_len].isnan().all()
         layer.all_keys.zero_()
     assert _serve(first) == served[0]
-    graphs = counters["stats"]["unique_graphs"]
+    made = counters["stats"]["unique_graphs"]
     second = LLM(checkpoint, device="cpu", dtype="float32", max_num_batched_tokens=4)
     second.serving(2).warm_up()
-    assert second._cpu_step.loaded == len(GRAPHS) and counters["stats"]["unique_graphs"] == graphs
+    assert second._cpu_step.loaded == len(graphs) and counters["stats"]["unique_graphs"] == made
     assert _serve(second) == served[0]
-    assert second.transfer_stats().num_compiled_steps == served[3]
+    assert second.transfer_stats().num_compiled_steps == served[3][0]
 
 
 def test_a_stored_models_served_steps_compile_and_offloaded_give_their_resident_bits(
@@ -679,7 +696,8 @@ def test_a_stored_models_served_steps_compile_and_offloaded_give_their_resident_
     from offload.engine.step_runner import StepRunner
 
     batches = []  # the rows of each decode step
-    decode = StepRunner.decode
+    packed = []  # whether each turn that carried a chunk ran as the compiled packed step
+    decode, packed_logits = StepRunner.decode, mixed_step.packed_logits
 
     def serve(**settings):
         llm = LLM(stored, device="cpu", max_num_batched_tokens=4, **settings)
@@ -694,8 +712,16 @@ def test_a_stored_models_served_steps_compile_and_offloaded_give_their_resident_
             "decode",
             lambda self, rows: (batches.append(len(rows)), decode(self, rows))[1],
         )
+
+        def logits(*args):
+            out = packed_logits(*args)
+            packed.append(out is not None)
+            return out
+
+        patch.setattr(mixed_step, "packed_logits", logits)
         expected, moved = serve()
-    assert 1 in batches and 2 in batches and moved.num_compiled_steps == len(batches)
+    assert 1 in batches and 2 in batches and all(packed)
+    assert moved.num_compiled_steps == len(batches) + sum(packed)
     eager, _ = serve(enforce_eager=True)
     assert expected == eager  # (tokens and logprobs: `engine/step_order`)
     for setting in _offloads_of(stored):

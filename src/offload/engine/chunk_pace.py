@@ -1,8 +1,8 @@
 """How many prompt tokens a turn carries beside the running rows' decode step when the user
 set no `max_num_batched_tokens` (chunked prefill by default, as vLLM v1 always chunks).
 
-A fixed number fits no machine: a chunk that keeps the streams' pace on a 2-core CPU (16
-tokens) would take 125 weight streams for a 2000-token prompt on the disk tier, where a
+A fixed number fits no machine: a chunk that keeps the streams' pace on a 2-core CPU (8-16
+tokens) would take 125-250 weight streams for a 2000-token prompt on the disk tier, where a
 decode step is a stream and a chunk of hundreds costs little more. So the budget follows
 what the turns measure (`ChunkPace`): a turn's prompt tokens may take about as long as a
 plain decode step takes (`SHARE`), so the streams keep half their pace or more while a
@@ -24,7 +24,7 @@ from collections import deque
 
 from offload.engine import step_jobs
 
-FLOOR = 16  # tokens: a turn's least (the budget is a multiple of it)
+FLOOR = 8  # tokens: a turn's least, and its unit (16 while such turns ran eagerly)
 SHARE = 1.0  # a turn's prompt time over a plain decode step's, per waiting request
 KEEP = 9  # latest measurements whose median is used
 

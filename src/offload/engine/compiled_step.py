@@ -261,11 +261,13 @@ def _graph_named(name: str, scope: dict):
 
 
 def _marked(step):
-    """`step` with its dynamic sizes marked (`rows.RowStep.mark_dynamic`), for a call that
-    may compile. Only such calls: a kept step's guards are rebuilt from tensors that lost
-    their marks, and refuse a marked input (an unmarked one passes the marked graph's)."""
-    if hasattr(step, "mark_dynamic"):
-        step.mark_dynamic()
+    """`step` with its dynamic sizes marked (`dynamic_dims`: `rows.RowStep`'s,
+    `packed_step.PackedStep`'s), for a call that may compile. Only such calls: a kept
+    step's guards are rebuilt from tensors that lost their marks, and refuse a marked input
+    (an unmarked one passes the marked graph's)."""
+    for tensor, dims in step.dynamic_dims() if hasattr(step, "dynamic_dims") else ():
+        for dim in dims:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
     return step
 
 

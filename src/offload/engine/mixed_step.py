@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import pack_gqa
 
 from offload.engine import prompt_attention
+from offload.engine.packed_step import packed_logits, parted, sdpa_like
 from offload.engine.prompt_attention import prompt_kernels
 from offload.engine.transformers_cache import cache_argument
 
@@ -161,7 +162,7 @@ def can_mix(model, cache) -> bool:
     sub-config's), every layer attending over whole rows (no sliding windows), and rotary
     embeddings that do not depend on the longest position in the batch."""
     config = model.config
-    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+    if not sdpa_like(config):
         return False
     if any(getattr(config, key, None) is not None for key in getattr(config, "sub_configs", {})):
         return False  # (its layers may attend by a sub-config's name: not swapped here)
@@ -198,7 +199,12 @@ def packed_forward(runner, rows: list, chunks: list[tuple]):
     """One forward of `runner`'s (a `StepRunner`) decode step of `rows` and of `chunks`
     (group, start, end), columns [start, end) of each group's prompt, packed into one
     sequence: the rows' logits [rows, vocab] and each chunk's as a prefill returns them;
-    None where they cannot share a forward now (`mixing`)."""
+    None where they cannot share a forward now (`mixing`). Compiled where it can be
+    (`packed_step`), else eager."""
+    if rows and runner.packed_steps:
+        out = packed_logits(runner, rows, chunks)
+        if out is not None:
+            return out
     device, model = runner.model.device, runner.model.model
     ids: list[int] = [row.input_token for row in rows]
     positions, parts, keep, high = [], [], list(range(len(rows))), 0
@@ -244,16 +250,7 @@ def packed_forward(runner, rows: list, chunks: list[tuple]):
         finally:
             runner.cache.window.mixed = None
     runner.model.on_forward(False)
-    for row in rows:
-        row.advance(forward.exact and runner.decodes_as_prefills)
-    logits = out.logits[0]  # [rows + kept, vocab]
-    found, at = [], len(rows)
-    for group, start, end in chunks:
-        kept = end - start if group.every_position else 1
-        chunk = logits[at : at + kept]
-        found.append(chunk[None] if group.every_position else chunk)
-        at += kept
-    return logits[: len(rows)], found
+    return parted(runner, rows, chunks, out.logits[0], forward.exact)  # ([rows + kept, vocab])
 
 
 def rows_reading(at: list[int], starts: list[int], width: int, device):

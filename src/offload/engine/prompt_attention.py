@@ -27,7 +27,7 @@ from offload.engine import cpu_linear
 from offload.engine.cpu_linear import FewRowsLinear, kernels_for
 from offload.quant import row_dot
 
-_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # (row_dot.c's enum)
+TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # (row_dot.c's enum)
 MAX_DIM = 256  # a head's width, at most (the kernel's sums live on the stack)
 
 
@@ -69,9 +69,9 @@ def attention(
     lo, hi = (b.contiguous() for b in bounds)
     failed = lib.rowdot_attention(
         q.data_ptr(), batch, heads, tokens, dim, key.data_ptr(), value.data_ptr(),
-        _TYPES[value.dtype], *key.stride()[:3], *value.stride()[:3], heads // kv_heads,
+        TYPES[value.dtype], *key.stride()[:3], *value.stride()[:3], heads // kv_heads,
         lo.data_ptr(), hi.data_ptr(), lo.shape[1], scale, out.data_ptr(),
-        torch.get_num_threads(),
+        torch.get_num_threads(), None,
     )  # fmt: skip
     if failed:
         raise MemoryError(f"no memory for the attention scores of {tokens} tokens")
@@ -82,7 +82,7 @@ def _takes(query, key, value) -> bool:
     tensors = (query, key, value)
     if any(type(t) is not torch.Tensor or t.device.type != "cpu" or t.dim() != 4 for t in tensors):
         return False
-    if key.dtype not in _TYPES or value.dtype != key.dtype or query.dtype not in _TYPES:
+    if key.dtype not in TYPES or value.dtype != key.dtype or query.dtype not in TYPES:
         return False
     if key.shape != value.shape or key.shape[0] != query.shape[0]:
         return False
@@ -201,13 +201,18 @@ def step_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=F
     """`attention` of a decode step's call (`F.scaled_dot_product_attention`'s arguments),
     recorded in the current `one_forward`; None where the kernel does not take it (then
     ATen's runs, and the forward is not exact)."""
-    record = getattr(_current, "forward", None)
     known = forward_known()
     out = attention(query, key, value, attn_mask, dropout_p, is_causal, **kwargs, known=known)
+    record_call(exact=out is not None)
+    return out
+
+
+def record_call(exact: bool) -> None:
+    """An attention call of the current `one_forward` (if any): `exact`, the kernel's."""
+    record = getattr(_current, "forward", None)
     if record is not None:
         record.calls += 1
-        record.fell_back |= out is None
-    return out
+        record.fell_back |= not exact
 
 
 def prompt_kernels(model: torch.nn.Module, device: torch.device):

@@ -36,10 +36,10 @@ class RowWindow:
 
     first: int = 0
     last: int = 0  # rows [first, last)
-    columns: torch.Tensor | None = None  # [rows, tokens]: the column of each new token
+    columns: torch.Tensor | None = None  # [rows, tokens]: each new token's column (or
+    rows: torch.Tensor | None = None  # [tokens], a `packed_step`'s, with each token's row)
     width: int = 0  # columns attention reads: [0, width) (what the rows have written, rounded up)
-    # What the mask's causal part measures from (the first query's column, as a tensor so
-    # that a CUDA graph replays it); decode passes the last column, the 2D mask does the rest.
+    # Where the mask's causal part starts (a tensor, replayed by CUDA graphs): the last column
     offset: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.long))
     mixed: object = None  # a `mixed_step.MixedWindow` while a mixed forward runs
 
@@ -292,7 +292,7 @@ class RowStep:
     def compile_key(self) -> tuple:
         """Which of its two graphs a step runs (`CompiledCpuStep` keys its graphs so); a
         cache in host memory (KV offload) has graphs of its own. Not the cache's size: its
-        rows held and columns are dynamic in the graph (`mark_dynamic`), so `generate`'s
+        rows held and columns are dynamic in the graph (`dynamic_dims`), so `generate`'s
         cores of every size and a server's run the same two graphs, compiled once."""
         key = ("rows" if self.columns.shape[0] >= MIN_ROWS else "row",)
         return key if self._rows.kv_offloader is None else (*key, "kv offload")
@@ -313,12 +313,6 @@ class RowStep:
         for layer in self._rows.cache.layers:  # (rows held, columns)
             dims += [(layer.all_keys, (0, 2)), (layer.all_values, (0, 2))]
         return dims
-
-    def mark_dynamic(self) -> None:
-        """Mark `dynamic_dims` as dynamic (for a call that compiles)."""
-        for tensor, dims in self.dynamic_dims():
-            for dim in dims:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
     @property
     def compile_what(self) -> str:

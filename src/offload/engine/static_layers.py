@@ -141,6 +141,9 @@ class RowLayer(StaticLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         window = self.window
         kv = [self.all_keys, self.all_values]
+        if window.rows is not None:  # (a packed step's tokens, each at its own row)
+            TOKENS_UPDATE_OP(kv, key_states, value_states, window.columns, window.rows)
+            return self.all_keys, self.all_values
         if torch.compiler.is_compiling():  # one op, in place (`ROW_UPDATE_OP`)
             ROW_UPDATE_OP(kv, key_states, value_states, window.columns, window.first)
         elif window.mixed is not None:  # (a decode step with a prompt's chunk: `mixed_step`)
@@ -181,6 +184,17 @@ def _no_row_update(kv, key_states, value_states, columns, first: int) -> None:
     return None
 
 
+def write_tokens(kv, key_states, value_states, columns, rows) -> None:
+    """A packed step's tokens' keys and values ([1, heads, tokens, dim]): token t's at
+    column `columns[t]` of row `rows[t]` (`packed_step`)."""
+    for cache, states in zip(kv, (key_states, value_states), strict=True):
+        cache.transpose(1, 2).index_put_((rows, columns), states[0].transpose(0, 1))
+
+
+def _no_tokens_update(kv, key_states, value_states, columns, rows) -> None:
+    return None
+
+
 # `offload::row_kv_update`: a `RowLayer`'s writes as one op of a compiled step, declared to
 # mutate the layer's keys and values in place. Traced through, the writes into a slice of
 # rows of dynamic size were functionalized into a copy of every row's whole cache (all
@@ -192,6 +206,15 @@ ROW_UPDATE_OP = ops.define_op(
     "(Tensor(a!)[] kv, Tensor key_states, Tensor value_states, Tensor columns, SymInt first) -> ()",
     write_rows,
     _no_row_update,
+)
+
+
+# `offload::tokens_kv_update`: a packed step's writes, one op compiled or eager.
+TOKENS_UPDATE_OP = ops.define_op(
+    "tokens_kv_update",
+    "(Tensor(a!)[] kv, Tensor key_states, Tensor value_states, Tensor columns, Tensor rows) -> ()",
+    write_tokens,
+    _no_tokens_update,
 )
 
 

@@ -9,10 +9,11 @@ from collections.abc import Callable
 
 import torch
 
-from offload.engine import cpu_linear, invariant, prompt_attention
+from offload.engine import cpu_linear, invariant, packed_step, prompt_attention
 from offload.engine.cpu_linear import kernels_for, row_invariant
 from offload.engine.kv_room import Keep, Moves
 from offload.engine.mixed_step import can_mix, packed_forward, rows_reading
+from offload.engine.packed_step import sdpa_like
 from offload.engine.prompt_attention import prompt_kernels
 from offload.engine.requests import EngineModel, Group, Row
 from offload.engine.row_graphs import RowGraphs
@@ -65,6 +66,11 @@ class StepRunner:
         # of its prefill alone: a CPU's row-invariant products (`prompt_kernels`).
         cpu = torch.device(model.device).type == "cpu"
         self.packs = self.mixes and cpu and row_invariant(model.model)
+        # A turn's rows and prompt tokens as one compiled step (`packed_step`)
+        self.packed_steps = self.packs and model.compiled is not None
+        self.packed_steps = self.packed_steps and packed_step.takes(model.model, self.cache)
+        if self.packed_steps:
+            packed_step.use(model.model)
 
     def move_rows(self, moves: Moves) -> None:
         """What the scheduler decided, in order: row moves, memory given back."""
@@ -194,7 +200,7 @@ class StepRunner:
         if masks is not None:
             every = torch.arange(mask.shape[-1], device=mask.device)[None, None, :]
             kinds["sliding_attention"] = mask & (every > reading[:, :, None] - masks.window)
-        if self.model.model.config._attn_implementation != "sdpa":
+        if not sdpa_like(self.model.model.config):
             zero = torch.zeros((), dtype=self.cache.dtype, device=mask.device)
             low = torch.tensor(torch.finfo(self.cache.dtype).min, device=mask.device)
             kinds = {kind: torch.where(m, zero, low) for kind, m in kinds.items()}
@@ -307,6 +313,8 @@ class StepRunner:
             for rows in (1, MIN_ROWS) if not self._lone_pad() else (MIN_ROWS,):
                 self.model.compiled(self.row_step([], pad_to=rows))
                 self._last = None  # (see `decode`)
+            if self.packed_steps:  # (and the turns in which prompts ride)
+                self.model.compiled(packed_step.warm_up_step(self))
 
     def _lone_pad(self) -> int:
         """Rows a compiled decode step is padded to: `MIN_ROWS` where the products are

@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
+from offload.engine.packed_step import sdpa_like
+
 NAME = "offload_verify"
 _current = threading.local()  # .widths: [rows][queries] of the verify forward on this thread
 _registered = False
@@ -78,9 +80,10 @@ def verifying(
     indices} where a tree's node is not at its depth's column, each row's first column)."""
     global _registered
     config = model.config
-    if getattr(config, "_attn_implementation_internal", None) != "sdpa":
+    if not sdpa_like(config):
         yield False
         return
+    before = config._attn_implementation_internal
     if jobs is not None and not jobs.acquire(blocking=False):
         yield False
         return
@@ -95,6 +98,6 @@ def verifying(
         yield True
     finally:
         _current.widths = _current.tree = None
-        config._attn_implementation_internal = "sdpa"
+        config._attn_implementation_internal = before
         if jobs is not None:
             jobs.release()

@@ -166,12 +166,13 @@ static inline void att_tile(float *tile, const char *k, int type, int64_t kc, in
    `type`, d contiguous: a KV cache's rows as they lie, nothing transposed or copied by
    the caller). lo, hi [B, Hm, T]: Hm 1 (every head's) or Hq. 0, or -1 where no memory was
    left for the scores. One call takes a whole batch (a decode step's rows: one call a
-   layer). */
+   layer). rows [B] (or NULL: sequence b reads row b): the KV row each sequence reads, at
+   k + rows[b] * kb (a packed forward's tokens, each over its own row of the cache). */
 int rowdot_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t d,
                      const void *k, const void *v, int type, int64_t kb, int64_t kh,
                      int64_t kc, int64_t vb, int64_t vh, int64_t vc, int64_t group,
                      const int64_t *lo_all, const int64_t *hi_all, int64_t Hm, float scale,
-                     float *out_all, int threads) {
+                     float *out_all, int threads, const int64_t *rows) {
   const int64_t Hk = Hq / group, blocks = (T + ATT_TOKENS - 1) / ATT_TOKENS, size = type == F32 ? 4 : 2;
   int failed = 0;
   _Pragma("omp parallel for schedule(dynamic) num_threads(threads)")
@@ -194,8 +195,9 @@ int rowdot_attention(const float *q, int64_t B, int64_t Hq, int64_t T, int64_t d
     const int64_t width = end > first ? end - first : 0, room = width + LANES;
     float *scores = (float *)malloc(sizeof(float) * (size_t)(queries * room));
     if (!scores) { failed = 1; continue; }
-    const char *kg = (const char *)k + (b * kb + g * kh) * size;
-    const char *vg = (const char *)v + (b * vb + g * vh) * size;
+    const int64_t r = rows ? rows[b] : b; /* the KV row it reads */
+    const char *kg = (const char *)k + (r * kb + g * kh) * size;
+    const char *vg = (const char *)v + (r * vb + g * vh) * size;
     float tile[ATT_MAX_DIM * LANES];
     for (int64_t c0 = first; c0 < end; c0 += LANES) {
       att_tile(tile, kg, type, kc, c0, end, d);

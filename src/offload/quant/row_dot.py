@@ -76,7 +76,7 @@ def library() -> ctypes.CDLL | None:
     lib.rowdot_q8.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int]
     lib.rowdot_q8.restype = ctypes.c_int  # (-1: no memory for x's block sums)
     lib.rowdot_attention.argtypes = [_P, *[_I] * 4, _P, _P, ctypes.c_int, *[_I] * 7]
-    lib.rowdot_attention.argtypes += [_P, _P, _I, ctypes.c_float, _P, ctypes.c_int]
+    lib.rowdot_attention.argtypes += [_P, _P, _I, ctypes.c_float, _P, ctypes.c_int, _P]
     lib.rowdot_attention.restype = ctypes.c_int  # (-1: no memory for the scores)
     lib.rowdot_q4.argtypes = [_P, _I, _I, _P, _P, _P, ctypes.c_int, _I, _P, ctypes.c_int]
     lib.rowdot_q4.argtypes += [ctypes.c_int]
