@@ -44,6 +44,9 @@ SOAK = (
     "engine/test_cpu_step.py::test_served_compiled_batches_offloaded_equal_them_resident_bitwise",
     "engine/test_cpu_step.py::test_served_compiled_steps_with_the_kv_cache_in_host_memory_give_its_device_bits",
     "engine/test_cpu_step.py::test_served_steps_run_each_compiled_graph_once",
+    # (packed steps compiled: the served compiled step's bits against eager stay, which
+    # runs them)
+    "engine/test_packed_step.py::test_compiled_packed_steps_answer_as_alone_in_one_graph",
     "engine/test_cpu_step.py::test_two_offloaded_llms_side_by_side_keep_a_step_each",
     # halves compiled (their eager steps stay: tests/llm/test_invariant_by_default.py).
     "engine/test_cpu_step_halves.py::test_a_halves_model_compiled_answers_alike_alone_and_in_any_batch",
