@@ -7,6 +7,11 @@ import queue
 import random
 import threading
 
+# Prompts of these lengths in tokens, answering this many: rows free up while others decode,
+# so that later prompts ride in running rows' decode steps (`test_paced_chunks`, `test_packed_step`)
+RIDING_LENGTHS = (3, 5, 90, 40, 7, 33, 2, 64)
+RIDING_STOPS = (2, 14, 2, 2, 9, 2, 11, 4)
+
 
 def streamed_apart(llm, prompts, params, answer) -> list:
     """Each prompt streamed by `llm.stream` on a thread of its own, all started together

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from streams import answer_of, random_prompts
+from streams import RIDING_LENGTHS, RIDING_STOPS, answer_of, random_prompts
 
 import offload.llm.cores as cores
 from offload import LLM, SamplingParams
@@ -19,8 +19,7 @@ from offload.engine.chunk_pace import ChunkPace
 from offload.engine.cpu_linear import kernels_for
 from offload.quant import row_dot
 
-LENGTHS = (3, 5, 90, 40, 7, 33, 2, 64)  # prompt lengths in tokens
-STOPS = (2, 14, 2, 2, 9, 2, 11, 4)  # their answers' lengths: rows free up while others decode
+LENGTHS, STOPS = RIDING_LENGTHS, RIDING_STOPS
 
 
 @pytest.fixture(autouse=True)

@@ -10,14 +10,13 @@ import random
 
 import pytest
 from forwards import record_forwards
-from streams import answer_of, random_prompts
+from streams import RIDING_LENGTHS, RIDING_STOPS, answer_of, random_prompts
 
 from offload import LLM, SamplingParams
 from offload.engine.chunk_pace import ChunkPace
 from offload.quant import row_dot
 
-LENGTHS = (3, 5, 90, 40, 7, 33, 2, 64)  # prompt lengths in tokens
-STOPS = (2, 14, 2, 2, 9, 2, 11, 4)  # their answers' lengths: rows free up while others decode
+LENGTHS, STOPS = RIDING_LENGTHS, RIDING_STOPS
 
 
 @pytest.fixture(autouse=True)

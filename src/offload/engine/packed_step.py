@@ -76,14 +76,14 @@ def _row_attention(query, key, value, bounds, rows, scale):
     rows = rows.contiguous()
     scale = dim**-0.5 if scale is None else scale
     for start, end, run in _runs(rows.tolist()):
+        at = (key, value, lo[start:], hi[start:], rows[start:], scale)
         if run:  # (one sequence of end - start queries: [1, heads, tokens, dim])
             part = q[start:end].transpose(0, 1).contiguous()
             done = torch.empty_like(part)
-            _kernel(part, done, 1, end - start, key, value, (lo, hi, rows), start, scale)
+            _kernel(part, done, 1, end - start, heads, *at)
             out[start:end] = done.transpose(0, 1)
-        else:  # (sequences of one query each, their rows' own)
-            part, done = q[start:end], out[start:end]
-            _kernel(part, done, end - start, 1, key, value, (lo, hi, rows), start, scale)
+        else:  # (sequences of one query each, their rows' own: [tokens, heads, 1, dim])
+            _kernel(q[start:end], out[start:end], end - start, 1, heads, *at)
     prompt_attention.record_call(exact=True)
     return out.to(query.dtype)
 
@@ -106,18 +106,16 @@ def _runs(rows: list[int]) -> list[tuple[int, int, bool]]:
     return runs
 
 
-def _kernel(q, out, sequences: int, tokens: int, key, value, columns, first: int, scale):
-    """`rowdot_attention` of `q` [sequences, heads, tokens, dim] (contiguous, in any shape)
-    into `out` (likewise), sequence i reading row `rows[first + i]` (of one row:
-    `rows[first]`), its tokens' columns from `lo` and `hi` (`columns`) at `first`."""
-    lo, hi, rows = columns
+def _kernel(q, out, sequences: int, tokens: int, heads: int, key, value, lo, hi, rows, scale):
+    """`rowdot_attention` of `q` [sequences, heads, tokens, dim] (contiguous) into `out`
+    (likewise): sequence i over row `rows[i]` of `key` and `value`, its tokens' columns
+    [lo, hi) from `lo` and `hi` ([sequences * tokens], from the first)."""
     dim = q.shape[-1]
-    heads = q.numel() // (sequences * tokens * dim)
     failed = row_dot.library().rowdot_attention(
         q.data_ptr(), sequences, heads, tokens, dim, key.data_ptr(), value.data_ptr(),
         prompt_attention.TYPES[value.dtype], *key.stride()[:3], *value.stride()[:3],
-        heads // key.shape[1], lo[first:].data_ptr(), hi[first:].data_ptr(), 1, scale,
-        out.data_ptr(), torch.get_num_threads(), rows[first:].data_ptr(),
+        heads // key.shape[1], lo.data_ptr(), hi.data_ptr(), 1, scale, out.data_ptr(),
+        torch.get_num_threads(), rows.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError(f"no memory for the attention scores of {tokens} tokens")
