@@ -101,29 +101,34 @@ def one_round(url: str, streams: int, prompt_tokens: int, index: int, max_tokens
     }
 
 
-def compiled_steps(url: str) -> float:
-    """The server's `offload:compiled_steps_total` (decode steps a compiled step ran)."""
+def metric(url: str, name: str) -> float:
+    """The server's `name` in `/metrics` (0 where it has none)."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
         text = answer.read().decode()
     for line in text.splitlines():
-        if line.startswith("offload:compiled_steps_total"):
+        if line.startswith(name):
             return float(line.split()[-1])
     return 0.0
 
 
 def warm_up(url: str, max_tokens: int, limit_s: float = 900.0) -> None:
-    """Short rounds until the batches' decode steps run compiled: a first launch compiles
-    them in the background, and meanwhile its steps run eagerly and no chunk rides in
-    them (`mixed_step`), which is not the steady state measured here."""
+    """Short rounds until the batches' decode steps run compiled and no step loads or
+    compiles in the background any more (the packed step's graph, in which prompts ride,
+    comes after them): a first launch compiles them in the background, and meanwhile its
+    steps run eagerly and prompts ride in them eagerly or not at all (`mixed_step`), which
+    is not the steady state measured here."""
     deadline = time.monotonic() + limit_s
     index = 0
     while True:
-        before = compiled_steps(url)
+        before = metric(url, "offload:compiled_steps_total")
         one_round(url, 2, 64, -1 - index, max_tokens)
         index += 1
-        if compiled_steps(url) > before or time.monotonic() > deadline:
+        ran = metric(url, "offload:compiled_steps_total") > before
+        if ran and not metric(url, "offload:step_jobs_pending"):
+            return
+        if time.monotonic() > deadline:
             return
 
 

@@ -44,6 +44,7 @@ def test_a_second_launch_loads_the_kept_steps_and_compiles_nothing(tmp_path, mon
     first = Server(checkpoint, *flags)
     try:
         _ask(first)  # (answered while its steps compile)
+        assert _total(first, "offload:step_jobs_pending") == 1
         steps = cache / "compiled-steps"
         # (one graph for every row count: a lone row runs beside a padding row; and the
         # packed step's, prompts riding in decode steps, where the products are built)
@@ -59,5 +60,6 @@ def test_a_second_launch_loads_the_kept_steps_and_compiles_nothing(tmp_path, mon
         assert ready_s < 15, ready_s
         _until(lambda: (_ask(second), _total(second, "offload:compiled_steps_total"))[1] > 0, 60)
         assert _total(second, "offload:dynamo_graphs_compiled_total") == 0
+        _until(lambda: _total(second, "offload:step_jobs_pending") == 0, 60)  # (all loaded)
     finally:
         second.stop()

@@ -12,6 +12,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
+from offload.engine import step_jobs
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 
 
@@ -84,6 +86,12 @@ class ServerMetrics:
                     "preempted for KV cache room (and recomputed).",
                     lambda scheduler: scheduler.num_preemptions),))
         )  # fmt: skip
+        gauge(
+            "offload:step_jobs_pending",
+            "1 while a compiled step loads or compiles in the background (steps meanwhile "
+            "run eagerly, and prompts ride in them less), else 0.",
+            lambda: float(step_jobs.busy()),
+        )
         gauge(
             "vllm:kv_cache_usage_perc",
             "The part of the KV room the rows hold memory for (1 = full).",
