@@ -249,6 +249,15 @@ def http_status(url: str) -> int | None:
         return None
 
 
+def steps_settled(url: str, limit_s: float = 900.0) -> None:
+    """Wait until no compiled step of the server loads or compiles in the background
+    (`offload:step_jobs_pending` 0; a peer has none): until then steps run eagerly, which is
+    not the steady state a benchmark measures."""
+    deadline = time.monotonic() + limit_s
+    while (scrape(url) or {}).get("offload:step_jobs_pending", 0.0) and time.monotonic() < deadline:
+        time.sleep(1.0)
+
+
 def scrape(url: str) -> dict[str, float] | None:
     """The samples of GET /metrics, each name's values summed over its labels; None where
     the server has no /metrics (a peer)."""

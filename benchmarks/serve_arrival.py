@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
-from serve import SERVED_NAME, default_server, running
+from serve import SERVED_NAME, default_server, running, scrape, steps_settled
 
 TARGET = 3.0
 
@@ -101,18 +101,6 @@ def one_round(url: str, streams: int, prompt_tokens: int, index: int, max_tokens
     }
 
 
-def metric(url: str, name: str) -> float:
-    """The server's `name` in `/metrics` (0 where it has none)."""
-    import urllib.request
-
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as answer:
-        text = answer.read().decode()
-    for line in text.splitlines():
-        if line.startswith(name):
-            return float(line.split()[-1])
-    return 0.0
-
-
 def warm_up(url: str, max_tokens: int, limit_s: float = 900.0) -> None:
     """Short rounds until the batches' decode steps run compiled and no step loads or
     compiles in the background any more (the packed step's graph, in which prompts ride,
@@ -122,12 +110,11 @@ def warm_up(url: str, max_tokens: int, limit_s: float = 900.0) -> None:
     deadline = time.monotonic() + limit_s
     index = 0
     while True:
-        before = metric(url, "offload:compiled_steps_total")
+        before = (scrape(url) or {}).get("offload:compiled_steps_total", 0.0)
         one_round(url, 2, 64, -1 - index, max_tokens)
         index += 1
-        ran = metric(url, "offload:compiled_steps_total") > before
-        if ran and not metric(url, "offload:step_jobs_pending"):
-            return
+        if (scrape(url) or {}).get("offload:compiled_steps_total", 0.0) > before:
+            return steps_settled(url, max(deadline - time.monotonic(), 0.0))
         if time.monotonic() > deadline:
             return
 

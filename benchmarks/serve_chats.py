@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
-from serve import PROMPTS, SERVED_NAME, default_server, running, scrape
+from serve import PROMPTS, SERVED_NAME, default_server, running, scrape, steps_settled
 
 MAX_TOKENS = 24
 TARGETS = {8: ("<=", 1 / 3), 16: (">=", 5.0)}  # N: (how, ratio of wall times / speed-up)
@@ -208,6 +208,7 @@ def main() -> None:
         payload["startup_s"] = server.startup_s
         for prompt in PROMPTS[:2]:  # warm-up
             chat(client(server.url), prompt)
+        steps_settled(server.url)  # (compiled steps loaded or compiled)
         runs = []
         for n in args.concurrency:
             row = bench_concurrency(server.url, n, args.rounds)
