@@ -29,13 +29,14 @@ def test_nothing_measured_gives_the_least():
 
 
 def test_a_turn_s_prompt_tokens_take_about_a_decode_step_for_each_waiting_request():
-    # Steps of 40 ms; forwards whose prompt tokens add 2.5 ms each (160 tokens: 0.4 s more).
-    pace = _measured([0.04] * 5, [(160, 0.04 + 0.4)] * 3)
-    assert pace.budget(1, 99) == 16  # (40 ms of tokens: 16)
-    assert pace.budget(4, 99) == 64
-    # A step twice as long takes twice the tokens (the disk tier: a step is a weight stream).
-    slow = _measured([0.08] * 5, [(160, 0.08 + 0.4)] * 3)
-    assert slow.budget(1, 99) == 32
+    # Steps of 40 ms; forwards whose prompt tokens add 2 ms each (160 tokens: 0.32 s more).
+    # (Budgets between two multiples of the floor: a measured time is a hair off its sleep.)
+    pace = _measured([0.04] * 5, [(160, 0.04 + 0.32)] * 3)
+    assert pace.budget(1, 99) == 16  # (40 ms of tokens: 20, in multiples of 8)
+    assert pace.budget(3, 99) == 56  # (60)
+    # A longer step takes more tokens (the disk tier: a step is a weight stream).
+    slow = _measured([0.07] * 5, [(160, 0.07 + 0.32)] * 3)
+    assert slow.budget(1, 99) == 32  # (35)
     # Never under the floor, always a multiple of it.
     costly = _measured([0.04] * 5, [(16, 0.04 + 0.4)] * 3)
     assert costly.budget(1, 99) == FLOOR
@@ -51,7 +52,7 @@ def test_large_forwards_weigh_most_in_a_token_s_cost():
 
 
 def test_nothing_is_measured_while_a_step_compiles_in_the_background(monkeypatch):
-    pace = _measured([0.04] * 5, [(160, 0.44)] * 3)
+    pace = _measured([0.04] * 5, [(160, 0.36)] * 3)
     monkeypatch.setattr(step_jobs, "busy", lambda: True)
     assert pace.start() is None
     pace.decoded(time.perf_counter() - 5.0)  # (a forward that began before the compile)
@@ -62,14 +63,14 @@ def test_nothing_is_measured_while_a_step_compiles_in_the_background(monkeypatch
 
 @pytest.mark.parametrize("keep", [chunk_pace.KEEP])
 def test_only_the_latest_measurements_count(keep):
-    pace = _measured([1.0] * keep + [0.04] * keep, [(160, 10.0)] * keep + [(160, 0.44)] * keep)
+    pace = _measured([1.0] * keep + [0.04] * keep, [(160, 10.0)] * keep + [(160, 0.36)] * keep)
     assert pace.budget(1, 99) == 16
 
 
 def test_where_as_many_wait_as_rows_decode_prompts_go_whole():
     """A burst (15 chats arriving while one answer decodes) is admitted in one forward:
     its stall falls on fewer streams than it admits."""
-    pace = _measured([0.04] * 5, [(160, 0.44)] * 3)
+    pace = _measured([0.04] * 5, [(160, 0.36)] * 3)
     assert pace.budget(15, 1) is None and pace.budget(8, 8) is None
     assert ChunkPace().budget(1, 1) is None
-    assert pace.budget(1, 8) == 16 and pace.budget(7, 8) == 112
+    assert pace.budget(1, 8) == 16 and pace.budget(7, 8) == 136
