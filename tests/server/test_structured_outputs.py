@@ -180,6 +180,10 @@ def _is(condition, text):
          "response_format must be an object whose type is one of text, json_object, json_schema"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}},
          "response_format", "response_format.json_schema.name must be a string"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}},
+         "response_format", "response_format.json_schema.schema uses uniqueItems at /, which "
+         "xgrammar does not enforce"),
         ({"guided_regex": "(["}, "guided_regex", "guided_regex is not valid: Regex parsing error"),
         ({"guided_choice": "yes"}, "guided_choice", "must be a non-empty list of strings"),
         ({"guided_grammar": "root ::= "}, "guided_grammar", "guided_grammar is not valid: EBNF"),

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from offload.engine.schema_limits import unenforced
 from offload.errors import ConfigError, shown
 
 MISSING = "structured outputs need the xgrammar package: pip install 'offload[structured]'"
@@ -77,6 +78,12 @@ class StructuredOutputsParams:
                 xgr.Grammar.from_ebnf(self.spec)
         except (RuntimeError, ValueError, TypeError) as error:
             raise ConfigError(f"structured_outputs.{self.kind} {why(error)}") from None
+        found = unenforced(json.loads(self.spec)) if self.kind == "json" else None
+        if found is not None:  # (vLLM's xgrammar backend refuses these too)
+            raise ConfigError(
+                f"structured_outputs.json uses {found}, which xgrammar does not enforce "
+                "(the output could break the schema); leave it out"
+            )
 
     @property
     def json_options(self) -> dict[str, Any]:
