@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -142,6 +143,9 @@ def run_serve(model: str, flags: list[str], env: dict[str, str], args, log: Path
         with serve.running(server):
             result["startup_s"], result["rows"] = server.startup_s, server.max_rows
             result["text"] = complete(server.url, args.prompt, args.max_tokens)
+            began = time.monotonic()  # the steady state: no step left compiling behind it
+            serve.steps_settled(server.url, args.timeout_s)
+            result["settle_s"] = time.monotonic() - began
             result["clients"] = [_clients(server.url, n, args) for n in args.clients]
             result["peak_rss_bytes"] = status_bytes(server.process.pid, "VmHWM")
     except Exception as error:  # a server that fails at this size is a finding too
