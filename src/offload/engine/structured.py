@@ -72,8 +72,8 @@ class StructuredOutputsParams:
         try:
             if self.kind == "json":
                 xgr.Grammar.from_json_schema(self.spec, **self.json_options)
-            elif self.kind == "regex":
-                xgr.Grammar.from_regex(self.spec)
+            elif self.kind == "regex":  # (the request's own text: its error positions)
+                xgr.Grammar.from_regex(self.regex)
             elif self.kind in ("choice", "grammar"):
                 xgr.Grammar.from_ebnf(self.spec)
         except (RuntimeError, ValueError, TypeError) as error:
@@ -138,7 +138,32 @@ def _spec_text(kind: str, value: object) -> str:
         raise ConfigError(
             f"structured_outputs.{kind} must be a non-empty string, got {shown(value)}"
         )
-    return value
+    return single_line_dots(value) if kind == "regex" else value
+
+
+def single_line_dots(pattern: str) -> str:
+    """`pattern` with each `.` outside a character class written `[^\\n]`: the dot of
+    Python's `re` (what a client checks an answer with), JavaScript's and most engines'
+    skips a newline; xgrammar's takes one, so an answer could fail `re.fullmatch`."""
+    out, at, first = [], 0, None  # first: where the open class's members begin
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\":
+            out.append(pattern[at : at + 2])  # (an escape: `\\.` is a plain dot)
+            at += 2
+            continue
+        if first is not None:
+            if char == "^" and at == first:
+                first += 1
+            elif char == "]" and at > first:  # (first in a class, `]` is a member)
+                first = None
+        elif char == "[":
+            first = at + 1
+        elif char == ".":
+            char = "[^\\n]"
+        out.append(char)
+        at += 1
+    return "".join(out)
 
 
 def choice_grammar(choices) -> str:

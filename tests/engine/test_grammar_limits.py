@@ -1,14 +1,19 @@
-"""JSON schemas whose constraints xgrammar would not enforce are refused by name; every
-other schema's grammar holds the output to it. Each probe pairs a schema with a value it
+"""Where xgrammar's languages differ from what a client checks an answer with. JSON
+schemas whose constraints xgrammar would not enforce are refused by name; every other
+schema's grammar holds the output to it. Each probe pairs a schema with a value it
 forbids: either `unenforced` names the schema's keyword, or xgrammar's grammar rejects the
-value. Schemas users write (pydantic's shapes, the serving tests') are not refused."""
+value. Schemas users write (pydantic's shapes, the serving tests') are not refused. A
+regular expression's dot skips newlines, as Python's `re` does."""
 
 import json
+import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from offload.engine.schema_limits import unenforced
-from offload.engine.structured import StructuredOutputsParams
+from offload.engine.structured import StructuredOutputsParams, single_line_dots
 from offload.errors import ConfigError
 
 xgr = pytest.importorskip("xgrammar")
@@ -133,3 +138,30 @@ def test_the_refusal_is_one_line_naming_the_keyword_and_where_it_is():
     message = str(error.value)
     assert message.startswith("structured_outputs.json uses uniqueItems at ")
     assert "/properties/user/properties/roles" in message and "\n" not in message
+
+
+PIECES = ["a", "b", ".", "\\.", "\\\\", "[.a]", "[^a]", "[^.]", "[]a]", "[a[]", "(a|.)", "\n"]
+TEXT = st.text(alphabet="ab.\n]\\[", max_size=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(PIECES), st.sampled_from(["", "*", "+", "?"])),
+                min_size=1, max_size=4), st.lists(TEXT, min_size=1, max_size=8))  # fmt: skip
+def test_a_regex_keeps_its_meaning_in_python_and_its_dots_skip_newlines(parts, texts):
+    pattern = "".join(piece + quantifier for piece, quantifier in parts)
+    written = single_line_dots(pattern)
+    try:
+        grammar = xgr.Grammar.from_regex(written)
+    except RuntimeError:
+        grammar = None  # (a class xgrammar does not parse, "[]a]": the request is refused)
+    for text in texts:
+        meant = re.fullmatch(pattern, text) is not None
+        assert (re.fullmatch(written, text) is not None) == meant, (pattern, written, text)
+        if grammar is not None and testing._is_grammar_accept_string(grammar, text):
+            assert meant, (pattern, written, text)  # (what xgrammar lets out, re accepts)
+
+
+def test_without_the_rewrite_xgrammars_dot_takes_a_newline():
+    grammar = xgr.Grammar.from_regex("a.b")  # (why the rewrite: drop it and the test above fails)
+    assert testing._is_grammar_accept_string(grammar, "a\nb") and not re.fullmatch("a.b", "a\nb")
+    assert StructuredOutputsParams(regex="a.b").spec == "a[^\\n]b"
