@@ -36,6 +36,24 @@ def test_a_row_gets_the_same_bits_alone_and_among_any_rows(dtype, shape):
         )
 
 
+@pytest.mark.skipif(not row_dot.bf16_dot(), reason="this CPU has no AVX512-BF16")
+@pytest.mark.parametrize("shape", [(70, 200), (9, 2048)])
+def test_bfloat16_pairs_give_the_widened_kernels_bits(shape):
+    # vdpbf16ps adds a pair's odd product, then its even one, each rounded once: the widened
+    # kernel's two fmas in that order (float32 rows of the same values take it)
+    weight = _weight(shape, torch.bfloat16, seed=5)
+    rows = _weight((max(ROW_COUNTS), shape[1]), torch.bfloat16, seed=6)
+    lib, n, k = row_dot.library(), *shape
+    pairs, widened = torch.empty(len(rows), n), torch.empty(len(rows), n)
+    wide_rows = rows.float().contiguous()
+    assert not lib.rowdot_bf16x(rows.data_ptr(), len(rows), weight.data_ptr(), n, k, k,
+                                pairs.data_ptr(), 2)  # fmt: skip
+    assert not lib.rowdot_bf16(wide_rows.data_ptr(), len(rows), weight.data_ptr(), n, k, k,
+                               widened.data_ptr(), 2)  # fmt: skip
+    assert torch.equal(pairs, widened)
+    assert torch.equal(row_dot.row_linear(rows, weight), pairs.to(torch.bfloat16))
+
+
 def test_the_thread_count_changes_no_bit():
     weight, rows = _weight((257, 96), torch.float32), _weight((9, 96), torch.float32, seed=2)
     threads = torch.get_num_threads()

@@ -73,6 +73,8 @@ def library() -> ctypes.CDLL | None:
     for name in FLOAT_TYPES.values():
         getattr(lib, name).argtypes = [_P, _I, _P, _I, _I, _I, _P, ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int  # (-1: no memory for x's pairs)
+    lib.rowdot_bf16x.argtypes = lib.rowdot_bf16.argtypes
+    lib.rowdot_bf16x.restype = ctypes.c_int
     lib.rowdot_q8.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int]
     lib.rowdot_q8.restype = ctypes.c_int  # (-1: no memory for x's block sums)
     lib.rowdot_attention.argtypes = [_P, *[_I] * 4, _P, _P, ctypes.c_int, *[_I] * 7]
@@ -164,13 +166,23 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return library() is not None
 
 
+def bf16_dot() -> bool:
+    """Whether this CPU's kernels multiply bfloat16 pairs (AVX512-BF16's vdpbf16ps): then
+    bfloat16 rows times bfloat16 weights take `rowdot_bf16x`, the same bits as widening
+    them (subnormals aside) at twice the products a cycle."""
+    lib = library()
+    return lib is not None and bool(lib.rowdot_bf16_dot())
+
+
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """`F.linear(x, weight, bias)` with each output one fixed-order dot product (float32
-    sums, then x's dtype); callers check `fits` first."""
-    rows = _rows(x)
+    sums, then x's dtype); callers check `fits` first. Whether the pairs' instruction is
+    used depends on the dtypes only, so never on the rows beside a row."""
+    pairs = x.dtype is torch.bfloat16 and weight.dtype is torch.bfloat16 and bf16_dot()
+    rows = x.reshape(-1, x.shape[-1]).contiguous() if pairs else _rows(x)
     out = torch.empty(rows.shape[0], weight.shape[0])
     if rows.shape[0]:
-        function = getattr(library(), FLOAT_TYPES[weight.dtype])
+        function = getattr(library(), "rowdot_bf16x" if pairs else FLOAT_TYPES[weight.dtype])
         failed = function(
             rows.data_ptr(),
             rows.shape[0],
