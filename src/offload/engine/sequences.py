@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from offload.engine.detokenize import Window
 from offload.engine.logprobs import Logprob
 from offload.engine.sampling import TokenCounts
 from offload.engine.sampling_params import SamplingParams
@@ -91,6 +92,7 @@ class SequenceState:
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     text: str = ""
+    window: Window | None = None  # where decoding its text stands (`detokenize`)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # Preempted: how many of its tokens a decode step computed as a prefill would (their

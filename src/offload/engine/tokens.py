@@ -7,6 +7,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from offload.engine.detokenize import Detokenizer
 from offload.engine.grammars import mask_logits
 from offload.engine.logprobs import log_softmax, prompt_logprobs, token_logprobs
 from offload.engine.sampling import banned_tokens, find_stop, sample
@@ -20,6 +21,7 @@ class TokenSteps:
     def __init__(self, tokenizer, eos_ids: Collection[int]):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.detokenizer = Detokenizer(tokenizer)
         # What names the checkpoint's tensor that holds nan or inf, where non-finite logits
         # meet it (None: the guard's message as it is); set by whoever loads the model.
         self.damage: Callable[[], str | None] | None = None
@@ -124,6 +126,7 @@ class TokenSteps:
             sequence.finish_reason = "length"
 
     def _detokenize(self, sequence: SequenceState) -> str:
-        return self.tokenizer.decode(
-            sequence.tokens, skip_special_tokens=sequence.params.skip_special_tokens
+        text, sequence.window = self.detokenizer.text(
+            sequence.tokens, sequence.window, sequence.params.skip_special_tokens
         )
+        return text
