@@ -75,6 +75,7 @@ def library() -> ctypes.CDLL | None:
         getattr(lib, name).restype = ctypes.c_int  # (-1: no memory for x's pairs)
     lib.rowdot_bf16x.argtypes = lib.rowdot_bf16.argtypes
     lib.rowdot_bf16x.restype = ctypes.c_int
+    lib.has_bf16_dot = bool(lib.rowdot_bf16_dot())  # (asked once, not at every product)
     lib.rowdot_q8.argtypes = [_P, _I, _P, _P, _P, ctypes.c_int, _I, _I, _I, _P, ctypes.c_int]
     lib.rowdot_q8.restype = ctypes.c_int  # (-1: no memory for x's block sums)
     lib.rowdot_attention.argtypes = [_P, *[_I] * 4, _P, _P, ctypes.c_int, *[_I] * 7]
@@ -171,7 +172,7 @@ def bf16_dot() -> bool:
     bfloat16 rows times bfloat16 weights take `rowdot_bf16x`, the same bits as widening
     them (subnormals aside) at twice the products a cycle."""
     lib = library()
-    return lib is not None and bool(lib.rowdot_bf16_dot())
+    return lib is not None and lib.has_bf16_dot
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
